@@ -1,0 +1,184 @@
+// CUDA FFI handler for jax_fp8_gemm: FP8 x FP8 -> bf16 / f16 / f32 through cuBLASLt, TN layout,
+// f32 accumulation, per-tensor scales read on the device, optional bias in the epilogue.
+//
+// Row-major view: D[M, N] = (a_scale * b_scale) * A[M, K] . B[N, K]^T (+ bias[N]).
+// cuBLASLt is column-major, so it computes D^T[N, M]: its "A" is our B seen as a K x N
+// column-major matrix with op T, its "B" is our A seen as K x M column-major with op N, and
+// D^T is N x M column-major, which is D row-major. The bias runs along cuBLASLt's rows (our N).
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+
+#include "common.h"
+
+namespace jax_fp8 {
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;
+
+#define JF8_LT(call)                                                                \
+  do {                                                                              \
+    const cublasStatus_t s_ = (call);                                               \
+    if (s_ != CUBLAS_STATUS_SUCCESS)                                                \
+      return ffi::Error::Internal(std::string(#call) + " failed: " + std::to_string(int(s_))); \
+  } while (0)
+
+cudaDataType_t lt_type(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F8E4M3FN: return CUDA_R_8F_E4M3;
+    case ffi::DataType::F8E5M2: return CUDA_R_8F_E5M2;
+    case ffi::DataType::BF16: return CUDA_R_16BF;
+    case ffi::DataType::F16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+// One cuBLASLt handle per device and one heuristic choice per problem, found once, outside
+// later executions, so every execution of a given call issues the same device work.
+using AlgoKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, int>;
+
+// Largest power of two (up to 256) dividing every pointer: the heuristic must only offer
+// algorithms valid for the alignment XLA gave these buffers.
+int common_alignment(std::initializer_list<const void*> ptrs) {
+  uintptr_t bits = 256;
+  for (const void* p : ptrs)
+    if (p) bits |= reinterpret_cast<uintptr_t>(p);
+  return static_cast<int>(bits & (~bits + 1));
+}
+struct Cache {
+  std::mutex mu;
+  std::map<int, cublasLtHandle_t> handles;
+  std::map<AlgoKey, cublasLtMatmulAlgo_t> algos;
+};
+Cache& cache() {
+  static Cache* c = new Cache;  // never destroyed: handles outlive static teardown order
+  return *c;
+}
+
+struct Descs {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  ~Descs() {
+    if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (lb) cublasLtMatrixLayoutDestroy(lb);
+    if (la) cublasLtMatrixLayoutDestroy(la);
+    if (op) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                    ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
+                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> d,
+                    ffi::Result<ffi::AnyBuffer> workspace, bool has_bias) {
+  // dtype -> rank -> shape relations -> alignment, as validated first in jax_fp8/ops.py.
+  if (!is_fp8(a.element_type()) || !is_fp8(b.element_type()))
+    return invalid("a and b must be float8_e4m3fn or float8_e5m2");
+  if (a.element_type() == ffi::DataType::F8E5M2 && b.element_type() == ffi::DataType::F8E5M2)
+    return invalid("e5m2 x e5m2 is not supported by cuBLASLt");
+  const auto dt = d->element_type();
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32)
+    return invalid("out must be bfloat16, float16 or float32");
+  if (a.dimensions().size() != 2 || b.dimensions().size() != 2) return invalid("a, b must be 2-D");
+  const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = b.dimensions()[0];
+  if (b.dimensions()[1] != K) return invalid("a [M, K] and b [N, K] must share K");
+  if (K % 16 || N % 16) return invalid("K and N must be multiples of 16");
+  if (has_bias && (bias.element_type() != dt || int64_t(bias.element_count()) != N))
+    return invalid("bias must be [N] in the output dtype");
+  if (workspace->size_bytes() < kWorkspaceBytes) return invalid("workspace too small");
+  if (M == 0) return ffi::Error::Success();
+
+  int dev = 0;
+  cudaGetDevice(&dev);
+  cublasLtHandle_t lt;
+  {
+    std::lock_guard<std::mutex> lock(cache().mu);
+    auto it = cache().handles.find(dev);
+    if (it == cache().handles.end()) {
+      JF8_LT(cublasLtCreate(&lt));
+      cache().handles[dev] = lt;
+    } else {
+      lt = it->second;
+    }
+  }
+
+  Descs ds;
+  JF8_LT(cublasLtMatmulDescCreate(&ds.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
+  JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
+  JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
+  const void* sa = b_scale.typed_data();  // cuBLASLt's A is our b
+  const void* sb = a_scale.typed_data();
+  JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
+  JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  if (has_bias) {
+    const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
+    const void* bp = bias.untyped_data();
+    const cudaDataType_t bt = lt_type(dt);
+    JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
+    JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
+    JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
+  }
+  JF8_LT(cublasLtMatrixLayoutCreate(&ds.la, lt_type(b.element_type()), K, N, K));
+  JF8_LT(cublasLtMatrixLayoutCreate(&ds.lb, lt_type(a.element_type()), K, M, K));
+  JF8_LT(cublasLtMatrixLayoutCreate(&ds.ld, lt_type(dt), N, M, N));
+
+  const int align = common_alignment({a.untyped_data(), b.untyped_data(), d->untyped_data(),
+                                      has_bias ? bias.untyped_data() : nullptr});
+  const AlgoKey key{dev, M, N, K, int(a.element_type()), int(b.element_type()), int(dt), has_bias,
+                    align};
+  cublasLtMatmulAlgo_t algo;
+  {
+    std::lock_guard<std::mutex> lock(cache().mu);
+    auto it = cache().algos.find(key);
+    if (it == cache().algos.end()) {
+      cublasLtMatmulPreference_t pref;
+      JF8_LT(cublasLtMatmulPreferenceCreate(&pref));
+      size_t ws = kWorkspaceBytes;
+      cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
+                                           sizeof(ws));
+      const uint32_t al = static_cast<uint32_t>(align);
+      for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+        cublasLtMatmulPreferenceSetAttribute(pref, attr, &al, sizeof(al));
+      cublasLtMatmulHeuristicResult_t res;
+      int found = 0;
+      const cublasStatus_t st =
+          cublasLtMatmulAlgoGetHeuristic(lt, ds.op, ds.la, ds.lb, ds.ld, ds.ld, pref, 1, &res, &found);
+      cublasLtMatmulPreferenceDestroy(pref);
+      if (st != CUBLAS_STATUS_SUCCESS || found == 0)
+        return ffi::Error::Internal("cuBLASLt found no FP8 algorithm for this GEMM");
+      cache().algos[key] = res.algo;
+      algo = res.algo;
+    } else {
+      algo = it->second;
+    }
+  }
+  const float alpha = 1.0f, beta = 0.0f;
+  JF8_LT(cublasLtMatmul(lt, ds.op, &alpha, b.untyped_data(), ds.la, a.untyped_data(), ds.lb, &beta,
+                        d->untyped_data(), ds.ld, d->untyped_data(), ds.ld, &algo,
+                        workspace->untyped_data(), kWorkspaceBytes, stream));
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmImpl,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                           .Arg<ffi::AnyBuffer>()            // a [M, K] fp8
+                           .Arg<ffi::AnyBuffer>()            // b [N, K] fp8
+                           .Arg<ffi::Buffer<ffi::F32>>()     // a_scale []
+                           .Arg<ffi::Buffer<ffi::F32>>()     // b_scale []
+                           .Arg<ffi::AnyBuffer>()            // bias [N] (or [0] when absent)
+                           .Ret<ffi::AnyBuffer>()            // d [M, N]
+                           .Ret<ffi::AnyBuffer>()            // workspace
+                           .Attr<bool>("has_bias"),
+                       {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_fp8

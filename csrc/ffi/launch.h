@@ -1,0 +1,63 @@
+// Kernel launch with Programmatic Dependent Launch on sm_90+ (programmatic stream
+// serialization; kernels wait with cudaGridDependencySynchronize before reading upstream data).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_fp8 {
+
+struct DeviceInfo {
+  int sm_count = 0;
+  int major = 0;
+};
+
+// Queried once per device (no stream work, so safe inside command-buffer capture).
+inline DeviceInfo device_info() {
+  static std::mutex mu;
+  static DeviceInfo cache[64];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  std::lock_guard<std::mutex> lock(mu);
+  DeviceInfo& d = cache[dev % 64];
+  if (d.sm_count == 0) {
+    cudaDeviceGetAttribute(&d.sm_count, cudaDevAttrMultiProcessorCount, dev);
+    cudaDeviceGetAttribute(&d.major, cudaDevAttrComputeCapabilityMajor, dev);
+  }
+  return d;
+}
+
+// Blocks for a grid-stride kernel: enough to cover n in units of per_block, at most
+// blocks_per_sm resident blocks on every SM, at least one.
+inline int grid_size(size_t n, size_t per_block, int blocks_per_sm) {
+  const size_t want = (n + per_block - 1) / per_block;
+  const size_t cap = size_t(device_info().sm_count) * blocks_per_sm;
+  return static_cast<int>(std::max<size_t>(1, std::min(want, cap)));
+}
+
+template <typename... KArgs, typename... Args>
+void launch_pdl(void (*kernel)(KArgs...), int blocks, int threads, cudaStream_t stream,
+                Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(threads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = device_info().major >= 9 ? 1 : 0;
+  cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+inline xla::ffi::Error last_error() {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return xla::ffi::Error::Internal(cudaGetErrorString(e));
+  return xla::ffi::Error::Success();
+}
+
+}  // namespace jax_fp8

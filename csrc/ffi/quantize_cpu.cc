@@ -1,0 +1,106 @@
+// CPU FFI handlers for jax_fp8_quantize and jax_fp8_quantize_ring: the same numerics as the
+// CUDA kernels (csrc/numerics.h), one thread, written for clarity.
+#include <algorithm>
+#include <cstring>
+
+#include "common.h"
+
+namespace jax_fp8 {
+namespace {
+
+constexpr size_t kMaxHistory = 1024;
+
+float load(const void* x, ffi::DataType t, size_t i) {
+  switch (t) {
+    case ffi::DataType::F32:
+      return static_cast<const float*>(x)[i];
+    case ffi::DataType::BF16:
+      return bits_float(uint32_t(static_cast<const uint16_t*>(x)[i]) << 16);
+    default:
+      return half_to_float(static_cast<const uint16_t*>(x)[i]);
+  }
+}
+
+bool supported_input(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+float amax_of(const ffi::AnyBuffer& x) {
+  uint32_t m = 0;
+  for (size_t i = 0; i < x.element_count(); ++i)
+    m = std::max(m, abs_bits(load(x.untyped_data(), x.element_type(), i)));
+  return bits_float(m);
+}
+
+void quantize_with(const ffi::AnyBuffer& x, float scale, Fp8Format fmt, uint8_t* q) {
+  const float inv = 1.0f / scale;
+  for (size_t i = 0; i < x.element_count(); ++i)
+    q[i] = float_to_fp8(load(x.untyped_data(), x.element_type(), i) * inv, fmt);
+}
+
+ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> q,
+                        ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer>) {
+  if (!supported_input(x.element_type())) return invalid("x must be float32, bfloat16 or float16");
+  if (!is_fp8(q->element_type())) return invalid("q must be float8_e4m3fn or float8_e5m2");
+  if (q->element_count() != x.element_count()) return invalid("q must have x's size");
+  quantize_with(x, scale.typed_data()[0], fp8_format(q->element_type()),
+                static_cast<uint8_t*>(q->untyped_data()));
+  amax->typed_data()[0] = amax_of(x);
+  return ffi::Error::Success();
+}
+
+ffi::Error QuantizeRingImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> history,
+                            ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> steps,
+                            ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                            ffi::Result<ffi::Buffer<ffi::F32>> history_out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> scale_out,
+                            ffi::Result<ffi::Buffer<ffi::F32>> steps_out,
+                            ffi::Result<ffi::AnyBuffer>, int64_t margin,
+                            int64_t algo) {
+  if (!supported_input(x.element_type())) return invalid("x must be float32, bfloat16 or float16");
+  if (!is_fp8(q->element_type())) return invalid("q must be float8_e4m3fn or float8_e5m2");
+  if (q->element_count() != x.element_count()) return invalid("q must have x's size");
+  const size_t len = history.element_count();
+  if (auto e = check_ring_attrs(algo, len, kMaxHistory); e.failure()) return e;
+  const Fp8Format fmt = fp8_format(q->element_type());
+  const float a = amax_of(x);
+  const float s = ring_scale_for_step(scale.typed_data()[0], steps.typed_data()[0], a, fmt,
+                                      static_cast<int>(margin));
+  quantize_with(x, s, fmt, static_cast<uint8_t*>(q->untyped_data()));
+  amax->typed_data()[0] = a;
+  // Copy first in case XLA did not alias (the result is the same either way).
+  std::memmove(history_out->typed_data(), history.typed_data(), len * sizeof(float));
+  scale_out->typed_data()[0] = scale.typed_data()[0];
+  steps_out->typed_data()[0] = steps.typed_data()[0];
+  ring_finalize_serial(a, history_out->typed_data(), static_cast<int>(len), scale_out->typed_data(),
+                       steps_out->typed_data(), fmt, static_cast<int>(margin),
+                       static_cast<AmaxAlgo>(algo));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeCpuHandler, QuantizeImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()          // x
+                           .Arg<ffi::Buffer<ffi::F32>>()   // scale []
+                           .Ret<ffi::AnyBuffer>()          // q
+                           .Ret<ffi::Buffer<ffi::F32>>()   // amax []
+                           .Ret<ffi::AnyBuffer>());        // scratch (used on CUDA only)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizeRingCpuHandler, QuantizeRingImpl,
+                       ffi::Ffi::Bind()
+                           .Arg<ffi::AnyBuffer>()          // x
+                           .Arg<ffi::Buffer<ffi::F32>>()   // history [L]
+                           .Arg<ffi::Buffer<ffi::F32>>()   // scale []
+                           .Arg<ffi::Buffer<ffi::F32>>()   // steps []
+                           .Ret<ffi::AnyBuffer>()          // q
+                           .Ret<ffi::Buffer<ffi::F32>>()   // amax []
+                           .Ret<ffi::Buffer<ffi::F32>>()   // history' (aliased)
+                           .Ret<ffi::Buffer<ffi::F32>>()   // scale' (aliased)
+                           .Ret<ffi::Buffer<ffi::F32>>()   // steps' (aliased)
+                           .Ret<ffi::AnyBuffer>()          // scratch (used on CUDA only)
+                           .Attr<int64_t>("margin")
+                           .Attr<int64_t>("algo"));
+
+}  // namespace jax_fp8

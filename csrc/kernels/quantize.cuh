@@ -1,0 +1,177 @@
+// CUDA kernels for per-tensor FP8 quantization with a fused amax, and the delayed-scaling
+// variant whose last block finalizes the scale ring (no extra launch). Device code only: no
+// XLA or nanobind includes. Launched by csrc/ffi/quantize_cuda.cu.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../numerics.h"
+
+namespace jax_fp8 {
+
+constexpr int kQuantizeThreads = 256;
+constexpr int kElemsPerThread = 16;  // 16 fp8 bytes out per thread: one 16-byte store
+constexpr int kMaxHistory = 1024;
+
+// Scratch words, zeroed by a memset on the stream before the launches.
+struct QuantizeScratch {
+  unsigned amax_bits;        // amax of this pass, as abs_bits
+  unsigned first_amax_bits;  // amax from the pre-pass on a ring's first step
+  unsigned blocks_done;      // last-block detection
+  unsigned pad;
+};
+
+// Delayed-scaling state, aliased in place (see jax_fp8.scaling.ScaleRing).
+struct RingArgs {
+  float* history;  // [len], newest first
+  float* scale;    // []
+  float* steps;    // []
+  int len;
+  int margin;
+  AmaxAlgo algo;
+};
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaGridDependencySynchronize();
+#endif
+}
+
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+}
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+// Block-wide max of ordered bits; the result is valid in thread 0.
+__device__ __forceinline__ unsigned block_max(unsigned v) {
+  __shared__ unsigned warp_max[kQuantizeThreads / 32];
+  for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) warp_max[threadIdx.x >> 5] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = threadIdx.x < kQuantizeThreads / 32 ? warp_max[threadIdx.x] : 0u;
+    for (int o = 16; o; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  }
+  return v;
+}
+
+// Loads 16 consecutive elements as f32 with 16-byte vector loads (the caller guarantees a
+// 16-element-aligned, in-bounds start).
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, float (&v)[kElemsPerThread]) {
+  constexpr int kPerVec = 16 / sizeof(T);
+  const uint4* src = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int j = 0; j < kElemsPerThread / kPerVec; ++j) {
+    uint4 raw = src[j];
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kPerVec; ++k) v[j * kPerVec + k] = to_float(e[k]);
+  }
+}
+
+// Amax over x when the ring is on its first step; otherwise every block returns at once.
+template <typename T>
+__global__ void __launch_bounds__(kQuantizeThreads)
+    first_step_amax_kernel(const T* __restrict__ x, size_t n, const float* steps,
+                           QuantizeScratch* scratch) {
+  pdl_wait();
+  if (*steps != 0.0f) {
+    pdl_trigger();
+    return;
+  }
+  unsigned m = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
+       i += size_t(gridDim.x) * blockDim.x)
+    m = max(m, abs_bits(to_float(x[i])));
+  m = block_max(m);
+  if (threadIdx.x == 0) atomicMax(&scratch->first_amax_bits, m);
+  pdl_trigger();
+}
+
+// The last block of a ring quantize: roll the history, reduce the window, publish the scale.
+// Same result as ring_finalize_serial, spread over the block.
+__device__ void ring_finalize_block(float amax, const RingArgs& ring, Fp8Format fmt) {
+  __shared__ float hist[kMaxHistory];
+  __shared__ unsigned window_bits;
+  if (!(amax <= FLT_MAX)) return;  // NaN or inf: the ring keeps its last finite state
+  unsigned m = 0;
+  for (int i = threadIdx.x; i < ring.len; i += blockDim.x) {
+    const float h = i == 0 ? amax : ring.history[i - 1];
+    hist[i] = h;
+    m = max(m, float_bits(h));  // history entries are finite and >= 0
+  }
+  m = block_max(m);
+  if (threadIdx.x == 0) window_bits = m;
+  __syncthreads();
+  for (int i = threadIdx.x; i < ring.len; i += blockDim.x) ring.history[i] = hist[i];
+  if (threadIdx.x == 0) {
+    const float window = ring.algo == AmaxAlgo::kMostRecent ? amax : bits_float(window_bits);
+    *ring.scale = scale_from_amax(window, *ring.scale, fmt, ring.margin);
+    *ring.steps += 1.0f;
+  }
+}
+
+// q = saturate(rne(x / scale)) with amax fused. Without a ring, `scale` is the given scale.
+// With a ring, the scale is the ring's (or, on its first step, the pre-pass amax's), and the
+// last block to finish finalizes the ring in place.
+template <typename T, bool kRing>
+__global__ void __launch_bounds__(kQuantizeThreads)
+    quantize_kernel(const T* __restrict__ x, size_t n, const float* scale_in, Fp8Format fmt,
+                    uint8_t* __restrict__ q, float* amax_out, QuantizeScratch* scratch,
+                    RingArgs ring) {
+  pdl_wait();
+  float scale = *scale_in;
+  if constexpr (kRing) {
+    scale = ring_scale_for_step(scale, *ring.steps, bits_float(scratch->first_amax_bits), fmt,
+                                ring.margin);
+  }
+  const float inv = 1.0f / scale;
+  unsigned m = 0;
+  const size_t n_vec = n / kElemsPerThread;
+  const size_t stride = size_t(gridDim.x) * blockDim.x;
+  for (size_t v = blockIdx.x * size_t(blockDim.x) + threadIdx.x; v < n_vec; v += stride) {
+    float f[kElemsPerThread];
+    load16(x + v * kElemsPerThread, f);
+    alignas(16) uint8_t out[kElemsPerThread];
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) {
+      m = max(m, abs_bits(f[k]));
+      out[k] = float_to_fp8(f[k] * inv, fmt);
+    }
+    reinterpret_cast<uint4*>(q)[v] = *reinterpret_cast<const uint4*>(out);
+  }
+  for (size_t i = n_vec * kElemsPerThread + blockIdx.x * size_t(blockDim.x) + threadIdx.x;
+       i < n; i += stride) {
+    const float f = to_float(x[i]);
+    m = max(m, abs_bits(f));
+    q[i] = float_to_fp8(f * inv, fmt);
+  }
+  m = block_max(m);
+
+  __shared__ bool is_last;
+  if (threadIdx.x == 0) {
+    atomicMax(&scratch->amax_bits, m);
+    __threadfence();
+    is_last = atomicAdd(&scratch->blocks_done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (is_last) {
+    __threadfence();
+    const float amax = bits_float(atomicMax(&scratch->amax_bits, 0u));
+    if (threadIdx.x == 0) *amax_out = amax;
+    if constexpr (kRing) ring_finalize_block(amax, ring, fmt);
+  }
+  pdl_trigger();
+}
+
+}  // namespace jax_fp8

@@ -1,0 +1,20 @@
+// The CPU extension: exports the CPU FFI handlers. Always built; needs no CUDA.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+extern "C" {
+XLA_FFI_Error* QuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* QuantizeRingCpuHandler(XLA_FFI_CallFrame* call_frame);
+}
+
+NB_MODULE(_jax_fp8_cpu, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_fp8_quantize"] = nb::capsule(reinterpret_cast<void*>(QuantizeCpuHandler));
+    d["jax_fp8_quantize_ring"] = nb::capsule(reinterpret_cast<void*>(QuantizeRingCpuHandler));
+    return d;
+  });
+}

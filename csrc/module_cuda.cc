@@ -1,0 +1,24 @@
+// The CUDA extension: exports the CUDA FFI handlers. Built when nvcc and cuBLASLt are found;
+// cudart is linked statically, cuBLASLt dynamically, so importing it fails cleanly (and
+// jax_fp8 carries on with the CPU targets) where those libraries are missing.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace nb = nanobind;
+
+extern "C" {
+XLA_FFI_Error* QuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* QuantizeRingCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* GemmCudaHandler(XLA_FFI_CallFrame* call_frame);
+}
+
+NB_MODULE(_jax_fp8_cuda, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_fp8_quantize"] = nb::capsule(reinterpret_cast<void*>(QuantizeCudaHandler));
+    d["jax_fp8_quantize_ring"] = nb::capsule(reinterpret_cast<void*>(QuantizeRingCudaHandler));
+    d["jax_fp8_gemm"] = nb::capsule(reinterpret_cast<void*>(GemmCudaHandler));
+    return d;
+  });
+}

@@ -1,0 +1,135 @@
+// Numerics shared by the CPU handlers and the CUDA kernels, so both produce the same bits.
+//
+// Conventions (see jax_fp8/scaling.py): `scale` is the dequantization step, x ~= q * scale,
+// q = saturate(round_nearest_even(x * (1 / scale))). Casts saturate to the format's largest
+// finite value (+-inf -> +-max); NaN maps to the canonical NaN 0x7F of either format.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define JF8_HD __host__ __device__ __forceinline__
+#include <cuda_fp8.h>
+#else
+#define JF8_HD inline
+#endif
+
+namespace jax_fp8 {
+
+enum class Fp8Format : int { kE4M3 = 0, kE5M2 = 1 };
+
+// Largest finite value: e4m3fn 448 (no inf), e5m2 57344.
+JF8_HD float fp8_max(Fp8Format f) { return f == Fp8Format::kE4M3 ? 448.0f : 57344.0f; }
+
+JF8_HD uint32_t float_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+#endif
+}
+
+JF8_HD float bits_float(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+#endif
+}
+
+// |x| as ordered bits: unsigned comparison of these orders finite values, then +inf, then NaN,
+// so a max over them is a NaN-propagating amax (as jnp.max(jnp.abs(x)) is).
+JF8_HD uint32_t abs_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
+
+// IEEE half -> f32, exact (host side; device code uses __half2float).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  if (exp == 0x1F) return bits_float(sign | 0x7F800000u | (man << 13));  // inf / NaN
+  if (exp != 0) return bits_float(sign | ((exp + 112u) << 23) | (man << 13));
+  const float mag = std::ldexp(static_cast<float>(man), -24);  // zero or subnormal
+  return sign ? -mag : mag;
+}
+
+// Host conversion f32 -> fp8 with round-to-nearest-even and saturation, written out bit by bit
+// so it matches the hardware's cvt.rn.satfinite (checked byte for byte by the tests).
+inline uint8_t float_to_fp8_host(float x, Fp8Format f) {
+  const int mbits = f == Fp8Format::kE4M3 ? 3 : 2;
+  const int bias = f == Fp8Format::kE4M3 ? 7 : 15;
+  const uint8_t max_bits = f == Fp8Format::kE4M3 ? 0x7E : 0x7B;
+  const uint32_t b = float_bits(x);
+  const uint8_t sign = static_cast<uint8_t>((b >> 24) & 0x80u);
+  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return 0x7F;  // canonical NaN
+  const float a = bits_float(b & 0x7FFFFFFFu);
+  if (a >= fp8_max(f)) return sign | max_bits;  // saturate, inf included
+  const float min_normal = std::ldexp(1.0f, 1 - bias);
+  if (a < min_normal) {
+    // Subnormal (or zero): count steps of 2^(1 - bias - mbits); the scaling by a power of
+    // two is exact and nearbyint rounds half to even. A count of 2^mbits is the smallest
+    // normal, whose encoding is that same integer.
+    const float steps = std::nearbyint(std::ldexp(a, bias - 1 + mbits));
+    return sign | static_cast<uint8_t>(steps);
+  }
+  // Normal: round the f32 mantissa to mbits, half to even; a carry moves into the exponent.
+  const int shift = 23 - mbits;
+  uint32_t ab = b & 0x7FFFFFFFu;
+  ab += ((1u << (shift - 1)) - 1u) + ((ab >> shift) & 1u);
+  const uint32_t r = (ab >> shift) - (static_cast<uint32_t>(127 - bias) << mbits);
+  return sign | static_cast<uint8_t>(r > max_bits ? max_bits : r);
+}
+
+JF8_HD uint8_t float_to_fp8(float x, Fp8Format f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, f == Fp8Format::kE4M3 ? __NV_E4M3 : __NV_E5M2);
+#elif defined(__CUDA_ARCH__)
+  static_assert(__CUDA_ARCH__ >= 890, "jax_fp8 kernels need sm_89 or newer");
+  return 0;
+#else
+  return float_to_fp8_host(x, f);
+#endif
+}
+
+// Scale (dequantization step) that maps `amax` onto the format's largest value with 2^margin
+// of headroom: (amax / fmt_max) * 2^margin, clamped to [FLT_MIN, FLT_MAX] so that it and its
+// reciprocal stay finite and positive. An amax that is 0 or not finite carries no information:
+// the previous scale is kept. Mirrors jax_fp8.scaling.scale_from_amax.
+JF8_HD float scale_from_amax(float amax, float prev_scale, Fp8Format f, int margin) {
+  if (!(amax > 0.0f) || !(amax <= FLT_MAX)) return prev_scale;
+  const float s = (amax / fp8_max(f)) * ldexpf(1.0f, margin);
+  return fminf(fmaxf(s, FLT_MIN), FLT_MAX);
+}
+
+// Scale used by a delayed-scaling quantize this step: the ring's scale, except on the ring's
+// first step (no history yet), where the current amax gives it (current scaling).
+JF8_HD float ring_scale_for_step(float ring_scale, float steps, float current_amax, Fp8Format f,
+                                 int margin) {
+  return steps == 0.0f ? scale_from_amax(current_amax, ring_scale, f, margin) : ring_scale;
+}
+
+enum class AmaxAlgo : int { kMax = 0, kMostRecent = 1 };
+
+// Ring finalize on one thread: push `amax` at the front of history[len] (newest first), reduce
+// the window, publish the next scale, count the step. A non-finite amax leaves the ring as it
+// was. Mirrors jax_fp8.scaling.next_ring.
+JF8_HD void ring_finalize_serial(float amax, float* history, int len, float* scale, float* steps,
+                                 Fp8Format f, int margin, AmaxAlgo algo) {
+  if (!(amax <= FLT_MAX)) return;  // NaN or inf: keep the last finite state
+  float window = amax;
+  for (int i = len - 1; i > 0; --i) {
+    history[i] = history[i - 1];
+    window = fmaxf(window, history[i]);
+  }
+  history[0] = amax;
+  if (algo == AmaxAlgo::kMostRecent) window = amax;
+  *scale = scale_from_amax(window, *scale, f, margin);
+  *steps += 1.0f;
+}
+
+}  // namespace jax_fp8

@@ -1,0 +1,14 @@
+"""jax_fp8: FP8 training for JAX (XLA FFI kernels, delayed scaling, Flax layers)."""
+
+from . import reference
+from ._ffi import cuda_available
+from .linear import LinearState, linear
+from .ops import dequantize, gemm, quantize, quantize_delayed
+from .scaling import (DelayedScaling, ScaleRing, combine_updates, fp8_dtype, fp8_max, share,
+                      update_state)
+
+__all__ = [
+    "DelayedScaling", "LinearState", "ScaleRing", "combine_updates", "cuda_available",
+    "dequantize", "fp8_dtype", "fp8_max", "gemm", "linear", "quantize", "quantize_delayed",
+    "reference", "share", "update_state",
+]

@@ -1,0 +1,52 @@
+"""Flax (linen) layers backed by jax_fp8.linear."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from .linear import LinearState, linear
+from .scaling import DelayedScaling
+
+STATE_COLLECTION = "fp8_state"
+
+
+class Dense(nn.Module):
+  """Drop-in for ``flax.linen.Dense`` whose matmuls run in FP8 (``jax_fp8.linear``).
+
+  Same parameters as ``nn.Dense`` ("kernel" [K, N], "bias" [N]) with the same default
+  initializers; the layer's scale rings live in the "fp8_state" variable collection as a
+  ``LinearState`` named "linear". Pass that collection to ``apply`` and differentiate with
+  respect to it: its gradient is its next value (``jax_fp8.update_state``).
+
+  Attributes:
+    features: N, a multiple of 16.
+    use_bias, dtype, param_dtype, kernel_init, bias_init: as in ``nn.Dense``.
+    recipe: the ``DelayedScaling`` recipe.
+    amax_axis_name: replica axis for amax reduction under pmap / shard_map (optional).
+
+  Input ``[..., K]`` with K a multiple of 16; output ``[..., N]``.
+  """
+
+  features: int
+  use_bias: bool = True
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.lecun_normal()
+  bias_init: Callable = nn.initializers.zeros_init()
+  recipe: DelayedScaling = DelayedScaling()
+  amax_axis_name: str | None = None
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features),
+                        self.param_dtype)
+    bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+            if self.use_bias else None)
+    state = self.variable(STATE_COLLECTION, "linear", LinearState.create, self.recipe)
+    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+    return linear(inputs, kernel, bias, state=state.value, recipe=self.recipe,
+                  amax_axis_name=self.amax_axis_name)

@@ -1,0 +1,134 @@
+"""The FP8 linear layer: a custom_vjp whose forward and backward run FP8 GEMMs.
+
+Forward: x and kernel are quantized to E4M3 with their delayed-scaling rings, then one FP8
+GEMM with the bias in its epilogue. Backward: the gradient is quantized once (E5M2 under the
+HYBRID recipe) and feeds both dgrad (``dx = g @ kernel.T``) and wgrad (``dkernel = x.T @ g``)
+as FP8 GEMMs; dbias is the f32 column sum of g. Only FP8 copies of x and kernel are saved.
+
+The rings' next values leave the step as the gradient with respect to the state (see
+``jax_fp8.scaling.update_state``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import ops
+from .scaling import DelayedScaling, ScaleRing, next_ring, scale_for_step
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "kernel", "grad"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LinearState:
+  """The three scale rings of one linear layer: input x, kernel, and output gradient."""
+
+  x: ScaleRing
+  kernel: ScaleRing
+  grad: ScaleRing
+
+  @classmethod
+  def create(cls, recipe: DelayedScaling = DelayedScaling()) -> "LinearState":
+    return cls(recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.fwd_fmt),
+               recipe.ring(recipe.bwd_fmt))
+
+
+def _gemm_dtype(dtype):
+  """cuBLASLt writes bf16 / f16 directly; f32 inputs get an f32 GEMM output."""
+  return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+
+
+def _quantize(v, ring, axis_name):
+  """Delayed-scaling quantize; with an axis name, the ring records the amax max-reduced over
+  the replicas, so every replica ends the step with the same ring."""
+  q, amax, nxt = ops.quantize_delayed(v, ring)
+  scale = scale_for_step(ring, amax)  # what the kernel used
+  if axis_name is not None:
+    nxt = next_ring(ring, jax.lax.pmax(amax, axis_name))
+  return q, scale, nxt
+
+
+def _pad_rows(a, multiple=16):
+  pad = -a.shape[0] % multiple
+  return a if pad == 0 else jnp.pad(a, ((0, pad), (0, 0)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _linear(x, kernel, bias, state, axis_name, dtypes):
+  return _linear_fwd(x, kernel, bias, state, axis_name, dtypes)[0]
+
+
+def _linear_fwd(x, kernel, bias, state, axis_name, dtypes):
+  del dtypes  # the backward's output dtypes (x, kernel, bias), static
+  qx, sx, rx = _quantize(x, state.x, axis_name)  # [M, K] e4m3
+  qk, sk, rk = _quantize(kernel, state.kernel, axis_name)  # [K, N] e4m3
+  out = _gemm_dtype(x.dtype)
+  fused_bias = bias is not None and out != jnp.float32
+  y = ops.gemm(qx, qk.T, sx, sk, bias=bias.astype(out) if fused_bias else None, out_dtype=out)
+  if bias is not None and not fused_bias:
+    y = y + bias.astype(out)
+  return y.astype(x.dtype), (qx, sx, qk, sk, state.grad, rx, rk)
+
+
+def _linear_bwd(axis_name, dtypes, res, g):
+  qx, sx, qk, sk, grad_ring, rx, rk = res
+  x_dtype, k_dtype, b_dtype = dtypes
+  qg, sg, rg = _quantize(g, grad_ring, axis_name)  # [M, N], one quantization for both GEMMs
+  dx = ops.gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype))  # dgrad [M, K]
+  dk = ops.gemm(_pad_rows(qx).T, _pad_rows(qg).T, sx, sg, out_dtype=_gemm_dtype(k_dtype))  # wgrad
+  db = None if b_dtype is None else jnp.sum(g, axis=0, dtype=jnp.float32).astype(b_dtype)
+  return dx.astype(x_dtype), dk.astype(k_dtype), db, LinearState(rx, rk, rg)
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+           state: LinearState, recipe: DelayedScaling = DelayedScaling(),
+           amax_axis_name: str | None = None) -> jax.Array:
+  """``y = x @ kernel + bias`` with FP8 GEMMs forward and backward (delayed scaling).
+
+  Args:
+    x: [..., K] float32 / bfloat16 / float16.
+    kernel: [K, N] (Flax layout), float32 / bfloat16 / float16.
+    bias: optional [N].
+    state: the layer's ``LinearState`` (create with ``LinearState.create(recipe)``). Its
+      gradient is its next value: pass it through ``jax.grad`` and call
+      ``jax_fp8.update_state``.
+    recipe: a ``DelayedScaling``; its formats must match the state's rings.
+    amax_axis_name: under ``pmap`` / ``shard_map``, the axis whose replicas share the scales;
+      amaxes are max-reduced over it so all replicas hold identical rings.
+  Returns:
+    [..., N] in x's dtype.
+  Raises:
+    ValueError / TypeError at trace time: K or N not a multiple of 16, mismatched shapes,
+    unsupported dtypes, rings whose formats do not match the recipe.
+
+  Method: per-tensor delayed scaling with the HYBRID format (Micikevicius et al. 2022;
+  NVIDIA TransformerEngine).
+  """
+  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  if kernel.ndim != 2:
+    raise ValueError(f"kernel must be [K, N], got shape {kernel.shape}")
+  if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+    raise ValueError(f"x [..., K] and kernel [K, N] must share K, got x {x.shape} and kernel "
+                     f"{kernel.shape}")
+  k, n = kernel.shape
+  if k % 16 or n % 16:
+    raise ValueError(f"K and N must be multiples of 16 for the FP8 GEMMs, got K={k}, N={n}")
+  if bias is not None and jnp.shape(bias) != (n,):
+    raise ValueError(f"bias must be [{n}], got shape {jnp.shape(bias)}")
+  if not isinstance(state, LinearState):
+    raise TypeError(f"state must be a jax_fp8.LinearState, got {type(state).__name__}")
+  want = (recipe.fwd_fmt, recipe.fwd_fmt, recipe.bwd_fmt)
+  have = (state.x.fmt, state.kernel.fmt, state.grad.fmt)
+  if want != have:
+    raise ValueError(f"state ring formats (x, kernel, grad) = {have} do not match the recipe's "
+                     f"{want}")
+  dtypes = (x.dtype, kernel.dtype, None if bias is None else jnp.asarray(bias).dtype)
+  y = _linear(x.reshape(-1, k), kernel, bias, state, amax_axis_name, dtypes)
+  return y.reshape(*x.shape[:-1], n)

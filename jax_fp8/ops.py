@@ -1,0 +1,193 @@
+"""Stateless FP8 primitives: validate, shape the results, call the FFI target.
+
+Each op has a plain-jnp twin of the same name in ``jax_fp8.reference`` (the spec and test
+oracle). CUDA kernels: ``csrc/kernels``; FFI handlers: ``csrc/ffi``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi  # registers the FFI targets
+from .scaling import MAX_HISTORY, ScaleRing, fp8_dtype
+
+_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_OUT_DTYPES = _INPUT_DTYPES
+_SCRATCH = jax.ShapeDtypeStruct((4,), jnp.uint32)  # QuantizeScratch in csrc/kernels/quantize.cuh
+_GEMM_WORKSPACE = jax.ShapeDtypeStruct((32 << 20,), jnp.uint8)  # cuBLASLt workspace
+_ALGO_ID = {"max": 0, "most_recent": 1}
+
+
+def _check_input(x, name="x"):
+  x = jnp.asarray(x)
+  if x.dtype not in _INPUT_DTYPES:
+    raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+  return x
+
+
+def _check_scalar_f32(v, name):
+  v = jnp.asarray(v)
+  if v.shape != () or v.dtype != jnp.float32:
+    raise TypeError(f"{name} must be a float32 scalar, got {v.dtype}{list(v.shape)}")
+  return v
+
+
+def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
+  """Per-tensor FP8 quantization with the amax fused in the same pass.
+
+  ``q = saturate(round_nearest_even(x * (1 / scale)))``: values beyond the format's maximum
+  (and +-inf) saturate to +-max, NaN stays NaN (canonical 0x7F).
+
+  Args:
+    x: any shape, float32 / bfloat16 / float16.
+    scale: float32 scalar, the dequantization step (``x ~= q * scale``), > 0.
+    fmt: "e4m3" (float8_e4m3fn, max 448) or "e5m2" (float8_e5m2, max 57344).
+  Returns:
+    ``(q, amax)``: q has x's shape in the FP8 dtype; amax is f32 [] = max |x| (NaN if x has
+    a NaN).
+  Raises:
+    TypeError / ValueError at trace time for a wrong dtype, a non-scalar scale or an unknown
+    format.
+  """
+  x = _check_input(x)
+  scale = _check_scalar_f32(scale, "scale")
+  qdt = fp8_dtype(fmt)
+  q, amax, _ = jax.ffi.ffi_call(
+      "jax_fp8_quantize",
+      (jax.ShapeDtypeStruct(x.shape, qdt), jax.ShapeDtypeStruct((), jnp.float32), _SCRATCH),
+      vmap_method="sequential",
+  )(x, scale)
+  return q, amax
+
+
+def quantize_delayed(x: jax.Array, ring: ScaleRing) -> tuple[jax.Array, jax.Array, ScaleRing]:
+  """Delayed-scaling quantize: quantize with the ring's scale and finalize the ring in the
+  same kernel (its last block records the amax and publishes the next scale; no extra launch).
+
+  On a fresh ring (``steps == 0``) the scale comes from the current amax instead. The ring
+  buffers are updated in place (``input_output_aliases``); donate them in jit to avoid a copy.
+
+  Args:
+    x: any shape, float32 / bfloat16 / float16.
+    ring: a ``ScaleRing``; its ``fmt`` is the output format.
+  Returns:
+    ``(q, amax, next_ring)``, with ``next_ring == jax_fp8.scaling.next_ring(ring, amax)``.
+  """
+  x = _check_input(x)
+  if not isinstance(ring, ScaleRing):
+    raise TypeError(f"ring must be a jax_fp8.ScaleRing, got {type(ring).__name__}")
+  hist = jnp.asarray(ring.amax_history)
+  if hist.ndim != 1 or not 1 <= hist.shape[0] <= MAX_HISTORY or hist.dtype != jnp.float32:
+    raise ValueError(f"ring.amax_history must be float32 [L] with 1 <= L <= {MAX_HISTORY}, "
+                     f"got {hist.dtype}{list(hist.shape)}")
+  scale = _check_scalar_f32(ring.scale, "ring.scale")
+  steps = _check_scalar_f32(ring.steps, "ring.steps")
+  qdt = fp8_dtype(ring.fmt)
+  f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  q, amax, hist, scale, steps, _ = jax.ffi.ffi_call(
+      "jax_fp8_quantize_ring",
+      (jax.ShapeDtypeStruct(x.shape, qdt), f32(()), f32(hist.shape), f32(()), f32(()), _SCRATCH),
+      input_output_aliases={1: 2, 2: 3, 3: 4},
+      vmap_method="sequential",
+  )(x, hist, scale, steps, margin=np.int64(ring.margin), algo=np.int64(_ALGO_ID[ring.algo]))
+  return q, amax, dataclasses.replace(ring, amax_history=hist, scale=scale, steps=steps)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+  """``q * scale`` in ``dtype``. Plain XLA on purpose: it fuses into its consumer, so it costs
+  no pass of its own (an FFI kernel could not fuse).
+
+  Args:
+    q: FP8 array (float8_e4m3fn or float8_e5m2), any shape.
+    scale: float32 scalar.
+    dtype: output dtype (float32 / bfloat16 / float16).
+  """
+  q = jnp.asarray(q)
+  if q.dtype not in FP8_DTYPES:
+    raise TypeError(f"q must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
+  scale = _check_scalar_f32(scale, "scale")
+  if jnp.dtype(dtype) not in _OUT_DTYPES:
+    raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+  return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype):
+  a, b = jnp.asarray(a), jnp.asarray(b)
+  for name, v in (("a", a), ("b", b)):
+    if v.dtype not in FP8_DTYPES:
+      raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2, got {v.dtype}")
+    if v.ndim != 2:
+      raise ValueError(f"{name} must be 2-D, got shape {v.shape}")
+  if a.dtype == b.dtype == jnp.float8_e5m2:
+    raise TypeError("e5m2 x e5m2 GEMMs are not supported (cuBLASLt has none); use e4m3 for "
+                    "one operand")
+  if a.shape[1] != b.shape[1]:
+    raise ValueError(f"a [M, K] and b [N, K] must share K (TN layout), got a {a.shape} and "
+                     f"b {b.shape}")
+  k, n = a.shape[1], b.shape[0]
+  if k % 16 or n % 16:
+    raise ValueError(f"K and N must be multiples of 16 (cuBLASLt FP8 alignment), got K={k}, "
+                     f"N={n}; pad the operands")
+  a_scale = _check_scalar_f32(a_scale, "a_scale")
+  b_scale = _check_scalar_f32(b_scale, "b_scale")
+  out_dtype = jnp.dtype(out_dtype)
+  if out_dtype not in _OUT_DTYPES:
+    raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if out_dtype == jnp.float32:
+      raise TypeError("a fused bias needs out_dtype bfloat16 or float16 (cuBLASLt's FP8 "
+                      "epilogue); add an f32 bias after the GEMM")
+    if bias.shape != (n,) or bias.dtype != out_dtype:
+      raise ValueError(f"bias must be [{n}] {out_dtype}, got {bias.dtype}{list(bias.shape)}")
+  return a, b, a_scale, b_scale, bias, out_dtype
+
+
+def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
+         bias: jax.Array | None = None, out_dtype=jnp.bfloat16) -> jax.Array:
+  """FP8 GEMM in TN layout with f32 accumulation: ``(a_scale * b_scale) * a @ b.T + bias``.
+
+  CUDA: cuBLASLt (scales read on the device, bias in the epilogue, heuristic algorithm chosen
+  once per shape). CPU: XLA's f32 dot on the upcast operands (exact products, f32 sums).
+
+  Args:
+    a: [M, K] float8_e4m3fn or float8_e5m2.
+    b: [N, K] float8_e4m3fn or float8_e5m2 (not both e5m2).
+    a_scale, b_scale: float32 scalars, the operands' dequantization steps.
+    bias: optional [N] in ``out_dtype`` (bfloat16 or float16 only).
+    out_dtype: bfloat16 (default), float16 or float32.
+  Returns:
+    [M, N] in ``out_dtype``.
+  Raises:
+    TypeError / ValueError at trace time: wrong dtypes, ranks, K mismatch, K or N not a
+    multiple of 16, a bias with f32 output or of the wrong shape.
+  """
+  a, b, a_scale, b_scale, bias, out_dtype = _check_gemm(a, b, a_scale, b_scale, bias, out_dtype)
+  m, n = a.shape[0], b.shape[0]
+
+  def on_cuda(a, b, a_scale, b_scale, *bias):
+    bias_arg = bias[0] if bias else jnp.zeros((0,), out_dtype)
+    d, _ = jax.ffi.ffi_call(
+        "jax_fp8_gemm",
+        (jax.ShapeDtypeStruct((m, n), out_dtype), _GEMM_WORKSPACE),
+        vmap_method="sequential",
+    )(a, b, a_scale, b_scale, bias_arg, has_bias=bool(bias))
+    return d
+
+  def on_cpu(a, b, a_scale, b_scale, *bias):
+    acc = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
+                              (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    d = acc * (a_scale * b_scale)
+    if bias:
+      d = d + bias[0].astype(jnp.float32)
+    return d.astype(out_dtype)
+
+  args = (a, b, a_scale, b_scale) + ((bias,) if bias is not None else ())
+  return jax.lax.platform_dependent(*args, cuda=on_cuda, default=on_cpu)

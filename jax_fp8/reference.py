@@ -1,0 +1,68 @@
+"""Plain-jnp twins of every jax_fp8 op: the specification and the test oracle.
+
+Same signatures as the fast ops; unfused and written to be read. Quantize results must match
+the CUDA and CPU kernels bit for bit; GEMM and linear results within stated tolerances.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .scaling import ScaleRing, fp8_dtype, fp8_max, next_ring, scale_for_step
+
+_CANONICAL_NAN = 0x7F  # what the hardware's cvt.rn.satfinite writes for any NaN
+
+
+def amax(x: jax.Array) -> jax.Array:
+  """max |x| in f32 (NaN if x holds a NaN), f32 []."""
+  return jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)
+
+
+def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
+  """``q = saturate(rne(x * (1 / scale)))``, amax = max |x|. ml_dtypes' cast does not saturate,
+  so clip first; NaN becomes the canonical NaN byte 0x7F."""
+  dt = fp8_dtype(fmt)
+  fmax = fp8_max(fmt)
+  y = x.astype(jnp.float32) * (1.0 / jnp.asarray(scale, jnp.float32))
+  q = jnp.clip(y, -fmax, fmax).astype(dt)
+  nan = jax.lax.bitcast_convert_type(jnp.uint8(_CANONICAL_NAN), dt)
+  q = jnp.where(jnp.isnan(y), nan, q)
+  return q, amax(x)
+
+
+def quantize_delayed(x: jax.Array, ring: ScaleRing) -> tuple[jax.Array, jax.Array, ScaleRing]:
+  """Quantize with the ring's scale (current scaling on a fresh ring), then record the amax."""
+  a = amax(x)
+  q, _ = quantize(x, scale_for_step(ring, a), ring.fmt)
+  return q, a, next_ring(ring, a)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
+  """``q * scale`` computed in f32, cast to ``dtype``."""
+  return (q.astype(jnp.float32) * scale).astype(dtype)
+
+
+def gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16) -> jax.Array:
+  """``(a_scale * b_scale) * a @ b.T + bias`` with f32 products and sums; a [M, K], b [N, K]."""
+  acc = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32).T,
+                   precision=jax.lax.Precision.HIGHEST)  # [M, N]
+  d = acc * (a_scale * b_scale)
+  if bias is not None:
+    d = d + bias.astype(jnp.float32)
+  return d.astype(out_dtype)
+
+
+def linear(x, kernel, bias=None, *, state, recipe=None) -> jax.Array:
+  """The FP8 linear's forward, unfused: quantize x and kernel with their rings (E4M3), GEMM in
+  f32, add the bias. ``x [..., K]``, ``kernel [K, N]``, returns ``[..., N]`` in x's dtype."""
+  del recipe
+  x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+  qx, _, _ = quantize_delayed(x2, state.x)
+  qk, _, _ = quantize_delayed(kernel, state.kernel)  # [K, N]
+  sx = scale_for_step(state.x, amax(x2))
+  sk = scale_for_step(state.kernel, amax(kernel))
+  y = gemm(qx, qk.T, sx, sk, out_dtype=jnp.float32)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(x.dtype).reshape(*x.shape[:-1], kernel.shape[-1])

@@ -1,0 +1,226 @@
+"""Scaling policy: FP8 formats, the scale ring for delayed scaling, and recipes.
+
+Convention used everywhere in jax_fp8: **scale is the dequantization step**,
+``x ~= q * scale`` with ``q = saturate(round_nearest_even(x * (1 / scale)))`` (as in
+``jax.nn.scaled_matmul`` and DeepGEMM). No API takes a ``scale_inv``.
+
+Delayed scaling (Micikevicius et al., "FP8 Formats for Deep Learning", 2022; the recipe of
+NVIDIA TransformerEngine): the scale used at step t comes from the amax history up to step
+t - 1. This module is pure and is the only authority on how a scale follows from an amax;
+``csrc/numerics.h`` mirrors it bit for bit for the fused CUDA and CPU ring finalize.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Fmt = Literal["e4m3", "e5m2"]
+FORMATS: dict[str, jnp.dtype] = {
+    "e4m3": jnp.dtype(jnp.float8_e4m3fn),
+    "e5m2": jnp.dtype(jnp.float8_e5m2),
+}
+ALGOS = ("max", "most_recent")
+MAX_HISTORY = 1024  # one CUDA block finalizes the ring
+
+
+def fp8_dtype(fmt: str) -> jnp.dtype:
+  """The JAX dtype of an FP8 format name: "e4m3" -> float8_e4m3fn, "e5m2" -> float8_e5m2."""
+  if fmt not in FORMATS:
+    raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+  return FORMATS[fmt]
+
+
+def fp8_max(fmt: str) -> float:
+  """Largest finite value of the format (448 for e4m3, 57344 for e5m2), from the dtype."""
+  return float(jnp.finfo(fp8_dtype(fmt)).max)
+
+
+def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt: str, margin: int) -> jax.Array:
+  """Scale that maps ``amax`` onto the format's maximum with ``2**margin`` of headroom.
+
+  ``scale = (amax / fmt_max) * 2**margin``, clamped to ``[FLT_MIN, FLT_MAX]`` so that the scale
+  and its reciprocal are finite and positive. An amax of 0 (all-zero tensor) or a non-finite
+  amax carries no information: ``prev_scale`` is returned.
+
+  Args:
+    amax: f32 scalar, max |x| (>= 0 or NaN).
+    prev_scale: f32 scalar, the scale to keep when amax is 0 or not finite.
+    fmt: "e4m3" or "e5m2".
+    margin: integer power-of-two headroom (TransformerEngine's ``margin``).
+  Returns:
+    f32 scalar.
+  """
+  amax = jnp.asarray(amax, jnp.float32)
+  s = (amax / np.float32(fp8_max(fmt))) * np.float32(2.0**margin)
+  s = jnp.clip(s, np.finfo(np.float32).tiny, np.finfo(np.float32).max)
+  informative = (amax > 0) & jnp.isfinite(amax)
+  return jnp.where(informative, s, jnp.asarray(prev_scale, jnp.float32))
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["amax_history", "scale", "steps"],
+    meta_fields=["fmt", "margin", "algo"],
+)
+@dataclasses.dataclass(frozen=True)
+class ScaleRing:
+  """Delayed-scaling state of one tensor: a pytree, jit-safe and checkpointable.
+
+  Attributes:
+    amax_history: f32 [L], newest amax first; zeros before any step.
+    scale: f32 [], the scale (dequantization step) the next quantize will use.
+    steps: f32 [], how many steps have been recorded (0 = fresh: the first quantize uses the
+      current amax instead of the history; kept as f32 so the ring can travel as a gradient).
+    fmt, margin, algo: static; the format, the power-of-two headroom, and how the window is
+      reduced ("max" over the history or "most_recent").
+
+  Non-finite amax policy: a step whose amax is NaN or inf leaves the ring unchanged (the
+  quantized output still shows the NaN / saturates the inf), so the state is never poisoned.
+  """
+
+  amax_history: jax.Array
+  scale: jax.Array
+  steps: jax.Array
+  fmt: str = "e4m3"
+  margin: int = 0
+  algo: str = "max"
+
+  @classmethod
+  def create(cls, history_len: int = 16, fmt: str = "e4m3", margin: int = 0,
+             algo: str = "max") -> "ScaleRing":
+    """A fresh ring: zero history, scale 1 (unused: step 0 scales from the current amax)."""
+    fp8_dtype(fmt)
+    if not 1 <= history_len <= MAX_HISTORY:
+      raise ValueError(f"history_len must be in [1, {MAX_HISTORY}], got {history_len}")
+    if algo not in ALGOS:
+      raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+    if not isinstance(margin, (int, np.integer)):
+      raise TypeError(f"margin must be an int (a power-of-two exponent), got {margin!r}")
+    return cls(jnp.zeros((history_len,), jnp.float32), jnp.ones((), jnp.float32),
+               jnp.zeros((), jnp.float32), fmt, int(margin), algo)
+
+
+def scale_for_step(ring: ScaleRing, current_amax: jax.Array) -> jax.Array:
+  """The scale a delayed-scaling quantize uses now: the ring's, or on a fresh ring the one
+  from the current amax (current scaling for step 0, not a default of 1)."""
+  first = scale_from_amax(current_amax, ring.scale, ring.fmt, ring.margin)
+  return jnp.where(ring.steps == 0, first, ring.scale)
+
+
+def next_ring(ring: ScaleRing, amax: jax.Array) -> ScaleRing:
+  """Record this step's amax: push it at the front of the history, reduce the window with
+  ``ring.algo``, publish the next scale and count the step. Non-finite amax: ring unchanged."""
+  amax = jnp.asarray(amax, jnp.float32)
+  history = jnp.concatenate([amax[None], ring.amax_history[:-1]])  # [L], newest first
+  window = jnp.max(history) if ring.algo == "max" else amax
+  scale = scale_from_amax(window, ring.scale, ring.fmt, ring.margin)
+  finite = jnp.isfinite(amax)
+  return dataclasses.replace(
+      ring,
+      amax_history=jnp.where(finite, history, ring.amax_history),
+      scale=jnp.where(finite, scale, ring.scale),
+      steps=jnp.where(finite, ring.steps + 1, ring.steps),
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+  """Per-tensor delayed-scaling recipe (TransformerEngine's ``DelayedScaling``).
+
+  Attributes:
+    fmt: "hybrid" (E4M3 for activations and weights, E5M2 for gradients) or "e4m3" (E4M3 for
+      all three).
+    history_len: amax history length L, 1..1024.
+    margin: power-of-two headroom in the scale.
+    algo: "max" (max over the history window) or "most_recent".
+  """
+
+  fmt: Literal["hybrid", "e4m3"] = "hybrid"
+  history_len: int = 16
+  margin: int = 0
+  algo: Literal["max", "most_recent"] = "max"
+
+  def __post_init__(self):
+    if self.fmt not in ("hybrid", "e4m3"):
+      raise ValueError(f"DelayedScaling.fmt must be 'hybrid' or 'e4m3', got {self.fmt!r}")
+    ScaleRing.create(self.history_len, "e4m3", self.margin, self.algo)  # validates the rest
+
+  @property
+  def fwd_fmt(self) -> str:
+    return "e4m3"
+
+  @property
+  def bwd_fmt(self) -> str:
+    return "e5m2" if self.fmt == "hybrid" else "e4m3"
+
+  def ring(self, fmt: str) -> ScaleRing:
+    return ScaleRing.create(self.history_len, fmt, self.margin, self.algo)
+
+
+# How the next state leaves a training step: the gradient of a loss with respect to a ScaleRing
+# is defined (by jax_fp8.linear's custom_vjp) to be the ring's next value, the pattern of Flax's
+# fp8_ops and TransformerEngine. A ring that took no part in the step gets a zero cotangent.
+# Every leaf of a ring is >= 0 and grows monotonically with the amax, so two next values of the
+# same ring combine exactly by an elementwise max; JAX itself would add them, so a ring used
+# several times in one differentiation goes through `share`.
+
+
+def _is_ring(x) -> bool:
+  return isinstance(x, ScaleRing)
+
+
+def update_state(state, state_grads):
+  """The state for the next step from the gradient with respect to the state.
+
+  Args:
+    state: any pytree holding ScaleRings (a LinearState, a Flax "fp8_state" collection).
+    state_grads: the gradient of the loss with respect to ``state`` (same structure).
+  Returns:
+    ``state`` with every ring that ran this step replaced by its next value; a ring that did
+    not run (zero gradient) is kept as it was, so its history does not roll.
+  """
+  def pick(ring, nxt):
+    ran = nxt.steps > 0
+    return jax.tree.map(lambda old, new: jnp.where(ran, new, old), ring, nxt)
+  return jax.tree.map(pick, state, state_grads, is_leaf=_is_ring)
+
+
+def combine_updates(a, b):
+  """Combine two state gradients of the same step (e.g. two microbatches' gradients computed
+  from the same state in a ``lax.scan``) by an elementwise max: the result records the larger
+  amax, exactly. Use this for the state where parameter gradients would be summed."""
+  return jax.tree.map(jnp.maximum, a, b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def share(state, n: int):
+  """``n`` copies of ``state`` stacked on a new leading axis, whose gradients combine by max.
+
+  Use it when one state feeds several uses inside one differentiation, where JAX would sum the
+  gradients: scan over the stacked copies (``lax.scan(body, carry, (microbatches, share(state,
+  n)))``), or take ``jax.tree.map(lambda v: v[i], shared)`` for the i-th use of a tied layer.
+
+  Args:
+    state: pytree of arrays (typically a LinearState or an "fp8_state" collection).
+    n: number of uses, >= 1.
+  Returns:
+    The pytree with every leaf broadcast to ``[n, *leaf.shape]``.
+  """
+  return jax.tree.map(lambda v: jnp.broadcast_to(v, (n,) + jnp.shape(v)), state)
+
+
+def _share_fwd(state, n):
+  return share(state, n), None
+
+
+def _share_bwd(n, _, g):
+  return (jax.tree.map(lambda v: jnp.max(v, axis=0), g),)
+
+
+share.defvjp(_share_fwd, _share_bwd)
