@@ -97,13 +97,15 @@ JF8_HD uint8_t float_to_fp8(float x, Fp8Format f) {
 }
 
 // Scale (dequantization step) that maps `amax` onto the format's largest value with 2^margin
-// of headroom: (amax / fmt_max) * 2^margin, clamped to [FLT_MIN, FLT_MAX] so that it and its
-// reciprocal stay finite and positive. An amax that is 0 or not finite carries no information:
-// the previous scale is kept. Mirrors jax_fp8.scaling.scale_from_amax.
+// of headroom: amax * f32(2^margin / fmt_max) (one rounding), clamped to [FLT_MIN, FLT_MAX] so
+// that it and its reciprocal stay finite and positive. An amax that is 0, below FLT_MIN (an f32
+// subnormal: XLA's CPU runtime flushes those to zero, so they count as zero everywhere) or not
+// finite carries no information: the previous scale is kept. Mirrors
+// jax_fp8.scaling.scale_from_amax.
 JF8_HD float scale_from_amax(float amax, float prev_scale, Fp8Format f, int margin) {
-  if (!(amax > 0.0f) || !(amax <= FLT_MAX)) return prev_scale;
-  const float s = (amax / fp8_max(f)) * ldexpf(1.0f, margin);
-  return fminf(fmaxf(s, FLT_MIN), FLT_MAX);
+  if (!(amax >= FLT_MIN) || !(amax <= FLT_MAX)) return prev_scale;
+  const float factor = static_cast<float>(ldexp(1.0, margin) / static_cast<double>(fp8_max(f)));
+  return fminf(fmaxf(amax * factor, FLT_MIN), FLT_MAX);
 }
 
 // Scale used by a delayed-scaling quantize this step: the ring's scale, except on the ring's

@@ -44,22 +44,24 @@ def fp8_max(fmt: str) -> float:
 def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt: str, margin: int) -> jax.Array:
   """Scale that maps ``amax`` onto the format's maximum with ``2**margin`` of headroom.
 
-  ``scale = (amax / fmt_max) * 2**margin``, clamped to ``[FLT_MIN, FLT_MAX]`` so that the scale
-  and its reciprocal are finite and positive. An amax of 0 (all-zero tensor) or a non-finite
-  amax carries no information: ``prev_scale`` is returned.
+  ``scale = amax * f32(2**margin / fmt_max)`` (one rounding), clamped to ``[FLT_MIN,
+  FLT_MAX]`` so that the scale and its reciprocal are finite and positive. An amax of 0 (an
+  all-zero tensor), below FLT_MIN (f32 subnormals, which XLA's CPU runtime flushes to zero, so
+  they count as zero on every platform) or not finite carries no information: ``prev_scale``
+  is returned.
 
   Args:
     amax: f32 scalar, max |x| (>= 0 or NaN).
-    prev_scale: f32 scalar, the scale to keep when amax is 0 or not finite.
+    prev_scale: f32 scalar, the scale to keep when amax is uninformative.
     fmt: "e4m3" or "e5m2".
     margin: integer power-of-two headroom (TransformerEngine's ``margin``).
   Returns:
     f32 scalar.
   """
   amax = jnp.asarray(amax, jnp.float32)
-  s = (amax / np.float32(fp8_max(fmt))) * np.float32(2.0**margin)
-  s = jnp.clip(s, np.finfo(np.float32).tiny, np.finfo(np.float32).max)
-  informative = (amax > 0) & jnp.isfinite(amax)
+  tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+  s = jnp.clip(amax * np.float32(2.0**margin / fp8_max(fmt)), tiny, big)
+  informative = (amax >= tiny) & (amax <= big)
   return jnp.where(informative, s, jnp.asarray(prev_scale, jnp.float32))
 
 

@@ -1,0 +1,249 @@
+"""``python -m jax_fp8.demo``: train one byte-level transformer twice, FP8 and BF16, and compare.
+
+Both runs start from the same parameters and see the same batches of Python standard-library
+source. The FP8 run puts every block matmul through ``jax_fp8.flax.Dense``; the BF16 run uses
+``flax.linen.Dense`` in bf16. Reported: step time and tokens/s (compile steps excluded), final
+train and validation loss, the speedup, a PNG of the loss curves and ``results.json``. Exit
+status 1 when the FP8 validation loss is worse than the BF16 one by more than ``--tolerance``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+import jax_fp8
+from jax_fp8.demo import data
+from jax_fp8.demo.model import Config, Transformer
+
+SKIP_STEPS = 2  # steps left out of the timing: compilation, then the first donated-buffer step
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+  """Model, batch and schedule of one demo size."""
+
+  d_model: int
+  n_heads: int
+  n_layers: int
+  seq_len: int
+  batch: int
+  steps: int
+  lr: float
+  val_batches: int
+
+  def config(self, fp8: bool) -> Config:
+    return Config(self.d_model, self.n_heads, self.n_layers, self.seq_len, fp8=fp8)
+
+
+PRESETS = {
+    # For the test suite: a few seconds of training, most of it compilation.
+    "smoke": Preset(d_model=32, n_heads=2, n_layers=1, seq_len=32, batch=4, steps=10, lr=3e-3,
+                    val_batches=2),
+    # Two CPU cores: both runs in about two minutes, compilation included.
+    "cpu": Preset(d_model=128, n_heads=4, n_layers=2, seq_len=128, batch=16, steps=250, lr=3e-3,
+                  val_batches=8),
+    # One NVIDIA H200: ~400M parameters and 32K tokens a step, large enough GEMMs for FP8 to win.
+    "gpu": Preset(d_model=2048, n_heads=16, n_layers=8, seq_len=1024, batch=32, steps=300,
+                  lr=3e-4, val_batches=8),
+}
+
+
+def make_optimizer(preset: Preset, steps: int) -> optax.GradientTransformation:
+  """AdamW with linear warmup (10% of the steps) and cosine decay to 10%, clipped at norm 1."""
+  schedule = optax.warmup_cosine_decay_schedule(0.0, preset.lr, max(1, steps // 10), steps,
+                                                end_value=preset.lr / 10)
+  decay_kernels = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+  return optax.chain(optax.clip_by_global_norm(1.0),
+                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_kernels))
+
+
+def make_loss(model: Transformer):
+  """``loss(params, fp8_state, batch)``: mean next-byte cross-entropy, f32 [].
+
+  batch: uint8 [B, T + 1]. fp8_state: the model's "fp8_state" collection, ``{}`` for BF16.
+  """
+  def loss(params, fp8_state, batch):
+    tokens = batch.astype(jnp.int32)
+    logits = model.apply({"params": params, "fp8_state": fp8_state}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  return loss
+
+
+def make_train_step(model: Transformer, tx: optax.GradientTransformation):
+  """One jitted step for both variants: ``(params, opt_state, fp8_state, batch) -> (params,
+  opt_state, fp8_state, loss)``. The gradient with respect to the FP8 state is its next value."""
+  loss_fn = make_loss(model)
+
+  def step(params, opt_state, fp8_state, batch):
+    loss, (grads, state_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+        params, fp8_state, batch)
+    fp8_state = jax_fp8.update_state(fp8_state, state_grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, fp8_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1, 2))
+
+
+def make_eval(model: Transformer):
+  """Jitted ``(params, fp8_state, batches) -> mean loss`` over uint8 [n, B, T + 1] batches."""
+  loss_fn = make_loss(model)
+  return jax.jit(lambda params, fp8_state, batches: jnp.mean(
+      jax.lax.map(lambda b: loss_fn(params, fp8_state, b), batches)))
+
+
+def init_variables(cfg: Config, seed: int):
+  """``(params, fp8_state)`` of a fresh model; fp8_state is ``{}`` for BF16."""
+  tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
+  variables = jax.jit(Transformer(cfg).init)(jax.random.key(seed), tokens)
+  return variables["params"], variables.get("fp8_state", {})
+
+
+def train(name: str, cfg: Config, preset: Preset, batches: np.ndarray, val: np.ndarray,
+          seed: int) -> dict:
+  """Train one variant on ``batches`` (uint8 [steps, B, T + 1]); return its figures."""
+  model = Transformer(cfg)
+  steps = len(batches)
+  tx = make_optimizer(preset, steps)
+  step_fn = make_train_step(model, tx)
+  params, fp8_state = init_variables(cfg, seed)
+  opt_state = tx.init(params)
+  n_params = sum(p.size for p in jax.tree.leaves(params))
+
+  losses = []
+  bar = tqdm(range(steps), desc=f"{name:>4}", unit="step", dynamic_ncols=True)
+  t_start = time.perf_counter()
+  for i in bar:
+    params, opt_state, fp8_state, loss = step_fn(params, opt_state, fp8_state, batches[i])
+    losses.append(loss)
+    if i < SKIP_STEPS:  # untimed; the clock starts once the last of them has finished
+      jax.block_until_ready(loss)
+      t_timed = time.perf_counter()
+      if i == 0:
+        first_step_s = t_timed - t_start  # compilation + one step
+    if i % 10 == 0 or i == steps - 1:
+      bar.set_postfix(loss=f"{float(loss):.4f}")
+  jax.block_until_ready((params, loss))
+  step_s = (time.perf_counter() - t_timed) / (steps - SKIP_STEPS)
+  bar.close()
+
+  train_losses = [float(v) for v in jax.device_get(losses)]
+  val_loss = float(make_eval(model)(params, fp8_state, val))
+  return {
+      "params": n_params,
+      "first_step_s": first_step_s,
+      "step_ms": 1e3 * step_s,
+      "tokens_per_s": preset.batch * preset.seq_len / step_s,
+      "final_train_loss": float(np.mean(train_losses[-10:])),
+      "val_loss": val_loss,
+      "train_losses": train_losses,
+  }
+
+
+def plot(results: dict, path: str) -> None:
+  """Both training-loss curves (raw and smoothed) and the final validation losses, as a PNG."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for name, color in (("bf16", "tab:blue"), ("fp8", "tab:orange")):
+    r = results["runs"][name]
+    y = np.asarray(r["train_losses"])
+    w = max(1, len(y) // 20)
+    smooth = np.convolve(y, np.ones(w) / w, mode="valid")
+    ax.plot(np.arange(len(y)), y, color=color, alpha=0.25, lw=0.8)
+    ax.plot(np.arange(w - 1, len(y)), smooth, color=color, lw=2,
+            label=f"{name.upper()} train (mean of {w})")
+    ax.scatter([len(y) - 1], [r["val_loss"]], color=color, marker="*", s=150, zorder=3,
+               edgecolor="black", label=f"{name.upper()} validation {r['val_loss']:.3f}")
+  ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)",
+         title=f"jax_fp8 demo, preset {results['preset']} on {results['device']}: "
+               f"FP8 speedup {results['speedup']:.2f}x")
+  ax.grid(True, alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def parse_args(argv):
+  p = argparse.ArgumentParser(prog="python -m jax_fp8.demo", description=__doc__.splitlines()[0])
+  p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
+                 help="model size; auto = gpu on a GPU backend, else cpu")
+  p.add_argument("--steps", type=int, help="training steps (overrides the preset)")
+  p.add_argument("--out", default="demo_out", help="folder for results.json and the PNG")
+  p.add_argument("--tolerance", type=float, default=0.05,
+                 help="allowed relative excess of the FP8 validation loss over BF16's")
+  p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the batches")
+  args = p.parse_args(argv)
+  if args.steps is not None and args.steps <= SKIP_STEPS:
+    p.error(f"--steps must be more than {SKIP_STEPS} (the untimed compile steps)")
+  return args
+
+
+def main(argv=None) -> None:
+  """Run the demo; raises ``SystemExit(1)`` when FP8 misses the tolerance."""
+  args = parse_args(argv)
+  name = args.preset
+  if name == "auto":
+    name = "gpu" if jax.default_backend() == "gpu" else "cpu"
+  preset = PRESETS[name]
+  if args.steps is not None:
+    preset = dataclasses.replace(preset, steps=args.steps)
+  device = jax.devices()[0].device_kind
+
+  corpus = data.load_corpus()
+  batches = data.train_batches(corpus.train, preset.steps, preset.batch, preset.seq_len,
+                               args.seed)
+  val = data.val_batches(corpus.val, preset.val_batches, preset.batch, preset.seq_len)
+  print(f"preset {name}: d_model {preset.d_model}, layers {preset.n_layers}, heads "
+        f"{preset.n_heads}, seq {preset.seq_len}, batch {preset.batch}, steps {preset.steps}, "
+        f"on {device}")
+  print(f"data: {corpus.files} stdlib files, {len(corpus.train):,} train / {len(corpus.val):,} "
+        f"validation bytes ({val.shape[0] * val.shape[1]} validation windows)")
+
+  runs = {"fp8": train("fp8", preset.config(fp8=True), preset, batches, val, args.seed),
+          "bf16": train("bf16", preset.config(fp8=False), preset, batches, val, args.seed)}
+  fp8, bf16 = runs["fp8"], runs["bf16"]
+  limit = bf16["val_loss"] * (1 + args.tolerance)
+  passed = bool(fp8["val_loss"] <= limit)
+  results = {
+      "preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
+      "device": device, "backend": jax.default_backend(), "jax_version": jax.__version__,
+      "fp8_kernels_cuda": jax_fp8.cuda_available(),
+      "speedup": bf16["step_ms"] / fp8["step_ms"],
+      "tolerance": args.tolerance, "val_loss_limit": limit, "passed": passed, "runs": runs,
+  }
+
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  plot(results, os.path.join(args.out, "loss_curves.png"))
+
+  print(f"\n{'run':<5} {'step ms':>9} {'tokens/s':>11} {'1st step s':>10} {'train loss':>10} "
+        f"{'val loss':>9}")
+  for run_name, r in runs.items():
+    print(f"{run_name:<5} {r['step_ms']:>9.2f} {r['tokens_per_s']:>11,.0f} "
+          f"{r['first_step_s']:>10.2f} {r['final_train_loss']:>10.4f} {r['val_loss']:>9.4f}")
+  print(f"speedup (bf16 step time / fp8 step time): {results['speedup']:.2f}x"
+        + ("" if results["fp8_kernels_cuda"] else
+           " (no CUDA kernels: the FP8 GEMMs are emulated, so only the losses are meaningful)"))
+  print(f"rule: FP8 val loss <= BF16 val loss x (1 + {args.tolerance:g}): "
+        f"{fp8['val_loss']:.4f} <= {limit:.4f} -> {'PASS' if passed else 'FAIL'}")
+  print(f"wrote {args.out}/results.json and {args.out}/loss_curves.png")
+  if not passed:
+    raise SystemExit(1)
+
+
+if __name__ == "__main__":
+  main()

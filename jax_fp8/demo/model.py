@@ -1,0 +1,108 @@
+"""The model: a byte-level decoder-only transformer (GPT style, pre-LayerNorm) in Flax linen.
+
+With ``fp8=True`` every matmul inside the blocks (the fused q/k/v projection, the attention
+output projection and both MLP matmuls) is a ``jax_fp8.flax.Dense``; with ``fp8=False`` the
+same layers are ``flax.linen.Dense`` computing in bf16. Both variants name their layers the
+same, so one seed gives both exactly the same initial parameters.
+
+Dtypes: parameters f32; the residual stream f32; LayerNorm outputs, matmuls and attention in
+bf16 (softmax in f32); logits f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+import jax_fp8.flax
+
+COMPUTE = jnp.bfloat16
+INIT = nn.initializers.normal(0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Model size. ``d_model``, ``d_ff`` and ``3 * d_model`` must be multiples of 16 (FP8 GEMM
+  alignment); ``d_model`` a multiple of ``n_heads``."""
+
+  d_model: int
+  n_heads: int
+  n_layers: int
+  seq_len: int
+  vocab: int = 256
+  fp8: bool = True
+
+  @property
+  def d_ff(self) -> int:
+    return 4 * self.d_model
+
+  def __post_init__(self):
+    if self.d_model % 16 or self.d_model % self.n_heads:
+      raise ValueError(f"d_model={self.d_model} must be a multiple of 16 and of "
+                       f"n_heads={self.n_heads}")
+
+
+def dense(cfg: Config, features: int, name: str) -> nn.Module:
+  """A bf16-compute linear layer with f32 parameters: FP8 (jax_fp8) or plain, per ``cfg.fp8``."""
+  layer = jax_fp8.flax.Dense if cfg.fp8 else nn.Dense
+  return layer(features, dtype=COMPUTE, param_dtype=jnp.float32, kernel_init=INIT, name=name)
+
+
+def causal_attention(q, k, v):
+  """Softmax attention with a causal mask.
+
+  Args:
+    q, k, v: bf16 [B, T, H, Dh].
+  Returns:
+    bf16 [B, T, H, Dh].
+  """
+  t, dh = q.shape[1], q.shape[-1]
+  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+  scores = scores / jnp.sqrt(jnp.float32(dh))
+  mask = jnp.tril(jnp.ones((t, t), bool))
+  probs = nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(q.dtype)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+class Block(nn.Module):
+  """Pre-LN block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``. x: f32 [B, T, D] -> same."""
+
+  cfg: Config
+
+  @nn.compact
+  def __call__(self, x):
+    cfg = self.cfg
+    b, t, d = x.shape
+    h = nn.LayerNorm(dtype=COMPUTE, name="ln_attn")(x)
+    qkv = dense(cfg, 3 * d, "qkv")(h).reshape(b, t, 3, cfg.n_heads, d // cfg.n_heads)
+    a = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(b, t, d)
+    x = x + dense(cfg, d, "attn_out")(a).astype(x.dtype)
+    h = nn.LayerNorm(dtype=COMPUTE, name="ln_mlp")(x)
+    h = nn.gelu(dense(cfg, cfg.d_ff, "mlp_in")(h))
+    return x + dense(cfg, d, "mlp_out")(h).astype(x.dtype)
+
+
+class Transformer(nn.Module):
+  """Byte-level decoder-only language model.
+
+  Input: int [B, T] byte values with T <= ``cfg.seq_len``. Output: f32 [B, T, vocab] logits
+  for the next byte.
+  """
+
+  cfg: Config
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg = self.cfg
+    x = nn.Embed(cfg.vocab, cfg.d_model, embedding_init=INIT, name="tok_embed")(tokens)
+    pos = nn.Embed(cfg.seq_len, cfg.d_model, embedding_init=INIT, name="pos_embed")
+    x = x + pos(jnp.arange(tokens.shape[1]))[None]  # f32 residual stream [B, T, D]
+    for i in range(cfg.n_layers):
+      x = Block(cfg, name=f"block_{i}")(x)
+    x = nn.LayerNorm(dtype=COMPUTE, name="ln_final")(x)
+    # The LM head stays a plain bf16 nn.Dense in both variants: the logits feed the softmax
+    # directly and are the most precision-sensitive matmul, as in common FP8 recipes.
+    logits = nn.Dense(cfg.vocab, dtype=COMPUTE, kernel_init=INIT, name="lm_head")(x)
+    return logits.astype(jnp.float32)

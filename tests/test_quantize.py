@@ -1,0 +1,141 @@
+"""quantize / quantize_delayed: bit-identical to jax_fp8.reference on CPU and CUDA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import bits, on_cpu, poison_allocator
+
+import jax_fp8
+from jax_fp8 import reference
+
+FMTS = ["e4m3", "e5m2"]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+
+
+def special_values(fmt, dtype):
+  """Saturation edges, zeros, subnormals of both formats, NaN and infinities."""
+  fmax = jax_fp8.fp8_max(fmt)
+  v = [0.0, -0.0, 448.0, 464.0, 465.0, -465.0, 1e4, -1e4, 57344.0, 61440.0, 1e5, np.inf,
+       -np.inf, np.nan, fmax, -fmax, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 2.0**-16, 2.0**-17,
+       3 * 2.0**-17, 2.0**-6, 2.0**-14, 0.5, 1.0, 1.0625, 1.125, 1.1875, -3.3, 7.5e-3]
+  if dtype == jnp.float16:  # keep within float16's range
+    v = [min(max(x, -6e4), 6e4) if np.isfinite(x) else x for x in v]
+  return jnp.asarray(np.array(v, np.float32)).astype(dtype)
+
+
+def check_same(q, a, qr, ar):
+  np.testing.assert_array_equal(bits(q), bits(qr))
+  np.testing.assert_array_equal(np.asarray(a), np.asarray(ar))  # NaN == NaN here
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_special_values(platform, fmt, dtype):
+  x = special_values(fmt, dtype)
+  for scale in (1.0, 0.5, 3.0):
+    s = jnp.float32(scale)
+    q, a = jax.jit(jax_fp8.quantize, static_argnums=2)(x, s, fmt)
+    qr, ar = on_cpu(lambda x, s: reference.quantize(x, s, fmt), x, s)
+    check_same(q, a, qr, ar)
+  # The saturation policy stated in DESIGN.md: beyond max (465 in e4m3) -> max, inf -> max,
+  # NaN stays NaN.
+  fmax = jax_fp8.fp8_max(fmt)
+  q, _ = jax_fp8.quantize(jnp.asarray([fmax * 1.04, np.inf, -np.inf, np.nan], jnp.float32),
+                          jnp.float32(1.0), fmt)
+  np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32))[:3], [fmax, fmax, -fmax])
+  assert np.isnan(np.asarray(q.astype(jnp.float32))[3])
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("n", [1, 15, 17, 4096, 1_000_003])
+def test_random_sizes(platform, rng, fmt, dtype, n):
+  x = jnp.asarray(rng.standard_normal(n).astype(np.float32) * rng.uniform(0.1, 300))
+  x = x.astype(dtype)
+  s = jnp.float32(rng.uniform(0.05, 2.0))
+  poison_allocator(n)
+  q, a = jax_fp8.quantize(x, s, fmt)
+  qr, ar = on_cpu(lambda x, s: reference.quantize(x, s, fmt), x, s)
+  check_same(q, a, qr, ar)
+
+
+def test_shapes_and_zero(platform, rng):
+  x = jnp.asarray(rng.standard_normal((3, 5, 7)), jnp.bfloat16)
+  q, a = jax_fp8.quantize(x, jnp.float32(0.01))
+  assert q.shape == (3, 5, 7) and q.dtype == jnp.float8_e4m3fn and a.shape == ()
+  z, az = jax_fp8.quantize(jnp.zeros((33,), jnp.float32), jnp.float32(1.0))
+  assert float(az) == 0.0 and not np.any(bits(z))
+  e, ae = jax_fp8.quantize(jnp.zeros((0,), jnp.float32), jnp.float32(1.0))
+  assert e.shape == (0,) and float(ae) == 0.0
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("fmt,margin,length", [("e4m3", 0, 16), ("e5m2", 2, 5), ("e4m3", 1, 1)])
+def test_ring_50_steps(platform, rng, algo, fmt, margin, length):
+  """quantize_delayed equals the reference over 50 steps, ring and all, from a fresh ring."""
+  ring = jax_fp8.ScaleRing.create(length, fmt, margin, algo)
+  ref_ring = ring
+  step = jax.jit(jax_fp8.quantize_delayed)
+  for t in range(50):
+    mag = float(np.exp(rng.uniform(-6, 6)))
+    x = jnp.asarray(rng.standard_normal(1000 + 37 * t).astype(np.float32) * mag, jnp.bfloat16)
+    q, a, ring = step(x, ring)
+    qr, ar, ref_ring = on_cpu(reference.quantize_delayed, x, ref_ring)
+    check_same(q, a, qr, ar)
+    for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
+      np.testing.assert_array_equal(np.asarray(got), want)
+  assert float(ring.steps) == 50
+
+
+def test_ring_first_step_uses_current_amax(platform):
+  """Step 0 scales from the tensor's own amax, not from a default scale of 1."""
+  x = jnp.asarray([0.0, 1e-3, -2e-3], jnp.float32)
+  q, a, ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3"))
+  np.testing.assert_allclose(np.asarray(q.astype(jnp.float32))[2], -448.0)
+  np.testing.assert_allclose(float(ring.scale), 2e-3 / 448, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(ring.amax_history), [2e-3, 0, 0, 0], rtol=1e-6)
+
+
+def test_ring_margin(platform):
+  x = jnp.asarray([3.0, -1.0], jnp.float32)
+  _, _, ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3", margin=2))
+  np.testing.assert_allclose(float(ring.scale), 3.0 * 4 / 448, rtol=1e-6)
+
+
+def test_ring_edge_cases(platform):
+  """All-zero tensor keeps a positive scale; tiny and huge amax give finite scales; NaN / inf
+  leave the ring untouched (the state is never poisoned) while q shows the NaN."""
+  ring = jax_fp8.ScaleRing.create(4, "e4m3")
+  q, _, ring = jax_fp8.quantize_delayed(jnp.zeros((64,), jnp.float32), ring)
+  assert float(ring.scale) == 1.0 and float(ring.steps) == 1 and not np.any(bits(q))
+  _, _, r_tiny = jax_fp8.quantize_delayed(jnp.full((8,), 1e-37, jnp.float32), ring)
+  assert float(r_tiny.scale) == np.finfo(np.float32).tiny
+  _, _, r_sub = jax_fp8.quantize_delayed(jnp.full((8,), 1e-44, jnp.float32), ring)
+  assert float(r_sub.scale) == 1.0  # an f32-subnormal amax counts as zero: scale kept
+  _, _, r_huge = jax_fp8.quantize_delayed(jnp.full((8,), 3e38, jnp.float32), ring)
+  assert np.isfinite(float(r_huge.scale)) and float(r_huge.scale) > 0
+  before = jax.tree.map(np.asarray, r_huge)
+  for bad in (np.nan, np.inf):
+    x = jnp.asarray([1.0, bad, 2.0], jnp.float32)
+    q, a, after = jax_fp8.quantize_delayed(x, r_huge)
+    for got, want in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+      np.testing.assert_array_equal(np.asarray(got), want)
+    assert not np.isfinite(float(a))  # the amax itself is reported as computed
+  qn, an, _ = jax_fp8.quantize_delayed(jnp.asarray([1.0, np.nan], jnp.float32), r_huge)
+  assert np.isnan(float(an)) and np.isnan(np.asarray(qn.astype(jnp.float32))[1])
+
+
+def test_bad_inputs():
+  with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+    jax_fp8.quantize(jnp.ones(4, jnp.int32), jnp.float32(1))
+  with pytest.raises(TypeError, match="scale must be a float32 scalar"):
+    jax_fp8.quantize(jnp.ones(4), jnp.ones(2))
+  with pytest.raises(ValueError, match="fmt must be one of"):
+    jax_fp8.quantize(jnp.ones(4), jnp.float32(1), "e3m4")
+  with pytest.raises(TypeError, match="ring must be a jax_fp8.ScaleRing"):
+    jax_fp8.quantize_delayed(jnp.ones(4), jnp.float32(1))
+  with pytest.raises(ValueError, match="history_len"):
+    jax_fp8.ScaleRing.create(0)
+  with pytest.raises(ValueError, match="algo"):
+    jax_fp8.ScaleRing.create(4, algo="mean")
