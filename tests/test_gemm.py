@@ -10,9 +10,11 @@ import jax_fp8
 from jax_fp8 import reference
 
 PAIRS = [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3")]
-# Normwise relative error allowed: the output's rounding (bf16 2^-8, f16 2^-11) plus f32
-# accumulation in another order.
-TOL = {jnp.bfloat16: 8e-3, jnp.float16: 1e-3, jnp.float32: 1e-5}
+# Normwise relative error allowed: the output's rounding (bf16 2^-8, f16 2^-11) plus the
+# accumulation. Hopper's FP8 tensor cores accumulate with fewer than f32's bits (about 14,
+# DeepSeek-V3 technical report, section 3.3.2), so an f32 output is good to ~2^-13, not 2^-24.
+TOL = {jnp.bfloat16: 8e-3, jnp.float16: 1e-3, jnp.float32: 2e-4}
+RTOL = {jnp.bfloat16: 2**-7, jnp.float16: 2**-10, jnp.float32: 2**-12}
 
 
 def fp8_operand(rng, shape, fmt):
@@ -40,8 +42,7 @@ def test_gemm_matches_f32(platform, rng, fa, fb, out_dtype, with_bias, m, n, k):
   assert np.all(np.isfinite(got))
   err = np.linalg.norm(got - want) / np.linalg.norm(want)
   assert err < TOL[out_dtype], err
-  eps = float(jnp.finfo(out_dtype).eps)
-  np.testing.assert_allclose(got, want, rtol=2 * eps, atol=1e-4 * np.abs(want).max())
+  np.testing.assert_allclose(got, want, rtol=RTOL[out_dtype], atol=1e-4 * np.abs(want).max())
 
 
 def test_gemm_zero_rows(platform):

@@ -49,7 +49,7 @@ PRESETS = {
     # For the test suite: a few seconds of training, most of it compilation.
     "smoke": Preset(d_model=32, n_heads=2, n_layers=1, seq_len=32, batch=4, steps=10, lr=3e-3,
                     val_batches=2),
-    # Two CPU cores: both runs in about two minutes, compilation included.
+    # Two CPU cores: both runs in about 90 s, compilation included.
     "cpu": Preset(d_model=128, n_heads=4, n_layers=2, seq_len=128, batch=16, steps=250, lr=3e-3,
                   val_batches=8),
     # One NVIDIA H200: ~400M parameters and 32K tokens a step, large enough GEMMs for FP8 to win.
@@ -142,6 +142,7 @@ def train(name: str, cfg: Config, preset: Preset, batches: np.ndarray, val: np.n
       "params": n_params,
       "first_step_s": first_step_s,
       "step_ms": 1e3 * step_s,
+      "timed_steps": steps - SKIP_STEPS,
       "tokens_per_s": preset.batch * preset.seq_len / step_s,
       "final_train_loss": float(np.mean(train_losses[-10:])),
       "val_loss": val_loss,
@@ -177,7 +178,9 @@ def plot(results: dict, path: str) -> None:
 
 
 def parse_args(argv):
-  p = argparse.ArgumentParser(prog="python -m jax_fp8.demo", description=__doc__.splitlines()[0])
+  """The command line (``argv=None``: ``sys.argv[1:]``)."""
+  p = argparse.ArgumentParser(prog="python -m jax_fp8.demo", description="Train one byte-level "
+                              "transformer twice, FP8 and BF16, and compare them.")
   p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
                  help="model size; auto = gpu on a GPU backend, else cpu")
   p.add_argument("--steps", type=int, help="training steps (overrides the preset)")
@@ -201,6 +204,9 @@ def main(argv=None) -> None:
   if args.steps is not None:
     preset = dataclasses.replace(preset, steps=args.steps)
   device = jax.devices()[0].device_kind
+  if jax.default_backend() == "gpu" and not jax_fp8.cuda_available():
+    raise SystemExit(f"JAX runs on a GPU but jax_fp8's CUDA kernels did not load: "
+                     f"{jax_fp8._ffi.CUDA_IMPORT_ERROR}")
 
   corpus = data.load_corpus()
   batches = data.train_batches(corpus.train, preset.steps, preset.batch, preset.seq_len,

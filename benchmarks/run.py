@@ -1,0 +1,146 @@
+"""jax_fp8 benchmark suite: one process, whatever device exists.
+
+Measures the device's ceilings first (copy bandwidth, BF16 GEMM rate), then per case our
+path beside BF16 and the pure-JAX FP8 path, with ratios and achieved TB/s or TFLOP/s.
+Prints a table and writes ``benchmarks/results/<gpu>-<date>.json``.
+
+    python -m benchmarks.run [--quick] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import platform as pyplatform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_fp8
+from jax_fp8 import reference
+
+from . import peers
+from .timing import device_time
+
+QUANT_SHAPES = [(8192, 8192), (16384, 4096)]
+GEMM_SHAPES = [(8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096),
+               (16384, 4096, 4096), (4096, 1024, 4096)]  # (M, N, K)
+QUICK_GEMM_SHAPES = [(256, 256, 256)]
+
+
+def rand(key, shape, dtype, scale=1.0):
+  return (jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32) * scale).astype(dtype)
+
+
+def ceilings(quick):
+  n = 1 << 16 if quick else 1 << 30  # 2 GiB of bf16
+  x = rand(0, (n,), jnp.bfloat16)
+  t = device_time(lambda x: x + 1, x)
+  a = rand(1, (8192, 8192) if not quick else (256, 256), jnp.bfloat16)
+  tg = device_time(lambda a: a @ a, a)
+  m = a.shape[0]
+  return {"copy_TBps": 4 * n / t / 1e12, "bf16_gemm_TFLOPs": 2 * m**3 / tg / 1e12}
+
+
+def bench_quantize(quick, ceil):
+  rows = []
+  for shape in ([(512, 512)] if quick else QUANT_SHAPES):
+    x = rand(2, shape, jnp.bfloat16, 3.0)
+    s = jnp.float32(0.01)
+    nbytes = 3 * x.size  # bf16 read + e4m3 written
+    ours = device_time(lambda x: jax_fp8.quantize(x, s), x)
+    jnp_t = device_time(lambda x: reference.quantize(x, s), x)
+    ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(16))[2]  # past step 0
+    ring_t = device_time(lambda x, r: jax_fp8.quantize_delayed(x, r)[:2], x, ring)
+    for name, t in (("quantize", ours), ("quantize_delayed", ring_t), ("jnp quantize", jnp_t)):
+      rows.append({"case": name, "shape": list(shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
+                   "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"],
+                   "vs_jnp": jnp_t / t})
+  return rows
+
+
+def bench_gemm(quick, ceil):
+  rows = []
+  for m, n, k in (QUICK_GEMM_SHAPES if quick else GEMM_SHAPES):
+    a = rand(3, (m, k), jnp.float8_e4m3fn)
+    b = rand(4, (n, k), jnp.float8_e4m3fn)
+    one = jnp.float32(1)
+    flops = 2 * m * n * k
+    ours = device_time(lambda a, b: jax_fp8.gemm(a, b, one, one), a, b)
+    xla = device_time(lambda a, b: jax.lax.dot_general(
+        a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16), a, b)
+    a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    bf16 = device_time(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ()))), a16, b16)
+    rows.append({"case": "gemm", "shape": [m, n, k], "us": ours * 1e6,
+                 "TFLOPs": flops / ours / 1e12, "xla_fp8_TFLOPs": flops / xla / 1e12,
+                 "bf16_TFLOPs": flops / bf16 / 1e12, "vs_xla_fp8": xla / ours, "vs_bf16": bf16 / ours})
+  return rows
+
+
+def bench_linear(quick, ceil):
+  rows = []
+  for m, n, k in (QUICK_GEMM_SHAPES if quick else GEMM_SHAPES):
+    x = rand(5, (m, k), jnp.bfloat16)
+    w = rand(6, (k, n), jnp.bfloat16, k**-0.5)
+    b = rand(7, (n,), jnp.bfloat16)
+    g = rand(8, (m, n), jnp.bfloat16)
+    state = jax_fp8.LinearState.create()
+
+    def fwd_bwd(f):
+      def run(x, w, b, *extra):
+        y, vjp = jax.vjp(lambda x, w, b, *e: f(x, w, b, *e), x, w, b, *extra)
+        return y, vjp(g)
+      return run
+
+    ours = device_time(fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s)), x, w, b, state)
+    bf16 = device_time(fwd_bwd(peers.bf16_linear), x, w, b)
+    xla8 = device_time(fwd_bwd(peers.xla_fp8_linear), x, w, b)
+    flops = 6 * m * n * k
+    rows.append({"case": "linear fwd+bwd", "shape": [m, n, k], "us": ours * 1e6,
+                 "TFLOPs": flops / ours / 1e12, "bf16_us": bf16 * 1e6, "xla_fp8_us": xla8 * 1e6,
+                 "vs_bf16": bf16 / ours, "vs_xla_fp8": xla8 / ours})
+  return rows
+
+
+def environment():
+  dev = jax.devices()[0]
+  return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+          "python": pyplatform.python_version(), "date": datetime.date.today().isoformat(),
+          "jax_fp8_cuda": jax_fp8.cuda_available()}
+
+
+def print_table(results):
+  c = results["ceilings"]
+  print(f"\n{results['env']['device']}  jax {results['env']['jax']}  {results['env']['date']}")
+  print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 GEMM {c['bf16_gemm_TFLOPs']:.0f} TFLOP/s")
+  print(f"{'case':<18}{'shape':<22}{'us':>10}  figures")
+  for r in results["rows"]:
+    figs = "  ".join(f"{k}={v:.3g}" for k, v in r.items()
+                     if k not in ("case", "shape", "us") and isinstance(v, float))
+    print(f"{r['case']:<18}{'x'.join(map(str, r['shape'])):<22}{r['us']:>10.1f}  {figs}")
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run on CPU)")
+  p.add_argument("--out", help="JSON path (default benchmarks/results/<gpu>-<date>.json)")
+  args = p.parse_args(argv)
+  env = environment()
+  ceil = ceilings(args.quick)
+  rows = bench_quantize(args.quick, ceil) + bench_gemm(args.quick, ceil) + \
+      bench_linear(args.quick, ceil)
+  results = {"env": env, "ceilings": ceil, "rows": rows}
+  print_table(results)
+  out = pathlib.Path(args.out) if args.out else (
+      pathlib.Path(__file__).parent / "results" /
+      f"{env['device'].replace(' ', '_')}-{env['date']}.json")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(results, indent=1))
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  main()

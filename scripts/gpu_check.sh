@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The one GPU session script: build, GPU tests, benchmark suite, demo. Logs go to $OUT
+# (the device tool brings them back). Usage on the GPU machine:
+#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [demo]   (default: all three)
+set -u
+OUT=${OUT:-/tmp/jax_fp8_out}
+mkdir -p "$OUT"
+steps=${*:-tests bench demo}
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
+  nvcc --version | tail -1
+  python3 -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
+} > "$OUT/env.log" 2>&1
+export JAX_FP8_CUDA_ARCHS=${JAX_FP8_CUDA_ARCHS:-90a-real}
+t0=$(date +%s)
+python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build $(( $(date +%s) - t0 )) s"
+python3 -c "import jax_fp8; print('cuda targets:', jax_fp8.cuda_available())"
+for s in $steps; do
+  t0=$(date +%s)
+  case $s in
+    tests) python3 -m pytest tests -q -x -p no:cacheprovider > "$OUT/tests.log" 2>&1
+           tail -5 "$OUT/tests.log" ;;
+    bench) python3 -m benchmarks.run --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+           tail -25 "$OUT/bench.log" ;;
+    demo)  python3 -m jax_fp8.demo --preset gpu --out "$OUT/demo" > "$OUT/demo.log" 2>&1
+           echo "demo exit $?"; tail -15 "$OUT/demo.log" ;;
+  esac
+  echo "$s $(( $(date +%s) - t0 )) s"
+done
