@@ -151,7 +151,8 @@ def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype):
 
 
 def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
-         bias: jax.Array | None = None, out_dtype=jnp.bfloat16) -> jax.Array:
+         bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
+         fast_accum: bool = False) -> jax.Array:
   """FP8 GEMM in TN layout with f32 accumulation: ``(a_scale * b_scale) * a @ b.T + bias``.
 
   CUDA: cuBLASLt (scales read on the device, bias in the epilogue, heuristic algorithm chosen
@@ -163,6 +164,8 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     a_scale, b_scale: float32 scalars, the operands' dequantization steps.
     bias: optional [N] in ``out_dtype`` (bfloat16 or float16 only).
     out_dtype: bfloat16 (default), float16 or float32.
+    fast_accum: let Hopper's FP8 tensor cores accumulate without periodic promotion to f32
+      (cuBLASLt ``FAST_ACCUM``): faster, less accurate for large K. CPU ignores it.
   Returns:
     [M, N] in ``out_dtype``.
   Raises:
@@ -178,7 +181,7 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
         "jax_fp8_gemm",
         (jax.ShapeDtypeStruct((m, n), out_dtype), _GEMM_WORKSPACE),
         vmap_method="sequential",
-    )(a, b, a_scale, b_scale, bias_arg, has_bias=bool(bias))
+    )(a, b, a_scale, b_scale, bias_arg, has_bias=bool(bias), fast_accum=bool(fast_accum))
     return d
 
   def on_cpu(a, b, a_scale, b_scale, *bias):

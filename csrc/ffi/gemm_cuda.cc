@@ -39,7 +39,7 @@ cudaDataType_t lt_type(ffi::DataType t) {
 
 // One cuBLASLt handle per device and one heuristic choice per problem, found once, outside
 // later executions, so every execution of a given call issues the same device work.
-using AlgoKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, int>;
+using AlgoKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, int>;
 
 // Largest power of two (up to 256) dividing every pointer: the heuristic must only offer
 // algorithms valid for the alignment XLA gave these buffers.
@@ -73,7 +73,7 @@ struct Descs {
 ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                     ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
                     ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> d,
-                    ffi::Result<ffi::AnyBuffer> workspace, bool has_bias) {
+                    ffi::Result<ffi::AnyBuffer> workspace, bool has_bias, bool fast_accum) {
   // dtype -> rank -> shape relations -> alignment, as validated first in jax_fp8/ops.py.
   if (!is_fp8(a.element_type()) || !is_fp8(b.element_type()))
     return invalid("a and b must be float8_e4m3fn or float8_e5m2");
@@ -110,6 +110,8 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
   JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
   JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
+  const int8_t fast = fast_accum ? 1 : 0;
+  JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
   const void* sa = b_scale.typed_data();  // cuBLASLt's A is our b
   const void* sb = a_scale.typed_data();
   JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
@@ -129,7 +131,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   const int align = common_alignment({a.untyped_data(), b.untyped_data(), d->untyped_data(),
                                       has_bias ? bias.untyped_data() : nullptr});
   const AlgoKey key{dev, M, N, K, int(a.element_type()), int(b.element_type()), int(dt), has_bias,
-                    align};
+                    fast_accum, align};
   cublasLtMatmulAlgo_t algo;
   {
     std::lock_guard<std::mutex> lock(cache().mu);
@@ -178,7 +180,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmImpl,
                            .Arg<ffi::AnyBuffer>()            // bias [N] (or [0] when absent)
                            .Ret<ffi::AnyBuffer>()            // d [M, N]
                            .Ret<ffi::AnyBuffer>()            // workspace
-                           .Attr<bool>("has_bias"),
+                           .Attr<bool>("has_bias")
+                           .Attr<bool>("fast_accum"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_fp8
