@@ -59,6 +59,24 @@ def bench_quantize(quick, ceil):
       rows.append({"case": name, "shape": list(shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
                    "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"],
                    "vs_jnp": jnp_t / t})
+    # Cast-transpose: bf16 read, two FP8 copies written (+ dbias, negligible bytes).
+    nbytes = 4 * x.size
+    ref_ct = lambda x: (reference.quantize(x, s)[0].T, reference.quantize(x, s))
+    ref_ct_dbias = lambda x: ref_ct(x) + (jnp.sum(x, axis=0, dtype=jnp.float32),)
+
+    def ct(with_dbias):
+      def run(x, r):
+        q, qt, amax, _, dbias = jax_fp8.cast_transpose_delayed(x, r, with_dbias=with_dbias)
+        return (q, qt, amax) + ((dbias,) if with_dbias else ())
+      return run
+
+    for name, fn, ref in (("cast_transpose", ct(False), ref_ct),
+                          ("cast_transpose+dbias", ct(True), ref_ct_dbias)):
+      t = device_time(fn, x, ring)
+      tj = device_time(ref, x)
+      rows.append({"case": name, "shape": list(shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
+                   "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"], "jnp_us": tj * 1e6,
+                   "vs_jnp": tj / t})
   return rows
 
 
@@ -97,14 +115,24 @@ def bench_linear(quick, ceil):
         return y, vjp(g)
       return run
 
-    ours = device_time(fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s)), x, w, b, state)
+    ours_fn = fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s))
+    ours = device_time(ours_fn, x, w, b, state)
     bf16 = device_time(fwd_bwd(peers.bf16_linear), x, w, b)
     xla8 = device_time(fwd_bwd(peers.xla_fp8_linear), x, w, b)
     flops = 6 * m * n * k
+    mem = peak_bytes(ours_fn, x, w, b, state) / peak_bytes(fwd_bwd(peers.bf16_linear), x, w, b)
     rows.append({"case": "linear fwd+bwd", "shape": [m, n, k], "us": ours * 1e6,
+                 "peak_mem_vs_bf16": mem,
                  "TFLOPs": flops / ours / 1e12, "bf16_us": bf16 * 1e6, "xla_fp8_us": xla8 * 1e6,
                  "vs_bf16": bf16 / ours, "vs_xla_fp8": xla8 / ours})
   return rows
+
+
+def peak_bytes(fn, *args):
+  """Device bytes XLA plans for one call: arguments, outputs and temporaries (the compiled
+  program's memory analysis)."""
+  m = jax.jit(fn).lower(*args).compile().memory_analysis()
+  return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
 
 
 def environment():
@@ -118,11 +146,11 @@ def print_table(results):
   c = results["ceilings"]
   print(f"\n{results['env']['device']}  jax {results['env']['jax']}  {results['env']['date']}")
   print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 GEMM {c['bf16_gemm_TFLOPs']:.0f} TFLOP/s")
-  print(f"{'case':<18}{'shape':<22}{'us':>10}  figures")
+  print(f"{'case':<22}{'shape':<20}{'us':>10}  figures")
   for r in results["rows"]:
     figs = "  ".join(f"{k}={v:.3g}" for k, v in r.items()
                      if k not in ("case", "shape", "us") and isinstance(v, float))
-    print(f"{r['case']:<18}{'x'.join(map(str, r['shape'])):<22}{r['us']:>10.1f}  {figs}")
+    print(f"{r['case']:<22}{'x'.join(map(str, r['shape'])):<20}{r['us']:>10.1f}  {figs}")
 
 
 def main(argv=None):

@@ -8,6 +8,7 @@ namespace nb = nanobind;
 extern "C" {
 XLA_FFI_Error* QuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* QuantizeRingCpuHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* CastTransposeRingCpuHandler(XLA_FFI_CallFrame* call_frame);
 }
 
 NB_MODULE(_jax_fp8_cpu, m) {
@@ -15,6 +16,8 @@ NB_MODULE(_jax_fp8_cpu, m) {
     nb::dict d;
     d["jax_fp8_quantize"] = nb::capsule(reinterpret_cast<void*>(QuantizeCpuHandler));
     d["jax_fp8_quantize_ring"] = nb::capsule(reinterpret_cast<void*>(QuantizeRingCpuHandler));
+    d["jax_fp8_cast_transpose_ring"] =
+        nb::capsule(reinterpret_cast<void*>(CastTransposeRingCpuHandler));
     return d;
   });
 }

@@ -10,6 +10,7 @@ namespace nb = nanobind;
 extern "C" {
 XLA_FFI_Error* QuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* QuantizeRingCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* CastTransposeRingCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* GemmCudaHandler(XLA_FFI_CallFrame* call_frame);
 }
 
@@ -19,6 +20,8 @@ NB_MODULE(_jax_fp8_cuda, m) {
     d["jax_fp8_quantize"] = nb::capsule(reinterpret_cast<void*>(QuantizeCudaHandler));
     d["jax_fp8_quantize_ring"] = nb::capsule(reinterpret_cast<void*>(QuantizeRingCudaHandler));
     d["jax_fp8_gemm"] = nb::capsule(reinterpret_cast<void*>(GemmCudaHandler));
+    d["jax_fp8_cast_transpose_ring"] =
+        nb::capsule(reinterpret_cast<void*>(CastTransposeRingCudaHandler));
     return d;
   });
 }

@@ -3,12 +3,13 @@
 from . import reference
 from ._ffi import cuda_available
 from .linear import LinearState, linear
-from .ops import dequantize, gemm, quantize, quantize_delayed
+from .ops import cast_transpose_delayed, dequantize, gemm, quantize, quantize_delayed
 from .scaling import (DelayedScaling, ScaleRing, combine_updates, fp8_dtype, fp8_max, share,
                       update_state)
 
 __all__ = [
-    "DelayedScaling", "LinearState", "ScaleRing", "combine_updates", "cuda_available",
+    "DelayedScaling", "LinearState", "ScaleRing", "cast_transpose_delayed", "combine_updates",
+    "cuda_available",
     "dequantize", "fp8_dtype", "fp8_max", "gemm", "linear", "quantize", "quantize_delayed",
     "reference", "share", "update_state",
 ]

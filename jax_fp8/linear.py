@@ -1,9 +1,11 @@
 """The FP8 linear layer: a custom_vjp whose forward and backward run FP8 GEMMs.
 
-Forward: x and kernel are quantized to E4M3 with their delayed-scaling rings, then one FP8
-GEMM with the bias in its epilogue. Backward: the gradient is quantized once (E5M2 under the
-HYBRID recipe) and feeds both dgrad (``dx = g @ kernel.T``) and wgrad (``dkernel = x.T @ g``)
-as FP8 GEMMs; dbias is the f32 column sum of g. Only FP8 copies of x and kernel are saved.
+Forward: x and kernel are quantized to E4M3 with their delayed-scaling rings by cast-transpose
+kernels (one read writes both the row-major and the transposed FP8 copy, since Hopper's FP8
+GEMMs are TN-only), then one FP8 GEMM with the bias in its epilogue. Backward: the gradient is
+cast-transposed once (E5M2 under the HYBRID recipe), the same read giving dbias, and feeds both
+dgrad (``dx = g @ kernel.T``) and wgrad (``dkernel = x.T @ g``) as FP8 GEMMs. Only FP8 copies
+are saved: x transposed (for wgrad) and the kernel (for dgrad).
 
 The rings' next values leave the step as the gradient with respect to the state (see
 ``jax_fp8.scaling.update_state``).
@@ -42,19 +44,15 @@ def _gemm_dtype(dtype):
   return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
 
 
-def _quantize(v, ring, axis_name):
-  """Delayed-scaling quantize; with an axis name, the ring records the amax max-reduced over
-  the replicas, so every replica ends the step with the same ring."""
-  q, amax, nxt = ops.quantize_delayed(v, ring)
+def _cast_transpose(v, ring, axis_name, with_dbias=False):
+  """Delayed-scaling cast-transpose (one read, both FP8 layouts). With an axis name, the ring
+  records the amax max-reduced over the replicas, so every replica ends the step with the same
+  ring. Returns (q, qt, scale used, next ring, dbias)."""
+  q, qt, amax, nxt, dbias = ops.cast_transpose_delayed(v, ring, with_dbias=with_dbias)
   scale = scale_for_step(ring, amax)  # what the kernel used
   if axis_name is not None:
     nxt = next_ring(ring, jax.lax.pmax(amax, axis_name))
-  return q, scale, nxt
-
-
-def _pad_rows(a, multiple=16):
-  pad = -a.shape[0] % multiple
-  return a if pad == 0 else jnp.pad(a, ((0, pad), (0, 0)))
+  return q, qt, scale, nxt, dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -64,23 +62,24 @@ def _linear(x, kernel, bias, state, axis_name, dtypes):
 
 def _linear_fwd(x, kernel, bias, state, axis_name, dtypes):
   del dtypes  # the backward's output dtypes (x, kernel, bias), static
-  qx, sx, rx = _quantize(x, state.x, axis_name)  # [M, K] e4m3
-  qk, sk, rk = _quantize(kernel, state.kernel, axis_name)  # [K, N] e4m3
+  qx, qxt, sx, rx, _ = _cast_transpose(x, state.x, axis_name)  # [M, K], [K, M16] e4m3
+  qk, qkt, sk, rk, _ = _cast_transpose(kernel, state.kernel, axis_name)  # [K, N], [N, K]
   out = _gemm_dtype(x.dtype)
   fused_bias = bias is not None and out != jnp.float32
-  y = ops.gemm(qx, qk.T, sx, sk, bias=bias.astype(out) if fused_bias else None, out_dtype=out)
+  y = ops.gemm(qx, qkt, sx, sk, bias=bias.astype(out) if fused_bias else None, out_dtype=out)
   if bias is not None and not fused_bias:
     y = y + bias.astype(out)
-  return y.astype(x.dtype), (qx, sx, qk, sk, state.grad, rx, rk)
+  return y.astype(x.dtype), (qxt, sx, qk, sk, state.grad, rx, rk)
 
 
 def _linear_bwd(axis_name, dtypes, res, g):
-  qx, sx, qk, sk, grad_ring, rx, rk = res
+  qxt, sx, qk, sk, grad_ring, rx, rk = res
   x_dtype, k_dtype, b_dtype = dtypes
-  qg, sg, rg = _quantize(g, grad_ring, axis_name)  # [M, N], one quantization for both GEMMs
+  # One quantization of g feeds both GEMMs; the same read gives dbias.
+  qg, qgt, sg, rg, db = _cast_transpose(g, grad_ring, axis_name, with_dbias=b_dtype is not None)
   dx = ops.gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype))  # dgrad [M, K]
-  dk = ops.gemm(_pad_rows(qx).T, _pad_rows(qg).T, sx, sg, out_dtype=_gemm_dtype(k_dtype))  # wgrad
-  db = None if b_dtype is None else jnp.sum(g, axis=0, dtype=jnp.float32).astype(b_dtype)
+  dk = ops.gemm(qxt, qgt, sx, sg, out_dtype=_gemm_dtype(k_dtype))  # wgrad [K, N], over M16
+  db = None if b_dtype is None else db.astype(b_dtype)
   return dx.astype(x_dtype), dk.astype(k_dtype), db, LinearState(rx, rk, rg)
 
 

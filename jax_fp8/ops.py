@@ -17,6 +17,7 @@ from .scaling import MAX_HISTORY, ScaleRing, fp8_dtype
 
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _OUT_DTYPES = _INPUT_DTYPES
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _SCRATCH = jax.ShapeDtypeStruct((4,), jnp.uint32)  # QuantizeScratch in csrc/kernels/quantize.cuh
 _GEMM_WORKSPACE = jax.ShapeDtypeStruct((32 << 20,), jnp.uint8)  # cuBLASLt workspace
 _ALGO_ID = {"max": 0, "most_recent": 1}
@@ -34,6 +35,17 @@ def _check_scalar_f32(v, name):
   if v.shape != () or v.dtype != jnp.float32:
     raise TypeError(f"{name} must be a float32 scalar, got {v.dtype}{list(v.shape)}")
   return v
+
+
+def _check_ring(ring):
+  if not isinstance(ring, ScaleRing):
+    raise TypeError(f"ring must be a jax_fp8.ScaleRing, got {type(ring).__name__}")
+  hist = jnp.asarray(ring.amax_history)
+  if hist.ndim != 1 or not 1 <= hist.shape[0] <= MAX_HISTORY or hist.dtype != jnp.float32:
+    raise ValueError(f"ring.amax_history must be float32 [L] with 1 <= L <= {MAX_HISTORY}, "
+                     f"got {hist.dtype}{list(hist.shape)}")
+  return hist, _check_scalar_f32(ring.scale, "ring.scale"), _check_scalar_f32(ring.steps,
+                                                                                "ring.steps")
 
 
 def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
@@ -78,14 +90,7 @@ def quantize_delayed(x: jax.Array, ring: ScaleRing) -> tuple[jax.Array, jax.Arra
     ``(q, amax, next_ring)``, with ``next_ring == jax_fp8.scaling.next_ring(ring, amax)``.
   """
   x = _check_input(x)
-  if not isinstance(ring, ScaleRing):
-    raise TypeError(f"ring must be a jax_fp8.ScaleRing, got {type(ring).__name__}")
-  hist = jnp.asarray(ring.amax_history)
-  if hist.ndim != 1 or not 1 <= hist.shape[0] <= MAX_HISTORY or hist.dtype != jnp.float32:
-    raise ValueError(f"ring.amax_history must be float32 [L] with 1 <= L <= {MAX_HISTORY}, "
-                     f"got {hist.dtype}{list(hist.shape)}")
-  scale = _check_scalar_f32(ring.scale, "ring.scale")
-  steps = _check_scalar_f32(ring.steps, "ring.steps")
+  hist, scale, steps = _check_ring(ring)
   qdt = fp8_dtype(ring.fmt)
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
   q, amax, hist, scale, steps, _ = jax.ffi.ffi_call(
@@ -95,6 +100,46 @@ def quantize_delayed(x: jax.Array, ring: ScaleRing) -> tuple[jax.Array, jax.Arra
       vmap_method="sequential",
   )(x, hist, scale, steps, margin=np.int64(ring.margin), algo=np.int64(_ALGO_ID[ring.algo]))
   return q, amax, dataclasses.replace(ring, amax_history=hist, scale=scale, steps=steps)
+
+
+def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = False):
+  """Delayed-scaling quantize that writes both layouts in one read: the row-major FP8 copy and
+  the transposed one (Hopper's FP8 GEMMs are TN-only, so the forward / dgrad use ``q`` and the
+  wgrad ``qt``), with the amax fused and the ring finalized by the last block, as in
+  ``quantize_delayed``. With ``with_dbias`` it also returns the column sums of x (the bias
+  gradient when x is the output gradient), from the same read.
+
+  Args:
+    x: [R, C] float32 / bfloat16 / float16, C a positive multiple of 16.
+    ring: a ``ScaleRing``; its ``fmt`` is the output format.
+    with_dbias: also return ``sum(x, axis=0)`` in f32.
+  Returns:
+    ``(q, qt, amax, next_ring, dbias)``: q [R, C] FP8; qt [C, ceil16(R)] FP8 (= q.T with zero
+    columns appended up to a multiple of 16 rows of x, so it feeds a GEMM contracting over R
+    directly); amax f32 []; dbias f32 [C] or None.
+  Raises:
+    TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16.
+  """
+  x = _check_input(x)
+  if x.ndim != 2 or x.shape[1] <= 0 or x.shape[1] % 16:
+    raise ValueError(f"x must be [R, C] with C a positive multiple of 16, got shape {x.shape}")
+  hist, scale, steps = _check_ring(ring)
+  rows, cols = x.shape
+  rows16 = -(-rows // 16) * 16
+  qdt = fp8_dtype(ring.fmt)
+  f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+  partial_rows = -(-rows // 64) if with_dbias else 0  # 64-row tiles of the kernel
+  q, qt, amax, hist, scale, steps, dbias_partial, _ = jax.ffi.ffi_call(
+      "jax_fp8_cast_transpose_ring",
+      (jax.ShapeDtypeStruct(x.shape, qdt), jax.ShapeDtypeStruct((cols, rows16), qdt), f32(()),
+       f32(hist.shape), f32(()), f32(()), f32((partial_rows, cols if with_dbias else 0)),
+       _SCRATCH),
+      input_output_aliases={1: 3, 2: 4, 3: 5},
+      vmap_method="sequential",
+  )(x, hist, scale, steps, margin=np.int64(ring.margin), algo=np.int64(_ALGO_ID[ring.algo]),
+    with_dbias=bool(with_dbias))
+  dbias = jnp.sum(dbias_partial, axis=0) if with_dbias else None
+  return q, qt, amax, dataclasses.replace(ring, amax_history=hist, scale=scale, steps=steps), dbias
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -114,8 +159,6 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
     raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
   return (q.astype(jnp.float32) * scale).astype(dtype)
 
-
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype):

@@ -38,6 +38,16 @@ def quantize_delayed(x: jax.Array, ring: ScaleRing) -> tuple[jax.Array, jax.Arra
   return q, a, next_ring(ring, a)
 
 
+def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False):
+  """quantize_delayed, plus the transposed copy padded with zero columns to a multiple of 16,
+  plus (optionally) the f32 column sums of x."""
+  q, a, nxt = quantize_delayed(x, ring)  # [R, C]
+  pad = -x.shape[0] % 16
+  qt = jnp.pad(q.T, ((0, 0), (0, pad)))  # [C, ceil16(R)]
+  dbias = jnp.sum(x.astype(jnp.float32), axis=0) if with_dbias else None  # [C]
+  return q, qt, a, nxt, dbias
+
+
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
   """``q * scale`` computed in f32, cast to ``dtype``."""
   return (q.astype(jnp.float32) * scale).astype(dtype)

@@ -40,10 +40,10 @@ inline int grid_size(size_t n, size_t per_block, int blocks_per_sm) {
 }
 
 template <typename... KArgs, typename... Args>
-void launch_pdl(void (*kernel)(KArgs...), int blocks, int threads, cudaStream_t stream,
+void launch_pdl(void (*kernel)(KArgs...), dim3 blocks, int threads, cudaStream_t stream,
                 Args&&... args) {
   cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(blocks);
+  cfg.gridDim = blocks;
   cfg.blockDim = dim3(threads);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];

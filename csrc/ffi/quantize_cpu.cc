@@ -3,39 +3,15 @@
 #include <algorithm>
 #include <cstring>
 
-#include "common.h"
+#include "cpu_io.h"
 
 namespace jax_fp8 {
 namespace {
 
-constexpr size_t kMaxHistory = 1024;
-
-float load(const void* x, ffi::DataType t, size_t i) {
-  switch (t) {
-    case ffi::DataType::F32:
-      return static_cast<const float*>(x)[i];
-    case ffi::DataType::BF16:
-      return bits_float(uint32_t(static_cast<const uint16_t*>(x)[i]) << 16);
-    default:
-      return half_to_float(static_cast<const uint16_t*>(x)[i]);
-  }
-}
-
-bool supported_input(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
-}
-
-float amax_of(const ffi::AnyBuffer& x) {
-  uint32_t m = 0;
-  for (size_t i = 0; i < x.element_count(); ++i)
-    m = std::max(m, abs_bits(load(x.untyped_data(), x.element_type(), i)));
-  return bits_float(m);
-}
-
 void quantize_with(const ffi::AnyBuffer& x, float scale, Fp8Format fmt, uint8_t* q) {
   const float inv = 1.0f / scale;
   for (size_t i = 0; i < x.element_count(); ++i)
-    q[i] = float_to_fp8(load(x.untyped_data(), x.element_type(), i) * inv, fmt);
+    q[i] = float_to_fp8(load_f32(x.untyped_data(), x.element_type(), i) * inv, fmt);
 }
 
 ffi::Error QuantizeImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> q,
@@ -61,7 +37,7 @@ ffi::Error QuantizeRingImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> history,
   if (!is_fp8(q->element_type())) return invalid("q must be float8_e4m3fn or float8_e5m2");
   if (q->element_count() != x.element_count()) return invalid("q must have x's size");
   const size_t len = history.element_count();
-  if (auto e = check_ring_attrs(algo, len, kMaxHistory); e.failure()) return e;
+  if (auto e = check_ring_attrs(algo, len, kCpuMaxHistory); e.failure()) return e;
   const Fp8Format fmt = fp8_format(q->element_type());
   const float a = amax_of(x);
   const float s = ring_scale_for_step(scale.typed_data()[0], steps.typed_data()[0], a, fmt,

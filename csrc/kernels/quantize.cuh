@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
 
 // The last block of a ring quantize: roll the history, reduce the window, publish the scale.
 // Same result as ring_finalize_serial, spread over the block.
-__device__ void ring_finalize_block(float amax, const RingArgs& ring, Fp8Format fmt) {
+__device__ inline void ring_finalize_block(float amax, const RingArgs& ring, Fp8Format fmt) {
   __shared__ float hist[kMaxHistory];
   __shared__ unsigned window_bits;
   if (!(amax <= FLT_MAX)) return;  // NaN or inf: the ring keeps its last finite state

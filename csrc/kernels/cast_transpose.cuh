@@ -1,0 +1,91 @@
+// Cast-transpose: one read of x [R, C] writes the row-major FP8 copy q [R, C] and the
+// transposed copy qt [C, R16] (R16 = R rounded up to 16, padding columns zero), with the amax
+// fused, optionally the column sums of x (the bias gradient, in per-tile partials), and
+// optionally the scale ring finalized by the last block. These are the layouts Hopper's TN-only
+// FP8 GEMMs need: q feeds the forward / dgrad, qt the wgrad (DESIGN.md, "Linear layout").
+#pragma once
+
+#include "quantize.cuh"
+
+namespace jax_fp8 {
+
+constexpr int kTile = 64;          // a block handles a 64 x 64 tile
+constexpr int kTileThreads = 256;  // 4 threads a row, 16 elements each
+static_assert(kTileThreads == kQuantizeThreads, "block_max assumes kQuantizeThreads");
+
+// dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile (summed by the caller:
+// a fixed order inside the tile, so the kernel is deterministic).
+template <typename T, bool kRing, bool kDbias>
+__global__ void __launch_bounds__(kTileThreads)
+    cast_transpose_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t rows16,
+                          const float* scale_in, Fp8Format fmt, uint8_t* __restrict__ q,
+                          uint8_t* __restrict__ qt, float* amax_out, float* dbias_partial,
+                          QuantizeScratch* scratch, RingArgs ring) {
+  __shared__ uint8_t tile_q[kTile][kTile + 4];
+  __shared__ float tile_x[kDbias ? kTile : 1][kDbias ? kTile + 1 : 1];
+  pdl_wait();
+  float scale = *scale_in;
+  if constexpr (kRing) {
+    scale = ring_scale_for_step(scale, *ring.steps, bits_float(scratch->first_amax_bits), fmt,
+                                ring.margin);
+  }
+  const float inv = 1.0f / scale;
+  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
+
+  // Row-major pass: 16 consecutive elements of one row per thread (C % 16 == 0).
+  unsigned m = 0;
+  const int64_t r = r0 + tr, c = c0 + tc;
+  float f[kElemsPerThread];
+  alignas(16) uint8_t out[kElemsPerThread];
+  const bool in = r < rows && c < cols;
+  if (in) {
+    load16(x + r * cols + c, f);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) f[k] = 0.0f;
+  }
+#pragma unroll
+  for (int k = 0; k < kElemsPerThread; ++k) {
+    m = max(m, abs_bits(f[k]));
+    out[k] = in ? float_to_fp8(f[k] * inv, fmt) : uint8_t(0);
+    tile_q[tr][tc + k] = out[k];
+    if constexpr (kDbias) tile_x[tr][tc + k] = f[k];
+  }
+  if (in) *reinterpret_cast<uint4*>(q + r * cols + c) = *reinterpret_cast<const uint4*>(out);
+  __syncthreads();
+
+  // Transposed pass: qt row (c0 + tr), 16 consecutive r of it per thread (R16 % 16 == 0).
+  const int64_t qt_row = c0 + tr, qt_col = r0 + tc;
+  if (qt_row < cols && qt_col < rows16) {
+    alignas(16) uint8_t t[kElemsPerThread];
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) t[k] = tile_q[tc + k][tr];
+    *reinterpret_cast<uint4*>(qt + qt_row * rows16 + qt_col) = *reinterpret_cast<const uint4*>(t);
+  }
+  if constexpr (kDbias) {
+    if (threadIdx.x < kTile && c0 + threadIdx.x < cols && r0 < rows) {
+      float s = 0.0f;
+      for (int i = 0; i < kTile; ++i) s += tile_x[i][threadIdx.x];  // fixed order
+      dbias_partial[int64_t(blockIdx.y) * cols + c0 + threadIdx.x] = s;
+    }
+  }
+
+  m = block_max(m);
+  __shared__ bool is_last;
+  if (threadIdx.x == 0) {
+    atomicMax(&scratch->amax_bits, m);
+    __threadfence();
+    is_last = atomicAdd(&scratch->blocks_done, 1u) == gridDim.x * gridDim.y - 1;
+  }
+  __syncthreads();
+  if (is_last) {
+    __threadfence();
+    const float amax = bits_float(atomicMax(&scratch->amax_bits, 0u));
+    if (threadIdx.x == 0) *amax_out = amax;
+    if constexpr (kRing) ring_finalize_block(amax, ring, fmt);
+  }
+  pdl_trigger();
+}
+
+}  // namespace jax_fp8

@@ -1,0 +1,54 @@
+"""cast_transpose_delayed: both layouts, amax and ring bit-identical to the reference; dbias
+within f32 summation-order tolerance."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import bits, on_cpu, poison_allocator
+
+import jax_fp8
+from jax_fp8 import reference
+
+SHAPES = [(1, 16), (15, 32), (17, 48), (64, 64), (100, 208), (1000, 1040), (0, 16)]
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("with_dbias", [False, True], ids=["plain", "dbias"])
+def test_matches_reference(platform, rng, fmt, dtype, shape, with_dbias):
+  ring = jax_fp8.ScaleRing.create(8, fmt, margin=1)
+  ref_ring = ring
+  step = jax.jit(jax_fp8.cast_transpose_delayed, static_argnames="with_dbias")
+  for t in range(3):  # the fresh step, then delayed steps
+    x = rng.standard_normal(shape).astype(np.float32) * np.exp(rng.uniform(-3, 3))
+    if x.size:
+      x.flat[rng.integers(x.size)] = 6e4  # saturates e4m3 (and stays finite in float16)
+    x = jnp.asarray(x).astype(dtype)
+    poison_allocator(x.size)
+    q, qt, a, ring, db = step(x, ring, with_dbias=with_dbias)
+    rq, rqt, ra, ref_ring, rdb = on_cpu(
+        lambda x, r: reference.cast_transpose_delayed(x, r, with_dbias=with_dbias), x, ref_ring)
+    assert q.shape == shape and qt.shape == (shape[1], -(-shape[0] // 16) * 16)
+    np.testing.assert_array_equal(bits(q), bits(rq))
+    np.testing.assert_array_equal(bits(qt), bits(rqt))
+    np.testing.assert_array_equal(np.asarray(a), ra)
+    for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
+      np.testing.assert_array_equal(np.asarray(got), want)
+    if with_dbias:
+      absum = np.abs(np.asarray(x, np.float32)).sum(axis=0)
+      assert np.all(np.abs(np.asarray(db) - rdb) <= 1e-6 * absum + 1e-30)
+    else:
+      assert db is None
+
+
+def test_bad_inputs():
+  ring = jax_fp8.ScaleRing.create(4)
+  with pytest.raises(ValueError, match="positive multiple of 16"):
+    jax_fp8.cast_transpose_delayed(jnp.ones((4, 24)), ring)
+  with pytest.raises(ValueError, match="positive multiple of 16"):
+    jax_fp8.cast_transpose_delayed(jnp.ones((4, 2, 16)), ring)
+  with pytest.raises(TypeError, match="ring must be"):
+    jax_fp8.cast_transpose_delayed(jnp.ones((4, 16)), None)
