@@ -20,7 +20,7 @@ class Dense(nn.Module):
   Same parameters as ``nn.Dense`` ("kernel" [K, N], "bias" [N]) with the same default
   initializers; the layer's scale rings live in the "fp8_state" variable collection as a
   ``LinearState`` named "linear". Pass that collection to ``apply`` and differentiate with
-  respect to it: its gradient is its next value (``jax_fp8.update_state``).
+  respect to it, and pass that gradient to ``jax_fp8.update_state`` for the next rings.
 
   Attributes:
     features: N, a multiple of 16.

@@ -7,8 +7,8 @@ cast-transposed once (E5M2 under the HYBRID recipe), the same read giving dbias,
 dgrad (``dx = g @ kernel.T``) and wgrad (``dkernel = x.T @ g``) as FP8 GEMMs. Only FP8 copies
 are saved: x transposed (for wgrad) and the kernel (for dgrad).
 
-The rings' next values leave the step as the gradient with respect to the state (see
-``jax_fp8.scaling.update_state``).
+The rings' observations of the step leave it as the gradient with respect to the state;
+``jax_fp8.update_state`` turns them into the next rings (see ``jax_fp8.scaling``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from . import ops
-from .scaling import DelayedScaling, ScaleRing, next_ring, scale_for_step
+from .scaling import DelayedScaling, ScaleRing, observe, scale_for_step
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "kernel", "grad"],
@@ -45,14 +45,14 @@ def _gemm_dtype(dtype):
 
 
 def _cast_transpose(v, ring, axis_name, with_dbias=False):
-  """Delayed-scaling cast-transpose (one read, both FP8 layouts). With an axis name, the ring
-  records the amax max-reduced over the replicas, so every replica ends the step with the same
-  ring. Returns (q, qt, scale used, next ring, dbias)."""
-  q, qt, amax, nxt, dbias = ops.cast_transpose_delayed(v, ring, with_dbias=with_dbias)
+  """Delayed-scaling cast-transpose (one read, both FP8 layouts). Returns (q, qt, the scale
+  used, the ring's observation of this step, dbias). With an axis name the observation holds
+  the amax max-reduced over the replicas, so every replica ends the step with the same ring."""
+  q, qt, amax, _, dbias = ops.cast_transpose_delayed(v, ring, with_dbias=with_dbias)
   scale = scale_for_step(ring, amax)  # what the kernel used
   if axis_name is not None:
-    nxt = next_ring(ring, jax.lax.pmax(amax, axis_name))
-  return q, qt, scale, nxt, dbias
+    amax = jax.lax.pmax(jnp.where(jnp.isnan(amax), jnp.inf, amax), axis_name)
+  return q, qt, scale, observe(ring, amax), dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -88,24 +88,26 @@ _linear.defvjp(_linear_fwd, _linear_bwd)
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            state: LinearState, recipe: DelayedScaling = DelayedScaling(),
-           amax_axis_name: str | None = None) -> jax.Array:
+           amax_axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
   """``y = x @ kernel + bias`` with FP8 GEMMs forward and backward (delayed scaling).
 
   Args:
     x: [..., K] float32 / bfloat16 / float16.
     kernel: [K, N] (Flax layout), float32 / bfloat16 / float16.
     bias: optional [N].
-    state: the layer's ``LinearState`` (create with ``LinearState.create(recipe)``). Its
-      gradient is its next value: pass it through ``jax.grad`` and call
-      ``jax_fp8.update_state``.
-    recipe: a ``DelayedScaling``; its formats must match the state's rings.
-    amax_axis_name: under ``pmap`` / ``shard_map``, the axis whose replicas share the scales;
-      amaxes are max-reduced over it so all replicas hold identical rings.
+    state: the layer's ``LinearState`` (create with ``LinearState.create(recipe)``).
+      Differentiate with respect to it and pass that gradient to ``jax_fp8.update_state``
+      for the next rings.
+    recipe: a ``DelayedScaling``; the state's rings must have been made by it.
+    amax_axis_name: under ``pmap`` / ``shard_map``, the axis (or axes) whose devices share the
+      scales; amaxes are max-reduced over it so all devices hold identical rings. Under
+      ``shard_map`` it must name every axis x varies over; the gradients of kernel and bias
+      are then summed over those axes, as JAX does for a replicated parameter.
   Returns:
     [..., N] in x's dtype.
   Raises:
     ValueError / TypeError at trace time: K or N not a multiple of 16, mismatched shapes,
-    unsupported dtypes, rings whose formats do not match the recipe.
+    unsupported dtypes, rings that do not match the recipe.
 
   Method: per-tensor delayed scaling with the HYBRID format (Micikevicius et al. 2022;
   NVIDIA TransformerEngine).
@@ -119,15 +121,33 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   k, n = kernel.shape
   if k % 16 or n % 16:
     raise ValueError(f"K and N must be multiples of 16 for the FP8 GEMMs, got K={k}, N={n}")
-  if bias is not None and jnp.shape(bias) != (n,):
-    raise ValueError(f"bias must be [{n}], got shape {jnp.shape(bias)}")
+  if bias is not None:
+    bias = jnp.asarray(bias)
+    if bias.shape != (n,) or not jnp.issubdtype(bias.dtype, jnp.floating):
+      raise ValueError(f"bias must be a float [{n}], got {bias.dtype}{list(bias.shape)}")
   if not isinstance(state, LinearState):
     raise TypeError(f"state must be a jax_fp8.LinearState, got {type(state).__name__}")
-  want = (recipe.fwd_fmt, recipe.fwd_fmt, recipe.bwd_fmt)
-  have = (state.x.fmt, state.kernel.fmt, state.grad.fmt)
+  want = tuple((f, recipe.history_len, recipe.margin, recipe.algo)
+               for f in (recipe.fwd_fmt, recipe.fwd_fmt, recipe.bwd_fmt))
+  have = tuple((r.fmt, jnp.shape(r.amax_history)[0], r.margin, r.algo)
+               for r in (state.x, state.kernel, state.grad))
   if want != have:
-    raise ValueError(f"state ring formats (x, kernel, grad) = {have} do not match the recipe's "
-                     f"{want}")
-  dtypes = (x.dtype, kernel.dtype, None if bias is None else jnp.asarray(bias).dtype)
+    raise ValueError(f"state rings (fmt, history_len, margin, algo) for (x, kernel, grad) = "
+                     f"{have} do not match the recipe's {want}")
+  # Under shard_map: x varies over some mesh axes. The rings must see the amax reduced over all
+  # of them (so they stay replicated), and kernel / bias become varying inside the custom_vjp so
+  # that their gradients are summed over those axes on the way out, as JAX does for any op.
+  axes = ops.varying_axes(x)
+  if axes:
+    names = {amax_axis_name} if isinstance(amax_axis_name, str) else set(amax_axis_name or ())
+    if not axes <= names:
+      raise ValueError(f"x varies over the shard_map axes {sorted(axes)}: pass them as "
+                       f"amax_axis_name so every device keeps the same scale rings, got "
+                       f"amax_axis_name={amax_axis_name!r}")
+    amax_axis_name = tuple(sorted(axes))
+    kernel, bias = (None if v is None else
+                    jax.lax.pcast(v, tuple(sorted(axes - ops.varying_axes(v))), to="varying")
+                    if axes - ops.varying_axes(v) else v for v in (kernel, bias))
+  dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
   y = _linear(x.reshape(-1, k), kernel, bias, state, amax_axis_name, dtypes)
   return y.reshape(*x.shape[:-1], n)

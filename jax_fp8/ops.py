@@ -23,6 +23,29 @@ _GEMM_WORKSPACE = jax.ShapeDtypeStruct((32 << 20,), jnp.uint8)  # cuBLASLt works
 _ALGO_ID = {"max": 0, "most_recent": 1}
 
 
+def varying_axes(*values) -> set:
+  """The shard_map mesh axes any of ``values`` varies over (empty outside shard_map)."""
+  axes = set()
+  for v in jax.tree.leaves(values):
+    aval = jax.typeof(v)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it vma
+    axes |= set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
+  return axes
+
+
+def _vary_like(outs, *ins):
+  """Mark FFI results as varying over the shard_map axes their inputs vary over: each device
+  computes its own (ffi_call itself types its results as invariant)."""
+  axes = varying_axes(*ins)
+  if not axes:
+    return outs
+
+  def vary(o):
+    missing = tuple(sorted(axes - varying_axes(o)))
+    return jax.lax.pcast(o, missing, to="varying") if missing else o
+  return jax.tree.map(vary, outs)
+
+
 def _check_input(x, name="x"):
   x = jnp.asarray(x)
   if x.dtype not in _INPUT_DTYPES:
@@ -73,7 +96,7 @@ def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> tuple[jax.Arr
       (jax.ShapeDtypeStruct(x.shape, qdt), jax.ShapeDtypeStruct((), jnp.float32), _SCRATCH),
       vmap_method="sequential",
   )(x, scale)
-  return q, amax
+  return _vary_like((q, amax), x, scale)
 
 
 def quantize_delayed(x: jax.Array, ring: ScaleRing) -> tuple[jax.Array, jax.Array, ScaleRing]:
@@ -99,6 +122,7 @@ def quantize_delayed(x: jax.Array, ring: ScaleRing) -> tuple[jax.Array, jax.Arra
       input_output_aliases={1: 2, 2: 3, 3: 4},
       vmap_method="sequential",
   )(x, hist, scale, steps, margin=np.int64(ring.margin), algo=np.int64(_ALGO_ID[ring.algo]))
+  q, amax, hist, scale, steps = _vary_like((q, amax, hist, scale, steps), x, ring)
   return q, amax, dataclasses.replace(ring, amax_history=hist, scale=scale, steps=steps)
 
 
@@ -138,6 +162,8 @@ def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = 
       vmap_method="sequential",
   )(x, hist, scale, steps, margin=np.int64(ring.margin), algo=np.int64(_ALGO_ID[ring.algo]),
     with_dbias=bool(with_dbias))
+  q, qt, amax, hist, scale, steps, dbias_partial = _vary_like(
+      (q, qt, amax, hist, scale, steps, dbias_partial), x, ring)
   dbias = jnp.sum(dbias_partial, axis=0) if with_dbias else None
   return q, qt, amax, dataclasses.replace(ring, amax_history=hist, scale=scale, steps=steps), dbias
 
@@ -225,7 +251,7 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
         (jax.ShapeDtypeStruct((m, n), out_dtype), _GEMM_WORKSPACE),
         vmap_method="sequential",
     )(a, b, a_scale, b_scale, bias_arg, has_bias=bool(bias), fast_accum=bool(fast_accum))
-    return d
+    return _vary_like(d, a, b, a_scale, b_scale, *bias)
 
   def on_cpu(a, b, a_scale, b_scale, *bias):
     acc = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),

@@ -93,19 +93,34 @@ class ScaleRing:
   margin: int = 0
   algo: str = "max"
 
+  def __post_init__(self):  # the static fields; leaves may be tracers or placeholders here
+    check_ring_params(None, self.fmt, self.margin, self.algo)
+
   @classmethod
   def create(cls, history_len: int = 16, fmt: str = "e4m3", margin: int = 0,
              algo: str = "max") -> "ScaleRing":
     """A fresh ring: zero history, scale 1 (unused: step 0 scales from the current amax)."""
-    fp8_dtype(fmt)
-    if not 1 <= history_len <= MAX_HISTORY:
-      raise ValueError(f"history_len must be in [1, {MAX_HISTORY}], got {history_len}")
-    if algo not in ALGOS:
-      raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
-    if not isinstance(margin, (int, np.integer)):
-      raise TypeError(f"margin must be an int (a power-of-two exponent), got {margin!r}")
+    check_ring_params(history_len, fmt, margin, algo)
     return cls(jnp.zeros((history_len,), jnp.float32), jnp.ones((), jnp.float32),
                jnp.zeros((), jnp.float32), fmt, int(margin), algo)
+
+
+MAX_MARGIN = 64
+
+
+def check_ring_params(history_len, fmt, margin, algo) -> None:
+  """Raises ValueError / TypeError for ring parameters jax_fp8 cannot honour (history_len None:
+  not checked). Allocates nothing, so recipes can be built at import time without starting a JAX backend."""
+  fp8_dtype(fmt)
+  if history_len is not None and (not isinstance(history_len, (int, np.integer))
+                                  or not 1 <= history_len <= MAX_HISTORY):
+    raise ValueError(f"history_len must be an int in [1, {MAX_HISTORY}], got {history_len!r}")
+  if algo not in ALGOS:
+    raise ValueError(f"algo must be one of {ALGOS}, got {algo!r}")
+  if isinstance(margin, bool) or not isinstance(margin, (int, np.integer)):
+    raise TypeError(f"margin must be an int (a power-of-two exponent), got {margin!r}")
+  if not -MAX_MARGIN <= margin <= MAX_MARGIN:
+    raise ValueError(f"margin must be in [-{MAX_MARGIN}, {MAX_MARGIN}], got {margin}")
 
 
 def scale_for_step(ring: ScaleRing, current_amax: jax.Array) -> jax.Array:
@@ -151,7 +166,7 @@ class DelayedScaling:
   def __post_init__(self):
     if self.fmt not in ("hybrid", "e4m3"):
       raise ValueError(f"DelayedScaling.fmt must be 'hybrid' or 'e4m3', got {self.fmt!r}")
-    ScaleRing.create(self.history_len, "e4m3", self.margin, self.algo)  # validates the rest
+    check_ring_params(self.history_len, "e4m3", self.margin, self.algo)
 
   @property
   def fwd_fmt(self) -> str:
@@ -165,12 +180,21 @@ class DelayedScaling:
     return ScaleRing.create(self.history_len, fmt, self.margin, self.algo)
 
 
-# How the next state leaves a training step: the gradient of a loss with respect to a ScaleRing
-# is defined (by jax_fp8.linear's custom_vjp) to be the ring's next value, the pattern of Flax's
-# fp8_ops and TransformerEngine. A ring that took no part in the step gets a zero cotangent.
-# Every leaf of a ring is >= 0 and grows monotonically with the amax, so two next values of the
-# same ring combine exactly by an elementwise max; JAX itself would add them, so a ring used
-# several times in one differentiation goes through `share`.
+# How the next state leaves a training step (the pattern of Flax's fp8_ops and TransformerEngine:
+# state updates delivered as the gradient with respect to the state). jax_fp8.linear defines the
+# gradient of a ScaleRing as its *observation* of the step, `observe(ring, amax)`: the history
+# shifted with this step's amax in front (NaN or inf recorded as +inf), `steps + 1`, and scale 0.
+# Observations of one ring in one step differ only in that front amax, so they combine exactly
+# by an elementwise max (a zero gradient, from a ring that did not run, is neutral), and
+# `update_state` turns the combined observation into the next ring, deriving the scale there.
+
+
+def observe(ring: ScaleRing, amax: jax.Array) -> ScaleRing:
+  """The gradient a ring receives from one use in a step: see the comment above."""
+  amax = jnp.asarray(amax, jnp.float32)
+  front = jnp.where(jnp.isfinite(amax), amax, jnp.inf)[None]  # non-finite -> +inf marker
+  return dataclasses.replace(ring, amax_history=jnp.concatenate([front, ring.amax_history[:-1]]),
+                             scale=jnp.zeros((), jnp.float32), steps=ring.steps + 1)
 
 
 def _is_ring(x) -> bool:
@@ -184,19 +208,31 @@ def update_state(state, state_grads):
     state: any pytree holding ScaleRings (a LinearState, a Flax "fp8_state" collection).
     state_grads: the gradient of the loss with respect to ``state`` (same structure).
   Returns:
-    ``state`` with every ring that ran this step replaced by its next value; a ring that did
-    not run (zero gradient) is kept as it was, so its history does not roll.
+    ``state`` with every ring advanced as ``next_ring(ring, amax)`` would, amax being the max
+    over the ring's uses this step. A ring that did not run (zero gradient) is kept, so its
+    history does not roll; a step with a NaN or inf amax leaves the ring as it was.
+
+  A ring used n times in one differentiation without ``share`` (e.g. under ``vmap``) has its
+  observations summed by JAX; that shows as ``steps`` = n * (old steps + 1). The front entry
+  is then the sum of the n amaxes, an upper bound of their max, and is recorded as such: the
+  scale errs towards headroom, never towards overflow.
   """
-  def pick(ring, nxt):
-    ran = nxt.steps > 0
-    return jax.tree.map(lambda old, new: jnp.where(ran, new, old), ring, nxt)
-  return jax.tree.map(pick, state, state_grads, is_leaf=_is_ring)
+  def advance(ring, obs):
+    front = obs.amax_history[0]
+    history = jnp.concatenate([front[None], ring.amax_history[:-1]])
+    window = jnp.max(history) if ring.algo == "max" else front
+    nxt = dataclasses.replace(ring, amax_history=history,
+                              scale=scale_from_amax(window, ring.scale, ring.fmt, ring.margin),
+                              steps=ring.steps + 1)
+    keep = (obs.steps == 0) | ~jnp.isfinite(front)
+    return jax.tree.map(lambda old, new: jnp.where(keep, old, new), ring, nxt)
+  return jax.tree.map(advance, state, state_grads, is_leaf=_is_ring)
 
 
 def combine_updates(a, b):
   """Combine two state gradients of the same step (e.g. two microbatches' gradients computed
-  from the same state in a ``lax.scan``) by an elementwise max: the result records the larger
-  amax, exactly. Use this for the state where parameter gradients would be summed."""
+  from the same state in a ``lax.scan``) by an elementwise max, which is exact for
+  observations; use it for the state where parameter gradients would be summed."""
   return jax.tree.map(jnp.maximum, a, b)
 
 
