@@ -107,7 +107,10 @@ def bench_linear(quick, ceil):
     w = rand(6, (k, n), jnp.bfloat16, k**-0.5)
     b = rand(7, (n,), jnp.bfloat16)
     g = rand(8, (m, n), jnp.bfloat16)
+    # Steady state: one step taken, so no ring is on its first (current-scaling) step.
     state = jax_fp8.LinearState.create()
+    _, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, b, state=s), state)
+    state = jax_fp8.update_state(state, vjp(g)[0])
 
     def fwd_bwd(f):
       def run(x, w, b, *extra):

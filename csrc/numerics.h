@@ -44,6 +44,10 @@ JF8_HD float bits_float(uint32_t b) {
 #endif
 }
 
+// f32 subnormals count as zero on every backend (XLA's CPU runtime flushes them; the GPU does
+// not), for inputs and scales alike, so all backends see the same values. Sign and NaN kept.
+JF8_HD float flush_subnormal(float x) { return fabsf(x) < FLT_MIN ? copysignf(0.0f, x) : x; }
+
 // |x| as ordered bits: unsigned comparison of these orders finite values, then +inf, then NaN,
 // so a max over them is a NaN-propagating amax (as jnp.max(jnp.abs(x)) is).
 JF8_HD uint32_t abs_bits(float x) { return float_bits(x) & 0x7FFFFFFFu; }
@@ -116,6 +120,8 @@ JF8_HD float ring_scale_for_step(float ring_scale, float steps, float current_am
 }
 
 enum class AmaxAlgo : int { kMax = 0, kMostRecent = 1 };
+
+constexpr int kMaxHistory = 1024;  // amax history length limit (jax_fp8.scaling.MAX_HISTORY)
 
 // Ring finalize on one thread: push `amax` at the front of history[len] (newest first), reduce
 // the window, publish the next scale, count the step. A non-finite amax leaves the ring as it

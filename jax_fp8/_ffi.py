@@ -7,6 +7,8 @@ present at install time and is registered for "CUDA" only when it imports (it ne
 
 from __future__ import annotations
 
+import functools
+
 import jax
 
 from . import _jax_fp8_cpu
@@ -26,11 +28,38 @@ if _jax_fp8_cuda is not None:
     jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
 
 
-def cuda_available() -> bool:
-  """True when the CUDA targets are registered and JAX sees a CUDA GPU."""
-  if _jax_fp8_cuda is None:
-    return False
+MIN_COMPUTE_CAPABILITY = (8, 9)  # FP8 conversions and tensor cores: Ada, Hopper and newer
+
+
+@functools.cache
+def cuda_problem() -> str | None:
+  """Why the CUDA targets cannot serve this machine's GPUs, or None when they can (or when
+  there is no CUDA GPU, where nothing is asked of them)."""
   try:
-    return len(jax.devices("cuda")) > 0
+    gpus = jax.devices("cuda")
+  except RuntimeError:
+    return None
+  if _jax_fp8_cuda is None:
+    return (f"JAX runs on CUDA GPUs but jax_fp8's CUDA extension did not load "
+            f"({CUDA_IMPORT_ERROR}); reinstall jax_fp8 with nvcc on the PATH")
+  for d in gpus:
+    cc = tuple(int(v) for v in str(d.compute_capability).split("."))
+    if cc < MIN_COMPUTE_CAPABILITY:
+      return (f"{d.device_kind} (compute capability {d.compute_capability}) has no FP8 "
+              f"support; jax_fp8 needs compute capability 8.9 or newer")
+  return None
+
+
+def cuda_available() -> bool:
+  """True when JAX sees CUDA GPUs and jax_fp8's CUDA targets can run on all of them."""
+  try:
+    return len(jax.devices("cuda")) > 0 and cuda_problem() is None
   except RuntimeError:
     return False
+
+
+def check_backend() -> None:
+  """Raise RuntimeError at trace time when ops would lower for a GPU they cannot run on."""
+  problem = cuda_problem() if jax.default_backend() == "gpu" else None
+  if problem:
+    raise RuntimeError(problem)

@@ -8,15 +8,23 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .scaling import ScaleRing, fp8_dtype, fp8_max, next_ring, scale_for_step
 
 _CANONICAL_NAN = 0x7F  # what the hardware's cvt.rn.satfinite writes for any NaN
 
 
+def as_f32(x: jax.Array) -> jax.Array:
+  """x in f32 with subnormals flushed to (signed) zero: f32 subnormals count as zero on every
+  backend (XLA's CPU runtime flushes them, GPUs do not)."""
+  x = jnp.asarray(x).astype(jnp.float32)
+  return jnp.where(jnp.abs(x) < np.finfo(np.float32).tiny, x * 0, x)
+
+
 def amax(x: jax.Array) -> jax.Array:
   """max |x| in f32 (NaN if x holds a NaN), f32 []."""
-  return jnp.max(jnp.abs(x.astype(jnp.float32)), initial=0.0)
+  return jnp.max(jnp.abs(as_f32(x)), initial=0.0)
 
 
 def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
@@ -24,7 +32,7 @@ def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> tuple[jax.Arr
   so clip first; NaN becomes the canonical NaN byte 0x7F."""
   dt = fp8_dtype(fmt)
   fmax = fp8_max(fmt)
-  y = x.astype(jnp.float32) * (1.0 / jnp.asarray(scale, jnp.float32))
+  y = as_f32(x) * (1.0 / as_f32(scale))
   q = jnp.clip(y, -fmax, fmax).astype(dt)
   nan = jax.lax.bitcast_convert_type(jnp.uint8(_CANONICAL_NAN), dt)
   q = jnp.where(jnp.isnan(y), nan, q)
@@ -44,7 +52,7 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False):
   q, a, nxt = quantize_delayed(x, ring)  # [R, C]
   pad = -x.shape[0] % 16
   qt = jnp.pad(q.T, ((0, 0), (0, pad)))  # [C, ceil16(R)]
-  dbias = jnp.sum(x.astype(jnp.float32), axis=0) if with_dbias else None  # [C]
+  dbias = jnp.sum(as_f32(x), axis=0) if with_dbias else None  # [C]
   return q, qt, a, nxt, dbias
 
 
@@ -63,10 +71,10 @@ def gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16) -> jax.Ar
   return d.astype(out_dtype)
 
 
-def linear(x, kernel, bias=None, *, state, recipe=None) -> jax.Array:
+def linear(x, kernel, bias=None, *, state) -> jax.Array:
   """The FP8 linear's forward, unfused: quantize x and kernel with their rings (E4M3), GEMM in
-  f32, add the bias. ``x [..., K]``, ``kernel [K, N]``, returns ``[..., N]`` in x's dtype."""
-  del recipe
+  f32, add the bias. ``x [..., K]``, ``kernel [K, N]``, returns ``[..., N]`` in x's dtype.
+  (The recipe is implied by the rings; the amax axis changes only the rings' update.)"""
   x2 = x.reshape(-1, x.shape[-1])  # [M, K]
   qx, _, _ = quantize_delayed(x2, state.x)
   qk, _, _ = quantize_delayed(kernel, state.kernel)  # [K, N]

@@ -18,7 +18,8 @@ def special_values(fmt, dtype):
   fmax = jax_fp8.fp8_max(fmt)
   v = [0.0, -0.0, 448.0, 464.0, 465.0, -465.0, 1e4, -1e4, 57344.0, 61440.0, 1e5, np.inf,
        -np.inf, np.nan, fmax, -fmax, 2.0**-9, 2.0**-10, 3 * 2.0**-10, 2.0**-16, 2.0**-17,
-       3 * 2.0**-17, 2.0**-6, 2.0**-14, 0.5, 1.0, 1.0625, 1.125, 1.1875, -3.3, 7.5e-3]
+       3 * 2.0**-17, 2.0**-6, 2.0**-14, 0.5, 1.0, 1.0625, 1.125, 1.1875, -3.3, 7.5e-3,
+       1e-40, -1e-40, 2.0**-127]  # f32 subnormals: count as zero everywhere
   if dtype == jnp.float16:  # keep within float16's range
     v = [min(max(x, -6e4), 6e4) if np.isfinite(x) else x for x in v]
   return jnp.asarray(np.array(v, np.float32)).astype(dtype)
@@ -60,6 +61,16 @@ def test_random_sizes(platform, rng, fmt, dtype, n):
   check_same(q, a, qr, ar)
 
 
+def test_f32_subnormals_count_as_zero(platform):
+  """Every backend flushes f32 subnormal inputs and scales to zero (XLA's CPU runtime does)."""
+  x = jnp.asarray([1e-40, -1e-40, 2.0**-127, 0.0], jnp.float32)
+  q, a = jax_fp8.quantize(x, jnp.float32(np.finfo(np.float32).tiny))
+  assert float(a) == 0.0
+  np.testing.assert_array_equal(bits(q), [0x00, 0x80, 0x00, 0x00])
+  _, _, ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(2))
+  assert float(ring.amax_history[0]) == 0.0 and float(ring.scale) == 1.0
+
+
 def test_shapes_and_zero(platform, rng):
   x = jnp.asarray(rng.standard_normal((3, 5, 7)), jnp.bfloat16)
   q, a = jax_fp8.quantize(x, jnp.float32(0.01))
@@ -86,6 +97,21 @@ def test_ring_50_steps(platform, rng, algo, fmt, margin, length):
     for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
       np.testing.assert_array_equal(np.asarray(got), want)
   assert float(ring.steps) == 50
+
+
+@pytest.mark.parametrize("n,length", [(100_003, 300), (5_000_011, 1024)])
+def test_ring_many_blocks(platform, rng, n, length):
+  """Large tensors: many blocks race to finalize the ring (and, on step 0, to fill the first
+  amax); long histories: the finalize loops over the history."""
+  ring = jax_fp8.ScaleRing.create(length, "e4m3", algo="max")
+  ref_ring = ring
+  for _ in range(3):
+    x = jnp.asarray(rng.standard_normal(n).astype(np.float32) * rng.uniform(0.1, 100))
+    q, a, ring = jax_fp8.quantize_delayed(x, ring)
+    qr, ar, ref_ring = on_cpu(reference.quantize_delayed, x, ref_ring)
+    check_same(q, a, qr, ar)
+    for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
+      np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_ring_first_step_uses_current_amax(platform):

@@ -27,13 +27,13 @@ ffi::Error CastTransposeRingImpl(
   if (with_dbias && dbias_partial->element_count() != size_t(tiles * cols))
     return invalid("dbias_partial must be [ceil(R / 64), C]");
   const size_t len = history.element_count();
-  if (auto e = check_ring_attrs(algo, len, kCpuMaxHistory); e.failure()) return e;
+  if (auto e = check_ring_attrs(algo, len, kMaxHistory); e.failure()) return e;
 
   const Fp8Format fmt = fp8_format(q->element_type());
   const float a = amax_of(x);
   const float s = ring_scale_for_step(scale.typed_data()[0], steps.typed_data()[0], a, fmt,
                                       static_cast<int>(margin));
-  const float inv = 1.0f / s;
+  const float inv = 1.0f / flush_subnormal(s);
   auto* qp = static_cast<uint8_t*>(q->untyped_data());
   auto* qtp = static_cast<uint8_t*>(qt->untyped_data());
   std::memset(qtp, 0, qt->size_bytes());  // the padding columns of qt are zero

@@ -67,6 +67,9 @@ ffi::Error CastTransposeRingImpl(
       scale_out->typed_data() != scale.typed_data() || steps_out->typed_data() != steps.typed_data())
     return invalid("ring outputs must alias the ring inputs");
   if (scratch->size_bytes() < sizeof(QuantizeScratch)) return invalid("scratch too small");
+  if (!aligned16(x.untyped_data()) || !aligned16(q->untyped_data()) ||
+      !aligned16(qt->untyped_data()))
+    return invalid("x, q and qt must be 16-byte aligned");
   CastTransposeArgs a{x.untyped_data(), rows, cols, rows16, scale_out->typed_data(),
                       fp8_format(q->element_type()), static_cast<uint8_t*>(q->untyped_data()),
                       static_cast<uint8_t*>(qt->untyped_data()), amax->typed_data(),

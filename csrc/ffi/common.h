@@ -1,6 +1,7 @@
 // Helpers shared by the FFI handlers: dtype decoding and attribute parsing.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "../numerics.h"
@@ -16,6 +17,9 @@ inline bool is_fp8(ffi::DataType t) {
 inline Fp8Format fp8_format(ffi::DataType t) {
   return t == ffi::DataType::F8E4M3FN ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
 }
+
+// The CUDA kernels use 16-byte vector loads and stores.
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 inline ffi::Error invalid(const std::string& what) { return ffi::Error::InvalidArgument(what); }
 

@@ -8,14 +8,13 @@
 
 namespace jax_fp8 {
 
-constexpr size_t kCpuMaxHistory = 1024;
-
+// Element i as f32, subnormals flushed (numerics.h).
 inline float load_f32(const void* x, ffi::DataType t, size_t i) {
   switch (t) {
     case ffi::DataType::F32:
-      return static_cast<const float*>(x)[i];
+      return flush_subnormal(static_cast<const float*>(x)[i]);
     case ffi::DataType::BF16:
-      return bits_float(uint32_t(static_cast<const uint16_t*>(x)[i]) << 16);
+      return flush_subnormal(bits_float(uint32_t(static_cast<const uint16_t*>(x)[i]) << 16));
     default:
       return half_to_float(static_cast<const uint16_t*>(x)[i]);
   }

@@ -9,7 +9,7 @@ namespace jax_fp8 {
 namespace {
 
 void quantize_with(const ffi::AnyBuffer& x, float scale, Fp8Format fmt, uint8_t* q) {
-  const float inv = 1.0f / scale;
+  const float inv = 1.0f / flush_subnormal(scale);
   for (size_t i = 0; i < x.element_count(); ++i)
     q[i] = float_to_fp8(load_f32(x.untyped_data(), x.element_type(), i) * inv, fmt);
 }
@@ -37,7 +37,7 @@ ffi::Error QuantizeRingImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> history,
   if (!is_fp8(q->element_type())) return invalid("q must be float8_e4m3fn or float8_e5m2");
   if (q->element_count() != x.element_count()) return invalid("q must have x's size");
   const size_t len = history.element_count();
-  if (auto e = check_ring_attrs(algo, len, kCpuMaxHistory); e.failure()) return e;
+  if (auto e = check_ring_attrs(algo, len, kMaxHistory); e.failure()) return e;
   const Fp8Format fmt = fp8_format(q->element_type());
   const float a = amax_of(x);
   const float s = ring_scale_for_step(scale.typed_data()[0], steps.typed_data()[0], a, fmt,

@@ -31,6 +31,8 @@ ffi::Error Dispatch(cudaStream_t stream, ffi::AnyBuffer x, const float* scale, F
   auto* q_ptr = static_cast<uint8_t*>(q->untyped_data());
   auto* s_ptr = static_cast<QuantizeScratch*>(scratch->untyped_data());
   if (scratch->size_bytes() < sizeof(QuantizeScratch)) return invalid("scratch too small");
+  if (!aligned16(x.untyped_data()) || !aligned16(q_ptr))
+    return invalid("x and q must be 16-byte aligned");
   switch (x.element_type()) {
     case ffi::DataType::F32:
       return Launch<float, kRing>(stream, x.untyped_data(), n, scale, fmt, q_ptr, amax, s_ptr, ring);

@@ -17,7 +17,7 @@ static_assert(kTileThreads == kQuantizeThreads, "block_max assumes kQuantizeThre
 // a fixed order inside the tile, so the kernel is deterministic).
 template <typename T, bool kRing, bool kDbias>
 __global__ void __launch_bounds__(kTileThreads)
-    cast_transpose_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, int64_t rows16,
+    cast_transpose_kernel(const T* x, int64_t rows, int64_t cols, int64_t rows16,
                           const float* scale_in, Fp8Format fmt, uint8_t* __restrict__ q,
                           uint8_t* __restrict__ qt, float* amax_out, float* dbias_partial,
                           QuantizeScratch* scratch, RingArgs ring) {
@@ -29,7 +29,7 @@ __global__ void __launch_bounds__(kTileThreads)
     scale = ring_scale_for_step(scale, *ring.steps, bits_float(scratch->first_amax_bits), fmt,
                                 ring.margin);
   }
-  const float inv = 1.0f / scale;
+  const float inv = 1.0f / flush_subnormal(scale);
   const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
   const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
 

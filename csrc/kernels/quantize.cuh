@@ -15,14 +15,12 @@ namespace jax_fp8 {
 
 constexpr int kQuantizeThreads = 256;
 constexpr int kElemsPerThread = 16;  // 16 fp8 bytes out per thread: one 16-byte store
-constexpr int kMaxHistory = 1024;
 
 // Scratch words, zeroed by a memset on the stream before the launches.
 struct QuantizeScratch {
   unsigned amax_bits;        // amax of this pass, as abs_bits
   unsigned first_amax_bits;  // amax from the pre-pass on a ring's first step
   unsigned blocks_done;      // last-block detection
-  unsigned pad;
 };
 
 // Delayed-scaling state, aliased in place (see jax_fp8.scaling.ScaleRing).
@@ -47,9 +45,12 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+// Inputs as f32, subnormals flushed (numerics.h).
+__device__ __forceinline__ float to_float(float v) { return flush_subnormal(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
+  return flush_subnormal(__bfloat162float(v));
+}
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }  // never subnormal
 
 // Block-wide max of ordered bits; the result is valid in thread 0.
 __device__ __forceinline__ unsigned block_max(unsigned v) {
@@ -82,7 +83,7 @@ __device__ __forceinline__ void load16(const T* p, float (&v)[kElemsPerThread]) 
 // Amax over x when the ring is on its first step; otherwise every block returns at once.
 template <typename T>
 __global__ void __launch_bounds__(kQuantizeThreads)
-    first_step_amax_kernel(const T* __restrict__ x, size_t n, const float* steps,
+    first_step_amax_kernel(const T* x, size_t n, const float* steps,
                            QuantizeScratch* scratch) {
   pdl_wait();
   if (*steps != 0.0f) {
@@ -126,7 +127,7 @@ __device__ inline void ring_finalize_block(float amax, const RingArgs& ring, Fp8
 // last block to finish finalizes the ring in place.
 template <typename T, bool kRing>
 __global__ void __launch_bounds__(kQuantizeThreads)
-    quantize_kernel(const T* __restrict__ x, size_t n, const float* scale_in, Fp8Format fmt,
+    quantize_kernel(const T* x, size_t n, const float* scale_in, Fp8Format fmt,
                     uint8_t* __restrict__ q, float* amax_out, QuantizeScratch* scratch,
                     RingArgs ring) {
   pdl_wait();
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     scale = ring_scale_for_step(scale, *ring.steps, bits_float(scratch->first_amax_bits), fmt,
                                 ring.margin);
   }
-  const float inv = 1.0f / scale;
+  const float inv = 1.0f / flush_subnormal(scale);
   unsigned m = 0;
   const size_t n_vec = n / kElemsPerThread;
   const size_t stride = size_t(gridDim.x) * blockDim.x;
