@@ -56,12 +56,7 @@ ffi::Error CastTransposeRingImpl(
     }
   }
   amax->typed_data()[0] = a;
-  std::memmove(history_out->typed_data(), history.typed_data(), len * sizeof(float));
-  scale_out->typed_data()[0] = scale.typed_data()[0];
-  steps_out->typed_data()[0] = steps.typed_data()[0];
-  ring_finalize_serial(a, history_out->typed_data(), static_cast<int>(len), scale_out->typed_data(),
-                       steps_out->typed_data(), fmt, static_cast<int>(margin),
-                       static_cast<AmaxAlgo>(algo));
+  write_next_ring(a, history, scale, steps, history_out, scale_out, steps_out, fmt, margin, algo);
   return ffi::Error::Success();
 }
 

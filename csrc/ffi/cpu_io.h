@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstring>
 
 #include "common.h"
 
@@ -29,6 +30,23 @@ inline float amax_of(const ffi::AnyBuffer& x) {
   for (size_t i = 0; i < x.element_count(); ++i)
     m = std::max(m, abs_bits(load_f32(x.untyped_data(), x.element_type(), i)));
   return bits_float(m);
+}
+
+// Writes the ring outputs: the inputs advanced by this step's amax (copied first, in case XLA
+// did not alias them; the result is the same either way).
+inline void write_next_ring(float amax, const ffi::Buffer<ffi::F32>& history,
+                            const ffi::Buffer<ffi::F32>& scale, const ffi::Buffer<ffi::F32>& steps,
+                            ffi::Result<ffi::Buffer<ffi::F32>>& history_out,
+                            ffi::Result<ffi::Buffer<ffi::F32>>& scale_out,
+                            ffi::Result<ffi::Buffer<ffi::F32>>& steps_out, Fp8Format fmt,
+                            int64_t margin, int64_t algo) {
+  const size_t len = history.element_count();
+  std::memmove(history_out->typed_data(), history.typed_data(), len * sizeof(float));
+  scale_out->typed_data()[0] = scale.typed_data()[0];
+  steps_out->typed_data()[0] = steps.typed_data()[0];
+  ring_finalize_serial(amax, history_out->typed_data(), static_cast<int>(len),
+                       scale_out->typed_data(), steps_out->typed_data(), fmt,
+                       static_cast<int>(margin), static_cast<AmaxAlgo>(algo));
 }
 
 }  // namespace jax_fp8

@@ -44,13 +44,7 @@ ffi::Error QuantizeRingImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::F32> history,
                                       static_cast<int>(margin));
   quantize_with(x, s, fmt, static_cast<uint8_t*>(q->untyped_data()));
   amax->typed_data()[0] = a;
-  // Copy first in case XLA did not alias (the result is the same either way).
-  std::memmove(history_out->typed_data(), history.typed_data(), len * sizeof(float));
-  scale_out->typed_data()[0] = scale.typed_data()[0];
-  steps_out->typed_data()[0] = steps.typed_data()[0];
-  ring_finalize_serial(a, history_out->typed_data(), static_cast<int>(len), scale_out->typed_data(),
-                       steps_out->typed_data(), fmt, static_cast<int>(margin),
-                       static_cast<AmaxAlgo>(algo));
+  write_next_ring(a, history, scale, steps, history_out, scale_out, steps_out, fmt, margin, algo);
   return ffi::Error::Success();
 }
 
