@@ -39,20 +39,24 @@ class LinearState:
                recipe.ring(recipe.bwd_fmt))
 
 
+def _vary(v, axes):
+  """v made varying over `axes` (shard_map), or v itself."""
+  missing = tuple(sorted(axes - ops.varying_axes(v))) if v is not None else ()
+  return jax.lax.pcast(v, missing, to="varying") if missing else v
+
+
 def _gemm_dtype(dtype):
   """cuBLASLt writes bf16 / f16 directly; f32 inputs get an f32 GEMM output."""
   return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
 
 
-def _cast_transpose(v, ring, axis_name, with_dbias=False):
-  """Delayed-scaling cast-transpose (one read, both FP8 layouts). Returns (q, qt, the scale
-  used, the ring's observation of this step, dbias). With an axis name the observation holds
-  the amax max-reduced over the replicas, so every replica ends the step with the same ring."""
-  q, qt, amax, _, dbias = ops.cast_transpose_delayed(v, ring, with_dbias=with_dbias)
-  scale = scale_for_step(ring, amax)  # what the kernel used
+def _global_amax(amaxes, axis_name):
+  """The amaxes max-reduced over the devices that share the scales, in one collective (NaN
+  counted as inf, so the max keeps it), so every device records the same observation."""
+  a = jnp.stack(amaxes)
   if axis_name is not None:
-    amax = jax.lax.pmax(jnp.where(jnp.isnan(amax), jnp.inf, amax), axis_name)
-  return q, qt, scale, observe(ring, amax), dbias
+    a = jax.lax.pmax(jnp.where(jnp.isnan(a), jnp.inf, a), axis_name)
+  return tuple(a)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -62,8 +66,12 @@ def _linear(x, kernel, bias, state, axis_name, dtypes):
 
 def _linear_fwd(x, kernel, bias, state, axis_name, dtypes):
   del dtypes  # the backward's output dtypes (x, kernel, bias), static
-  qx, qxt, sx, rx, _ = _cast_transpose(x, state.x, axis_name)  # [M, K], [K, M16] e4m3
-  qk, qkt, sk, rk, _ = _cast_transpose(kernel, state.kernel, axis_name)  # [K, N], [N, K]
+  # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
+  qx, qxt, ax, _, _ = ops.cast_transpose_delayed(x, state.x)  # [M, K], [K, M16] e4m3
+  qk, qkt, ak, _, _ = ops.cast_transpose_delayed(kernel, state.kernel)  # [K, N], [N, K]
+  sx, sk = scale_for_step(state.x, ax), scale_for_step(state.kernel, ak)  # what the kernels used
+  ax, ak = _global_amax((ax, ak), axis_name)
+  rx, rk = observe(state.x, ax), observe(state.kernel, ak)
   out = _gemm_dtype(x.dtype)
   fused_bias = bias is not None and out != jnp.float32
   y = ops.gemm(qx, qkt, sx, sk, bias=bias.astype(out) if fused_bias else None, out_dtype=out)
@@ -76,7 +84,9 @@ def _linear_bwd(axis_name, dtypes, res, g):
   qxt, sx, qk, sk, grad_ring, rx, rk = res
   x_dtype, k_dtype, b_dtype = dtypes
   # One quantization of g feeds both GEMMs; the same read gives dbias.
-  qg, qgt, sg, rg, db = _cast_transpose(g, grad_ring, axis_name, with_dbias=b_dtype is not None)
+  qg, qgt, ag, _, db = ops.cast_transpose_delayed(g, grad_ring, with_dbias=b_dtype is not None)
+  sg = scale_for_step(grad_ring, ag)
+  rg = observe(grad_ring, *_global_amax((ag,), axis_name))
   dx = ops.gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype))  # dgrad [M, K]
   dk = ops.gemm(qxt, qgt, sx, sg, out_dtype=_gemm_dtype(k_dtype))  # wgrad [K, N], over M16
   db = None if b_dtype is None else db.astype(b_dtype)
@@ -134,20 +144,21 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   if want != have:
     raise ValueError(f"state rings (fmt, history_len, margin, algo) for (x, kernel, grad) = "
                      f"{have} do not match the recipe's {want}")
-  # Under shard_map: x varies over some mesh axes. The rings must see the amax reduced over all
-  # of them (so they stay replicated), and kernel / bias become varying inside the custom_vjp so
-  # that their gradients are summed over those axes on the way out, as JAX does for any op.
-  axes = ops.varying_axes(x)
+  # Under shard_map, x, kernel or bias vary over some mesh axes (data parallel: x over the
+  # batch axis; FSDP: the same, once the kernel is gathered; tensor parallel: kernel over the
+  # model axis). The rings must see the amaxes reduced over all of those axes, so that they stay
+  # replicated; and every input becomes varying over them inside the custom_vjp, so that the
+  # gradient of a replicated input is summed over the axes on the way out, as JAX does for
+  # any op.
+  axes = ops.varying_axes(x, kernel, bias)
   if axes:
     names = {amax_axis_name} if isinstance(amax_axis_name, str) else set(amax_axis_name or ())
     if not axes <= names:
-      raise ValueError(f"x varies over the shard_map axes {sorted(axes)}: pass them as "
-                       f"amax_axis_name so every device keeps the same scale rings, got "
-                       f"amax_axis_name={amax_axis_name!r}")
+      raise ValueError(f"x, kernel or bias vary over the shard_map axes {sorted(axes)}: pass "
+                       f"them as amax_axis_name so every device keeps the same scale rings, "
+                       f"got amax_axis_name={amax_axis_name!r}")
     amax_axis_name = tuple(sorted(axes))
-    kernel, bias = (None if v is None else
-                    jax.lax.pcast(v, tuple(sorted(axes - ops.varying_axes(v))), to="varying")
-                    if axes - ops.varying_axes(v) else v for v in (kernel, bias))
+    x, kernel, bias = (_vary(v, axes) for v in (x, kernel, bias))
   dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
   y = _linear(x.reshape(-1, k), kernel, bias, state, amax_axis_name, dtypes)
   return y.reshape(*x.shape[:-1], n)

@@ -1,10 +1,10 @@
-"""Shared test helpers. Two virtual CPU devices for the pmap tests; CUDA cases are marked
+"""Shared test helpers. Eight virtual CPU devices for the multi-device tests; CUDA cases are marked
 `gpu` and skipped without a CUDA GPU (one capability probe: jax_fp8.cuda_available)."""
 
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=2").strip()
+                           " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -1,0 +1,150 @@
+"""Multi-device training on 8 virtual CPU devices: data parallel, FSDP and tensor parallel
+(column and row) linears under shard_map give the single-device results, and every device
+ends the step with the same rings."""
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_fp8
+from jax_fp8.scaling import next_ring
+
+M, K, N = 128, 64, 128  # per device on a 2 x 4 mesh: K, N / 4 still multiples of 16
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def warm_state(x, w, g):
+  """A state past its first step, recorded from the full tensors: from here on every device
+  quantizes with the same (delayed) scales as one device would, so results can be compared
+  tightly."""
+  amax = lambda v: jnp.max(jnp.abs(v))
+  s = jax_fp8.LinearState.create()
+  return jax_fp8.LinearState(next_ring(s.x, amax(x)), next_ring(s.kernel, amax(w)),
+                             next_ring(s.grad, amax(g)))
+
+
+@pytest.fixture
+def problem(rng):
+  x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((K, N)) / 8, jnp.float32)
+  b = jnp.asarray(rng.standard_normal(N), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)  # dL/dy
+  return x, w, b, g, warm_state(x, w, g)
+
+
+def single_device(x, w, b, g, state):
+  y, vjp = jax.vjp(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s), x, w, b, state)
+  dx, dw, db, obs = vjp(g)
+  return y, dx, dw, db, jax_fp8.update_state(state, obs)
+
+
+def check(got, want):
+  for name, a, b in zip(("y", "dx", "dw", "db"), got[:4], want[:4]):
+    assert rel(a, b) < 1e-5, name  # the same quantization; only summation order differs
+  for a, b in zip(jax.tree.leaves(got[4]), jax.tree.leaves(want[4])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def per_device_rings(state, axes):
+  """The state as each device holds it, stacked on a leading axis (to compare them)."""
+  return jax.tree.map(lambda v: jax.lax.pcast(v, axes, to="varying")[None], state)
+
+
+def test_data_parallel(problem):
+  x, w, b, g, state = problem
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+
+  def step(x, w, b, g, state):
+    y, vjp = jax.vjp(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s,
+                                                       amax_axis_name="data"), x, w, b, state)
+    dx, dw, db, obs = vjp(g)  # dw, db: summed over the devices
+    new = jax_fp8.update_state(state, obs)
+    return y, dx, dw, db, new, per_device_rings(new, ("data",))
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P(), P("data"), P()),
+                              out_specs=(P("data"), P("data"), P(), P(), P(), P("data"))))
+  *got, copies = run(x, w, b, g, state)
+  check(got, single_device(x, w, b, g, state))
+  for leaf in jax.tree.leaves(copies):  # every device holds the same rings, bit for bit
+    assert np.all(np.asarray(leaf) == np.asarray(leaf)[:1])
+
+  # The compiled step gathers no activations, and reduces only the gradients of the
+  # replicated kernel and bias and the amaxes (x and kernel in one, grad in one; XLA may
+  # combine reductions into tuples).
+  hlo = run.lower(x, w, b, g, state).compile().as_text()
+  assert "all-gather" not in hlo
+  reduced = []
+  for line in hlo.splitlines():
+    if " all-reduce(" in line:
+      reduced += re.findall(r"f32\[[\d,]*\]", line.split(" all-reduce(")[0].split("=", 1)[1])
+  assert sorted(reduced) == sorted(["f32[2]", "f32[1]", f"f32[{K},{N}]", f"f32[{N}]"]), reduced
+
+
+def test_fsdp(problem):
+  """The kernel lives sharded over the data axis and is gathered for the GEMM; its gradient
+  comes back reduce-scattered."""
+  x, w, b, g, state = problem
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+
+  def step(x, w_shard, b, g, state):
+    def f(x, w_shard, b, s):
+      w = jax.lax.all_gather(w_shard, "data", axis=0, tiled=True)
+      return jax_fp8.linear(x, w, b, state=s, amax_axis_name="data")
+    y, vjp = jax.vjp(f, x, w_shard, b, state)
+    dx, dw_shard, db, obs = vjp(g)
+    return y, dx, dw_shard, db, jax_fp8.update_state(state, obs)
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh,
+                              in_specs=(P("data"), P("data"), P(), P("data"), P()),
+                              out_specs=(P("data"), P("data"), P("data"), P(), P())))
+  check(run(x, w, b, g, state), single_device(x, w, b, g, state))
+
+
+def test_tensor_parallel_column_and_row(problem):
+  """Megatron-style: column-parallel (kernel split on N, y split on N) and row-parallel
+  (kernel split on K, x split on K, partial y summed; the bias added once, after the sum), on a
+  2 x 4 (data, model) mesh."""
+  x, w, b, g, state = problem
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 4), ("data", "model"))
+  axes = ("data", "model")
+  want = single_device(x, w, b, g, state)
+
+  def column(x, w, b, g, state):
+    y, vjp = jax.vjp(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s, amax_axis_name=axes),
+                     x, w, b, state)
+    dx, dw, db, obs = vjp(g)
+    return y, dx, dw, db, jax_fp8.update_state(state, obs)
+
+  run = jax.jit(jax.shard_map(
+      column, mesh=mesh, in_specs=(P("data"), P(None, "model"), P("model"),
+                                   P("data", "model"), P()),
+      out_specs=(P("data", "model"), P("data"), P(None, "model"), P("model"), P())))
+  check(run(x, w, b, g, state), want)
+
+  def row(x, w, b, g, state):
+    def f(x, w, b, s):
+      partial = jax_fp8.linear(x, w, state=s, amax_axis_name=axes)
+      return jax.lax.psum(partial, "model") + b
+    y, vjp = jax.vjp(f, x, w, b, state)
+    dx, dw, db, obs = vjp(g)
+    return y, dx, dw, db, jax_fp8.update_state(state, obs)
+
+  run = jax.jit(jax.shard_map(
+      row, mesh=mesh, in_specs=(P("data", "model"), P("model"), P(), P("data"), P()),
+      out_specs=(P("data"), P("data", "model"), P("model"), P(), P())))
+  got = run(x, w, b, g, state)
+  for name, a, r in zip(("y", "dx", "dw", "db"), got[:4], want[:4]):
+    assert rel(a, r) < 1e-5, name
+  # Row-parallel: each device's gradient ring sees dL/dy (replicated over "model"), so the
+  # rings equal the single-device ones.
+  for a, r in zip(jax.tree.leaves(got[4]), jax.tree.leaves(want[4])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
