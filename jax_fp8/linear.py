@@ -59,25 +59,31 @@ def _global_amax(amaxes, axis_name):
   return tuple(a)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _linear(x, kernel, bias, state, axis_name, dtypes):
-  return _linear_fwd(x, kernel, bias, state, axis_name, dtypes)[0]
-
-
-def _linear_fwd(x, kernel, bias, state, axis_name, dtypes):
-  del dtypes  # the backward's output dtypes (x, kernel, bias), static
+def _forward(x, kernel, bias, state):
+  """y = x @ kernel + bias in FP8, and what the backward and the state update need."""
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
   qx, qxt, ax, _, _ = ops.cast_transpose_delayed(x, state.x)  # [M, K], [K, M16] e4m3
   qk, qkt, ak, _, _ = ops.cast_transpose_delayed(kernel, state.kernel)  # [K, N], [N, K]
   sx, sk = scale_for_step(state.x, ax), scale_for_step(state.kernel, ak)  # what the kernels used
-  ax, ak = _global_amax((ax, ak), axis_name)
-  rx, rk = observe(state.x, ax), observe(state.kernel, ak)
   out = _gemm_dtype(x.dtype)
   fused_bias = bias is not None and out != jnp.float32
   y = ops.gemm(qx, qkt, sx, sk, bias=bias.astype(out) if fused_bias else None, out_dtype=out)
   if bias is not None and not fused_bias:
     y = y + bias.astype(out)
-  return y.astype(x.dtype), (qxt, sx, qk, sk, state.grad, rx, rk)
+  return y.astype(x.dtype), (qxt, sx, qk, sk), (ax, ak)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _linear(x, kernel, bias, state, axis_name, dtypes):
+  del axis_name, dtypes  # used by the backward only
+  return _forward(x, kernel, bias, state)[0]
+
+
+def _linear_fwd(x, kernel, bias, state, axis_name, dtypes):
+  del dtypes  # the backward's output dtypes (x, kernel, bias), static
+  y, saved, (ax, ak) = _forward(x, kernel, bias, state)
+  ax, ak = _global_amax((ax, ak), axis_name)
+  return y, saved + (state.grad, observe(state.x, ax), observe(state.kernel, ak))
 
 
 def _linear_bwd(axis_name, dtypes, res, g):
