@@ -1,5 +1,6 @@
 """jax_fp8: FP8 training for JAX (XLA FFI kernels, delayed scaling, Flax layers)."""
 
+from . import flax  # noqa: F401  (registers the state classes with flax.serialization)
 from . import reference
 from ._ffi import cuda_available
 from .linear import LinearState, linear

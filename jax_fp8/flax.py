@@ -1,17 +1,36 @@
-"""Flax (linen) layers backed by jax_fp8.linear."""
+"""Flax (linen) layers backed by jax_fp8.linear, and the state classes registered with
+flax.serialization (so ``flax.serialization.to_bytes`` / ``from_bytes`` and Flax checkpoints
+carry the FP8 state)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import serialization
 
 from .linear import LinearState, linear
-from .scaling import DelayedScaling
+from .scaling import DelayedScaling, ScaleRing
 
 STATE_COLLECTION = "fp8_state"
+
+
+def _register(cls, fields):
+  """State dicts hold the array fields; the static ones (format, margin, ...) come from the
+  restore target, as Flax restores do."""
+  serialization.register_serialization_state(
+      cls,
+      lambda obj: {f: serialization.to_state_dict(getattr(obj, f)) for f in fields},
+      lambda target, state: dataclasses.replace(target, **{
+          f: serialization.from_state_dict(getattr(target, f), state[f]) for f in fields}))
+
+
+_register(ScaleRing, ("amax_history", "scale", "steps"))
+_register(LinearState, ("x", "kernel", "grad"))
 
 
 class Dense(nn.Module):

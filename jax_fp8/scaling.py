@@ -215,7 +215,8 @@ def update_state(state, state_grads):
   A ring used n times in one differentiation without ``share`` (e.g. under ``vmap``) has its
   observations summed by JAX; that shows as ``steps`` = n * (old steps + 1). The front entry
   is then the sum of the n amaxes, an upper bound of their max, and is recorded as such: the
-  scale errs towards headroom, never towards overflow.
+  scale errs towards headroom, never towards overflow. Rings stacked on leading axes (a Flax
+  ``nn.scan`` over layers) are advanced one by one.
   """
   def advance(ring, obs):
     front = obs.amax_history[0]
@@ -226,7 +227,13 @@ def update_state(state, state_grads):
                               steps=ring.steps + 1)
     keep = (obs.steps == 0) | ~jnp.isfinite(front)
     return jax.tree.map(lambda old, new: jnp.where(keep, old, new), ring, nxt)
-  return jax.tree.map(advance, state, state_grads, is_leaf=_is_ring)
+
+  def advance_stacked(ring, obs):  # rings stacked by a scan over layers: [..., L]
+    fn = advance
+    for _ in range(jnp.ndim(ring.steps)):
+      fn = jax.vmap(fn)
+    return fn(ring, obs)
+  return jax.tree.map(advance_stacked, state, state_grads, is_leaf=_is_ring)
 
 
 def combine_updates(a, b):

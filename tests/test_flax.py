@@ -1,10 +1,12 @@
 """jax_fp8.flax.Dense: a drop-in for flax.linen.Dense."""
 
 import flax.linen as nn
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as orbax
 
 import jax_fp8
 from jax_fp8.flax import Dense
@@ -73,3 +75,37 @@ def test_fp8_training_tracks_bf16(rng):
   assert abs(np.mean(fp8[-5:]) - np.mean(ref[-5:])) < 0.15 * np.mean(ref[-5:]) + 1e-3
   rings = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, jax_fp8.ScaleRing))
   assert len(rings) == 6 and all(float(r.steps) == 50 for r in rings)
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x, _):
+    return x + jax.nn.gelu(Dense(32)(x)), None
+
+
+def test_scan_over_layers_and_checkpoint(rng, tmp_path):
+  """Rings stacked by nn.scan advance one by one; the state round-trips through
+  flax.serialization and orbax (restored against a target, which carries the static fields)."""
+  model = nn.scan(Block, variable_axes={"params": 0, "fp8_state": 0},
+                  split_rngs={"params": True}, length=3)()
+  x = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
+  v = model.init(jax.random.PRNGKey(0), x, None)
+  f = lambda p, s: jnp.sum(model.apply({"params": p, "fp8_state": s}, x, None)[0] ** 2)
+  _, state_grads = jax.grad(f, argnums=(0, 1))(v["params"], v["fp8_state"])
+  new = jax_fp8.update_state(v["fp8_state"], state_grads)
+  ring = jax.tree.leaves(new, is_leaf=lambda r: isinstance(r, jax_fp8.ScaleRing))[0]  # x ring
+  assert ring.amax_history.shape == (3, 16)
+  np.testing.assert_array_equal(np.asarray(ring.steps), [1, 1, 1])
+  assert float(ring.amax_history[0, 0]) == float(jnp.max(jnp.abs(x)))
+
+  restored = flax.serialization.from_bytes(v["fp8_state"], flax.serialization.to_bytes(new))
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(new)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+  ckpt = orbax.StandardCheckpointer()
+  ckpt.save(tmp_path / "state", new)
+  ckpt.wait_until_finished()
+  back = ckpt.restore(tmp_path / "state", target=v["fp8_state"])
+  assert jax.tree.structure(back) == jax.tree.structure(new)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(new)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

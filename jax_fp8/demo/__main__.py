@@ -49,7 +49,7 @@ PRESETS = {
     # For the test suite: a few seconds of training, most of it compilation.
     "smoke": Preset(d_model=32, n_heads=2, n_layers=1, seq_len=32, batch=4, steps=10, lr=3e-3,
                     val_batches=2),
-    # Two CPU cores: both runs in about 90 s, compilation included.
+    # Two CPU cores: both runs in about two minutes, compilation included.
     "cpu": Preset(d_model=128, n_heads=4, n_layers=2, seq_len=128, batch=16, steps=250, lr=3e-3,
                   val_batches=8),
     # One NVIDIA H200: ~400M parameters and 32K tokens a step, large enough GEMMs for FP8 to win.
