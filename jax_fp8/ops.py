@@ -21,6 +21,7 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _SCRATCH = jax.ShapeDtypeStruct((3,), jnp.uint32)  # QuantizeScratch in csrc/kernels/quantize.cuh
 _GEMM_WORKSPACE = jax.ShapeDtypeStruct((32 << 20,), jnp.uint8)  # cuBLASLt workspace
 _ALGO_ID = {"max": 0, "most_recent": 1}
+_MAX_TILE_ROWS = 65535  # CUDA's limit on gridDim.y
 
 
 def varying_axes(*values) -> set:
@@ -143,13 +144,17 @@ def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = 
     columns appended up to a multiple of 16 rows of x, so it feeds a GEMM contracting over R
     directly); amax f32 []; dbias f32 [C] or None.
   Raises:
-    TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16.
+    TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16, more
+    than 65535 * 64 rows.
   """
   x = _check_input(x)
   if x.ndim != 2 or x.shape[1] <= 0 or x.shape[1] % 16:
     raise ValueError(f"x must be [R, C] with C a positive multiple of 16, got shape {x.shape}")
   hist, scale, steps = _check_ring(ring)
   rows, cols = x.shape
+  if rows > _MAX_TILE_ROWS * 64:
+    raise ValueError(f"x has {rows} rows; cast_transpose_delayed takes at most "
+                     f"{_MAX_TILE_ROWS * 64} (its grid has one row of blocks per 64 rows)")
   rows16 = -(-rows // 16) * 16
   qdt = fp8_dtype(ring.fmt)
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
