@@ -60,6 +60,10 @@ def main(steps=30):
     yb = yb.reshape(MICROBATCHES, -1, yb.shape[-1])
 
     def accumulated(params, state):
+      # Varying from here on, so that the gradients are summed over the devices once, after
+      # the scan, rather than in every microbatch.
+      params = jax.lax.pcast(params, (AXIS,), to="varying")
+
       def body(_, mb):
         xm, ym, sm = mb
         return None, loss_fn(params, sm, xm, ym)

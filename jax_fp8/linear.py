@@ -45,6 +45,32 @@ def _vary(v, axes):
   return jax.lax.pcast(v, missing, to="varying") if missing else v
 
 
+def _amax_axes(x, kernel, bias, state, amax_axis_name):
+  """The mesh axes to max-reduce the amaxes over, so that devices sharing rings agree.
+
+  Under shard_map (with its type checks), x, kernel or bias vary over some axes (data
+  parallel: x over the batch axis; tensor parallel: kernel over the model axis); rings
+  replicated over such an axis need the amax reduced over it, rings that vary over it (one
+  set per pipeline stage, say) do not. Those axes must be named in amax_axis_name. Without
+  type information (pmap, or shard_map with check_vma=False) the names given are used as
+  they are, and inside shard_map they are required.
+  """
+  names = {amax_axis_name} if isinstance(amax_axis_name, str) else set(amax_axis_name or ())
+  needed = ops.varying_axes(x, kernel, bias) - ops.varying_axes(state)
+  if needed:
+    if not needed <= names:
+      raise ValueError(f"x, kernel or bias vary over the shard_map axes {sorted(needed)}, over "
+                       f"which the state is replicated: pass them as amax_axis_name so every "
+                       f"device keeps the same scale rings, got {amax_axis_name!r}")
+    return tuple(sorted(needed))
+  if ops.varying_axes(x, kernel, bias, state):
+    return None  # typed shard_map: the rings vary wherever the inputs do; nothing to reduce
+  if jax.sharding.get_abstract_mesh().manual_axes and not names:
+    raise ValueError("inside shard_map without type checks (check_vma=False), jax_fp8.linear "
+                     "cannot tell which axes the inputs vary over: pass amax_axis_name")
+  return amax_axis_name
+
+
 def _gemm_dtype(dtype):
   """cuBLASLt writes bf16 / f16 directly; f32 inputs get an f32 GEMM output."""
   return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
@@ -150,20 +176,9 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   if want != have:
     raise ValueError(f"state rings (fmt, history_len, margin, algo) for (x, kernel, grad) = "
                      f"{have} do not match the recipe's {want}")
-  # Under shard_map, x, kernel or bias vary over some mesh axes (data parallel: x over the
-  # batch axis; FSDP: the same, once the kernel is gathered; tensor parallel: kernel over the
-  # model axis). The rings must see the amaxes reduced over all of those axes, so that they stay
-  # replicated; and every input becomes varying over them inside the custom_vjp, so that the
-  # gradient of a replicated input is summed over the axes on the way out, as JAX does for
-  # any op.
+  amax_axis_name = _amax_axes(x, kernel, bias, state, amax_axis_name)
   axes = ops.varying_axes(x, kernel, bias)
-  if axes:
-    names = {amax_axis_name} if isinstance(amax_axis_name, str) else set(amax_axis_name or ())
-    if not axes <= names:
-      raise ValueError(f"x, kernel or bias vary over the shard_map axes {sorted(axes)}: pass "
-                       f"them as amax_axis_name so every device keeps the same scale rings, "
-                       f"got amax_axis_name={amax_axis_name!r}")
-    amax_axis_name = tuple(sorted(axes))
+  if axes:  # so that a replicated input's gradient is summed over the axes, as JAX does
     x, kernel, bias = (_vary(v, axes) for v in (x, kernel, bias))
   dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
   y = _linear(x.reshape(-1, k), kernel, bias, state, amax_axis_name, dtypes)

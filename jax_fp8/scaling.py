@@ -194,7 +194,7 @@ def observe(ring: ScaleRing, amax: jax.Array) -> ScaleRing:
   amax = jnp.asarray(amax, jnp.float32)
   front = jnp.where(jnp.isfinite(amax), amax, jnp.inf)[None]  # non-finite -> +inf marker
   return dataclasses.replace(ring, amax_history=jnp.concatenate([front, ring.amax_history[:-1]]),
-                             scale=jnp.zeros((), jnp.float32), steps=ring.steps + 1)
+                             scale=jnp.zeros_like(ring.scale), steps=ring.steps + 1)
 
 
 def _is_ring(x) -> bool:

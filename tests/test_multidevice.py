@@ -148,3 +148,49 @@ def test_tensor_parallel_column_and_row(problem):
   # rings equal the single-device ones.
   for a, r in zip(jax.tree.leaves(got[4]), jax.tree.leaves(want[4])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(r))
+
+
+def test_rings_owned_per_device(problem):
+  """A state that varies over the axis (one set of rings per device, as pipeline stages own
+  theirs) records each device's own amax: nothing is reduced across devices."""
+  x, w, b, g, state = problem
+  mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("stage",))
+  xs = jnp.stack([x, 10 * x])  # stage 1 sees 10x larger activations
+  stacked = jax.tree.map(lambda v: jnp.stack([v, v]), state)
+
+  def step(x, s):
+    s = jax.tree.map(lambda v: v[0], s)
+    _, vjp = jax.vjp(lambda s: jax_fp8.linear(x[0], w, b, state=s), s)
+    new = jax_fp8.update_state(s, vjp(jax.lax.pcast(g, ("stage",), to="varying"))[0])
+    return jax.tree.map(lambda v: v[None], new)
+
+  new = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("stage"), P("stage")),
+                              out_specs=P("stage")))(xs, stacked)
+  front = np.asarray(new.x.amax_history[:, 0])
+  np.testing.assert_allclose(front, [float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(10 * x)))],
+                             rtol=1e-6)
+
+
+def test_unchecked_shard_map_needs_axis_names(problem):
+  """With check_vma=False the library cannot see which axes vary: it asks for the names, and
+  with them every device records the same rings."""
+  x, w, b, g, state = problem
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+
+  def step(axis_name, x, g, state):
+    _, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, b, state=s, amax_axis_name=axis_name), state)
+    new = jax_fp8.update_state(state, vjp(g)[0])
+    return jax.tree.map(lambda v: v[None], new)  # each device's copy, unchecked
+
+  def run(axis_name):
+    return jax.jit(jax.shard_map(lambda *a: step(axis_name, *a), mesh=mesh,
+                                 in_specs=(P("data"), P("data"), P()), out_specs=P("data"),
+                                 check_vma=False))(x, g, state)
+
+  with pytest.raises(ValueError, match="check_vma=False"):
+    run(None)
+  copies = run("data")
+  for leaf in jax.tree.leaves(copies):
+    assert np.all(np.asarray(leaf) == np.asarray(leaf)[:1])
+  np.testing.assert_array_equal(np.asarray(copies.x.amax_history[0, 0]),
+                                np.asarray(jnp.max(jnp.abs(x))))
