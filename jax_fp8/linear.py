@@ -51,9 +51,10 @@ def _amax_axes(x, kernel, bias, state, amax_axis_name):
   Under shard_map (with its type checks), x, kernel or bias vary over some axes (data
   parallel: x over the batch axis; tensor parallel: kernel over the model axis); rings
   replicated over such an axis need the amax reduced over it, rings that vary over it (one
-  set per pipeline stage, say) do not. Those axes must be named in amax_axis_name. Without
-  type information (pmap, or shard_map with check_vma=False) the names given are used as
-  they are, and inside shard_map they are required.
+  set per pipeline stage, say) do not. Those axes must be named in amax_axis_name. Where the
+  types tell nothing (pmap; shard_map with check_vma=False; or every input replicated), the
+  names given are used as they are; inside shard_map, None then means every manual axis (a
+  no-op where the amaxes agree anyway), and () means no reduction.
   """
   names = {amax_axis_name} if isinstance(amax_axis_name, str) else set(amax_axis_name or ())
   needed = ops.varying_axes(x, kernel, bias) - ops.varying_axes(state)
@@ -65,10 +66,10 @@ def _amax_axes(x, kernel, bias, state, amax_axis_name):
     return tuple(sorted(needed))
   if ops.varying_axes(x, kernel, bias, state):
     return None  # typed shard_map: the rings vary wherever the inputs do; nothing to reduce
-  if jax.sharding.get_abstract_mesh().manual_axes and not names:
-    raise ValueError("inside shard_map without type checks (check_vma=False), jax_fp8.linear "
-                     "cannot tell which axes the inputs vary over: pass amax_axis_name")
-  return amax_axis_name
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  if manual and amax_axis_name is None:
+    return tuple(sorted(manual))
+  return amax_axis_name or None
 
 
 def _gemm_dtype(dtype):
@@ -142,14 +143,16 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
       for the next rings.
     recipe: a ``DelayedScaling``; the state's rings must have been made by it.
     amax_axis_name: under ``pmap`` / ``shard_map``, the axis (or axes) whose devices share the
-      scales; amaxes are max-reduced over it so all devices hold identical rings. Under
-      ``shard_map`` it must name every axis x varies over; the gradients of kernel and bias
-      are then summed over those axes, as JAX does for a replicated parameter.
+      scales; amaxes are max-reduced over it so all devices hold identical rings. Under a
+      type-checked ``shard_map`` it must name every axis x, kernel or bias vary over while
+      the state is replicated (see ``_amax_axes``); gradients of replicated inputs are summed
+      over the axes they are replicated on, as JAX does for any op.
   Returns:
     [..., N] in x's dtype.
   Raises:
     ValueError / TypeError at trace time: K or N not a multiple of 16, mismatched shapes,
-    unsupported dtypes, rings that do not match the recipe.
+    unsupported dtypes, rings that do not match the recipe, axes missing from
+    amax_axis_name under shard_map.
 
   Method: per-tensor delayed scaling with the HYBRID format (Micikevicius et al. 2022;
   NVIDIA TransformerEngine).

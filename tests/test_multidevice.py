@@ -171,9 +171,9 @@ def test_rings_owned_per_device(problem):
                              rtol=1e-6)
 
 
-def test_unchecked_shard_map_needs_axis_names(problem):
-  """With check_vma=False the library cannot see which axes vary: it asks for the names, and
-  with them every device records the same rings."""
+def test_unchecked_shard_map(problem):
+  """With check_vma=False the library cannot see which axes vary: by default it reduces over
+  every manual axis, so every device records the same rings; () asks for no reduction."""
   x, w, b, g, state = problem
   mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
 
@@ -187,10 +187,11 @@ def test_unchecked_shard_map_needs_axis_names(problem):
                                  in_specs=(P("data"), P("data"), P()), out_specs=P("data"),
                                  check_vma=False))(x, g, state)
 
-  with pytest.raises(ValueError, match="check_vma=False"):
-    run(None)
-  copies = run("data")
-  for leaf in jax.tree.leaves(copies):
-    assert np.all(np.asarray(leaf) == np.asarray(leaf)[:1])
-  np.testing.assert_array_equal(np.asarray(copies.x.amax_history[0, 0]),
-                                np.asarray(jnp.max(jnp.abs(x))))
+  for name in (None, "data"):
+    copies = run(name)
+    for leaf in jax.tree.leaves(copies):
+      assert np.all(np.asarray(leaf) == np.asarray(leaf)[:1])
+    np.testing.assert_array_equal(np.asarray(copies.x.amax_history[0, 0]),
+                                  np.asarray(jnp.max(jnp.abs(x))))
+  local = np.asarray(run(()).x.amax_history[:, 0])  # each device's own slice of x
+  np.testing.assert_array_equal(local, np.abs(np.asarray(x)).reshape(8, -1).max(axis=1))
