@@ -22,13 +22,15 @@ import numpy as np
 import jax_fp8
 from jax_fp8 import reference
 
-from . import peers
+from . import block, peers
 from .timing import device_time
 
 QUANT_SHAPES = [(8192, 8192), (16384, 4096)]
 GEMM_SHAPES = [(8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096),
                (16384, 4096, 4096), (4096, 1024, 4096)]  # (M, N, K)
 QUICK_GEMM_SHAPES = [(256, 256, 256)]
+BLOCK = dict(d_model=4096, ffn=14336, heads=32, seq=2048, batch=8)
+QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
 
 
 def rand(key, shape, dtype, scale=1.0):
@@ -131,6 +133,20 @@ def bench_linear(quick, ceil):
   return rows
 
 
+def bench_block(quick, ceil):
+  """Transformer block train step (forward, backward, FP8 state update), FP8 vs BF16."""
+  cfg = QUICK_BLOCK if quick else BLOCK
+  times = {}
+  for fp8 in (True, False):
+    blk, params, state, x = block.setup(fp8, **cfg)
+    times[fp8] = device_time(block.train_step_fn(blk), params, state, x, iters=5 if quick else 10)
+  d, f, t = cfg["d_model"], cfg["ffn"], cfg["batch"] * cfg["seq"]
+  flops = 6 * t * (4 * d * d + 3 * d * f)  # the linears only
+  return [{"case": "block train step", "shape": [cfg["batch"], cfg["seq"], d, f],
+           "us": times[True] * 1e6, "bf16_us": times[False] * 1e6,
+           "linear_TFLOPs": flops / times[True] / 1e12, "vs_bf16": times[False] / times[True]}]
+
+
 def peak_bytes(fn, *args):
   """Device bytes XLA plans for one call: arguments, outputs and temporaries (the compiled
   program's memory analysis)."""
@@ -164,7 +180,7 @@ def main(argv=None):
   env = environment()
   ceil = ceilings(args.quick)
   rows = bench_quantize(args.quick, ceil) + bench_gemm(args.quick, ceil) + \
-      bench_linear(args.quick, ceil)
+      bench_linear(args.quick, ceil) + bench_block(args.quick, ceil)
   results = {"env": env, "ceilings": ceil, "rows": rows}
   print_table(results)
   out = pathlib.Path(args.out) if args.out else (

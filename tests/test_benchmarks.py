@@ -1,0 +1,21 @@
+"""The benchmark suite's quick mode runs end to end and writes every case (so the suite does
+not rot between GPU sessions)."""
+
+import json
+import sys
+import pathlib
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from benchmarks import run  # noqa: E402
+
+
+def test_quick_suite(tmp_path):
+  out = tmp_path / "bench.json"
+  run.main(["--quick", "--out", str(out)])
+  res = json.loads(out.read_text())
+  cases = {r["case"] for r in res["rows"]}
+  assert cases == {"quantize", "quantize_delayed", "jnp quantize", "cast_transpose",
+                   "cast_transpose+dbias", "gemm", "linear fwd+bwd", "block train step"}
+  assert all(r["us"] > 0 for r in res["rows"])
+  assert res["ceilings"]["copy_TBps"] > 0
