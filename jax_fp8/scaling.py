@@ -93,7 +93,7 @@ class ScaleRing:
   margin: int = 0
   algo: str = "max"
 
-  def __post_init__(self):  # the static fields; leaves may be tracers or placeholders here
+  def __post_init__(self):  # the static fields only: leaves may be tracers or sentinels here
     check_ring_params(None, self.fmt, self.margin, self.algo)
 
   @classmethod
