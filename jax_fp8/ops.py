@@ -15,8 +15,7 @@ import numpy as np
 from . import _ffi  # registers the FFI targets
 from .scaling import MAX_HISTORY, ScaleRing, fp8_dtype
 
-_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_OUT_DTYPES = _INPUT_DTYPES
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _SCRATCH = jax.ShapeDtypeStruct((3,), jnp.uint32)  # QuantizeScratch in csrc/kernels/quantize.cuh
 _GEMM_WORKSPACE = jax.ShapeDtypeStruct((32 << 20,), jnp.uint8)  # cuBLASLt workspace
@@ -50,7 +49,7 @@ def _vary_like(outs, *ins):
 def _check_input(x, name="x"):
   _ffi.check_backend()
   x = jnp.asarray(x)
-  if x.dtype not in _INPUT_DTYPES:
+  if x.dtype not in _FLOAT_DTYPES:
     raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
   return x
 
@@ -187,7 +186,7 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
   if q.dtype not in FP8_DTYPES:
     raise TypeError(f"q must be float8_e4m3fn or float8_e5m2, got {q.dtype}")
   scale = _check_scalar_f32(scale, "scale")
-  if jnp.dtype(dtype) not in _OUT_DTYPES:
+  if jnp.dtype(dtype) not in _FLOAT_DTYPES:
     raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
   return (q.astype(jnp.float32) * scale).astype(dtype)
 
@@ -214,7 +213,7 @@ def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype):
   a_scale = _check_scalar_f32(a_scale, "a_scale")
   b_scale = _check_scalar_f32(b_scale, "b_scale")
   out_dtype = jnp.dtype(out_dtype)
-  if out_dtype not in _OUT_DTYPES:
+  if out_dtype not in _FLOAT_DTYPES:
     raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
   if bias is not None:
     bias = jnp.asarray(bias)
