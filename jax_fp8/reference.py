@@ -23,8 +23,11 @@ def as_f32(x: jax.Array) -> jax.Array:
 
 
 def amax(x: jax.Array) -> jax.Array:
-  """max |x| in f32 (NaN if x holds a NaN), f32 []."""
-  return jnp.max(jnp.abs(as_f32(x)), initial=0.0)
+  """max |x| in f32 (NaN if x holds a NaN), f32 []. The NaN is explicit: XLA's CPU max
+  reduction can drop NaNs (seen with jax 0.10.2 on a [52, 80] array)."""
+  a = jnp.abs(as_f32(x))
+  nan = jnp.isnan(a)
+  return jnp.where(jnp.any(nan), jnp.nan, jnp.max(jnp.where(nan, 0.0, a), initial=0.0))
 
 
 def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:

@@ -21,7 +21,7 @@ def arrays(shape):
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(x=st.integers(1, 300).flatmap(lambda n: arrays((n,))), scale=SCALES,
        fmt=st.sampled_from(["e4m3", "e5m2"]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]))
@@ -35,7 +35,7 @@ def test_quantize_any_input(platform_name, x, scale, fmt, dtype):
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(data=st.data(), rows=st.integers(0, 80), cols16=st.integers(1, 5),
        margin=st.integers(-4, 4), algo=st.sampled_from(["max", "most_recent"]),
        steps=st.integers(1, 3))
