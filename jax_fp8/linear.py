@@ -66,10 +66,17 @@ def _amax_axes(x, kernel, bias, state, amax_axis_name):
     return tuple(sorted(needed))
   if ops.varying_axes(x, kernel, bias, state):
     return None  # typed shard_map: the rings vary wherever the inputs do; nothing to reduce
-  manual = jax.sharding.get_abstract_mesh().manual_axes
+  manual = _manual_axes()
   if manual and amax_axis_name is None:
     return tuple(sorted(manual))
   return amax_axis_name or None
+
+
+def _manual_axes() -> tuple:
+  """The mesh axes of the enclosing shard_map (empty outside one, or where this jax cannot
+  say)."""
+  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  return tuple(getattr(get_mesh(), "manual_axes", ())) if get_mesh else ()
 
 
 def _gemm_dtype(dtype):
