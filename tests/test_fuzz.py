@@ -1,5 +1,7 @@
 """Property tests (hypothesis): on arbitrary inputs, NaN, inf and subnormals included, the
-quantize kernels write the reference's bytes, and the rings advance as the reference's."""
+quantize kernels write the reference's bytes, and the rings advance as the reference's.
+Derandomized: the same examples every run, so CI is repeatable; raise max_examples locally to
+search further (a run of 300 each passed on 2026-11-29)."""
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,7 @@ def arrays(shape):
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None, derandomize=True)
 @given(x=st.integers(1, 300).flatmap(lambda n: arrays((n,))), scale=SCALES,
        fmt=st.sampled_from(["e4m3", "e5m2"]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]))
@@ -35,7 +37,7 @@ def test_quantize_any_input(platform_name, x, scale, fmt, dtype):
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None, derandomize=True)
 @given(data=st.data(), rows=st.integers(0, 80), cols16=st.integers(1, 5),
        margin=st.integers(-4, 4), algo=st.sampled_from(["max", "most_recent"]),
        steps=st.integers(1, 3))
