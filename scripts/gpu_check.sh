@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU session script: build, GPU tests, benchmark suite, demo. Logs go to $OUT
 # (the device tool brings them back). Usage on the GPU machine:
-#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [demo]   (default: all three)
+#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [demo] [profile]
+# (default: tests bench demo; profile runs Nsight Compute over our kernels)
 set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
@@ -28,6 +29,11 @@ for s in $steps; do
            tail -25 "$OUT/bench.log" ;;
     demo)  python3 -m jax_fp8.demo --preset gpu --out "$OUT/demo" > "$OUT/demo.log" 2>&1
            echo "demo exit $?"; tail -15 "$OUT/demo.log" ;;
+    profile) ncu --clock-control none --kernel-name regex:"quantize_kernel|cast_transpose_kernel" \
+               --launch-skip 3 --launch-count 3 --section SpeedOfLight \
+               --section MemoryWorkloadAnalysis --section Occupancy \
+               python3 scripts/profile_kernels.py > "$OUT/profile.log" 2>&1
+           grep -E "==PROF==|Kernel|Throughput|Duration|Occupancy" "$OUT/profile.log" | head -60 ;;
   esac
   echo "$s $(( $(date +%s) - t0 )) s"
 done
