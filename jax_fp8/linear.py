@@ -48,28 +48,24 @@ def _vary(v, axes):
 def _amax_axes(x, kernel, bias, state, amax_axis_name):
   """The mesh axes to max-reduce the amaxes over, so that devices sharing rings agree.
 
-  Under shard_map (with its type checks), x, kernel or bias vary over some axes (data
-  parallel: x over the batch axis; tensor parallel: kernel over the model axis); rings
-  replicated over such an axis need the amax reduced over it, rings that vary over it (one
-  set per pipeline stage, say) do not. Those axes must be named in amax_axis_name. Where the
-  types tell nothing (pmap; shard_map with check_vma=False; or every input replicated), the
-  names given are used as they are; inside shard_map, None then means every manual axis (a
-  no-op where the amaxes agree anyway), and () means no reduction.
+  Axes named in amax_axis_name are always reduced over. Under a type-checked shard_map, x,
+  kernel or bias vary over some axes (data parallel: x over the batch axis; tensor parallel:
+  kernel over the model axis); rings replicated over such an axis need the amax reduced over
+  it, so those axes must be among the names; rings that vary over it (one set per pipeline
+  stage, say) keep their own amaxes unless the axis is named. Where the types tell nothing
+  (pmap, shard_map with check_vma=False, or every input replicated), the default None means
+  every manual axis (a no-op where the amaxes agree anyway), and () means none.
   """
   names = {amax_axis_name} if isinstance(amax_axis_name, str) else set(amax_axis_name or ())
   needed = ops.varying_axes(x, kernel, bias) - ops.varying_axes(state)
-  if needed:
-    if not needed <= names:
-      raise ValueError(f"x, kernel or bias vary over the shard_map axes {sorted(needed)}, over "
-                       f"which the state is replicated: pass them as amax_axis_name so every "
-                       f"device keeps the same scale rings, got {amax_axis_name!r}")
-    return tuple(sorted(needed))
-  if ops.varying_axes(x, kernel, bias, state):
-    return None  # typed shard_map: the rings vary wherever the inputs do; nothing to reduce
-  manual = _manual_axes()
-  if manual and amax_axis_name is None:
-    return tuple(sorted(manual))
-  return amax_axis_name or None
+  if not needed <= names:
+    raise ValueError(f"x, kernel or bias vary over the shard_map axes {sorted(needed)}, over "
+                     f"which the state is replicated: pass them as amax_axis_name so every "
+                     f"device keeps the same scale rings, got {amax_axis_name!r}")
+  typed = bool(ops.varying_axes(x, kernel, bias, state))
+  if amax_axis_name is None and not typed:
+    return tuple(sorted(_manual_axes())) or None
+  return tuple(sorted(names)) or None
 
 
 def _manual_axes() -> tuple:
@@ -151,8 +147,10 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     recipe: a ``DelayedScaling``; the state's rings must have been made by it.
     amax_axis_name: under ``pmap`` / ``shard_map``, the axis (or axes) whose devices share the
       scales; amaxes are max-reduced over it so all devices hold identical rings. Under a
-      type-checked ``shard_map`` it must name every axis x, kernel or bias vary over while
-      the state is replicated (see ``_amax_axes``); gradients of replicated inputs are summed
+      type-checked ``shard_map`` it must include every axis x, kernel or bias vary over while
+      the state is replicated. The default None means, where the types tell nothing (pmap,
+      ``check_vma=False``), every manual axis; ``()`` means none (independent replicas, as in
+      an ensemble under pmap). See ``_amax_axes``. Gradients of replicated inputs are summed
       over the axes they are replicated on, as JAX does for any op.
   Returns:
     [..., N] in x's dtype.

@@ -195,3 +195,39 @@ def test_unchecked_shard_map(problem):
                                   np.asarray(jnp.max(jnp.abs(x))))
   local = np.asarray(run(()).x.amax_history[:, 0])  # each device's own slice of x
   np.testing.assert_array_equal(local, np.abs(np.asarray(x)).reshape(8, -1).max(axis=1))
+
+
+def test_named_axis_reduces_even_for_a_per_device_state(problem):
+  """A state stacked per device (as ported pmap code passes it) but with the axis named:
+  the named axis is reduced, so every device records the same amax, as under pmap."""
+  x, w, b, g, state = problem
+  mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("data",))
+  stacked = jax.tree.map(lambda v: jnp.stack([v, v]), state)
+
+  def step(x, s):
+    s = jax.tree.map(lambda v: v[0], s)
+    _, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, b, state=s, amax_axis_name="data"), s)
+    new = jax_fp8.update_state(s, vjp(jax.lax.pcast(g[:64], ("data",), to="varying"))[0])
+    return jax.tree.map(lambda v: v[None], new)
+
+  new = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P("data")),
+                              out_specs=P("data")))(x, stacked)
+  np.testing.assert_array_equal(np.asarray(new.x.amax_history[:, 0]),
+                                [float(jnp.max(jnp.abs(x)))] * 2)
+
+
+@pytest.mark.parametrize("name,shared", [(None, True), ("r", True), ((), False)])
+def test_pmap_axis_defaults(problem, name, shared):
+  """Under pmap: None and the axis name share the rings; () keeps each device's own."""
+  x, w, b, g, state = problem
+  xs = jnp.stack([x, 3 * x])
+  rep = jax.tree.map(lambda v: jnp.stack([v, v]), state)
+
+  def step(x, s):
+    _, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, b, state=s, amax_axis_name=name), s)
+    return jax_fp8.update_state(s, vjp(g)[0])
+
+  new = jax.pmap(step, axis_name="r", devices=jax.devices("cpu")[:2])(xs, rep)
+  own = [float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(3 * x)))]
+  want = [max(own)] * 2 if shared else own
+  np.testing.assert_allclose(np.asarray(new.x.amax_history[:, 0]), want, rtol=1e-6)
