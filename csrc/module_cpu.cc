@@ -9,6 +9,9 @@ extern "C" {
 XLA_FFI_Error* QuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* QuantizeRingCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CastTransposeRingCpuHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* GroupQuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* BlockQuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* GroupCastTransposeCpuHandler(XLA_FFI_CallFrame* call_frame);
 }
 
 NB_MODULE(_jax_fp8_cpu, m) {
@@ -18,6 +21,10 @@ NB_MODULE(_jax_fp8_cpu, m) {
     d["jax_fp8_quantize_ring"] = nb::capsule(reinterpret_cast<void*>(QuantizeRingCpuHandler));
     d["jax_fp8_cast_transpose_ring"] =
         nb::capsule(reinterpret_cast<void*>(CastTransposeRingCpuHandler));
+    d["jax_fp8_group_quantize"] = nb::capsule(reinterpret_cast<void*>(GroupQuantizeCpuHandler));
+    d["jax_fp8_block_quantize"] = nb::capsule(reinterpret_cast<void*>(BlockQuantizeCpuHandler));
+    d["jax_fp8_group_cast_transpose"] =
+        nb::capsule(reinterpret_cast<void*>(GroupCastTransposeCpuHandler));
     return d;
   });
 }

@@ -11,6 +11,9 @@ extern "C" {
 XLA_FFI_Error* QuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* QuantizeRingCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* CastTransposeRingCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* GroupQuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* BlockQuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* GroupCastTransposeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* GemmCudaHandler(XLA_FFI_CallFrame* call_frame);
 }
 
@@ -22,6 +25,10 @@ NB_MODULE(_jax_fp8_cuda, m) {
     d["jax_fp8_gemm"] = nb::capsule(reinterpret_cast<void*>(GemmCudaHandler));
     d["jax_fp8_cast_transpose_ring"] =
         nb::capsule(reinterpret_cast<void*>(CastTransposeRingCudaHandler));
+    d["jax_fp8_group_quantize"] = nb::capsule(reinterpret_cast<void*>(GroupQuantizeCudaHandler));
+    d["jax_fp8_block_quantize"] = nb::capsule(reinterpret_cast<void*>(BlockQuantizeCudaHandler));
+    d["jax_fp8_group_cast_transpose"] =
+        nb::capsule(reinterpret_cast<void*>(GroupCastTransposeCudaHandler));
     return d;
   });
 }

@@ -119,6 +119,20 @@ JF8_HD float ring_scale_for_step(float ring_scale, float steps, float current_am
   return steps == 0.0f ? scale_from_amax(current_amax, ring_scale, f, margin) : ring_scale;
 }
 
+// Block scaling (DeepSeek-V3 recipe; jax_fp8.reference.group_scale): the scale of one group
+// or block is max(amax, eps) * f32(1 / fmt_max). With ue8m0 it is rounded up to a power of two
+// straight from the f32 bits (a nonzero mantissa carries into the exponent). A NaN amax gives
+// a NaN scale and an infinite one an infinite scale, so a group holding NaN or inf
+// dequantizes to NaN: visible, never silently finite. eps >= fmt_max * FLT_MIN (checked at
+// trace time) keeps every finite scale normal, so its reciprocal is finite.
+JF8_HD float group_scale(float amax, float eps, Fp8Format f, bool ue8m0) {
+  const float a = (amax >= eps || amax != amax) ? amax : eps;
+  const float s = a * (f == Fp8Format::kE4M3 ? 1.0f / 448.0f : 1.0f / 57344.0f);
+  if (!ue8m0 || !(s <= FLT_MAX)) return s;
+  const uint32_t b = float_bits(s);
+  return bits_float((b + 0x007FFFFFu) & 0xFF800000u);
+}
+
 enum class AmaxAlgo : int { kMax = 0, kMostRecent = 1 };
 
 constexpr int kMaxHistory = 1024;  // amax history length limit (jax_fp8.scaling.MAX_HISTORY)

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi  # registers the FFI targets
+from . import reference
 from .scaling import MAX_HISTORY, ScaleRing, fp8_dtype
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -192,6 +193,26 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
 
 
 
+def _scale_mode(a_scale, b_scale, m, n, k):
+  """0 for per-tensor scales; 1 for a [M, K/128] with b [ceil(N/128), K/128] (128 x 128
+  blocks); 2 for a [M, K/128] with b [N, K/128] (1 x 128 groups). Raises otherwise."""
+  a_scale, b_scale = jnp.asarray(a_scale), jnp.asarray(b_scale)
+  for name, v in (("a_scale", a_scale), ("b_scale", b_scale)):
+    if v.dtype != jnp.float32:
+      raise TypeError(f"{name} must be float32, got {v.dtype}")
+  if a_scale.shape == () and b_scale.shape == ():
+    return 0, a_scale, b_scale
+  kb = k // 128
+  modes = {(-(-n // 128), kb): 1, (n, kb): 2}
+  if k % 128 or a_scale.shape != (m, kb) or b_scale.shape not in modes:
+    raise ValueError(f"scales must be float32 scalars (per-tensor), or block scales with K a "
+                     f"multiple of 128: a_scale [M, K/128] = [{m}, {k / 128:g}] and b_scale "
+                     f"[ceil(N/128), K/128] = [{-(-n // 128)}, {k / 128:g}] (128 x 128 blocks) or "
+                     f"[N, K/128] = [{n}, {k / 128:g}] (1 x 128 groups); got a_scale "
+                     f"{list(a_scale.shape)} and b_scale {list(b_scale.shape)} with K={k}")
+  return modes[b_scale.shape], a_scale, b_scale
+
+
 def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype):
   _ffi.check_backend()
   a, b = jnp.asarray(a), jnp.asarray(b)
@@ -206,12 +227,11 @@ def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype):
   if a.shape[1] != b.shape[1]:
     raise ValueError(f"a [M, K] and b [N, K] must share K (TN layout), got a {a.shape} and "
                      f"b {b.shape}")
-  k, n = a.shape[1], b.shape[0]
+  m, k, n = a.shape[0], a.shape[1], b.shape[0]
   if k % 16 or n % 16:
     raise ValueError(f"K and N must be multiples of 16 (cuBLASLt FP8 alignment), got K={k}, "
                      f"N={n}; pad the operands")
-  a_scale = _check_scalar_f32(a_scale, "a_scale")
-  b_scale = _check_scalar_f32(b_scale, "b_scale")
+  mode, a_scale, b_scale = _scale_mode(a_scale, b_scale, m, n, k)
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in _FLOAT_DTYPES:
     raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
@@ -222,21 +242,28 @@ def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype):
                       "epilogue); add an f32 bias after the GEMM")
     if bias.shape != (n,) or bias.dtype != out_dtype:
       raise ValueError(f"bias must be [{n}] {out_dtype}, got {bias.dtype}{list(bias.shape)}")
-  return a, b, a_scale, b_scale, bias, out_dtype
+  return a, b, a_scale, b_scale, bias, out_dtype, mode
 
 
 def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
          bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
          fast_accum: bool = False) -> jax.Array:
-  """FP8 GEMM in TN layout with f32 accumulation: ``(a_scale * b_scale) * a @ b.T + bias``.
+  """FP8 GEMM in TN layout with f32 accumulation: ``(a_scale * b_scale) * a @ b.T + bias``,
+  with per-tensor or block scales.
 
   CUDA: cuBLASLt (scales read on the device, bias in the epilogue, heuristic algorithm chosen
-  once per shape). CPU: XLA's f32 dot on the upcast operands (exact products, f32 sums).
+  once per shape; block scales through its VEC128 / BLK128x128 modes, cuBLASLt >= 12.9, the
+  DeepSeek-V3 recipe). CPU: XLA's f32 dot on the upcast (for block scales: dequantized)
+  operands.
 
   Args:
     a: [M, K] float8_e4m3fn or float8_e5m2.
     b: [N, K] float8_e4m3fn or float8_e5m2 (not both e5m2).
-    a_scale, b_scale: float32 scalars, the operands' dequantization steps.
+    a_scale, b_scale: the operands' dequantization steps, float32. Per-tensor: two scalars.
+      Block scaling (K a multiple of 128): a_scale [M, K/128] (1 x 128 groups of a's rows) and
+      b_scale [ceil(N/128), K/128] (128 x 128 blocks, weights) or [N, K/128] (1 x 128 groups,
+      as in wgrad); ``jax_fp8.group_quantize`` / ``block_quantize`` / ``group_cast_transpose``
+      make them.
     bias: optional [N] in ``out_dtype`` (bfloat16 or float16 only).
     out_dtype: bfloat16 (default), float16 or float32.
     fast_accum: let Hopper's FP8 tensor cores accumulate without periodic promotion to f32
@@ -245,25 +272,36 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     [M, N] in ``out_dtype``.
   Raises:
     TypeError / ValueError at trace time: wrong dtypes, ranks, K mismatch, K or N not a
-    multiple of 16, a bias with f32 output or of the wrong shape.
+    multiple of 16, scales of shapes that match no scale mode, a bias with f32 output or of
+    the wrong shape.
   """
-  a, b, a_scale, b_scale, bias, out_dtype = _check_gemm(a, b, a_scale, b_scale, bias, out_dtype)
-  m, n = a.shape[0], b.shape[0]
+  a, b, a_scale, b_scale, bias, out_dtype, mode = _check_gemm(a, b, a_scale, b_scale, bias,
+                                                              out_dtype)
+  (m, k), n = a.shape, b.shape[0]
   if 0 in (m, n, a.shape[1]):  # nothing to multiply: no library call
     d = jnp.zeros((m, n), jnp.float32) + (0 if bias is None else bias.astype(jnp.float32))
     return _vary_like(d.astype(out_dtype), a, b, a_scale, b_scale, bias)
 
   def on_cuda(a, b, a_scale, b_scale, *bias):
     bias_arg = bias[0] if bias else jnp.zeros((0,), out_dtype)
+    # cuBLASLt reads 1 x 128 scales outer-dimension-contiguous (csrc/ffi/gemm_cuda.cc).
+    sa = a_scale.T if mode else a_scale
+    sb = b_scale.T if mode == 2 else b_scale
     d, _ = jax.ffi.ffi_call(
         "jax_fp8_gemm",
         (jax.ShapeDtypeStruct((m, n), out_dtype), _GEMM_WORKSPACE),
         vmap_method="sequential",
-    )(a, b, a_scale, b_scale, bias_arg, has_bias=bool(bias), fast_accum=bool(fast_accum))
+    )(a, b, sa, sb, bias_arg, has_bias=bool(bias), fast_accum=bool(fast_accum),
+      scale_mode=np.int64(mode))
     return _vary_like(d, a, b, a_scale, b_scale, *bias)
 
   def on_cpu(a, b, a_scale, b_scale, *bias):
-    acc = jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32),
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    if mode:  # block scales: dequantize each operand, then one f32 dot
+      a = a * reference.expand_scales(a_scale, m, k, 1)
+      b = b * reference.expand_scales(b_scale, n, k, 128 if mode == 1 else 1)
+      a_scale = b_scale = jnp.float32(1)
+    acc = jax.lax.dot_general(a, b,
                               (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     d = acc * (a_scale * b_scale)
     if bias:

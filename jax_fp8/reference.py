@@ -87,3 +87,92 @@ def linear(x, kernel, bias=None, *, state) -> jax.Array:
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   return y.astype(x.dtype).reshape(*x.shape[:-1], kernel.shape[-1])
+
+
+# Block scaling (DeepSeek-V3 recipe; csrc/numerics.h group_scale and the block kernels).
+
+def group_scale(amax_: jax.Array, eps: float, fmt: str, ue8m0: bool) -> jax.Array:
+  """Scale of a group or block: ``max(amax, eps) * f32(1 / fmt_max)``, NaN and inf kept; with
+  ue8m0 rounded up to a power of two from the f32 bits."""
+  a = jnp.where(jnp.isnan(amax_) | (amax_ >= eps), amax_, jnp.float32(eps))
+  s = a * (np.float32(1.0) / np.float32(fp8_max(fmt)))
+  if not ue8m0:
+    return s
+  b = jax.lax.bitcast_convert_type(s, jnp.uint32)
+  up = jax.lax.bitcast_convert_type((b + np.uint32(0x007FFFFF)) & np.uint32(0xFF800000),
+                                   jnp.float32)
+  return jnp.where(jnp.isfinite(s), up, s)
+
+
+def _amax_along(x: jax.Array, axis) -> jax.Array:
+  """NaN-propagating max |x| over ``axis``, f32 (see ``amax``)."""
+  a = jnp.abs(as_f32(x))
+  nan = jnp.any(jnp.isnan(a), axis=axis)
+  return jnp.where(nan, jnp.nan, jnp.max(jnp.where(jnp.isnan(a), 0.0, a), axis=axis))
+
+
+def _cast(y: jax.Array, fmt: str) -> jax.Array:
+  """f32 -> FP8 with saturation and the canonical NaN, as ``quantize``."""
+  dt, fmax = fp8_dtype(fmt), fp8_max(fmt)
+  q = jnp.clip(y, -fmax, fmax).astype(dt)
+  return jnp.where(jnp.isnan(y), jax.lax.bitcast_convert_type(jnp.uint8(_CANONICAL_NAN), dt), q)
+
+
+def group_quantize(x, *, group_size=128, fmt="e4m3", eps=1e-10, ue8m0=False, scale_layout="row"):
+  """Per-token-group quantization: groups of ``group_size`` along the last axis.
+  ``x [..., K]`` -> ``q [..., K]``, scales ``[..., K/g]`` ("row"), ``[K/g, M]`` ("col", M the
+  product of the leading dims) or ``[K/g, ceil4(M)]`` zero-padded ("col_tma")."""
+  *lead, k = x.shape
+  g = x.reshape(*lead, k // group_size, group_size)
+  s = group_scale(_amax_along(g, -1), eps, fmt, ue8m0)  # [..., K/g]
+  q = _cast(as_f32(g) * (1.0 / s)[..., None], fmt).reshape(x.shape)
+  if scale_layout == "row":
+    return q, s
+  st = s.reshape(-1, k // group_size).T  # [K/g, M]
+  if scale_layout == "col_tma":
+    st = jnp.pad(st, ((0, 0), (0, -st.shape[1] % 4)))
+  return q, st
+
+
+def _tiles(x, fill=0.0):
+  """x [R, C] padded with ``fill`` to multiples of 128 and viewed as [R/128, 128, C/128, 128]."""
+  r, c = x.shape
+  xp = jnp.pad(as_f32(x), ((0, -r % 128), (0, -c % 128)), constant_values=fill)
+  return xp.reshape(xp.shape[0] // 128, 128, xp.shape[1] // 128, 128)
+
+
+def block_quantize(w, *, block=(128, 128), fmt="e4m3", eps=1e-10, ue8m0=False):
+  """128 x 128 block quantization of ``w [R, C]``: ``q [R, C]``, scales
+  ``[ceil(R/128), ceil(C/128)]``; edge blocks use only the elements they hold."""
+  del block  # (128, 128), checked by the op
+  r, c = w.shape
+  t = _tiles(w)
+  s = group_scale(_amax_along(t, (1, 3)), eps, fmt, ue8m0)  # [R/128, C/128]
+  q = _cast(t * (1.0 / s)[:, None, :, None], fmt).reshape(t.shape[0] * 128, -1)[:r, :c]
+  return q, s
+
+
+def group_cast_transpose(x, *, fmt="e4m3", eps=1e-10, ue8m0=False):
+  """Both directions of 128-element group quantization of ``x [R, C]`` (C a multiple of 128):
+  ``q [R, C]`` with scales ``[R, C/128]`` (groups along rows of x), and ``qt [C, ceil128(R)]``
+  with scales ``[C, ceil128(R)/128]`` (groups along columns of x, zero-padded)."""
+  q, s = group_quantize(x, group_size=128, fmt=fmt, eps=eps, ue8m0=ue8m0)
+  xt = jnp.pad(as_f32(x).T, ((0, 0), (0, -x.shape[0] % 128)))  # zero pad: amax unchanged
+  qt, st = group_quantize(xt, group_size=128, fmt=fmt, eps=eps, ue8m0=ue8m0)
+  return q, s, qt, st
+
+
+def expand_scales(scale: jax.Array, rows: int, cols: int, block_rows: int) -> jax.Array:
+  """Scales [ceil(rows / block_rows), ceil(cols / 128)] repeated to one per element
+  [rows, cols]: block_rows 1 for 1 x 128 groups, 128 for 128 x 128 blocks."""
+  s = jnp.repeat(jnp.repeat(scale, block_rows, axis=0), 128, axis=1)
+  return s[:rows, :cols]
+
+
+def block_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16) -> jax.Array:
+  """Block-scaled ``a @ b.T`` in f32: a [M, K] with 1 x 128 scales a_scale [M, K/128]; b [N, K]
+  with 128 x 128 scales [ceil(N/128), K/128] or 1 x 128 scales [N, K/128]."""
+  (m, k), n = a.shape, b.shape[0]
+  af = a.astype(jnp.float32) * expand_scales(a_scale, m, k, 1)
+  bf = b.astype(jnp.float32) * expand_scales(b_scale, n, k, 1 if b_scale.shape[0] == n else 128)
+  return gemm(af, bf, jnp.float32(1), jnp.float32(1), bias=bias, out_dtype=out_dtype)

@@ -32,6 +32,16 @@ inline float amax_of(const ffi::AnyBuffer& x) {
   return bits_float(m);
 }
 
+// NaN-propagating max |x| over rows [r0, r1) and columns [c0, c1) of x viewed as [*, cols].
+inline float amax_region(const ffi::AnyBuffer& x, int64_t cols, int64_t r0, int64_t r1, int64_t c0,
+                         int64_t c1) {
+  uint32_t m = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c)
+      m = std::max(m, abs_bits(load_f32(x.untyped_data(), x.element_type(), r * cols + c)));
+  return bits_float(m);
+}
+
 // Writes the ring outputs: the inputs advanced by this step's amax (copied first, in case XLA
 // did not alias them; the result is the same either way).
 inline void write_next_ring(float amax, const ffi::Buffer<ffi::F32>& history,

@@ -1,5 +1,9 @@
 // CUDA FFI handler for jax_fp8_gemm: FP8 x FP8 -> bf16 / f16 / f32 through cuBLASLt, TN layout,
-// f32 accumulation, per-tensor scales read on the device, optional bias in the epilogue.
+// f32 accumulation, scales read on the device, optional bias in the epilogue. Scales are
+// per-tensor (scale_mode 0) or block scales (DeepSeek-V3 recipe, cuBLASLt >= 12.9): a with
+// 1 x 128 groups along K and b with 128 x 128 blocks (scale_mode 1) or 1 x 128 groups
+// (scale_mode 2). cuBLASLt reads the 1 x 128 scales outer-dimension-contiguous ([K/128, M] for
+// a, [K/128, N] for b) and the 128 x 128 ones as [ceil(N/128), K/128] row-major.
 //
 // Row-major view: D[M, N] = (a_scale * b_scale) * A[M, K] . B[N, K]^T (+ bias[N]).
 // cuBLASLt is column-major, so it computes D^T[N, M]: its "A" is our B seen as a K x N
@@ -39,7 +43,7 @@ cudaDataType_t lt_type(ffi::DataType t) {
 
 // One cuBLASLt handle per device and one heuristic choice per problem, found once, outside
 // later executions, so every execution of a given call issues the same device work.
-using AlgoKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, int>;
+using AlgoKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, bool, bool, int, int64_t>;
 
 // Largest power of two (up to 256) dividing every pointer: the heuristic must only offer
 // algorithms valid for the alignment XLA gave these buffers.
@@ -70,10 +74,20 @@ struct Descs {
   }
 };
 
+// Element counts the scales must have for a scale mode (0 per-tensor, 1 and 2 block scaling).
+bool scale_sizes_ok(int64_t mode, int64_t M, int64_t N, int64_t K, size_t na, size_t nb) {
+  if (mode == 0) return na == 1 && nb == 1;
+  if (K % 128) return false;
+  const int64_t kb = K / 128;
+  const int64_t want_b = mode == 1 ? (N + 127) / 128 * kb : N * kb;
+  return int64_t(na) == M * kb && int64_t(nb) == want_b;
+}
+
 ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                     ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
                     ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> d,
-                    ffi::Result<ffi::AnyBuffer> workspace, bool has_bias, bool fast_accum) {
+                    ffi::Result<ffi::AnyBuffer> workspace, bool has_bias, bool fast_accum,
+                    int64_t scale_mode) {
   // dtype -> rank -> shape relations -> alignment, as validated first in jax_fp8/ops.py.
   if (!is_fp8(a.element_type()) || !is_fp8(b.element_type()))
     return invalid("a and b must be float8_e4m3fn or float8_e5m2");
@@ -89,6 +103,9 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   if (has_bias && (bias.element_type() != dt || int64_t(bias.element_count()) != N))
     return invalid("bias must be [N] in the output dtype");
   if (workspace->size_bytes() < kWorkspaceBytes) return invalid("workspace too small");
+  if (scale_mode < 0 || scale_mode > 2) return invalid("scale_mode must be 0, 1 or 2");
+  if (!scale_sizes_ok(scale_mode, M, N, K, a_scale.element_count(), b_scale.element_count()))
+    return invalid("scales do not match the scale mode (block scaling also needs K % 128 == 0)");
   if (M == 0) return ffi::Error::Success();
 
   int dev = 0;
@@ -116,6 +133,18 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   const void* sb = a_scale.typed_data();
   JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
   JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
+  if (scale_mode != 0) {
+#if CUBLAS_VERSION >= 120900
+    const cublasLtMatmulMatrixScale_t mode_a = scale_mode == 1
+                                                   ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
+                                                   : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    const cublasLtMatmulMatrixScale_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode_a, sizeof(mode_a)));
+    JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode_b, sizeof(mode_b)));
+#else
+    return ffi::Error::Unimplemented("block-scaled GEMMs need cuBLASLt 12.9 or newer at build time");
+#endif
+  }
   if (has_bias) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
     const void* bp = bias.untyped_data();
@@ -131,7 +160,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   const int align = common_alignment({a.untyped_data(), b.untyped_data(), d->untyped_data(),
                                       has_bias ? bias.untyped_data() : nullptr});
   const AlgoKey key{dev, M, N, K, int(a.element_type()), int(b.element_type()), int(dt), has_bias,
-                    fast_accum, align};
+                    fast_accum, align, scale_mode};
   cublasLtMatmulAlgo_t algo;
   {
     std::lock_guard<std::mutex> lock(cache().mu);
@@ -152,7 +181,8 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
           cublasLtMatmulAlgoGetHeuristic(lt, ds.op, ds.la, ds.lb, ds.ld, ds.ld, pref, 1, &res, &found);
       cublasLtMatmulPreferenceDestroy(pref);
       if (st != CUBLAS_STATUS_SUCCESS || found == 0)
-        return ffi::Error::Internal("cuBLASLt found no FP8 algorithm for this GEMM");
+        return ffi::Error::Internal("cuBLASLt found no FP8 algorithm for this GEMM (scale mode " +
+                                    std::to_string(scale_mode) + ")");
       cache().algos[key] = res.algo;
       algo = res.algo;
     } else {
@@ -175,13 +205,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmImpl,
                            .Ctx<ffi::PlatformStream<cudaStream_t>>()
                            .Arg<ffi::AnyBuffer>()            // a [M, K] fp8
                            .Arg<ffi::AnyBuffer>()            // b [N, K] fp8
-                           .Arg<ffi::Buffer<ffi::F32>>()     // a_scale []
-                           .Arg<ffi::Buffer<ffi::F32>>()     // b_scale []
+                           .Arg<ffi::Buffer<ffi::F32>>()     // a_scale [] or [K/128, M]
+                           .Arg<ffi::Buffer<ffi::F32>>()     // b_scale [], [N/128, K/128], [K/128, N]
                            .Arg<ffi::AnyBuffer>()            // bias [N] (or [0] when absent)
                            .Ret<ffi::AnyBuffer>()            // d [M, N]
                            .Ret<ffi::AnyBuffer>()            // workspace
                            .Attr<bool>("has_bias")
-                           .Attr<bool>("fast_accum"),
+                           .Attr<bool>("fast_accum")
+                           .Attr<int64_t>("scale_mode"),
                        {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_fp8

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <mutex>
 
 #include "xla/ffi/api/ffi.h"
@@ -39,6 +40,13 @@ inline int grid_size(size_t n, size_t per_block, int blocks_per_sm) {
   return static_cast<int>(std::max<size_t>(1, std::min(want, cap)));
 }
 
+// PDL is on for sm_90+ unless the environment sets JAX_FP8_PDL=0 (read at every launch, so a
+// test or benchmark can compare both; a captured command buffer keeps what it saw).
+inline bool pdl_enabled() {
+  const char* v = std::getenv("JAX_FP8_PDL");
+  return device_info().major >= 9 && !(v && v[0] == '0');
+}
+
 template <typename... KArgs, typename... Args>
 void launch_pdl(void (*kernel)(KArgs...), dim3 blocks, int threads, cudaStream_t stream,
                 Args&&... args) {
@@ -50,7 +58,7 @@ void launch_pdl(void (*kernel)(KArgs...), dim3 blocks, int threads, cudaStream_t
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = device_info().major >= 9 ? 1 : 0;
+  cfg.numAttrs = pdl_enabled() ? 1 : 0;
   cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 

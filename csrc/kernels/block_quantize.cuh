@@ -1,0 +1,135 @@
+// 128 x 128 tile kernels of block scaling (DeepSeek-V3 technical report, section 3.3): one
+// thread block reads one 128 x 128 tile of x [R, C] once and quantizes it with
+//  - kBlock2D: one scale for the whole tile (weights: block_quantize), writing q [R, C] and
+//    scales [ceil(R/128), ceil(C/128)] row-major; or
+//  - group cast-transpose: 1 x 128 groups along rows (q [R, C], the forward / dgrad operand)
+//    and 128 x 1 groups along columns, written transposed (qt [C, R128], the wgrad operand,
+//    zero-padded to R128 = R rounded up to 128). Every group lies inside one tile, so both
+//    directions come from the same read. Scales are stored the way cuBLASLt's VEC128 mode
+//    reads them: row-direction ones [C/128, R] (R contiguous), column-direction ones
+//    [R128/128, C] (C contiguous).
+// Scales: numerics.h group_scale. Launched with PDL; device code only; launched by
+// csrc/ffi/block_quantize_cuda.cu.
+#pragma once
+
+#include "quantize.cuh"
+
+namespace jax_fp8 {
+
+constexpr int kBlockTile = 128;
+constexpr int kBlockThreads = 256;  // 8 threads a row of 16 elements each; 32 rows a pass
+constexpr int kBlockPasses = kBlockTile / (kBlockThreads / 8);
+static_assert(kBlockThreads == kQuantizeThreads, "block_max assumes kQuantizeThreads");
+
+template <typename T, bool kBlock2D>
+__global__ void __launch_bounds__(kBlockThreads)
+    block_quantize_kernel(const T* x, int64_t rows, int64_t cols, float eps, Fp8Format fmt,
+                          bool ue8m0, uint8_t* __restrict__ q, float* __restrict__ scales,
+                          uint8_t* __restrict__ qt, float* __restrict__ scales_t) {
+  __shared__ alignas(16) uint8_t tile_qt[kBlock2D ? 1 : kBlockTile][kBlockTile + 16];
+  __shared__ unsigned col_part[kBlock2D ? 1 : kBlockThreads / 32][kBlockTile];
+  __shared__ float col_scale[kBlock2D ? 1 : kBlockTile];
+  __shared__ float tile_scale;
+  pdl_wait();
+  const int64_t r0 = int64_t(blockIdx.y) * kBlockTile, c0 = int64_t(blockIdx.x) * kBlockTile;
+  const int tr = threadIdx.x / 8, tc = (threadIdx.x % 8) * kElemsPerThread;
+  const int64_t c = c0 + tc;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+
+  float f[kBlockPasses][kElemsPerThread];
+  unsigned row_m[kBlockPasses];
+#pragma unroll
+  for (int p = 0; p < kBlockPasses; ++p) {
+    const int64_t r = r0 + tr + p * (kBlockThreads / 8);
+    if (r < rows && c < cols) {
+      load16(x + r * cols + c, f[p]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kElemsPerThread; ++k) f[p][k] = 0.0f;
+    }
+    row_m[p] = 0;
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) row_m[p] = max(row_m[p], abs_bits(f[p][k]));
+  }
+
+  float inv[kBlockPasses];
+  if constexpr (kBlock2D) {
+    unsigned m = 0;
+#pragma unroll
+    for (int p = 0; p < kBlockPasses; ++p) m = max(m, row_m[p]);
+    m = block_max(m);
+    if (threadIdx.x == 0) {
+      tile_scale = group_scale(bits_float(m), eps, fmt, ue8m0);
+      scales[int64_t(blockIdx.y) * gridDim.x + blockIdx.x] = tile_scale;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int p = 0; p < kBlockPasses; ++p) inv[p] = 1.0f / tile_scale;
+  } else {
+    // Row groups: the 8 lanes of a row reduce by shuffles.
+#pragma unroll
+    for (int p = 0; p < kBlockPasses; ++p) {
+#pragma unroll
+      for (int o = 4; o; o >>= 1) row_m[p] = max(row_m[p], __shfl_xor_sync(0xffffffffu, row_m[p], o));
+      const float s = group_scale(bits_float(row_m[p]), eps, fmt, ue8m0);
+      inv[p] = 1.0f / s;
+      const int64_t r = r0 + tr + p * (kBlockThreads / 8);
+      if (tc == 0 && r < rows) scales[int64_t(blockIdx.x) * rows + r] = s;
+    }
+    // Column groups: over this thread's passes, then the 4 lanes of a warp sharing the
+    // columns, then the 8 warps through shared memory.
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) {
+      unsigned m = 0;
+#pragma unroll
+      for (int p = 0; p < kBlockPasses; ++p) m = max(m, abs_bits(f[p][k]));
+      m = max(m, __shfl_xor_sync(0xffffffffu, m, 8));
+      m = max(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      if (lane < 8) col_part[warp][tc + k] = m;
+    }
+    __syncthreads();
+    if (threadIdx.x < kBlockTile) {
+      unsigned m = 0;
+#pragma unroll
+      for (int w = 0; w < kBlockThreads / 32; ++w) m = max(m, col_part[w][threadIdx.x]);
+      const float s = group_scale(bits_float(m), eps, fmt, ue8m0);
+      col_scale[threadIdx.x] = s;
+      scales_t[int64_t(blockIdx.y) * cols + c0 + threadIdx.x] = s;
+    }
+    __syncthreads();
+  }
+
+  // Row-major q.
+#pragma unroll
+  for (int p = 0; p < kBlockPasses; ++p) {
+    const int64_t r = r0 + tr + p * (kBlockThreads / 8);
+    alignas(16) uint8_t out[kElemsPerThread];
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) out[k] = float_to_fp8(f[p][k] * inv[p], fmt);
+    if (r < rows && c < cols)
+      *reinterpret_cast<uint4*>(q + r * cols + c) = *reinterpret_cast<const uint4*>(out);
+  }
+
+  if constexpr (!kBlock2D) {
+    // Column-direction q, transposed through shared memory; rows past R quantize zeros, which
+    // is the zero padding of qt.
+#pragma unroll
+    for (int p = 0; p < kBlockPasses; ++p) {
+#pragma unroll
+      for (int k = 0; k < kElemsPerThread; ++k)
+        tile_qt[tc + k][tr + p * (kBlockThreads / 8)] =
+            float_to_fp8(f[p][k] * (1.0f / col_scale[tc + k]), fmt);
+    }
+    __syncthreads();
+    const int64_t rows128 = int64_t(gridDim.y) * kBlockTile;
+    for (int i = threadIdx.x; i < kBlockTile * kBlockTile / kElemsPerThread; i += kBlockThreads) {
+      const int row = i / (kBlockTile / kElemsPerThread);
+      const int col = (i % (kBlockTile / kElemsPerThread)) * kElemsPerThread;
+      *reinterpret_cast<uint4*>(qt + (c0 + row) * rows128 + r0 + col) =
+          *reinterpret_cast<const uint4*>(&tile_qt[row][col]);
+    }
+  }
+  pdl_trigger();
+}
+
+}  // namespace jax_fp8

@@ -1,0 +1,66 @@
+// Per-token-group FP8 quantization (DeepSeek-V3 / vLLM): groups of G consecutive elements
+// along the last axis, one scale per group (numerics.h group_scale), q = x * (1 / scale).
+// Launched with Programmatic Dependent Launch (launch.h): the kernel waits on the upstream
+// grid before its first load and lets the downstream grid launch once its stores are issued.
+// Device code only; launched by csrc/ffi/group_quantize_cuda.cu.
+#pragma once
+
+#include "quantize.cuh"
+
+namespace jax_fp8 {
+
+// Where group (row, g) of a [rows, groups] grid of scales is stored.
+struct ScaleLayout {
+  int64_t row_stride;    // "row": groups; "col" / "col_tma": 1
+  int64_t group_stride;  // "row": 1; "col": rows; "col_tma": rows rounded up to 4
+  int64_t padded_rows;   // rows of the stored grid (col_tma pads with zero scales)
+};
+
+// One thread quantizes 16 consecutive elements; G / 16 adjacent lanes hold one group and
+// reduce its amax with shuffles. Loops run per warp so every lane reaches the shuffles.
+template <typename T, int G>
+__global__ void __launch_bounds__(kQuantizeThreads)
+    group_quantize_kernel(const T* x, int64_t rows, int64_t cols, float eps, Fp8Format fmt,
+                          bool ue8m0, uint8_t* __restrict__ q, float* __restrict__ scales,
+                          ScaleLayout layout) {
+  static_assert(G % kElemsPerThread == 0 && G / kElemsPerThread <= 32, "G in [16, 512]");
+  constexpr int kLanes = G / kElemsPerThread;
+  pdl_wait();
+  const int64_t n_vec = rows * cols / kElemsPerThread;
+  const int64_t groups = cols / G;
+  const int lane = threadIdx.x & 31;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v0 = int64_t(blockIdx.x) * blockDim.x + (threadIdx.x & ~31); v0 < n_vec;
+       v0 += stride) {
+    const int64_t v = v0 + lane;
+    const bool in = v < n_vec;
+    float f[kElemsPerThread];
+    unsigned m = 0;
+    if (in) {
+      load16(x + v * kElemsPerThread, f);
+#pragma unroll
+      for (int k = 0; k < kElemsPerThread; ++k) m = max(m, abs_bits(f[k]));
+    }
+#pragma unroll
+    for (int o = kLanes / 2; o; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (!in) continue;
+    // abs_bits order puts NaN above inf above finite values, so this is a NaN-propagating amax.
+    const float scale = group_scale(bits_float(m), eps, fmt, ue8m0);
+    const float inv = 1.0f / scale;
+    alignas(16) uint8_t out[kElemsPerThread];
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) out[k] = float_to_fp8(f[k] * inv, fmt);
+    reinterpret_cast<uint4*>(q)[v] = *reinterpret_cast<const uint4*>(out);
+    if (lane % kLanes == 0) {
+      const int64_t e = v * kElemsPerThread, row = e / cols, g = (e % cols) / G;
+      scales[row * layout.row_stride + g * layout.group_stride] = scale;
+    }
+  }
+  // col_tma: zero the padding rows of the stored grid, so no element is left unwritten.
+  const int64_t pad = layout.padded_rows - rows;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < pad * groups; i += stride)
+    scales[(i / pad) * layout.group_stride + rows + i % pad] = 0.0f;
+  pdl_trigger();
+}
+
+}  // namespace jax_fp8

@@ -1,0 +1,156 @@
+"""Block-scaled FP8 quantization (the DeepSeek-V3 recipe): validate, shape, call the FFI target.
+
+Scales are f32, one per group of 128 (or ``group_size``) consecutive elements along a row
+("per-token group", activations and gradients) or per 128 x 128 block (weights):
+``scale = max(amax, eps) / fmt_max``, optionally rounded up to a power of two (UE8M0), and
+``q = saturate(rne(x * (1 / scale)))``. A group holding NaN or inf gets a NaN / inf scale, so
+it dequantizes to NaN rather than to silent finite values. Source: DeepSeek-V3 technical
+report (arXiv 2412.19437), section 3.3; the per-token-group kernels of vLLM and SGLang.
+
+CUDA kernels: ``csrc/kernels/group_quantize.cuh`` and ``block_quantize.cuh`` (PDL-launched);
+CPU handlers ``csrc/ffi/*_cpu.cc``; jnp twins of the same names in ``jax_fp8.reference``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi  # registers the FFI targets
+from .ops import _check_input, _vary_like
+from .scaling import fp8_dtype, fp8_max
+
+BLOCK = 128  # the tile of block_quantize and group_cast_transpose; cuBLASLt's VEC128 / BLK128
+_LAYOUTS = {"row": 0, "col": 1, "col_tma": 2}
+_GROUP_SIZES = (16, 32, 64, 128)
+_MAX_TILE_ROWS = 65535  # CUDA's limit on gridDim.y
+
+
+def _check_eps(eps, fmt):
+  eps = float(eps)
+  if not np.isfinite(eps) or np.float32(eps) * (np.float32(1) / np.float32(fp8_max(fmt))) < \
+      np.finfo(np.float32).tiny:
+    raise ValueError(f"eps must be finite and at least fmt_max * FLT_MIN "
+                     f"({fp8_max(fmt) * np.finfo(np.float32).tiny:.3g} for {fmt}) so every scale "
+                     f"is a normal f32, got {eps}")
+  return np.float32(eps)
+
+
+def _check_2d(x, multiple, what):
+  x = _check_input(x)
+  if x.ndim != 2 or x.shape[1] == 0 or x.shape[1] % multiple:
+    raise ValueError(f"x must be [R, C] with C a positive multiple of {multiple} ({what}), got "
+                     f"shape {x.shape}")
+  if -(-x.shape[0] // BLOCK) > _MAX_TILE_ROWS:
+    raise ValueError(f"x has {x.shape[0]} rows; at most {_MAX_TILE_ROWS * BLOCK} (one row of "
+                     f"the kernel's grid per 128 rows)")
+  return x
+
+
+def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", eps: float = 1e-10,
+                   ue8m0: bool = False, scale_layout: str = "row"):
+  """Per-token-group FP8 quantization: one scale per ``group_size`` consecutive elements of
+  the last axis.
+
+  Args:
+    x: [..., K] float32 / bfloat16 / float16, K a multiple of ``group_size``.
+    group_size: 16, 32, 64 or 128.
+    fmt: "e4m3" or "e5m2".
+    eps: floor of the group amax (an all-zero group gets scale eps / fmt_max); at least
+      fmt_max * FLT_MIN.
+    ue8m0: round every scale up to a power of two (UE8M0, as DeepSeek-V3 / DeepGEMM use).
+    scale_layout: "row" -> scales [..., K/g]; "col" -> [K/g, M] (M = the product of the
+      leading dims; the M-contiguous layout cuBLASLt's and DeepGEMM's GEMMs read); "col_tma" ->
+      [K/g, ceil4(M)], with zero scales in the padding (16-byte aligned columns for TMA).
+  Returns:
+    ``(q, scales)``: q [..., K] in the FP8 dtype; scales f32 in the chosen layout.
+  Raises:
+    TypeError / ValueError at trace time: dtype, K not a multiple of group_size, group_size,
+    fmt, eps or scale_layout out of range.
+  """
+  x = _check_input(x)
+  if group_size not in _GROUP_SIZES:
+    raise ValueError(f"group_size must be one of {_GROUP_SIZES}, got {group_size!r}")
+  if x.ndim < 1 or x.shape[-1] % group_size:
+    raise ValueError(f"x's last axis must be a multiple of group_size={group_size}, got shape "
+                     f"{x.shape}")
+  if scale_layout not in _LAYOUTS:
+    raise ValueError(f"scale_layout must be one of {sorted(_LAYOUTS)}, got {scale_layout!r}")
+  qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)
+  *lead, k = x.shape
+  m, groups = int(np.prod(lead, dtype=np.int64)), k // group_size
+  shape = {"row": (*lead, groups), "col": (groups, m), "col_tma": (groups, -(-m // 4) * 4)}
+  q, s = jax.ffi.ffi_call(
+      "jax_fp8_group_quantize",
+      (jax.ShapeDtypeStruct(x.shape, qdt),
+       jax.ShapeDtypeStruct(shape[scale_layout], jnp.float32)),
+      vmap_method="sequential",
+  )(x, group_size=np.int64(group_size), eps=eps, ue8m0=bool(ue8m0),
+    layout=np.int64(_LAYOUTS[scale_layout]))
+  return _vary_like((q, s), x)
+
+
+def block_quantize(w: jax.Array, *, block: tuple[int, int] = (BLOCK, BLOCK), fmt: str = "e4m3",
+                   eps: float = 1e-10, ue8m0: bool = False):
+  """128 x 128 block FP8 quantization (weights in the DeepSeek-V3 recipe): one scale per block.
+
+  Since a block's scale does not depend on the direction, ``q.T`` with ``scales.T`` is the
+  block quantization of ``w.T``: the transposed operand costs an FP8 transpose, no requantize.
+
+  Args:
+    w: [R, C] float32 / bfloat16 / float16, C a positive multiple of 16.
+    block: (128, 128), the only block cuBLASLt's Hopper GEMMs take.
+    fmt, eps, ue8m0: as in ``group_quantize``.
+  Returns:
+    ``(q, scales)``: q [R, C] FP8; scales f32 [ceil(R/128), ceil(C/128)], edge blocks scaled by
+    the elements they hold.
+  Raises:
+    TypeError / ValueError at trace time: dtype, rank, C, block, fmt or eps out of range.
+  """
+  if tuple(block) != (BLOCK, BLOCK):
+    raise ValueError(f"block must be (128, 128), the block of cuBLASLt's block-scaled GEMM, got "
+                     f"{block!r}")
+  w = _check_2d(w, 16, "the FP8 GEMMs' alignment")
+  qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)
+  r, c = w.shape
+  q, s = jax.ffi.ffi_call(
+      "jax_fp8_block_quantize",
+      (jax.ShapeDtypeStruct(w.shape, qdt),
+       jax.ShapeDtypeStruct((-(-r // BLOCK), -(-c // BLOCK)), jnp.float32)),
+      vmap_method="sequential",
+  )(w, eps=eps, ue8m0=bool(ue8m0))
+  return _vary_like((q, s), w)
+
+
+def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
+                         ue8m0: bool = False):
+  """Both directions of 128-element group quantization from one read of ``x [R, C]``: 1 x 128
+  groups along its rows (the forward and dgrad operand) and 128 x 1 groups along its columns,
+  written transposed (the wgrad operand, which contracts over R). The backward's
+  "transposed-direction" quantization of DeepSeek-V3 (section 3.3), fused like a cast-transpose.
+
+  Args:
+    x: [R, C] float32 / bfloat16 / float16, C a positive multiple of 128.
+    fmt, eps, ue8m0: as in ``group_quantize``.
+  Returns:
+    ``(q, scales, qt, scales_t)``: q [R, C] FP8 with scales f32 [R, C/128];
+    qt [C, R128] FP8 (R128 = R rounded up to 128, zero columns appended) with scales_t f32
+    [C, R128/128]. (The kernel stores both scale grids outer-dimension-contiguous, as
+    cuBLASLt reads them; the transposes here cancel against ``gemm``'s.)
+  Raises:
+    TypeError / ValueError at trace time: dtype, rank, C, fmt or eps out of range.
+  """
+  x = _check_2d(x, BLOCK, "the group size")
+  qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)
+  r, c = x.shape
+  r128 = -(-r // BLOCK) * BLOCK
+  q, s_col, qt, st_col = jax.ffi.ffi_call(
+      "jax_fp8_group_cast_transpose",
+      (jax.ShapeDtypeStruct((r, c), qdt), jax.ShapeDtypeStruct((c // BLOCK, r), jnp.float32),
+       jax.ShapeDtypeStruct((c, r128), qdt),
+       jax.ShapeDtypeStruct((r128 // BLOCK, c), jnp.float32)),
+      vmap_method="sequential",
+  )(x, eps=eps, ue8m0=bool(ue8m0))
+  q, s_col, qt, st_col = _vary_like((q, s_col, qt, st_col), x)
+  return q, s_col.T, qt, st_col.T
