@@ -13,6 +13,8 @@ CPU handlers ``csrc/ffi/*_cpu.cc``; jnp twins of the same names in ``jax_fp8.ref
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +156,31 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
   )(x, eps=eps, ue8m0=bool(ue8m0))
   q, s_col, qt, st_col = _vary_like((q, s_col, qt, st_col), x)
   return q, s_col.T, qt, st_col.T
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+  """Block-scaling recipe for ``jax_fp8.linear`` and ``jax_fp8.flax.Dense`` (DeepSeek-V3
+  technical report, section 3.3): E4M3 everywhere; activations and output gradients in 1 x 128
+  groups (along K for the forward and dgrad, along the tokens for wgrad), weights in 128 x 128
+  blocks. Stateless: scales come from the current tensors, so there are no rings to thread.
+
+  Attributes:
+    ue8m0: power-of-two scales (UE8M0), as DeepSeek-V3 uses on Hopper.
+    group_size: 128, the group cuBLASLt's block-scaled Hopper GEMMs take.
+    eps: floor of each group's amax (see ``group_quantize``).
+  """
+
+  ue8m0: bool = False
+  group_size: int = BLOCK
+  eps: float = 1e-10
+
+  def __post_init__(self):
+    if self.group_size != BLOCK:
+      raise ValueError(f"BlockScaling.group_size must be {BLOCK} (cuBLASLt's VEC128 / "
+                       f"BLK128x128 block-scaled GEMMs), got {self.group_size!r}")
+    _check_eps(self.eps, "e4m3")
+
+  def kwargs(self) -> dict:
+    """The quantizers' keyword arguments under this recipe."""
+    return {"fmt": "e4m3", "eps": self.eps, "ue8m0": self.ue8m0}

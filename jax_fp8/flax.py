@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import serialization
 
+from .blockwise import BlockScaling
 from .linear import LinearState, linear
 from .scaling import DelayedScaling, ScaleRing
 
@@ -37,17 +38,18 @@ class Dense(nn.Module):
   """Drop-in for ``flax.linen.Dense`` whose matmuls run in FP8 (``jax_fp8.linear``).
 
   Same parameters as ``nn.Dense`` ("kernel" [K, N], "bias" [N]) with the same default
-  initializers; the layer's scale rings live in the "fp8_state" variable collection as a
-  ``LinearState`` named "linear". Pass that collection to ``apply`` and differentiate with
-  respect to it, and pass that gradient to ``jax_fp8.update_state`` for the next rings.
+  initializers. Under ``DelayedScaling`` the layer's scale rings live in the "fp8_state"
+  variable collection as a ``LinearState`` named "linear": pass that collection to ``apply``,
+  differentiate with respect to it, and pass that gradient to ``jax_fp8.update_state`` for the
+  next rings. Under ``BlockScaling`` the layer has no state.
 
   Attributes:
-    features: N, a multiple of 16.
+    features: N, a multiple of 16 (128 under BlockScaling).
     use_bias, dtype, param_dtype, kernel_init, bias_init: as in ``nn.Dense``.
-    recipe: the ``DelayedScaling`` recipe.
-    amax_axis_name: replica axis for amax reduction under pmap / shard_map (optional).
+    recipe: ``DelayedScaling`` (per-tensor, default) or ``BlockScaling`` (DeepSeek-V3).
+    amax_axis_name: replica axis for amax reduction under pmap / shard_map (DelayedScaling).
 
-  Input ``[..., K]`` with K a multiple of 16; output ``[..., N]``.
+  Input ``[..., K]`` with K a multiple of 16 (128 under BlockScaling); output ``[..., N]``.
   """
 
   features: int
@@ -56,7 +58,7 @@ class Dense(nn.Module):
   param_dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.lecun_normal()
   bias_init: Callable = nn.initializers.zeros_init()
-  recipe: DelayedScaling = DelayedScaling()
+  recipe: DelayedScaling | BlockScaling = DelayedScaling()
   amax_axis_name: str | None = None
 
   @nn.compact
@@ -65,7 +67,8 @@ class Dense(nn.Module):
                         self.param_dtype)
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
             if self.use_bias else None)
-    state = self.variable(STATE_COLLECTION, "linear", LinearState.create, self.recipe)
+    state = (None if isinstance(self.recipe, BlockScaling) else
+             self.variable(STATE_COLLECTION, "linear", LinearState.create, self.recipe).value)
     inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    return linear(inputs, kernel, bias, state=state.value, recipe=self.recipe,
+    return linear(inputs, kernel, bias, state=state, recipe=self.recipe,
                   amax_axis_name=self.amax_axis_name)

@@ -9,6 +9,10 @@ are saved: x transposed (for wgrad) and the kernel (for dgrad).
 
 The rings' observations of the step leave it as the gradient with respect to the state;
 ``jax_fp8.update_state`` turns them into the next rings (see ``jax_fp8.scaling``).
+
+Under ``BlockScaling`` (stateless, DeepSeek-V3) the same three GEMMs run block-scaled: x and the
+gradient are group cast-transposed (1 x 128 groups both ways from one read), the kernel is
+block-quantized (128 x 128, whose transpose needs no requantization).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import ops
+from . import blockwise, ops
+from .blockwise import BlockScaling
 from .scaling import DelayedScaling, ScaleRing, observe, scale_for_step
 
 
@@ -89,18 +94,26 @@ def _global_amax(amaxes, axis_name):
   return tuple(a)
 
 
+def _gemm_bias(a, b, a_scale, b_scale, bias, dtype):
+  """``a @ b.T + bias`` in ``dtype``, the bias fused into the GEMM's epilogue where cuBLASLt
+  can (bf16 / f16 outputs)."""
+  out = _gemm_dtype(dtype)
+  fused_bias = bias is not None and out != jnp.float32
+  y = ops.gemm(a, b, a_scale, b_scale, bias=bias.astype(out) if fused_bias else None,
+               out_dtype=out)
+  if bias is not None and not fused_bias:
+    y = y + bias.astype(out)
+  return y.astype(dtype)
+
+
 def _forward(x, kernel, bias, state):
   """y = x @ kernel + bias in FP8, and what the backward and the state update need."""
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
   qx, qxt, ax, _, _ = ops.cast_transpose_delayed(x, state.x)  # [M, K], [K, M16] e4m3
   qk, qkt, ak, _, _ = ops.cast_transpose_delayed(kernel, state.kernel)  # [K, N], [N, K]
   sx, sk = scale_for_step(state.x, ax), scale_for_step(state.kernel, ak)  # what the kernels used
-  out = _gemm_dtype(x.dtype)
-  fused_bias = bias is not None and out != jnp.float32
-  y = ops.gemm(qx, qkt, sx, sk, bias=bias.astype(out) if fused_bias else None, out_dtype=out)
-  if bias is not None and not fused_bias:
-    y = y + bias.astype(out)
-  return y.astype(x.dtype), (qxt, sx, qk, sk), (ax, ak)
+  y = _gemm_bias(qx, qkt, sx, sk, bias, x.dtype)
+  return y, (qxt, sx, qk, sk), (ax, ak)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
@@ -132,19 +145,50 @@ def _linear_bwd(axis_name, dtypes, res, g):
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _block_linear(x, kernel, bias, recipe, dtypes):
+  del dtypes  # used by the backward only
+  # Without a gradient no transposed copy is needed: the scales in cuBLASLt's layout.
+  qx, sx_col = blockwise.group_quantize(x, scale_layout="col", **recipe.kwargs())
+  qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())
+  return _gemm_bias(qx, qk.T, sx_col.T, sk.T, bias, x.dtype)
+
+
+def _block_linear_fwd(x, kernel, bias, recipe, dtypes):
+  del dtypes
+  qx, sx, qxt, sxt = blockwise.group_cast_transpose(x, **recipe.kwargs())  # [M,K], [K,M128]
+  qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
+  return _gemm_bias(qx, qk.T, sx, sk.T, bias, x.dtype), (qxt, sxt, qk, sk)
+
+
+def _block_linear_bwd(recipe, dtypes, res, g):
+  qxt, sxt, qk, sk = res
+  x_dtype, k_dtype, b_dtype = dtypes
+  qg, sg, qgt, sgt = blockwise.group_cast_transpose(g, **recipe.kwargs())  # [M,N], [N,M128]
+  dx = ops.gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype))  # dgrad: 1x128 . 128x128
+  dk = ops.gemm(qxt, qgt, sxt, sgt, out_dtype=_gemm_dtype(k_dtype))  # wgrad: 1x128 . 1x128
+  db = None if b_dtype is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype)
+  return dx.astype(x_dtype), dk.astype(k_dtype), db
+
+
+_block_linear.defvjp(_block_linear_fwd, _block_linear_bwd)
+
+
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
-           state: LinearState, recipe: DelayedScaling = DelayedScaling(),
+           state: LinearState | None = None,
+           recipe: DelayedScaling | BlockScaling = DelayedScaling(),
            amax_axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
-  """``y = x @ kernel + bias`` with FP8 GEMMs forward and backward (delayed scaling).
+  """``y = x @ kernel + bias`` with FP8 GEMMs forward and backward (delayed or block scaling).
 
   Args:
     x: [..., K] float32 / bfloat16 / float16.
     kernel: [K, N] (Flax layout), float32 / bfloat16 / float16.
     bias: optional [N].
-    state: the layer's ``LinearState`` (create with ``LinearState.create(recipe)``).
-      Differentiate with respect to it and pass that gradient to ``jax_fp8.update_state``
-      for the next rings.
-    recipe: a ``DelayedScaling``; the state's rings must have been made by it.
+    state: under ``DelayedScaling``, the layer's ``LinearState`` (create with
+      ``LinearState.create(recipe)``); differentiate with respect to it and pass that gradient
+      to ``jax_fp8.update_state`` for the next rings. Under ``BlockScaling``: None.
+    recipe: a ``DelayedScaling`` (the state's rings must have been made by it) or a
+      ``BlockScaling`` (stateless; K and N multiples of 128).
     amax_axis_name: under ``pmap`` / ``shard_map``, the axis (or axes) whose devices share the
       scales; amaxes are max-reduced over it so all devices hold identical rings. Under a
       type-checked ``shard_map`` it must include every axis x, kernel or bias vary over while
@@ -155,12 +199,14 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   Returns:
     [..., N] in x's dtype.
   Raises:
-    ValueError / TypeError at trace time: K or N not a multiple of 16, mismatched shapes,
-    unsupported dtypes, rings that do not match the recipe, axes missing from
-    amax_axis_name under shard_map.
+    ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under
+    BlockScaling), mismatched shapes, unsupported dtypes, rings that do not match the recipe,
+    axes missing from amax_axis_name under shard_map, a state or amax axis given to
+    BlockScaling.
 
   Method: per-tensor delayed scaling with the HYBRID format (Micikevicius et al. 2022;
-  NVIDIA TransformerEngine).
+  NVIDIA TransformerEngine); block scaling after the DeepSeek-V3 technical report
+  (arXiv 2412.19437, section 3.3).
   """
   x, kernel = jnp.asarray(x), jnp.asarray(kernel)
   if kernel.ndim != 2:
@@ -175,6 +221,11 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     bias = jnp.asarray(bias)
     if bias.shape != (n,) or not jnp.issubdtype(bias.dtype, jnp.floating):
       raise ValueError(f"bias must be a float [{n}], got {bias.dtype}{list(bias.shape)}")
+  if isinstance(recipe, BlockScaling):
+    return _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name)
+  if not isinstance(recipe, DelayedScaling):
+    raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
+                    f"{type(recipe).__name__}")
   if not isinstance(state, LinearState):
     raise TypeError(f"state must be a jax_fp8.LinearState, got {type(state).__name__}")
   want = tuple((f, recipe.history_len, recipe.margin, recipe.algo)
@@ -185,9 +236,29 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     raise ValueError(f"state rings (fmt, history_len, margin, algo) for (x, kernel, grad) = "
                      f"{have} do not match the recipe's {want}")
   amax_axis_name = _amax_axes(x, kernel, bias, state, amax_axis_name)
-  axes = ops.varying_axes(x, kernel, bias)
-  if axes:  # so that a replicated input's gradient is summed over the axes, as JAX does
-    x, kernel, bias = (_vary(v, axes) for v in (x, kernel, bias))
+  x, kernel, bias = _vary_all(x, kernel, bias)
   dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
   y = _linear(x.reshape(-1, k), kernel, bias, state, amax_axis_name, dtypes)
+  return y.reshape(*x.shape[:-1], n)
+
+
+def _vary_all(x, kernel, bias):
+  """Under shard_map, every input made varying over the axes any of them varies over, so that a
+  replicated input's gradient is summed over those axes, as JAX does for any op."""
+  axes = ops.varying_axes(x, kernel, bias)
+  return tuple(_vary(v, axes) for v in (x, kernel, bias)) if axes else (x, kernel, bias)
+
+
+def _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name):
+  """``linear`` under BlockScaling (arguments checked by ``linear`` up to the recipe)."""
+  k, n = kernel.shape
+  if k % recipe.group_size or n % recipe.group_size:
+    raise ValueError(f"BlockScaling needs K and N multiples of {recipe.group_size} (the groups "
+                     f"of x along K and of the gradient along N), got K={k}, N={n}")
+  if state is not None or amax_axis_name is not None:
+    raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
+                     "scales come from each device's own tensors)")
+  x, kernel, bias = _vary_all(x, kernel, bias)
+  dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
+  y = _block_linear(x.reshape(-1, k), kernel, bias, recipe, dtypes)
   return y.reshape(*x.shape[:-1], n)

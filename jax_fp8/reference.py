@@ -176,3 +176,17 @@ def block_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16) -> 
   af = a.astype(jnp.float32) * expand_scales(a_scale, m, k, 1)
   bf = b.astype(jnp.float32) * expand_scales(b_scale, n, k, 1 if b_scale.shape[0] == n else 128)
   return gemm(af, bf, jnp.float32(1), jnp.float32(1), bias=bias, out_dtype=out_dtype)
+
+
+def block_linear(x, kernel, bias=None, *, recipe) -> jax.Array:
+  """The block-scaled linear's forward, unfused: x in 1 x 128 groups along K, the kernel in
+  128 x 128 blocks (E4M3), block GEMM in f32, plus the bias; ``x [..., K]``, ``kernel [K, N]``,
+  returns ``[..., N]`` in x's dtype."""
+  kw = {"fmt": "e4m3", "eps": recipe.eps, "ue8m0": recipe.ue8m0}
+  x2 = x.reshape(-1, x.shape[-1])
+  qx, sx = group_quantize(x2, **kw)
+  qk, sk = block_quantize(kernel, **kw)
+  y = block_gemm(qx, qk.T, sx, sk.T, out_dtype=jnp.float32)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(x.dtype).reshape(*x.shape[:-1], kernel.shape[-1])

@@ -1,7 +1,8 @@
 """``python -m jax_fp8.demo``: train one byte-level transformer twice, FP8 and BF16, and compare.
 
 Both runs start from the same parameters and see the same batches of Python standard-library
-source. The FP8 run puts every block matmul through ``jax_fp8.flax.Dense``; the BF16 run uses
+source. The FP8 run puts every block matmul through ``jax_fp8.flax.Dense`` (``--recipe delayed``
+(default) or ``block``); the BF16 run uses
 ``flax.linen.Dense`` in bf16. Reported: step time and tokens/s (compile steps excluded), final
 train and validation loss, the speedup, a PNG of the loss curves and ``results.json``. Exit
 status 1 when the FP8 validation loss is worse than the BF16 one by more than ``--tolerance``.
@@ -41,13 +42,14 @@ class Preset:
   lr: float
   val_batches: int
 
-  def config(self, fp8: bool) -> Config:
-    return Config(self.d_model, self.n_heads, self.n_layers, self.seq_len, fp8=fp8)
+  def config(self, fp8: bool, recipe: str = "delayed") -> Config:
+    return Config(self.d_model, self.n_heads, self.n_layers, self.seq_len, fp8=fp8,
+                  recipe=recipe)
 
 
 PRESETS = {
     # For the test suite: a few seconds of training, most of it compilation.
-    "smoke": Preset(d_model=32, n_heads=2, n_layers=1, seq_len=32, batch=4, steps=10, lr=3e-3,
+    "smoke": Preset(d_model=128, n_heads=2, n_layers=1, seq_len=32, batch=4, steps=10, lr=3e-3,
                     val_batches=2),
     # Two CPU cores: both runs in about two minutes, compilation included.
     "cpu": Preset(d_model=128, n_heads=4, n_layers=2, seq_len=128, batch=16, steps=250, lr=3e-3,
@@ -168,7 +170,8 @@ def plot(results: dict, path: str) -> None:
     ax.scatter([len(y) - 1], [r["val_loss"]], color=color, marker="*", s=150, zorder=3,
                edgecolor="black", label=f"{name.upper()} validation {r['val_loss']:.3f}")
   ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)",
-         title=f"jax_fp8 demo, preset {results['preset']} on {results['device']}: "
+         title=f"jax_fp8 demo ({results['recipe']} scaling), preset {results['preset']} on "
+               f"{results['device']}: "
                f"FP8 speedup {results['speedup']:.2f}x")
   ax.grid(True, alpha=0.3)
   ax.legend()
@@ -188,6 +191,9 @@ def parse_args(argv):
   p.add_argument("--tolerance", type=float, default=0.05,
                  help="allowed relative excess of the FP8 validation loss over BF16's")
   p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the batches")
+  p.add_argument("--recipe", choices=["delayed", "block"], default="delayed",
+                 help="FP8 recipe: per-tensor delayed scaling (HYBRID) or block scaling "
+                      "(DeepSeek-V3: 1x128 groups, 128x128 weight blocks)")
   args = p.parse_args(argv)
   if args.steps is not None and args.steps <= SKIP_STEPS:
     p.error(f"--steps must be more than {SKIP_STEPS} (the untimed compile steps)")
@@ -218,13 +224,16 @@ def main(argv=None) -> None:
   print(f"data: {corpus.files} stdlib files, {len(corpus.train):,} train / {len(corpus.val):,} "
         f"validation bytes ({val.shape[0] * val.shape[1]} validation windows)")
 
-  runs = {"fp8": train("fp8", preset.config(fp8=True), preset, batches, val, args.seed),
+  print(f"FP8 recipe: {args.recipe}")
+  runs = {"fp8": train("fp8", preset.config(fp8=True, recipe=args.recipe), preset, batches, val,
+                       args.seed),
           "bf16": train("bf16", preset.config(fp8=False), preset, batches, val, args.seed)}
   fp8, bf16 = runs["fp8"], runs["bf16"]
   limit = bf16["val_loss"] * (1 + args.tolerance)
   passed = bool(fp8["val_loss"] <= limit)
   results = {
-      "preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
+      "preset": name, "recipe": args.recipe, "config": dataclasses.asdict(preset),
+      "seed": args.seed,
       "device": device, "backend": jax.default_backend(), "jax_version": jax.__version__,
       "fp8_kernels_cuda": jax_fp8.cuda_available(),
       "speedup": bf16["step_ms"] / fp8["step_ms"],

@@ -1,7 +1,8 @@
 """The model: a byte-level decoder-only transformer (GPT style, pre-LayerNorm) in Flax linen.
 
 With ``fp8=True`` every matmul inside the blocks (the fused q/k/v projection, the attention
-output projection and both MLP matmuls) is a ``jax_fp8.flax.Dense``; with ``fp8=False`` the
+output projection and both MLP matmuls) is a ``jax_fp8.flax.Dense`` under ``recipe``
+("delayed": per-tensor delayed scaling, HYBRID; "block": DeepSeek-style block scaling); with ``fp8=False`` the
 same layers are ``flax.linen.Dense`` computing in bf16. Both variants name their layers the
 same, so one seed gives both exactly the same initial parameters.
 
@@ -16,16 +17,18 @@ import dataclasses
 import flax.linen as nn
 import jax.numpy as jnp
 
+import jax_fp8
 import jax_fp8.flax
 
 COMPUTE = jnp.bfloat16
+RECIPES = {"delayed": jax_fp8.DelayedScaling(), "block": jax_fp8.BlockScaling()}
 INIT = nn.initializers.normal(0.02)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Model size. ``d_model``, ``d_ff`` and ``3 * d_model`` must be multiples of 16 (FP8 GEMM
-  alignment); ``d_model`` a multiple of ``n_heads``."""
+  """Model size and FP8 recipe. ``d_model`` must be a multiple of 16 (FP8 GEMM alignment; 128
+  under the block recipe, whose groups are 128 wide) and of ``n_heads``."""
 
   d_model: int
   n_heads: int
@@ -33,21 +36,27 @@ class Config:
   seq_len: int
   vocab: int = 256
   fp8: bool = True
+  recipe: str = "delayed"
 
   @property
   def d_ff(self) -> int:
     return 4 * self.d_model
 
   def __post_init__(self):
-    if self.d_model % 16 or self.d_model % self.n_heads:
-      raise ValueError(f"d_model={self.d_model} must be a multiple of 16 and of "
+    if self.recipe not in RECIPES:
+      raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
+    align = 128 if self.fp8 and self.recipe == "block" else 16
+    if self.d_model % align or self.d_model % self.n_heads:
+      raise ValueError(f"d_model={self.d_model} must be a multiple of {align} and of "
                        f"n_heads={self.n_heads}")
 
 
 def dense(cfg: Config, features: int, name: str) -> nn.Module:
   """A bf16-compute linear layer with f32 parameters: FP8 (jax_fp8) or plain, per ``cfg.fp8``."""
-  layer = jax_fp8.flax.Dense if cfg.fp8 else nn.Dense
-  return layer(features, dtype=COMPUTE, param_dtype=jnp.float32, kernel_init=INIT, name=name)
+  kw = dict(dtype=COMPUTE, param_dtype=jnp.float32, kernel_init=INIT, name=name)
+  if cfg.fp8:
+    return jax_fp8.flax.Dense(features, recipe=RECIPES[cfg.recipe], **kw)
+  return nn.Dense(features, **kw)
 
 
 def causal_attention(q, k, v):

@@ -1,0 +1,405 @@
+"""Block scaling (DeepSeek-V3 recipe): group_quantize, block_quantize and group_cast_transpose
+bit-identical to jax_fp8.reference on CPU and CUDA (q bytes and scales, NaN == NaN), the edge
+policy with its values stated, dequantization error within the format's half-ulp, trace-time
+errors, and PDL on / off giving the same bits."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import bits, on_cpu, poison_allocator
+
+import jax_fp8
+from jax_fp8 import blockwise, reference
+
+FMTS = ["e4m3", "e5m2"]
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+DTYPE_IDS = lambda d: jnp.dtype(d).name  # noqa: E731
+GROUP_SIZES = [16, 32, 64, 128]
+LAYOUTS = ["row", "col", "col_tma"]
+EPS = 1e-10
+HALF_ULP = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}  # relative rounding error of a normal value
+# Half the subnormal step, relative to the scale (e4m3 step 2^-9, e5m2 step 2^-16).
+HALF_SUBNORMAL = {"e4m3": 2.0**-10, "e5m2": 2.0**-17}
+
+
+def eps_scale(fmt, eps=EPS):
+  """The scale of an all-zero group: eps * f32(1 / fmt_max), in f32 as the kernels compute it."""
+  return np.float32(eps) * (np.float32(1) / np.float32(jax_fp8.fp8_max(fmt)))
+
+
+def rand_rows(rng, shape, dtype, zero_group=None):
+  """Normal values with per-row magnitudes spanning many orders (2^-40..2^40 for f32 / bf16,
+  so some groups fall below eps; 2^-10..2^10 for f16) and a milder per-column spread, some exact
+  zeros, f32 subnormals (which count as zero) and optionally one all-zero group."""
+  lo, hi = (-10, 10) if dtype == jnp.float16 else (-40, 40)
+  x = rng.standard_normal(shape).astype(np.float32)
+  x *= (2.0 ** rng.uniform(lo, hi, size=(*shape[:-1], 1))).astype(np.float32)
+  x *= (2.0 ** rng.uniform(-3, 3, size=shape[-1])).astype(np.float32)
+  flat = x.reshape(-1)
+  flat[rng.integers(flat.size, size=max(1, flat.size // 50))] = 0.0
+  if dtype != jnp.float16:
+    flat[rng.integers(flat.size, size=max(1, flat.size // 100))] = np.float32(1e-40)
+  if zero_group is not None:
+    x.reshape(-1, shape[-1])[0, :zero_group] = 0.0
+  return jnp.asarray(x).astype(dtype)
+
+
+def assert_same(got, want):
+  """Arrays equal with their shapes and dtypes: FP8 byte for byte; f32 NaN-equal with the sign
+  of every zero equal too."""
+  for g, w in zip(got, want, strict=True):
+    g, w = np.asarray(g), np.asarray(w)
+    assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
+    if g.dtype.itemsize == 1:
+      np.testing.assert_array_equal(bits(g), bits(w))
+    else:
+      np.testing.assert_array_equal(g, w)
+      np.testing.assert_array_equal(np.signbit(g) & ~np.isnan(g), np.signbit(w) & ~np.isnan(w))
+
+
+def to_f32(a):
+  return np.asarray(jnp.asarray(a).astype(jnp.float32))
+
+
+# ------------------------------------------------------------------------------------------
+# Bit-identical to the reference.
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_group_quantize_matches_reference(platform, rng, fmt, dtype):
+  """Every combination of group size, UE8M0 on / off and scale layout, each on one of: leading
+  batch dims, M not a multiple of 4 (col_tma padding), a single row, a larger M (the shape
+  assigned to a combination rotates with the format and dtype)."""
+  gq = jax.jit(blockwise.group_quantize,
+               static_argnames=("group_size", "fmt", "ue8m0", "scale_layout"))
+  shapes = [(1, 128), (2, 3, 256), (5, 384), (64, 512)]
+  offset = 3 * FMTS.index(fmt) + DTYPES.index(dtype)
+  xs = [rand_rows(rng, shape, dtype, zero_group=16) for shape in shapes]
+  combos = [(gs, ue8m0, layout) for gs in GROUP_SIZES for ue8m0 in (False, True)
+            for layout in LAYOUTS]
+  for i, (gs, ue8m0, layout) in enumerate(combos):
+    x = xs[(i + offset) % len(shapes)]
+    shape, m = x.shape, int(np.prod(x.shape[:-1]))
+    kw = dict(group_size=gs, fmt=fmt, ue8m0=ue8m0, scale_layout=layout)
+    poison_allocator(x.size)
+    q, s = gq(x, **kw)
+    want = on_cpu(lambda x: reference.group_quantize(x, **kw), x)
+    assert_same((q, s), want)
+    groups = shape[-1] // gs
+    assert s.shape == {"row": (*shape[:-1], groups), "col": (groups, m),
+                       "col_tma": (groups, -(-m // 4) * 4)}[layout]
+    if layout == "col_tma":  # the padding columns are zero scales, +0.0 exactly
+      assert not np.any(np.asarray(s)[:, m:].view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_group_quantize_large(platform, rng, fmt, dtype):
+  """1000 x 1024 (and 1001 rows: col_tma pads 3) with rows spanning orders of magnitude."""
+  for shape, gs, layout, ue8m0 in [((1000, 1024), 128, "row", False),
+                                   ((1001, 1024), 16, "col_tma", True)]:
+    x = rand_rows(rng, shape, dtype)
+    kw = dict(group_size=gs, fmt=fmt, ue8m0=ue8m0, scale_layout=layout)
+    poison_allocator(x.size)
+    got = blockwise.group_quantize(x, **kw)
+    assert_same(got, on_cpu(lambda x: reference.group_quantize(x, **kw), x))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_block_quantize_matches_reference(platform, rng, fmt, dtype):
+  """Ragged R and C (edge blocks scaled by the elements they hold), UE8M0 on / off."""
+  bq = jax.jit(blockwise.block_quantize, static_argnames=("fmt", "ue8m0"))
+  for shape in [(200, 144), (1, 16), (129, 256), (256, 384), (1000, 1040)]:
+    x = rand_rows(rng, shape, dtype)
+    for ue8m0 in (False, True):
+      poison_allocator(x.size)
+      q, s = bq(x, fmt=fmt, ue8m0=ue8m0)
+      want = on_cpu(lambda x: reference.block_quantize(x, fmt=fmt, ue8m0=ue8m0), x)
+      assert_same((q, s), want)
+      assert s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_group_cast_transpose_matches_reference(platform, rng, fmt, dtype):
+  """Both directions byte for byte; qt's padding columns (R up to a multiple of 128) are
+  zero bytes; the row direction equals group_quantize's."""
+  gct = jax.jit(blockwise.group_cast_transpose, static_argnames=("fmt", "ue8m0"))
+  for shape in [(200, 128), (1, 256), (129, 384), (256, 128), (1000, 1024)]:
+    r, c = shape
+    r128 = -(-r // 128) * 128
+    x = rand_rows(rng, shape, dtype, zero_group=128)
+    for ue8m0 in (False, True):
+      poison_allocator(c * r128)
+      q, s, qt, st = gct(x, fmt=fmt, ue8m0=ue8m0)
+      want = on_cpu(lambda x: reference.group_cast_transpose(x, fmt=fmt, ue8m0=ue8m0), x)
+      assert_same((q, s, qt, st), want)
+      assert (q.shape, s.shape, qt.shape, st.shape) == ((r, c), (r, c // 128), (c, r128),
+                                                        (c, r128 // 128))
+      assert not np.any(bits(qt)[:, r:]), "qt's padding columns must be zero bytes"
+      assert_same((q, s), blockwise.group_quantize(x, fmt=fmt, ue8m0=ue8m0))
+
+
+def test_block_quantize_transpose_is_block_quantize_of_transpose(platform, rng):
+  """The docstring's claim: q.T with scales.T is the block quantization of w.T."""
+  for shape in [(256, 384), (208, 144)]:
+    w = rand_rows(rng, shape, jnp.bfloat16)
+    q, s = blockwise.block_quantize(w)
+    qt, sT = blockwise.block_quantize(w.T)
+    np.testing.assert_array_equal(bits(q).T, bits(qt))
+    np.testing.assert_array_equal(np.asarray(s).T, np.asarray(sT))
+
+
+# ------------------------------------------------------------------------------------------
+# The edge policy, with its values.
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_edge_policy(platform, fmt):
+  """All-zero group -> scale eps / fmt_max and zero bytes; f32 subnormals count as zero; NaN in
+  a group -> NaN scale (the group is NaN); inf (no NaN) -> inf scale (dequantizes to NaN);
+  the amax maps to +-fmt_max; an amax under eps is floored at eps."""
+  fmax = jax_fp8.fp8_max(fmt)
+  x = np.zeros((5, 256), np.float32)
+  # row 0: group 0 all zeros; group 1 f32 subnormals and signed zeros
+  x[0, 128:134] = [1e-40, -1e-40, 2.0**-127, -(2.0**-149), 0.0, -0.0]
+  # row 1: group 0 holds a NaN (and an inf); group 1 holds inf and -inf, no NaN
+  x[1, :128] = np.linspace(-3, 3, 128)
+  x[1, 7], x[1, 9] = np.nan, np.inf
+  x[1, 128:] = np.linspace(-2, 2, 128)
+  x[1, 130], x[1, 140] = np.inf, -np.inf
+  # row 2: the amax positive in group 0, negative in group 1
+  x[2] = np.linspace(-1, 1, 256) * 0.37
+  x[2, 17], x[2, 200] = 1.7, -2.9
+  # row 3: amax below eps (floored at eps), both groups
+  x[3] = np.linspace(-1, 1, 256) * 3e-11
+  # row 4: amax exactly eps (-eps): scale eps / fmt_max, -eps -> -fmt_max
+  x[4, 5], x[4, 250] = np.float32(EPS), -np.float32(EPS)
+  q, s = blockwise.group_quantize(jnp.asarray(x), fmt=fmt)
+  q8, s = bits(q), np.asarray(s)
+  qf = to_f32(q)
+  assert s.dtype == np.float32 and s.shape == (5, 2)
+  zero_s = eps_scale(fmt)
+  assert s[0, 0] == zero_s and s[0, 1] == zero_s
+  assert not np.any(q8[0, :128])
+  np.testing.assert_array_equal(q8[0, 128:134], [0x00, 0x80, 0x00, 0x80, 0x00, 0x80])
+  assert np.isnan(s[1, 0]) and np.all(q8[1, :128] == 0x7F)
+  assert s[1, 1] == np.inf
+  deq = qf[1, 128:] * s[1, 1]
+  assert np.all(np.isnan(deq)), "a group holding inf must dequantize to NaN"
+  s2 = np.float32(1.7) * (np.float32(1) / np.float32(fmax))
+  assert s[2, 0] == s2 and s[2, 1] == np.float32(2.9) * (np.float32(1) / np.float32(fmax))
+  assert qf[2, 17] == fmax and qf[2, 200] == -fmax
+  assert np.all(np.abs(qf[2]) <= fmax)
+  assert s[3, 0] == zero_s and s[3, 1] == zero_s
+  assert np.all(np.abs(qf[3]) < fmax)  # floored: the amax no longer reaches fmt_max
+  assert s[4, 0] == zero_s and s[4, 1] == zero_s
+  assert qf[4, 5] == fmax and qf[4, 250] == -fmax
+
+  # ue8m0 keeps NaN and inf, rounds the eps scale up to a power of two.
+  _, su = blockwise.group_quantize(jnp.asarray(x), fmt=fmt, ue8m0=True)
+  su = np.asarray(su)
+  assert np.isnan(su[1, 0]) and su[1, 1] == np.inf
+  assert su[0, 0] == np.float32(2.0 ** np.ceil(np.log2(np.float64(zero_s))))
+
+  # The same policy for 128 x 128 blocks and for both directions of the cast-transpose.
+  w = np.zeros((256, 256), np.float32)
+  w[:128, 128:] = 1.0
+  w[5, 130] = np.nan
+  w[128:, :128] = -2.0
+  w[200, 3] = -np.inf
+  w[128:, 128:] = 0.5
+  w[255, 255] = 1e-40
+  qb, sb = blockwise.block_quantize(jnp.asarray(w), fmt=fmt)
+  sb = np.asarray(sb)
+  assert sb[0, 0] == zero_s and not np.any(bits(qb)[:128, :128])
+  assert np.isnan(sb[0, 1]) and np.all(bits(qb)[:128, 128:] == 0x7F)
+  assert sb[1, 0] == np.inf
+  assert sb[1, 1] == np.float32(0.5) * (np.float32(1) / np.float32(fmax))
+  assert np.all(to_f32(qb)[128:255, 128:] == fmax)
+
+  xt = np.zeros((130, 128), np.float32)  # row 0 zero, column 1 NaN, column 2 inf (tile 1)
+  xt[1:, 3] = 1.0
+  xt[4, 1], xt[129, 2] = np.nan, np.inf
+  _, sr, qt, st = blockwise.group_cast_transpose(jnp.asarray(xt), fmt=fmt)
+  sr, st = np.asarray(sr), np.asarray(st)
+  assert sr[0, 0] == zero_s and np.isnan(sr[4, 0]) and sr[129, 0] == np.inf
+  assert st[0, 0] == zero_s and st[0, 1] == zero_s and not np.any(bits(qt)[0])
+  assert np.isnan(st[1, 0]) and st[1, 1] == zero_s
+  assert st[2, 0] == zero_s and st[2, 1] == np.inf
+  assert st[3, 0] == np.float32(1) * (np.float32(1) / np.float32(fmax))
+  assert st[3, 1] == st[3, 0] and np.all(to_f32(qt)[3, 1:130] == fmax)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_edge_policy_other_dtypes(platform, dtype):
+  """Zero, NaN, inf and amax groups in bf16 / f16 inputs as in f32."""
+  fmax = jax_fp8.fp8_max("e4m3")
+  x = np.zeros((2, 256), np.float32)
+  x[0, 128:] = np.linspace(-1, 1, 128) * 3
+  x[0, 140] = -5.0
+  x[1, :128] = 1.0
+  x[1, 3] = np.nan
+  x[1, 130] = np.inf
+  q, s = blockwise.group_quantize(jnp.asarray(x).astype(dtype), group_size=32)
+  s, qf = np.asarray(s), to_f32(q)
+  zero_s = eps_scale("e4m3")
+  np.testing.assert_array_equal(s[0, :4], zero_s)
+  assert np.all(bits(q)[0, :128] == 0)
+  assert s[0, 4] == np.float32(5.0) * (np.float32(1) / np.float32(fmax)) and qf[0, 140] == -fmax
+  assert np.isnan(s[1, 0]) and np.all(np.isnan(qf[1, :32]))
+  np.testing.assert_array_equal(s[1, 1:4], np.float32(1) / np.float32(fmax))
+  assert s[1, 4] == np.inf and np.all(np.isnan(qf[1, 128:160] * s[1, 4]))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_ue8m0_scales_are_powers_of_two(platform, rng, fmt):
+  """With ue8m0 every finite scale is an exact power of two, >= the plain scale and < twice it;
+  q stays within the format (the amax maps at most to fmt_max)."""
+  fmax = jax_fp8.fp8_max(fmt)
+  x = rand_rows(rng, (64, 512), jnp.float32, zero_group=128)
+  cases = [
+      (lambda **kw: blockwise.group_quantize(x, group_size=32, **kw), 1),
+      (lambda **kw: blockwise.block_quantize(x[:, :400], **kw), 1),
+      (lambda **kw: blockwise.group_cast_transpose(x, **kw), 1),
+      (lambda **kw: blockwise.group_cast_transpose(x, **kw), 3),
+  ]
+  for fn, i in cases:
+    plain, up = fn(fmt=fmt)[i], fn(fmt=fmt, ue8m0=True)
+    plain, su, q = np.asarray(plain), np.asarray(up[i]), to_f32(up[i - 1])
+    assert np.all(np.isfinite(su)) and np.all(su > 0)
+    mant, _ = np.frexp(su)
+    assert np.all(mant == 0.5), su[mant != 0.5]
+    assert np.all(su >= plain) and np.all(su < 2 * plain)
+    assert np.all(np.abs(q) <= fmax)
+    # an exact power of two stays as it is
+    np.testing.assert_array_equal(su[plain == su], plain[plain == su])
+
+
+# ------------------------------------------------------------------------------------------
+# Dequantization round trip.
+
+def check_roundtrip(x, deq, scales_full, fmt):
+  """|x - q * scale| within half an ulp of the format: per element 2^-4 (e4m3) or 2^-3 (e5m2)
+  of |x| (or half a subnormal step of the scale), so per group within that fraction of the
+  group amax. A little slack for the f32 product q * scale."""
+  err = np.abs(x - deq)
+  bound = HALF_ULP[fmt] * np.abs(x) + HALF_SUBNORMAL[fmt] * scales_full
+  assert np.all(err <= bound * (1 + 2.0**-20)), np.max(err / np.maximum(bound, 1e-45))
+  return err
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequantize_roundtrip(platform, rng, fmt):
+  for dtype in DTYPES:
+    for ue8m0 in (False, True):
+      x = rand_rows(rng, (300, 512), dtype)
+      xf = on_cpu(reference.as_f32, x)  # the values the kernels see (f32 subnormals -> 0)
+      for gs in (128, 32):
+        q, s = blockwise.group_quantize(x, group_size=gs, fmt=fmt, ue8m0=ue8m0)
+        if gs == 128:
+          full = np.asarray(reference.expand_scales(s, 300, 512, 1))
+        else:
+          full = np.repeat(np.asarray(s), gs, axis=-1)
+        deq = to_f32(q) * full
+        err = check_roundtrip(xf, deq, full, fmt)
+        amax = np.abs(xf).reshape(300, -1, gs).max(-1)
+        gerr = err.reshape(300, -1, gs).max(-1)
+        floor = np.maximum(amax, np.float32(EPS))  # a group under eps: the error is tiny anyway
+        assert np.all(gerr <= HALF_ULP[fmt] * floor * (1 + 2.0**-20))
+      q, s = blockwise.block_quantize(x[:, :400], fmt=fmt, ue8m0=ue8m0)
+      full = np.asarray(reference.expand_scales(s, 300, 400, 128))
+      check_roundtrip(xf[:, :400], to_f32(q) * full, full, fmt)
+      _, _, qt, st = blockwise.group_cast_transpose(x, fmt=fmt, ue8m0=ue8m0)
+      full = np.asarray(reference.expand_scales(st, 512, 384, 1))
+      deq_t = to_f32(qt) * full
+      check_roundtrip(xf.T, deq_t[:, :300], full[:, :300], fmt)
+      assert not np.any(deq_t[:, 300:])
+
+
+# ------------------------------------------------------------------------------------------
+# Trace-time errors.
+
+def test_bad_inputs():
+  x = jnp.ones((4, 256), jnp.float32)
+  gq, bq, gct = blockwise.group_quantize, blockwise.block_quantize, blockwise.group_cast_transpose
+  with pytest.raises(ValueError, match="last axis must be a multiple of group_size=128"):
+    gq(jnp.ones((4, 200)))
+  with pytest.raises(ValueError, match="last axis must be a multiple of group_size=64"):
+    gq(jnp.ones((4, 96)), group_size=64)
+  with pytest.raises(ValueError, match=r"group_size must be one of \(16, 32, 64, 128\), got 48"):
+    gq(x, group_size=48)
+  with pytest.raises(ValueError, match="scale_layout must be one of"):
+    gq(x, scale_layout="colmajor")
+  with pytest.raises(ValueError, match="fmt must be one of"):
+    gq(x, fmt="e3m4")
+  for bad in (0.0, -1e-10, float("nan"), float("inf"), 1e-45):
+    for fn in (gq, bq, gct):
+      with pytest.raises(ValueError, match="eps must be finite and at least fmt_max"):
+        fn(x, eps=bad)
+  with pytest.raises(ValueError, match=r"block must be \(128, 128\)"):
+    bq(x, block=(64, 64))
+  for fn in (gq, bq, gct):
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+      fn(jnp.ones((4, 256), jnp.int32))
+  with pytest.raises(ValueError, match="C a positive multiple of 128"):
+    gct(jnp.ones((4, 144)))
+  with pytest.raises(ValueError, match="C a positive multiple of 16"):
+    bq(jnp.ones((4, 24)))
+  with pytest.raises(ValueError, match=r"x must be \[R, C\]"):
+    bq(jnp.ones((256,)))
+  with pytest.raises(ValueError, match=r"x must be \[R, C\]"):
+    gct(jnp.ones((2, 4, 128)))
+  with pytest.raises(ValueError, match=r"x must be \[R, C\]"):
+    bq(jnp.ones((4, 0)))
+  # under jit the errors come at trace time too
+  with pytest.raises(ValueError, match="group_size"):
+    jax.jit(lambda x: gq(x, group_size=48))(x)
+
+
+def test_empty_rows(platform):
+  """No rows: empty outputs of the right shapes (col_tma: no padding either)."""
+  x = jnp.zeros((0, 256), jnp.bfloat16)
+  q, s = blockwise.group_quantize(x)
+  assert q.shape == (0, 256) and s.shape == (0, 2)
+  _, s = blockwise.group_quantize(x, scale_layout="col_tma")
+  assert s.shape == (2, 0)
+  q, s = blockwise.block_quantize(x)
+  assert q.shape == (0, 256) and s.shape == (0, 2)
+  q, s, qt, st = blockwise.group_cast_transpose(x)
+  assert (q.shape, s.shape, qt.shape, st.shape) == ((0, 256), (0, 2), (256, 0), (256, 0))
+
+
+# ------------------------------------------------------------------------------------------
+# Programmatic Dependent Launch on and off give the same bits.
+
+def test_pdl_on_off_same_bits(platform, rng, monkeypatch):
+  if platform != "cuda":
+    pytest.skip("PDL is a CUDA launch attribute")
+  x = jnp.asarray(rng.standard_normal((256, 512)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((384, 512)) * 0.05, jnp.bfloat16)
+
+  @jax.jit
+  def chain(x, w):
+    qx, sx = blockwise.group_quantize(x)
+    qw, sw = blockwise.block_quantize(w)
+    y = jax_fp8.gemm(qx, qw, sx, sw, out_dtype=jnp.bfloat16)
+    qy, sy = blockwise.group_quantize(y, group_size=64, scale_layout="col_tma")
+    return qx, sx, qw, sw, y, qy, sy
+
+  def run():
+    jax.clear_caches()  # a compiled executable (or command buffer) keeps what it saw
+    return jax.tree.map(np.asarray, chain(x, w))
+
+  try:
+    monkeypatch.setenv("JAX_FP8_PDL", "0")
+    off = run()
+    monkeypatch.delenv("JAX_FP8_PDL", raising=False)
+    on = run()
+  finally:
+    monkeypatch.undo()
+    jax.clear_caches()
+  for a, b in zip(off, on, strict=True):
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+  assert np.all(np.isfinite(on[4].astype(np.float32)))
