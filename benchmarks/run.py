@@ -22,14 +22,17 @@ import numpy as np
 import jax_fp8
 from jax_fp8 import reference
 
-from . import block, peers
+from . import block, block_scaled, peers
 from .timing import device_time
 
 QUANT_SHAPES = [(8192, 8192), (16384, 4096)]
 GEMM_SHAPES = [(8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096),
                (16384, 4096, 4096), (4096, 1024, 4096)]  # (M, N, K)
 QUICK_GEMM_SHAPES = [(256, 256, 256)]
+BLOCK_LINEAR_SHAPES = [(16384, 4096, 14336), (16384, 14336, 4096), (8192, 8192, 8192)]
+PDL_SHAPES = [(512, 4096, 4096), (4096, 4096, 4096)]
 BLOCK = dict(d_model=4096, ffn=14336, heads=32, seq=2048, batch=8)
+GROUPS = ["per_tensor", "block_step", "block_scaling"]  # --only choices, in run order
 QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
 
 
@@ -102,6 +105,14 @@ def bench_gemm(quick, ceil):
   return rows
 
 
+def fwd_bwd(f, g):
+  """``(x, w, b, *extra) -> (y, grads)`` of ``f`` with output cotangent ``g``."""
+  def run(x, w, b, *extra):
+    y, vjp = jax.vjp(f, x, w, b, *extra)
+    return y, vjp(g)
+  return run
+
+
 def bench_linear(quick, ceil):
   rows = []
   for m, n, k in (QUICK_GEMM_SHAPES if quick else GEMM_SHAPES):
@@ -114,18 +125,12 @@ def bench_linear(quick, ceil):
     _, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, b, state=s), state)
     state = jax_fp8.update_state(state, vjp(g)[0])
 
-    def fwd_bwd(f):
-      def run(x, w, b, *extra):
-        y, vjp = jax.vjp(lambda x, w, b, *e: f(x, w, b, *e), x, w, b, *extra)
-        return y, vjp(g)
-      return run
-
-    ours_fn = fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s))
+    ours_fn = fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s), g)
     ours = device_time(ours_fn, x, w, b, state)
-    bf16 = device_time(fwd_bwd(peers.bf16_linear), x, w, b)
-    xla8 = device_time(fwd_bwd(peers.xla_fp8_linear), x, w, b)
+    bf16 = device_time(fwd_bwd(peers.bf16_linear, g), x, w, b)
+    xla8 = device_time(fwd_bwd(peers.xla_fp8_linear, g), x, w, b)
     flops = 6 * m * n * k
-    mem = peak_bytes(ours_fn, x, w, b, state) / peak_bytes(fwd_bwd(peers.bf16_linear), x, w, b)
+    mem = peak_bytes(ours_fn, x, w, b, state) / peak_bytes(fwd_bwd(peers.bf16_linear, g), x, w, b)
     rows.append({"case": "linear fwd+bwd", "shape": [m, n, k], "us": ours * 1e6,
                  "peak_mem_vs_bf16": mem,
                  "TFLOPs": flops / ours / 1e12, "bf16_us": bf16 * 1e6, "xla_fp8_us": xla8 * 1e6,
@@ -176,11 +181,24 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run on CPU)")
   p.add_argument("--out", help="JSON path (default benchmarks/results/<gpu>-<date>.json)")
+  p.add_argument("--only", nargs="+", choices=GROUPS, default=GROUPS,
+                 help="case groups to run (default: all)")
   args = p.parse_args(argv)
   env = environment()
   ceil = ceilings(args.quick)
-  rows = bench_quantize(args.quick, ceil) + bench_gemm(args.quick, ceil) + \
-      bench_linear(args.quick, ceil) + bench_block(args.quick, ceil)
+  q = args.quick
+  groups = {
+      "per_tensor": lambda: (bench_quantize(q, ceil) + bench_gemm(q, ceil) +
+                             bench_linear(q, ceil)),
+      "block_step": lambda: bench_block(q, ceil),
+      "block_scaling": lambda: (
+          block_scaled.bench_quantizers([(512, 512)] if q else QUANT_SHAPES, rand, ceil) +
+          block_scaled.bench_gemm(QUICK_GEMM_SHAPES if q else GEMM_SHAPES, rand) +
+          block_scaled.bench_linear(QUICK_GEMM_SHAPES if q else BLOCK_LINEAR_SHAPES, rand,
+                                    fwd_bwd) +
+          block_scaled.bench_pdl(QUICK_GEMM_SHAPES if q else PDL_SHAPES, rand)),
+  }
+  rows = [r for g in GROUPS if g in args.only for r in groups[g]()]
   results = {"env": env, "ceilings": ceil, "rows": rows}
   print_table(results)
   out = pathlib.Path(args.out) if args.out else (

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The one GPU session script: build, GPU tests, benchmark suite, demo. Logs go to $OUT
 # (the device tool brings them back). Usage on the GPU machine:
-#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [demo] [profile]
-# (default: tests bench demo; profile runs Nsight Compute over our kernels)
+#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [demo] [demo-block] [profile]
+# (default: tests bench demo; profile runs Nsight Compute over our kernels). Optional
+# environment: TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case
+# groups, see python -m benchmarks.run --help).
 set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
@@ -23,14 +25,19 @@ for s in $steps; do
   t0=$(date +%s)
   case $s in
     # The CPU-parametrized cases run in CI; here the CUDA ones and those on the default device.
-    tests) python3 -m pytest tests -q -x -p no:cacheprovider -k "not cpu" > "$OUT/tests.log" 2>&1
+    tests) python3 -m pytest tests -q -x -p no:cacheprovider -k "${TESTS_K:-not cpu}" \
+             > "$OUT/tests.log" 2>&1
            tail -5 "$OUT/tests.log" ;;
-    bench) python3 -m benchmarks.run --out "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+    bench) python3 -m benchmarks.run --out "$OUT/bench.json" ${BENCH_ONLY:+--only $BENCH_ONLY} \
+             > "$OUT/bench.log" 2>&1
            tail -25 "$OUT/bench.log" ;;
     demo)  python3 -m jax_fp8.demo --preset gpu --out "$OUT/demo" > "$OUT/demo.log" 2>&1
            echo "demo exit $?"; tail -15 "$OUT/demo.log" ;;
-    profile) ncu --clock-control none --kernel-name regex:"quantize_kernel|cast_transpose_kernel" \
-               --launch-skip 3 --launch-count 3 --section SpeedOfLight \
+    demo-block) python3 -m jax_fp8.demo --preset gpu --recipe block --out "$OUT/demo-block" \
+             > "$OUT/demo-block.log" 2>&1
+           echo "demo-block exit $?"; tail -15 "$OUT/demo-block.log" ;;
+    profile) ncu --clock-control none --kernel-name regex:"quantize_kernel|cast_transpose_kernel|group_quantize_kernel|block_quantize_kernel" \
+               --launch-skip 6 --launch-count 6 --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section Occupancy \
                python3 scripts/profile_kernels.py > "$OUT/profile.log" 2>&1
            grep -E "==PROF==|Kernel|Throughput|Duration|Occupancy" "$OUT/profile.log" | head -60 ;;

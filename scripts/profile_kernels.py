@@ -13,8 +13,12 @@ def main():
   quantize = jax.jit(lambda x: jax_fp8.quantize(x, jnp.float32(0.01)))
   delayed = jax.jit(jax_fp8.quantize_delayed)
   cast_t = jax.jit(lambda x, r: jax_fp8.cast_transpose_delayed(x, r, with_dbias=True))
+  group = jax.jit(lambda x: jax_fp8.group_quantize(x, scale_layout="col"))
+  block = jax.jit(jax_fp8.block_quantize)
+  group_t = jax.jit(jax_fp8.group_cast_transpose)
   for _ in range(3):
-    jax.block_until_ready((quantize(x), delayed(x, ring), cast_t(x, ring)))
+    jax.block_until_ready((quantize(x), delayed(x, ring), cast_t(x, ring), group(x), block(x),
+                           group_t(x)))
 
 
 if __name__ == "__main__":
