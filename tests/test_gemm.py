@@ -7,7 +7,7 @@ import pytest
 from conftest import on_cpu
 
 import jax_fp8
-from jax_fp8 import reference
+from jax_fp8 import blockwise, reference
 
 PAIRS = [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3")]
 # Normwise relative error allowed: the output's rounding (bf16 2^-8, f16 2^-11) plus the
@@ -76,9 +76,97 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match="multiples of 16"):
     jax_fp8.gemm(jnp.ones((8, 24), jnp.float8_e4m3fn), jnp.ones((32, 24), jnp.float8_e4m3fn),
                  one, one)
-  with pytest.raises(TypeError, match="a_scale must be a float32 scalar"):
+  with pytest.raises(ValueError, match="scales must be float32 scalars"):
     jax_fp8.gemm(e4, e4, jnp.ones(2), one)
+  # Block scales need K a multiple of 128 and the shapes of one scale mode.
+  with pytest.raises(ValueError, match=r"K a multiple of 128.*with K=32"):
+    jax_fp8.gemm(e4, e4, jnp.ones((32, 1)), jnp.ones((1, 1)))
+  a128, b128 = jnp.ones((32, 256), jnp.float8_e4m3fn), jnp.ones((48, 256), jnp.float8_e4m3fn)
+  with pytest.raises(ValueError, match=r"got a_scale \[32, 1\] and b_scale \[1, 2\]"):
+    jax_fp8.gemm(a128, b128, jnp.ones((32, 1)), jnp.ones((1, 2)))
+  with pytest.raises(ValueError, match=r"a_scale \[M, K/128\] = \[32, 2\]"):
+    jax_fp8.gemm(a128, b128, jnp.ones((2, 32)), jnp.ones((48, 2)))
+  with pytest.raises(ValueError, match="scales must be float32 scalars"):
+    jax_fp8.gemm(a128, b128, jnp.ones((32, 2)), jnp.ones((47, 2)))
+  with pytest.raises(ValueError, match="scales must be float32 scalars"):  # block with scalar
+    jax_fp8.gemm(a128, b128, jnp.ones((32, 2)), one)
+  with pytest.raises(TypeError, match="a_scale must be float32, got int32"):
+    jax_fp8.gemm(a128, b128, jnp.ones((32, 2), jnp.int32), jnp.ones((1, 2)))
+  with pytest.raises(TypeError, match="b_scale must be float32, got int32"):
+    jax_fp8.gemm(e4, e4, one, jnp.int32(1))
   with pytest.raises(TypeError, match="fused bias needs"):
     jax_fp8.gemm(e4, e4, one, one, bias=jnp.ones(32), out_dtype=jnp.float32)
   with pytest.raises(ValueError, match="bias must be"):
     jax_fp8.gemm(e4, e4, one, one, bias=jnp.ones(16, jnp.bfloat16))
+
+
+# Block scaling (DeepSeek-V3 recipe): a with 1 x 128 scales [M, K/128]; b with 128 x 128 block
+# scales [ceil(N/128), K/128] (mode 1) or 1 x 128 scales [N, K/128] (mode 2).
+BLOCK_SHAPES = [(1, 16, 128), (40, 48, 256), (256, 384, 512), (300, 272, 384)]
+
+
+def block_scales(rng, shape):
+  """Positive f32 scales, half of them powers of two (2^-6..2^2), half not (0.01..2)."""
+  pow2 = 2.0 ** rng.integers(-6, 3, size=shape)
+  other = rng.uniform(0.01, 2, size=shape)
+  return jnp.asarray(np.where(rng.random(shape) < 0.5, pow2, other), jnp.float32)
+
+
+def b_scale_shape(mode, n, k):
+  return (-(-n // 128) if mode == 1 else n, k // 128)
+
+
+def check_block_gemm(got, a, b, sa, sb, bias, out_dtype):
+  """Normwise and elementwise against reference.block_gemm in f32, the elementwise bound as in
+  test_gemm_matches_f32: output rounding plus 2^-12 of the scaled |a| @ |b|."""
+  want = on_cpu(lambda *v: reference.block_gemm(*v[:4], bias=v[4], out_dtype=jnp.float32),
+                a, b, sa, sb, bias)
+  got = np.asarray(got.astype(jnp.float32))
+  assert np.all(np.isfinite(got))
+  err = np.linalg.norm(got - want) / np.linalg.norm(want)
+  assert err < TOL[out_dtype], err
+  absdot = on_cpu(lambda a, b, sa, sb: reference.block_gemm(
+      jnp.abs(a.astype(jnp.float32)).astype(a.dtype), jnp.abs(b.astype(jnp.float32)).astype(
+          b.dtype), sa, sb, out_dtype=jnp.float32), a, b, sa, sb)
+  bound = RTOL[out_dtype] * np.abs(want) + 2**-12 * absdot + 1e-6
+  assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+
+
+@pytest.mark.parametrize("mode", [1, 2], ids=["b128x128", "b1x128"])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("m,n,k", BLOCK_SHAPES)
+def test_block_gemm_matches_f32(platform, rng, mode, out_dtype, m, n, k):
+  a, b = fp8_operand(rng, (m, k), "e4m3"), fp8_operand(rng, (n, k), "e4m3")
+  sa, sb = block_scales(rng, (m, k // 128)), block_scales(rng, b_scale_shape(mode, n, k))
+  got = jax.jit(jax_fp8.gemm, static_argnames="out_dtype")(a, b, sa, sb, out_dtype=out_dtype)
+  assert got.shape == (m, n) and got.dtype == out_dtype
+  check_block_gemm(got, a, b, sa, sb, None, out_dtype)
+
+
+@pytest.mark.parametrize("m,n,k", [(40, 48, 256), (300, 272, 384)])
+def test_block_gemm_bias(platform, rng, m, n, k):
+  a, b = fp8_operand(rng, (m, k), "e4m3"), fp8_operand(rng, (n, k), "e4m3")
+  sa, sb = block_scales(rng, (m, k // 128)), block_scales(rng, b_scale_shape(1, n, k))
+  bias = jnp.asarray(rng.standard_normal(n) * 10, jnp.bfloat16)
+  got = jax.jit(jax_fp8.gemm)(a, b, sa, sb, bias=bias)
+  assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+  check_block_gemm(got, a, b, sa, sb, bias, jnp.bfloat16)
+
+
+def test_block_quantized_product(platform, rng):
+  """group_quantize(x) (1 x 128) times block_quantize(w) (128 x 128), or w in 1 x 128 groups,
+  close to the f32 product x @ w.T (E4M3: ~2^-4 per operand element, averaged over K)."""
+  m, n, k = 192, 272, 512
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  x *= 2.0 ** rng.uniform(-8, 8, size=(m, 1))  # tokens of very different magnitudes
+  x = jnp.asarray(x, jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((n, k)) * 0.02, jnp.bfloat16)
+  want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+  qx, sx = blockwise.group_quantize(x)
+  for qw, sw in (blockwise.block_quantize(w), blockwise.group_quantize(w)):
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+      y = np.asarray(jax_fp8.gemm(qx, qw, sx, sw, out_dtype=out_dtype).astype(jnp.float32))
+      rel = np.linalg.norm(y - want) / np.linalg.norm(want)
+      assert rel < 0.05, rel
+      rows = np.linalg.norm(y - want, axis=1) / np.linalg.norm(want, axis=1)
+      assert np.all(rows < 0.1), rows.max()  # per token too: the small rows are not swamped
