@@ -263,7 +263,8 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
       Block scaling (K a multiple of 128): a_scale [M, K/128] (1 x 128 groups of a's rows) and
       b_scale [ceil(N/128), K/128] (128 x 128 blocks, weights) or [N, K/128] (1 x 128 groups,
       as in wgrad); ``jax_fp8.group_quantize`` / ``block_quantize`` / ``group_cast_transpose``
-      make them.
+      make them. On CUDA a block-scaled GEMM with M not a multiple of 4 runs on a copy of a
+      padded with zero rows (cuBLASLt takes no other).
     bias: optional [N] in ``out_dtype`` (bfloat16 or float16 only).
     out_dtype: bfloat16 (default), float16 or float32.
     fast_accum: let Hopper's FP8 tensor cores accumulate without periodic promotion to f32
@@ -284,16 +285,22 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
 
   def on_cuda(a, b, a_scale, b_scale, *bias):
     bias_arg = bias[0] if bias else jnp.zeros((0,), out_dtype)
-    # cuBLASLt reads 1 x 128 scales outer-dimension-contiguous (csrc/ffi/gemm_cuda.cc).
-    sa = a_scale.T if mode else a_scale
-    sb = b_scale.T if mode == 2 else b_scale
+    rows = m
+    if mode:  # the layouts cuBLASLt reads (csrc/ffi/gemm_cuda.cc)
+      rows = -(-m // 4) * 4  # it takes block-scaled GEMMs only for M % 4 == 0: zero rows
+      a = jnp.pad(a, ((0, rows - m), (0, 0)))
+      a_scale = jnp.pad(a_scale, ((0, rows - m), (0, 0))).T  # [K/128, M], M contiguous
+      if mode == 1:  # [ceil(N/128), K/128] with rows padded to 16 bytes
+        b_scale = jnp.pad(b_scale, ((0, 0), (0, -b_scale.shape[1] % 4)))
+      else:  # [K/128, N], N contiguous
+        b_scale = b_scale.T
     d, _ = jax.ffi.ffi_call(
         "jax_fp8_gemm",
-        (jax.ShapeDtypeStruct((m, n), out_dtype), _GEMM_WORKSPACE),
+        (jax.ShapeDtypeStruct((rows, n), out_dtype), _GEMM_WORKSPACE),
         vmap_method="sequential",
-    )(a, b, sa, sb, bias_arg, has_bias=bool(bias), fast_accum=bool(fast_accum),
+    )(a, b, a_scale, b_scale, bias_arg, has_bias=bool(bias), fast_accum=bool(fast_accum),
       scale_mode=np.int64(mode))
-    return _vary_like(d, a, b, a_scale, b_scale, *bias)
+    return _vary_like(d[:m], a, b, a_scale, b_scale, *bias)
 
   def on_cpu(a, b, a_scale, b_scale, *bias):
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)

@@ -2,8 +2,10 @@
 // f32 accumulation, scales read on the device, optional bias in the epilogue. Scales are
 // per-tensor (scale_mode 0) or block scales (DeepSeek-V3 recipe, cuBLASLt >= 12.9): a with
 // 1 x 128 groups along K and b with 128 x 128 blocks (scale_mode 1) or 1 x 128 groups
-// (scale_mode 2). cuBLASLt reads the 1 x 128 scales outer-dimension-contiguous ([K/128, M] for
-// a, [K/128, N] for b) and the 128 x 128 ones as [ceil(N/128), K/128] row-major.
+// (scale_mode 2). Layouts cuBLASLt 13.1 reads on the H200 (checked against an f32 reference,
+// 2026-11-29): 1 x 128 scales outer-dimension-contiguous, [K/128, M] for a and [K/128, N] for b,
+// with M a multiple of 4 (it offers no algorithm otherwise); 128 x 128 scales row-major with
+// 16-byte rows, [ceil(N/128), ceil4(K/128)].
 //
 // Row-major view: D[M, N] = (a_scale * b_scale) * A[M, K] . B[N, K]^T (+ bias[N]).
 // cuBLASLt is column-major, so it computes D^T[N, M]: its "A" is our B seen as a K x N
@@ -77,9 +79,9 @@ struct Descs {
 // Element counts the scales must have for a scale mode (0 per-tensor, 1 and 2 block scaling).
 bool scale_sizes_ok(int64_t mode, int64_t M, int64_t N, int64_t K, size_t na, size_t nb) {
   if (mode == 0) return na == 1 && nb == 1;
-  if (K % 128) return false;
+  if (K % 128 || M % 4) return false;
   const int64_t kb = K / 128;
-  const int64_t want_b = mode == 1 ? (N + 127) / 128 * kb : N * kb;
+  const int64_t want_b = mode == 1 ? (N + 127) / 128 * ((kb + 3) / 4 * 4) : N * kb;
   return int64_t(na) == M * kb && int64_t(nb) == want_b;
 }
 
@@ -105,7 +107,8 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   if (workspace->size_bytes() < kWorkspaceBytes) return invalid("workspace too small");
   if (scale_mode < 0 || scale_mode > 2) return invalid("scale_mode must be 0, 1 or 2");
   if (!scale_sizes_ok(scale_mode, M, N, K, a_scale.element_count(), b_scale.element_count()))
-    return invalid("scales do not match the scale mode (block scaling also needs K % 128 == 0)");
+    return invalid("scales do not match the scale mode (block scaling also needs K % 128 == 0 "
+                   "and M % 4 == 0)");
   if (M == 0) return ffi::Error::Success();
 
   int dev = 0;

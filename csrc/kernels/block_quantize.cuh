@@ -17,22 +17,26 @@
 namespace jax_fp8 {
 
 constexpr int kBlockTile = 128;
-constexpr int kBlockThreads = 256;  // 8 threads a row of 16 elements each; 32 rows a pass
-constexpr int kBlockPasses = kBlockTile / (kBlockThreads / 8);
+constexpr int kBlockThreads = 256;  // 8 threads a row of 16 elements each; 32 row quads a tile
+constexpr int kBlockPasses = kBlockTile / (kBlockThreads / 8);  // rows per thread: 4
 static_assert(kBlockThreads == kQuantizeThreads, "block_max assumes kQuantizeThreads");
 
+// Thread t holds rows 4 * (t / 8) + p (p < 4) and columns (t % 8) * 16 + k (k < 16) of the
+// tile. The transposed tile goes through shared memory as 32-bit words, each the 4 rows of one
+// column a thread holds; word w of column c sits at (w + 4 * (c / 16 % 8)) % 32, a rotation that
+// makes a warp's stores hit 32 distinct banks and keeps each 16-byte run of a row contiguous.
 template <typename T, bool kBlock2D>
 __global__ void __launch_bounds__(kBlockThreads)
     block_quantize_kernel(const T* x, int64_t rows, int64_t cols, float eps, Fp8Format fmt,
                           bool ue8m0, uint8_t* __restrict__ q, float* __restrict__ scales,
                           uint8_t* __restrict__ qt, float* __restrict__ scales_t) {
-  __shared__ alignas(16) uint8_t tile_qt[kBlock2D ? 1 : kBlockTile][kBlockTile + 16];
+  __shared__ alignas(16) uint32_t tile_qt[kBlock2D ? 1 : kBlockTile][kBlockTile / 4];
   __shared__ unsigned col_part[kBlock2D ? 1 : kBlockThreads / 32][kBlockTile];
-  __shared__ float col_scale[kBlock2D ? 1 : kBlockTile];
+  __shared__ float col_inv[kBlock2D ? 1 : kBlockTile];  // 1 / scale of each column group
   __shared__ float tile_scale;
   pdl_wait();
   const int64_t r0 = int64_t(blockIdx.y) * kBlockTile, c0 = int64_t(blockIdx.x) * kBlockTile;
-  const int tr = threadIdx.x / 8, tc = (threadIdx.x % 8) * kElemsPerThread;
+  const int quad = threadIdx.x / 8, tc = (threadIdx.x % 8) * kElemsPerThread;
   const int64_t c = c0 + tc;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
@@ -40,7 +44,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   unsigned row_m[kBlockPasses];
 #pragma unroll
   for (int p = 0; p < kBlockPasses; ++p) {
-    const int64_t r = r0 + tr + p * (kBlockThreads / 8);
+    const int64_t r = r0 + quad * kBlockPasses + p;
     if (r < rows && c < cols) {
       load16(x + r * cols + c, f[p]);
     } else {
@@ -73,11 +77,11 @@ __global__ void __launch_bounds__(kBlockThreads)
       for (int o = 4; o; o >>= 1) row_m[p] = max(row_m[p], __shfl_xor_sync(0xffffffffu, row_m[p], o));
       const float s = group_scale(bits_float(row_m[p]), eps, fmt, ue8m0);
       inv[p] = 1.0f / s;
-      const int64_t r = r0 + tr + p * (kBlockThreads / 8);
+      const int64_t r = r0 + quad * kBlockPasses + p;
       if (tc == 0 && r < rows) scales[int64_t(blockIdx.x) * rows + r] = s;
     }
-    // Column groups: over this thread's passes, then the 4 lanes of a warp sharing the
-    // columns, then the 8 warps through shared memory.
+    // Column groups: over this thread's rows, then the 4 lanes of a warp sharing the columns,
+    // then the 8 warps through shared memory.
 #pragma unroll
     for (int k = 0; k < kElemsPerThread; ++k) {
       unsigned m = 0;
@@ -93,7 +97,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
       for (int w = 0; w < kBlockThreads / 32; ++w) m = max(m, col_part[w][threadIdx.x]);
       const float s = group_scale(bits_float(m), eps, fmt, ue8m0);
-      col_scale[threadIdx.x] = s;
+      col_inv[threadIdx.x] = 1.0f / s;
       scales_t[int64_t(blockIdx.y) * cols + c0 + threadIdx.x] = s;
     }
     __syncthreads();
@@ -102,7 +106,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   // Row-major q.
 #pragma unroll
   for (int p = 0; p < kBlockPasses; ++p) {
-    const int64_t r = r0 + tr + p * (kBlockThreads / 8);
+    const int64_t r = r0 + quad * kBlockPasses + p;
     alignas(16) uint8_t out[kElemsPerThread];
 #pragma unroll
     for (int k = 0; k < kElemsPerThread; ++k) out[k] = float_to_fp8(f[p][k] * inv[p], fmt);
@@ -113,20 +117,23 @@ __global__ void __launch_bounds__(kBlockThreads)
   if constexpr (!kBlock2D) {
     // Column-direction q, transposed through shared memory; rows past R quantize zeros, which
     // is the zero padding of qt.
+    const int rot = 4 * (threadIdx.x % 8);  // 4 * (column / 16 % 8) for this thread's columns
 #pragma unroll
-    for (int p = 0; p < kBlockPasses; ++p) {
+    for (int k = 0; k < kElemsPerThread; ++k) {
+      const float inv_c = col_inv[tc + k];
+      uint32_t word = 0;
 #pragma unroll
-      for (int k = 0; k < kElemsPerThread; ++k)
-        tile_qt[tc + k][tr + p * (kBlockThreads / 8)] =
-            float_to_fp8(f[p][k] * (1.0f / col_scale[tc + k]), fmt);
+      for (int p = 0; p < kBlockPasses; ++p)
+        word |= uint32_t(float_to_fp8(f[p][k] * inv_c, fmt)) << (8 * p);
+      tile_qt[tc + k][(quad + rot) & 31] = word;
     }
     __syncthreads();
     const int64_t rows128 = int64_t(gridDim.y) * kBlockTile;
     for (int i = threadIdx.x; i < kBlockTile * kBlockTile / kElemsPerThread; i += kBlockThreads) {
-      const int row = i / (kBlockTile / kElemsPerThread);
-      const int col = (i % (kBlockTile / kElemsPerThread)) * kElemsPerThread;
-      *reinterpret_cast<uint4*>(qt + (c0 + row) * rows128 + r0 + col) =
-          *reinterpret_cast<const uint4*>(&tile_qt[row][col]);
+      const int row = i / 8, run = i % 8;  // 8 runs of 16 bytes a row
+      const int word = (4 * run + 4 * (row / 16 % 8)) & 31;
+      *reinterpret_cast<uint4*>(qt + (c0 + row) * rows128 + r0 + 16 * run) =
+          *reinterpret_cast<const uint4*>(&tile_qt[row][word]);
     }
   }
   pdl_trigger();
