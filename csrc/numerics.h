@@ -106,8 +106,10 @@ JF8_HD uint8_t float_to_fp8(float x, Fp8Format f) {
 // subnormal: XLA's CPU runtime flushes those to zero, so they count as zero everywhere) or not
 // finite carries no information: the previous scale is kept. Mirrors
 // jax_fp8.scaling.scale_from_amax.
+JF8_HD bool informative(float amax) { return amax >= FLT_MIN && amax <= FLT_MAX; }
+
 JF8_HD float scale_from_amax(float amax, float prev_scale, Fp8Format f, int margin) {
-  if (!(amax >= FLT_MIN) || !(amax <= FLT_MAX)) return prev_scale;
+  if (!informative(amax)) return prev_scale;
   const float factor = static_cast<float>(ldexp(1.0, margin) / static_cast<double>(fp8_max(f)));
   return fminf(fmaxf(amax * factor, FLT_MIN), FLT_MAX);
 }
@@ -138,8 +140,9 @@ enum class AmaxAlgo : int { kMax = 0, kMostRecent = 1 };
 constexpr int kMaxHistory = 1024;  // amax history length limit (jax_fp8.scaling.MAX_HISTORY)
 
 // Ring finalize on one thread: push `amax` at the front of history[len] (newest first), reduce
-// the window, publish the next scale, count the step. A non-finite amax leaves the ring as it
-// was. Mirrors jax_fp8.scaling.next_ring.
+// the window, publish the next scale, and count the step if the window was informative (so a
+// ring that has seen only zeros stays on current scaling). A non-finite amax leaves the ring as
+// it was. Mirrors jax_fp8.scaling.next_ring.
 JF8_HD void ring_finalize_serial(float amax, float* history, int len, float* scale, float* steps,
                                  Fp8Format f, int margin, AmaxAlgo algo) {
   if (!(amax <= FLT_MAX)) return;  // NaN or inf: keep the last finite state
@@ -151,7 +154,7 @@ JF8_HD void ring_finalize_serial(float amax, float* history, int len, float* sca
   history[0] = amax;
   if (algo == AmaxAlgo::kMostRecent) window = amax;
   *scale = scale_from_amax(window, *scale, f, margin);
-  *steps += 1.0f;
+  if (informative(window)) *steps += 1.0f;
 }
 
 }  // namespace jax_fp8

@@ -157,8 +157,10 @@ def group_cast_transpose(x, *, fmt="e4m3", eps=1e-10, ue8m0=False):
   ``q [R, C]`` with scales ``[R, C/128]`` (groups along rows of x), and ``qt [C, ceil128(R)]``
   with scales ``[C, ceil128(R)/128]`` (groups along columns of x, zero-padded)."""
   q, s = group_quantize(x, group_size=128, fmt=fmt, eps=eps, ue8m0=ue8m0)
-  xt = jnp.pad(as_f32(x).T, ((0, 0), (0, -x.shape[0] % 128)))  # zero pad: amax unchanged
+  r = x.shape[0]
+  xt = jnp.pad(as_f32(x).T, ((0, 0), (0, -r % 128)))  # zero pad: amax unchanged
   qt, st = group_quantize(xt, group_size=128, fmt=fmt, eps=eps, ue8m0=ue8m0)
+  qt = jnp.where(jnp.arange(qt.shape[1]) < r, qt, jnp.zeros((), qt.dtype))  # zero bytes
   return q, s, qt, st
 
 

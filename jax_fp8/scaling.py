@@ -61,8 +61,12 @@ def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt: str, margin: in
   amax = jnp.asarray(amax, jnp.float32)
   tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
   s = jnp.clip(amax * np.float32(2.0**margin / fp8_max(fmt)), tiny, big)
-  informative = (amax >= tiny) & (amax <= big)
-  return jnp.where(informative, s, jnp.asarray(prev_scale, jnp.float32))
+  return jnp.where(informative(amax), s, jnp.asarray(prev_scale, jnp.float32))
+
+
+def informative(amax: jax.Array) -> jax.Array:
+  """Whether an amax can set a scale: finite and at least FLT_MIN (bool, amax's shape)."""
+  return (amax >= np.finfo(np.float32).tiny) & (amax <= np.finfo(np.float32).max)
 
 
 @functools.partial(
@@ -77,8 +81,10 @@ class ScaleRing:
   Attributes:
     amax_history: f32 [L], newest amax first; zeros before any step.
     scale: f32 [], the scale (dequantization step) the next quantize will use.
-    steps: f32 [], how many steps have been recorded (0 = fresh: the first quantize uses the
-      current amax instead of the history; kept as f32 so the ring can travel as a gradient).
+    steps: f32 [], how many steps have set the scale from an informative window (nonzero,
+      finite). While 0 the ring is fresh: a quantize uses the current amax instead of the
+      history, so a ring whose first steps saw only zeros (a zero-initialized layer) keeps
+      current scaling until it sees data. Kept as f32 so the ring can travel as a gradient.
     fmt, margin, algo: static; the format, the power-of-two headroom, and how the window is
       reduced ("max" over the history or "most_recent").
 
@@ -132,7 +138,8 @@ def scale_for_step(ring: ScaleRing, current_amax: jax.Array) -> jax.Array:
 
 def next_ring(ring: ScaleRing, amax: jax.Array) -> ScaleRing:
   """Record this step's amax: push it at the front of the history, reduce the window with
-  ``ring.algo``, publish the next scale and count the step. Non-finite amax: ring unchanged."""
+  ``ring.algo``, publish the next scale and, if the window was informative, count the step.
+  Non-finite amax: ring unchanged."""
   amax = jnp.asarray(amax, jnp.float32)
   history = jnp.concatenate([amax[None], ring.amax_history[:-1]])  # [L], newest first
   window = jnp.max(history) if ring.algo == "max" else amax
@@ -142,7 +149,7 @@ def next_ring(ring: ScaleRing, amax: jax.Array) -> ScaleRing:
       ring,
       amax_history=jnp.where(finite, history, ring.amax_history),
       scale=jnp.where(finite, scale, ring.scale),
-      steps=jnp.where(finite, ring.steps + 1, ring.steps),
+      steps=jnp.where(finite & informative(window), ring.steps + 1, ring.steps),
   )
 
 
@@ -224,7 +231,7 @@ def update_state(state, state_grads):
     window = jnp.max(history) if ring.algo == "max" else front
     nxt = dataclasses.replace(ring, amax_history=history,
                               scale=scale_from_amax(window, ring.scale, ring.fmt, ring.margin),
-                              steps=ring.steps + 1)
+                              steps=ring.steps + informative(window).astype(jnp.float32))
     keep = (obs.steps == 0) | ~jnp.isfinite(front)
     return jax.tree.map(lambda old, new: jnp.where(keep, old, new), ring, nxt)
 

@@ -151,6 +151,20 @@ def test_group_cast_transpose_matches_reference(platform, rng, fmt, dtype):
     assert_same((q, s), blockwise.group_quantize(x, fmt=fmt, ue8m0=ue8m0))
 
 
+def test_group_cast_transpose_padding_is_zero_even_next_to_nan(platform):
+  """qt's padding columns are zero bytes even when the column's last group holds a NaN (whose
+  scale is NaN, so quantizing the padding would give NaN)."""
+  x = jnp.ones((200, 128), jnp.float32).at[150, 7].set(jnp.nan)
+  poison_allocator(256 * 128)
+  _, _, qt, st = jax_fp8.group_cast_transpose(x)
+  qt = bits(qt)
+  assert np.isnan(np.asarray(st)[7, 1])
+  assert np.all(qt[:, 200:] == 0)
+  assert np.all(qt[7, 128:200] == 0x7F)  # the NaN group itself: NaN bytes
+  ref = on_cpu(reference.group_cast_transpose, x)
+  np.testing.assert_array_equal(qt, bits(ref[2]))
+
+
 def test_block_quantize_transpose_is_block_quantize_of_transpose(platform, rng):
   """The docstring's claim: q.T with scales.T is the block quantization of w.T."""
   for shape in [(256, 384), (208, 144)]:

@@ -123,6 +123,30 @@ def test_ring_first_step_uses_current_amax(platform):
   np.testing.assert_allclose(np.asarray(ring.amax_history), [2e-3, 0, 0, 0], rtol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["quantize_delayed", "cast_transpose_delayed"])
+def test_ring_after_all_zero_steps_uses_current_amax(platform, op):
+  """A zero-initialized layer's ring (or the gradient's upstream of it) sees zeros first: those
+  steps set no scale, so the first step with data still scales from its own amax, not from the
+  placeholder scale 1."""
+  def run(x, ring):
+    if op == "quantize_delayed":
+      q, a, ring = jax_fp8.quantize_delayed(x, ring)
+    else:
+      q, _, a, ring, _ = jax_fp8.cast_transpose_delayed(x, ring)
+    return q, a, ring
+
+  ring = jax_fp8.ScaleRing.create(4, "e4m3")
+  for _ in range(2):
+    _, _, ring = jax.jit(run)(jnp.zeros((16, 32), jnp.float32), ring)
+  assert float(ring.steps) == 0
+  x = jnp.full((16, 32), 1e-3, jnp.float32).at[3, 5].set(-2e-3)
+  q, _, ring = jax.jit(run)(x, ring)
+  np.testing.assert_allclose(np.asarray(q.astype(jnp.float32))[3, 5], -448.0)
+  np.testing.assert_allclose(float(ring.scale), 2e-3 / 448, rtol=1e-6)
+  assert float(ring.steps) == 1
+  np.testing.assert_allclose(np.asarray(ring.amax_history), [2e-3, 0, 0, 0], rtol=1e-6)
+
+
 def test_ring_margin(platform):
   x = jnp.asarray([3.0, -1.0], jnp.float32)
   _, _, ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3", margin=2))
@@ -134,7 +158,9 @@ def test_ring_edge_cases(platform):
   leave the ring untouched (the state is never poisoned) while q shows the NaN."""
   ring = jax_fp8.ScaleRing.create(4, "e4m3")
   q, _, ring = jax_fp8.quantize_delayed(jnp.zeros((64,), jnp.float32), ring)
-  assert float(ring.scale) == 1.0 and float(ring.steps) == 1 and not np.any(bits(q))
+  # An all-zero step is recorded but not counted: the ring stays on current scaling.
+  assert float(ring.scale) == 1.0 and float(ring.steps) == 0 and not np.any(bits(q))
+  np.testing.assert_array_equal(np.asarray(ring.amax_history), [0, 0, 0, 0])
   _, _, r_tiny = jax_fp8.quantize_delayed(jnp.full((8,), 1e-37, jnp.float32), ring)
   assert float(r_tiny.scale) == np.finfo(np.float32).tiny
   _, _, r_sub = jax_fp8.quantize_delayed(jnp.full((8,), 1e-44, jnp.float32), ring)

@@ -58,6 +58,24 @@ def test_unused_and_zero_gradient():
                      next_ring(ring, jnp.float32(1.0)))
 
 
+def test_zero_initialized_kernel_stays_on_current_scaling(rng):
+  """A layer whose kernel starts at zero (LoRA's B, say): the kernel ring records the zero
+  step but does not count it, so its next step scales from that step's own amax."""
+  x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+  w = jnp.zeros((64, 48), jnp.float32)
+  state = jax_fp8.LinearState.create()
+  y, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, state=s), state)
+  new = jax_fp8.update_state(state, vjp(jnp.ones_like(y))[0])
+  assert float(new.kernel.steps) == 0 and float(new.kernel.scale) == 1.0
+  assert float(new.x.steps) == 1 and float(new.grad.steps) == 1
+  # Small weights: with the placeholder scale 1 they would fall into E4M3's subnormals
+  # (below 2^-6) and mostly round to zero; scaled from their own amax they keep ~3% accuracy.
+  w2 = jnp.asarray(rng.standard_normal((64, 48)) * 1e-3, jnp.float32)
+  y2 = jax_fp8.linear(x, w2, state=new)
+  err = np.linalg.norm(y2 - x @ w2) / np.linalg.norm(x @ w2)
+  assert err < 0.05, err
+
+
 def test_summed_observations_record_an_upper_bound(rng):
   """vmap over a shared state sums the observations (JAX's rule); update_state records the
   sum of the amaxes, never less than their max, and the rest of the history stays right."""

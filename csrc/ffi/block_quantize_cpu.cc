@@ -73,8 +73,8 @@ ffi::Error GroupCastTransposeImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> 
       const float s = group_scale(amax_region(x, cols, r0, r1, c, c + 1), eps, fmt, ue8m0);
       const float inv = 1.0f / s;
       scales_t->typed_data()[t * cols + c] = s;
-      for (int64_t r = r0; r < r0 + kTile; ++r)
-        qtp[c * rows128 + r] = float_to_fp8((r < rows ? at(x, r * cols + c) : 0.0f) * inv, fmt);
+      for (int64_t r = r0; r < r0 + kTile; ++r)  // zero padding past R
+        qtp[c * rows128 + r] = r < rows ? float_to_fp8(at(x, r * cols + c) * inv, fmt) : 0;
     }
   }
   return ffi::Error::Success();

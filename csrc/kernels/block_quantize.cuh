@@ -115,16 +115,17 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 
   if constexpr (!kBlock2D) {
-    // Column-direction q, transposed through shared memory; rows past R quantize zeros, which
-    // is the zero padding of qt.
+    // Column-direction q, transposed through shared memory.
     const int rot = 4 * (threadIdx.x % 8);  // 4 * (column / 16 % 8) for this thread's columns
 #pragma unroll
     for (int k = 0; k < kElemsPerThread; ++k) {
       const float inv_c = col_inv[tc + k];
       uint32_t word = 0;
 #pragma unroll
-      for (int p = 0; p < kBlockPasses; ++p)
-        word |= uint32_t(float_to_fp8(f[p][k] * inv_c, fmt)) << (8 * p);
+      for (int p = 0; p < kBlockPasses; ++p) {
+        const bool in = r0 + quad * kBlockPasses + p < rows;  // past R: qt's zero padding
+        word |= uint32_t(in ? float_to_fp8(f[p][k] * inv_c, fmt) : 0) << (8 * p);
+      }
       tile_qt[tc + k][(quad + rot) & 31] = word;
     }
     __syncthreads();

@@ -19,7 +19,7 @@ struct ScaleLayout {
 // One thread quantizes 16 consecutive elements; G / 16 adjacent lanes hold one group and
 // reduce its amax with shuffles. Loops run per warp so every lane reaches the shuffles.
 template <typename T, int G>
-__global__ void __launch_bounds__(kQuantizeThreads)
+__global__ void __launch_bounds__(kQuantizeThreads, 5)
     group_quantize_kernel(const T* x, int64_t rows, int64_t cols, float eps, Fp8Format fmt,
                           bool ue8m0, uint8_t* __restrict__ q, float* __restrict__ scales,
                           ScaleLayout layout) {
@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     if (!in) continue;
     // abs_bits order puts NaN above inf above finite values, so this is a NaN-propagating amax.
     const float scale = group_scale(bits_float(m), eps, fmt, ue8m0);
-    const float inv = 1.0f / scale;
+    const float inv = __frcp_rn(scale);  // = 1.0f / scale, correctly rounded, as on the CPU
     alignas(16) uint8_t out[kElemsPerThread];
 #pragma unroll
     for (int k = 0; k < kElemsPerThread; ++k) out[k] = float_to_fp8(f[k] * inv, fmt);

@@ -118,7 +118,7 @@ __device__ inline void ring_finalize_block(float amax, const RingArgs& ring, Fp8
   if (threadIdx.x == 0) {
     const float window = ring.algo == AmaxAlgo::kMostRecent ? amax : bits_float(window_bits);
     *ring.scale = scale_from_amax(window, *ring.scale, fmt, ring.margin);
-    *ring.steps += 1.0f;
+    if (informative(window)) *ring.steps += 1.0f;
   }
 }
 
