@@ -42,9 +42,14 @@ def problem(rng):
 
 
 def single_device(x, w, b, g, state):
-  y, vjp = jax.vjp(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s), x, w, b, state)
-  dx, dw, db, obs = vjp(g)
-  return y, dx, dw, db, jax_fp8.update_state(state, obs)
+  """The reference: one CPU device, the platform of the meshes here (on a GPU machine the
+  default device's FP8 GEMMs would accumulate differently, DESIGN.md)."""
+  cpu = jax.devices("cpu")[0]
+  x, w, b, g, state = jax.device_put((x, w, b, g, state), cpu)
+  with jax.default_device(cpu):
+    y, vjp = jax.vjp(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s), x, w, b, state)
+    dx, dw, db, obs = vjp(g)
+    return y, dx, dw, db, jax_fp8.update_state(state, obs)
 
 
 def check(got, want):
