@@ -54,7 +54,7 @@ def bench_gemm(shapes, rand):
     sb = jnp.abs(rand(6, (-(-n // 128), k // 128), jnp.float32)) + 0.5
     one = jnp.float32(1)
     flops = 2 * m * n * k
-    ours = device_time(lambda a, b: jax_fp8.gemm(a, b, sa, sb), a, b)
+    ours = device_time(lambda a, b, sa, sb: jax_fp8.gemm(a, b, sa, sb), a, b, sa, sb)
     tensor = device_time(lambda a, b: jax_fp8.gemm(a, b, one, one), a, b)
     a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
     bf16 = device_time(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ()))), a16, b16)
@@ -76,11 +76,12 @@ def bench_linear(shapes, rand, fwd_bwd):
     state = jax_fp8.LinearState.create()
     _, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, b, state=s), state)
     state = jax_fp8.update_state(state, vjp(g)[0])  # per-tensor rings past their first step
-    ours = device_time(fwd_bwd(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe), g), x, w, b)
-    tensor = device_time(fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s), g),
-                         x, w, b, state)
-    bf16 = device_time(fwd_bwd(peers.bf16_linear, g), x, w, b)
-    xla8 = device_time(fwd_bwd(peers.xla_fp8_linear, g), x, w, b)
+    ours = device_time(fwd_bwd(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe)),
+                       g, x, w, b)
+    tensor = device_time(fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s)),
+                         g, x, w, b, state)
+    bf16 = device_time(fwd_bwd(peers.bf16_linear), g, x, w, b)
+    xla8 = device_time(fwd_bwd(peers.xla_fp8_linear), g, x, w, b)
     rows.append({"case": "block linear fwd+bwd", "shape": [m, n, k], "us": ours * 1e6,
                  "TFLOPs": 6 * m * n * k / ours / 1e12, "bf16_us": bf16 * 1e6,
                  "vs_bf16": bf16 / ours, "vs_per_tensor": tensor / ours, "vs_xla_fp8": xla8 / ours})
@@ -96,7 +97,7 @@ def bench_pdl(shapes, rand):
     w = rand(10, (k, n), jnp.bfloat16, k**-0.5)
     qw, sw = jax_fp8.block_quantize(w)
 
-    def chain(x):
+    def chain(x, qw, sw):
       qx, sx = jax_fp8.group_quantize(x, scale_layout="col")
       y = jax_fp8.gemm(qx, qw.T, sx.T, sw.T)
       return jax_fp8.group_quantize(y, scale_layout="col")
@@ -105,7 +106,7 @@ def bench_pdl(shapes, rand):
     for pdl in ("1", "0"):
       os.environ["JAX_FP8_PDL"] = pdl
       jax.clear_caches()
-      times[pdl] = device_time(chain, x, iters=50)
+      times[pdl] = device_time(chain, x, qw, sw, iters=50)
     os.environ.pop("JAX_FP8_PDL")
     jax.clear_caches()
     rows.append({"case": "pdl chain", "shape": [m, n, k], "us": times["1"] * 1e6,

@@ -106,9 +106,10 @@ def bench_gemm(quick, ceil):
   return rows
 
 
-def fwd_bwd(f, g):
-  """``(x, w, b, *extra) -> (y, grads)`` of ``f`` with output cotangent ``g``."""
-  def run(x, w, b, *extra):
+def fwd_bwd(f):
+  """``(g, x, w, b, *extra) -> (y, grads)`` of ``f`` with output cotangent ``g``. Every array
+  is an argument: one captured by the closure would be a constant that XLA folds work on."""
+  def run(g, x, w, b, *extra):
     y, vjp = jax.vjp(f, x, w, b, *extra)
     return y, vjp(g)
   return run
@@ -126,12 +127,13 @@ def bench_linear(quick, ceil):
     _, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, b, state=s), state)
     state = jax_fp8.update_state(state, vjp(g)[0])
 
-    ours_fn = fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s), g)
-    ours = device_time(ours_fn, x, w, b, state)
-    bf16 = device_time(fwd_bwd(peers.bf16_linear, g), x, w, b)
-    xla8 = device_time(fwd_bwd(peers.xla_fp8_linear, g), x, w, b)
+    ours_fn = fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s))
+    ours = device_time(ours_fn, g, x, w, b, state)
+    bf16 = device_time(fwd_bwd(peers.bf16_linear), g, x, w, b)
+    xla8 = device_time(fwd_bwd(peers.xla_fp8_linear), g, x, w, b)
     flops = 6 * m * n * k
-    mem = peak_bytes(ours_fn, x, w, b, state) / peak_bytes(fwd_bwd(peers.bf16_linear, g), x, w, b)
+    mem = peak_bytes(ours_fn, g, x, w, b, state) / peak_bytes(fwd_bwd(peers.bf16_linear), g, x,
+                                                                w, b)
     rows.append({"case": "linear fwd+bwd", "shape": [m, n, k], "us": ours * 1e6,
                  "peak_mem_vs_bf16": mem,
                  "TFLOPs": flops / ours / 1e12, "bf16_us": bf16 * 1e6, "xla_fp8_us": xla8 * 1e6,

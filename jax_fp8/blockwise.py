@@ -2,8 +2,9 @@
 
 Scales are f32, one per group of 128 (or ``group_size``) consecutive elements along a row
 ("per-token group", activations and gradients) or per 128 x 128 block (weights):
-``scale = max(amax, eps) / fmt_max``, optionally rounded up to a power of two (UE8M0), and
-``q = saturate(rne(x * (1 / scale)))``. A group holding NaN or inf gets a NaN / inf scale, so
+``scale = max(amax, eps) * f32(1 / fmt_max)``, optionally rounded up to a power of two
+(UE8M0), and ``q = saturate(rne(x * (1 / scale)))``. (vLLM and SGLang divide by fmt_max
+instead; the two differ by one ulp in about half of the non-UE8M0 scales.) A group holding NaN or inf gets a NaN / inf scale, so
 it dequantizes to NaN rather than to silent finite values. Source: DeepSeek-V3 technical
 report (arXiv 2412.19437), section 3.3; the per-token-group kernels of vLLM and SGLang.
 
@@ -31,11 +32,13 @@ _MAX_TILE_ROWS = 65535  # CUDA's limit on gridDim.y
 
 def _check_eps(eps, fmt):
   eps = float(eps)
-  if not np.isfinite(eps) or np.float32(eps) * (np.float32(1) / np.float32(fp8_max(fmt))) < \
+  with np.errstate(over="ignore"):
+    eps32 = np.float32(eps)
+  if not np.isfinite(eps32) or eps32 * (np.float32(1) / np.float32(fp8_max(fmt))) < \
       np.finfo(np.float32).tiny:
     raise ValueError(f"eps must be finite and at least fmt_max * FLT_MIN "
-                     f"({fp8_max(fmt) * np.finfo(np.float32).tiny:.3g} for {fmt}) so every scale "
-                     f"is a normal f32, got {eps}")
+                     f"({fp8_max(fmt) * np.finfo(np.float32).tiny:.3g} for {fmt}) and finite in f32, "
+                     f"so every scale is a normal f32, got {eps}")
   return np.float32(eps)
 
 
@@ -59,8 +62,8 @@ def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", ep
     x: [..., K] float32 / bfloat16 / float16, K a multiple of ``group_size``.
     group_size: 16, 32, 64 or 128.
     fmt: "e4m3" or "e5m2".
-    eps: floor of the group amax (an all-zero group gets scale eps / fmt_max); at least
-      fmt_max * FLT_MIN.
+    eps: floor of the group amax (an all-zero group gets scale eps * f32(1 / fmt_max)); at
+      least fmt_max * FLT_MIN, finite in f32.
     ue8m0: round every scale up to a power of two (UE8M0, as DeepSeek-V3 / DeepGEMM use).
     scale_layout: "row" -> scales [..., K/g]; "col" -> [K/g, M] (M = the product of the
       leading dims; the M-contiguous layout cuBLASLt's and DeepGEMM's GEMMs read); "col_tma" ->
@@ -108,7 +111,8 @@ def block_quantize(w: jax.Array, *, block: tuple[int, int] = (BLOCK, BLOCK), fmt
     ``(q, scales)``: q [R, C] FP8; scales f32 [ceil(R/128), ceil(C/128)], edge blocks scaled by
     the elements they hold.
   Raises:
-    TypeError / ValueError at trace time: dtype, rank, C, block, fmt or eps out of range.
+    TypeError / ValueError at trace time: dtype, rank, C, block, fmt or eps out of range,
+    more than 65535 * 128 rows.
   """
   if tuple(block) != (BLOCK, BLOCK):
     raise ValueError(f"block must be (128, 128), the block of cuBLASLt's block-scaled GEMM, got "
@@ -141,7 +145,8 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
     [C, R128/128]. (The kernel stores both scale grids outer-dimension-contiguous, as
     cuBLASLt reads them; the transposes here cancel against ``gemm``'s.)
   Raises:
-    TypeError / ValueError at trace time: dtype, rank, C, fmt or eps out of range.
+    TypeError / ValueError at trace time: dtype, rank, C, fmt or eps out of range, more than
+    65535 * 128 rows.
   """
   x = _check_2d(x, BLOCK, "the group size")
   qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)

@@ -232,6 +232,9 @@ def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype):
     raise ValueError(f"K and N must be multiples of 16 (cuBLASLt FP8 alignment), got K={k}, "
                      f"N={n}; pad the operands")
   mode, a_scale, b_scale = _scale_mode(a_scale, b_scale, m, n, k)
+  if mode and not a.dtype == b.dtype == jnp.float8_e4m3fn:
+    raise TypeError(f"block-scaled GEMMs take e4m3 operands (the DeepSeek-V3 recipe; the only "
+                    f"pair tested on cuBLASLt's block-scaled path), got {a.dtype} x {b.dtype}")
   out_dtype = jnp.dtype(out_dtype)
   if out_dtype not in _FLOAT_DTYPES:
     raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
@@ -263,8 +266,9 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
       Block scaling (K a multiple of 128): a_scale [M, K/128] (1 x 128 groups of a's rows) and
       b_scale [ceil(N/128), K/128] (128 x 128 blocks, weights) or [N, K/128] (1 x 128 groups,
       as in wgrad); ``jax_fp8.group_quantize`` / ``block_quantize`` / ``group_cast_transpose``
-      make them. On CUDA a block-scaled GEMM with M not a multiple of 4 runs on a copy of a
-      padded with zero rows (cuBLASLt takes no other).
+      make them. Block scales need e4m3 operands and no ``fast_accum``. On CUDA a
+      block-scaled GEMM with M not a multiple of 4 runs on a copy of a padded with zero rows
+      (cuBLASLt takes no other).
     bias: optional [N] in ``out_dtype`` (bfloat16 or float16 only).
     out_dtype: bfloat16 (default), float16 or float32.
     fast_accum: let Hopper's FP8 tensor cores accumulate without periodic promotion to f32
@@ -273,11 +277,14 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     [M, N] in ``out_dtype``.
   Raises:
     TypeError / ValueError at trace time: wrong dtypes, ranks, K mismatch, K or N not a
-    multiple of 16, scales of shapes that match no scale mode, a bias with f32 output or of
-    the wrong shape.
+    multiple of 16, scales of shapes that match no scale mode, block scales with e5m2 operands
+    or fast_accum, a bias with f32 output or of the wrong shape.
   """
   a, b, a_scale, b_scale, bias, out_dtype, mode = _check_gemm(a, b, a_scale, b_scale, bias,
                                                               out_dtype)
+  if mode and fast_accum:
+    raise ValueError("fast_accum applies to per-tensor scales only: block-scaled GEMMs promote "
+                     "to f32 at every 128-element group")
   (m, k), n = a.shape, b.shape[0]
   if 0 in (m, n, a.shape[1]):  # nothing to multiply: no library call
     d = jnp.zeros((m, n), jnp.float32) + (0 if bias is None else bias.astype(jnp.float32))

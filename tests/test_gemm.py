@@ -90,6 +90,10 @@ def test_bad_inputs():
     jax_fp8.gemm(a128, b128, jnp.ones((32, 2)), jnp.ones((47, 2)))
   with pytest.raises(ValueError, match="scales must be float32 scalars"):  # block with scalar
     jax_fp8.gemm(a128, b128, jnp.ones((32, 2)), one)
+  with pytest.raises(TypeError, match="block-scaled GEMMs take e4m3 operands"):
+    jax_fp8.gemm(a128, b128.astype(jnp.float8_e5m2), jnp.ones((32, 2)), jnp.ones((1, 2)))
+  with pytest.raises(ValueError, match="fast_accum applies to per-tensor scales only"):
+    jax_fp8.gemm(a128, b128, jnp.ones((32, 2)), jnp.ones((1, 2)), fast_accum=True)
   with pytest.raises(TypeError, match="a_scale must be float32, got int32"):
     jax_fp8.gemm(a128, b128, jnp.ones((32, 2), jnp.int32), jnp.ones((1, 2)))
   with pytest.raises(TypeError, match="b_scale must be float32, got int32"):

@@ -100,7 +100,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BlockQuantizeCudaHandler, BlockQuantizeImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()          // x [R, C]
                                   .Ret<ffi::AnyBuffer>()          // q [R, C]
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // scales [R/128, C/128]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // scales [ceil(R/128), ceil(C/128)]
                                   .Attr<float>("eps")
                                   .Attr<bool>("ue8m0"),
                               {ffi::Traits::kCmdBufferCompatible});

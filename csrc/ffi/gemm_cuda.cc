@@ -209,7 +209,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmImpl,
                            .Arg<ffi::AnyBuffer>()            // a [M, K] fp8
                            .Arg<ffi::AnyBuffer>()            // b [N, K] fp8
                            .Arg<ffi::Buffer<ffi::F32>>()     // a_scale [] or [K/128, M]
-                           .Arg<ffi::Buffer<ffi::F32>>()     // b_scale [], [N/128, K/128], [K/128, N]
+                           .Arg<ffi::Buffer<ffi::F32>>()     // b_scale [], [ceil(N/128), ceil4(K/128)], [K/128, N]
                            .Arg<ffi::AnyBuffer>()            // bias [N] (or [0] when absent)
                            .Ret<ffi::AnyBuffer>()            // d [M, N]
                            .Ret<ffi::AnyBuffer>()            // workspace
