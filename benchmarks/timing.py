@@ -48,6 +48,11 @@ def loop_overhead(iters: int = 20, repeats: int = 5) -> float:
 
 def device_time(fn, *args, iters: int = 20, repeats: int = 5) -> float:
   """Seconds per call of ``fn(*args)`` on the device: the median over ``repeats`` runs of a
-  loop of ``iters`` calls, minus ``loop_overhead``."""
+  loop of ``iters`` calls, minus ``loop_overhead``. Raises RuntimeError when nothing is left
+  after the subtraction."""
   t = _loop_time(fn, args, iters, repeats)
-  return max(t - loop_overhead(iters, repeats), 1e-9)
+  net = t - loop_overhead(iters, repeats)
+  if net <= 0:
+    raise RuntimeError(f"{t * 1e6:.1f} us per iteration is within the timing loop's own "
+                       f"{loop_overhead(iters, repeats) * 1e6:.1f} us: too short to time this way")
+  return net
