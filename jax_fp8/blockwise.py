@@ -42,14 +42,14 @@ def _check_eps(eps, fmt):
   return np.float32(eps)
 
 
-def _check_2d(x, multiple, what):
-  x = _check_input(x)
+def _check_2d(x, multiple, what, name):
+  x = _check_input(x, name)
   if x.ndim != 2 or x.shape[1] == 0 or x.shape[1] % multiple:
-    raise ValueError(f"x must be [R, C] with C a positive multiple of {multiple} ({what}), got "
-                     f"shape {x.shape}")
+    raise ValueError(f"{name} must be [R, C] with C a positive multiple of {multiple} ({what}), "
+                     f"got shape {x.shape}")
   if -(-x.shape[0] // BLOCK) > _MAX_TILE_ROWS:
-    raise ValueError(f"x has {x.shape[0]} rows; at most {_MAX_TILE_ROWS * BLOCK} (one row of "
-                     f"the kernel's grid per 128 rows)")
+    raise ValueError(f"{name} has {x.shape[0]} rows; at most {_MAX_TILE_ROWS * BLOCK} (one row "
+                     f"of the kernel's grid per 128 rows)")
   return x
 
 
@@ -65,9 +65,11 @@ def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", ep
     eps: floor of the group amax (an all-zero group gets scale eps * f32(1 / fmt_max)); at
       least fmt_max * FLT_MIN, finite in f32.
     ue8m0: round every scale up to a power of two (UE8M0, as DeepSeek-V3 / DeepGEMM use).
-    scale_layout: "row" -> scales [..., K/g]; "col" -> [K/g, M] (M = the product of the
-      leading dims; the M-contiguous layout cuBLASLt's and DeepGEMM's GEMMs read); "col_tma" ->
-      [K/g, ceil4(M)], with zero scales in the padding (16-byte aligned columns for TMA).
+    scale_layout: "row" -> scales [..., K/g], the layout ``jax_fp8.gemm`` takes; "col" ->
+      [K/g, M] (M = the product of the leading dims), the M-contiguous layout cuBLASLt and
+      DeepGEMM read in memory (give ``gemm`` its transpose, ``scales.T``: the two transposes
+      cancel in XLA); "col_tma" -> [K/g, ceil4(M)], with zero scales in the padding
+      (16-byte aligned columns for TMA).
   Returns:
     ``(q, scales)``: q [..., K] in the FP8 dtype; scales f32 in the chosen layout.
   Raises:
@@ -75,7 +77,8 @@ def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", ep
     fmt, eps or scale_layout out of range.
   """
   x = _check_input(x)
-  if group_size not in _GROUP_SIZES:
+  if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or \
+      group_size not in _GROUP_SIZES:
     raise ValueError(f"group_size must be one of {_GROUP_SIZES}, got {group_size!r}")
   if x.ndim < 1 or x.shape[-1] % group_size:
     raise ValueError(f"x's last axis must be a multiple of group_size={group_size}, got shape "
@@ -114,10 +117,10 @@ def block_quantize(w: jax.Array, *, block: tuple[int, int] = (BLOCK, BLOCK), fmt
     TypeError / ValueError at trace time: dtype, rank, C, block, fmt or eps out of range,
     more than 65535 * 128 rows.
   """
-  if tuple(block) != (BLOCK, BLOCK):
+  if not isinstance(block, (tuple, list)) or tuple(block) != (BLOCK, BLOCK):
     raise ValueError(f"block must be (128, 128), the block of cuBLASLt's block-scaled GEMM, got "
                      f"{block!r}")
-  w = _check_2d(w, 16, "the FP8 GEMMs' alignment")
+  w = _check_2d(w, 16, "the FP8 GEMMs' alignment", "w")
   qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)
   r, c = w.shape
   q, s = jax.ffi.ffi_call(
@@ -148,7 +151,7 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
     TypeError / ValueError at trace time: dtype, rank, C, fmt or eps out of range, more than
     65535 * 128 rows.
   """
-  x = _check_2d(x, BLOCK, "the group size")
+  x = _check_2d(x, BLOCK, "the group size", "x")
   qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)
   r, c = x.shape
   r128 = -(-r // BLOCK) * BLOCK

@@ -63,6 +63,9 @@ class Dense(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
+    if not isinstance(self.recipe, (DelayedScaling, BlockScaling)):
+      raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
+                      f"{type(self.recipe).__name__}")
     kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features),
                         self.param_dtype)
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)

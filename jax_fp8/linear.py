@@ -209,6 +209,9 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   (arXiv 2412.19437, section 3.3).
   """
   x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  for name, v in (("x", x), ("kernel", kernel)):
+    if v.dtype not in ops._FLOAT_DTYPES:
+      raise TypeError(f"{name} must be float32, bfloat16 or float16, got {v.dtype}")
   if kernel.ndim != 2:
     raise ValueError(f"kernel must be [K, N], got shape {kernel.shape}")
   if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
@@ -255,7 +258,7 @@ def _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name):
   if k % recipe.group_size or n % recipe.group_size:
     raise ValueError(f"BlockScaling needs K and N multiples of {recipe.group_size} (the groups "
                      f"of x along K and of the gradient along N), got K={k}, N={n}")
-  if state is not None or amax_axis_name is not None:
+  if state is not None or amax_axis_name not in (None, ()):
     raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
                      "scales come from each device's own tensors)")
   x, kernel, bias = _vary_all(x, kernel, bias)

@@ -205,11 +205,12 @@ def _scale_mode(a_scale, b_scale, m, n, k):
   kb = k // 128
   modes = {(-(-n // 128), kb): 1, (n, kb): 2}
   if k % 128 or a_scale.shape != (m, kb) or b_scale.shape not in modes:
+    want = (f"a_scale [M, K/128] = [{m}, {kb}] and b_scale [ceil(N/128), K/128] = "
+            f"[{-(-n // 128)}, {kb}] (128 x 128 blocks) or [N, K/128] = [{n}, {kb}] (1 x 128 "
+            f"groups)" if k % 128 == 0 else f"K={k} is not")
     raise ValueError(f"scales must be float32 scalars (per-tensor), or block scales with K a "
-                     f"multiple of 128: a_scale [M, K/128] = [{m}, {k / 128:g}] and b_scale "
-                     f"[ceil(N/128), K/128] = [{-(-n // 128)}, {k / 128:g}] (128 x 128 blocks) or "
-                     f"[N, K/128] = [{n}, {k / 128:g}] (1 x 128 groups); got a_scale "
-                     f"{list(a_scale.shape)} and b_scale {list(b_scale.shape)} with K={k}")
+                     f"multiple of 128: {want}; got a_scale {list(a_scale.shape)} and b_scale "
+                     f"{list(b_scale.shape)} with K={k}")
   return modes[b_scale.shape], a_scale, b_scale
 
 

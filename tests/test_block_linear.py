@@ -142,3 +142,9 @@ def test_bad_inputs():
     jax_fp8.BlockScaling(group_size=64)
   with pytest.raises(TypeError, match="recipe must be"):
     jax_fp8.linear(x, jnp.ones((128, 128)), recipe="block")
+  with pytest.raises(TypeError, match="recipe must be"):
+    jax_fp8.flax.Dense(128, recipe=None).init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match="kernel must be float32"):
+    jax_fp8.linear(x, jnp.ones((128, 128), jnp.int32), recipe=jax_fp8.BlockScaling())
+  y = jax_fp8.linear(x, jnp.ones((128, 128)), recipe=jax_fp8.BlockScaling(), amax_axis_name=())
+  assert y.shape == (4, 128)

@@ -381,18 +381,22 @@ def test_bad_inputs():
         fn(x, eps=bad)
   with pytest.raises(ValueError, match=r"block must be \(128, 128\)"):
     bq(x, block=(64, 64))
-  for fn in (gq, bq, gct):
-    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
+  for fn, name in ((gq, "x"), (bq, "w"), (gct, "x")):
+    with pytest.raises(TypeError, match=f"{name} must be float32, bfloat16 or float16"):
       fn(jnp.ones((4, 256), jnp.int32))
+  with pytest.raises(ValueError, match="group_size must be one of"):
+    gq(x, group_size=128.0)
+  with pytest.raises(ValueError, match=r"block must be \(128, 128\)"):
+    bq(x, block=128)
   with pytest.raises(ValueError, match="C a positive multiple of 128"):
     gct(jnp.ones((4, 144)))
   with pytest.raises(ValueError, match="C a positive multiple of 16"):
     bq(jnp.ones((4, 24)))
-  with pytest.raises(ValueError, match=r"x must be \[R, C\]"):
+  with pytest.raises(ValueError, match=r"w must be \[R, C\]"):
     bq(jnp.ones((256,)))
   with pytest.raises(ValueError, match=r"x must be \[R, C\]"):
     gct(jnp.ones((2, 4, 128)))
-  with pytest.raises(ValueError, match=r"x must be \[R, C\]"):
+  with pytest.raises(ValueError, match=r"w must be \[R, C\]"):
     bq(jnp.ones((4, 0)))
   # under jit the errors come at trace time too
   with pytest.raises(ValueError, match="group_size"):

@@ -13,8 +13,9 @@ from jax_fp8 import reference
 from jax_fp8.scaling import next_ring
 
 # Normwise relative error allowed against the f32 math: E4M3 rounding (2^-4 relative at worst,
-# ~2% RMS on Gaussian data) in the forward, E5M2 (2^-3, ~4% RMS) in the gradients.
-FWD_TOL, BWD_TOL = 0.04, 0.08
+# ~2% RMS on Gaussian data) in the forward, E5M2 (2^-3) in the gradients, where the error
+# measured 4-7.7% over 30 seeds on the small problems here (CPU, 2026-11-29).
+FWD_TOL, BWD_TOL = 0.04, 0.1
 
 
 def rel(a, b):
