@@ -141,6 +141,33 @@ def bench_linear(quick, ceil):
   return rows
 
 
+def bench_memory(quick):
+  """Peak device memory of a train step through a stack of linears, FP8 (per-tensor and block
+  scaling) against BF16. Between forward and backward BF16 keeps each layer's bf16 input, FP8
+  keeps its FP8 transposed copy: the saving a single layer (whose input is an argument, live
+  either way) cannot show."""
+  m, d, layers = (256, 256, 4) if quick else (16384, 4096, 4)
+  x = rand(9, (m, d), jnp.bfloat16)
+  ws = [rand(10 + i, (d, d), jnp.bfloat16, d**-0.5) for i in range(layers)]
+  states = [jax_fp8.LinearState.create() for _ in range(layers)]
+
+  def step(layer):
+    def loss(ws, states):
+      y = x
+      for w, s in zip(ws, states):
+        y = layer(y, w, s)
+      return jnp.mean(jnp.square(y.astype(jnp.float32)))
+    return lambda ws, states: jax.grad(loss, argnums=(0, 1))(ws, states)
+
+  fp8 = peak_bytes(step(lambda y, w, s: jax_fp8.linear(y, w, state=s)), ws, states)
+  block_scaled = peak_bytes(step(lambda y, w, s: jax_fp8.linear(
+      y, w, recipe=jax_fp8.BlockScaling())), ws, states)
+  bf16 = peak_bytes(step(lambda y, w, s: y @ w), ws, states)
+  return [{"case": "linear stack peak memory", "shape": [m, d, layers], "fp8_MiB": fp8 / 2**20,
+           "bf16_MiB": bf16 / 2**20, "peak_mem_vs_bf16": fp8 / bf16,
+           "block_peak_mem_vs_bf16": block_scaled / bf16}]
+
+
 def bench_block(quick, ceil):
   """Transformer block train step (forward, backward, FP8 state update), FP8 vs BF16."""
   cfg = QUICK_BLOCK if quick else BLOCK
@@ -178,7 +205,8 @@ def print_table(results):
   for r in results["rows"]:
     figs = "  ".join(f"{k}={v:.3g}" for k, v in r.items()
                      if k not in ("case", "shape", "us") and isinstance(v, float))
-    print(f"{r['case']:<22}{'x'.join(map(str, r['shape'])):<20}{r['us']:>10.1f}  {figs}")
+    us = f"{r['us']:>10.1f}" if "us" in r else f"{'-':>10}"
+    print(f"{r['case']:<22}{'x'.join(map(str, r['shape'])):<20}{us}  {figs}")
 
 
 def main(argv=None):
@@ -193,7 +221,7 @@ def main(argv=None):
   q = args.quick
   groups = {
       "per_tensor": lambda: (bench_quantize(q, ceil) + bench_gemm(q, ceil) +
-                             bench_linear(q, ceil)),
+                             bench_linear(q, ceil) + bench_memory(q)),
       "block_step": lambda: bench_block(q, ceil),
       "block_scaling": lambda: (
           block_scaled.bench_quantizers([(512, 512)] if q else QUANT_SHAPES, rand, ceil) +

@@ -18,6 +18,8 @@ def test_quick_suite(tmp_path):
   assert cases == {"quantize", "quantize_delayed", "jnp quantize", "cast_transpose",
                    "cast_transpose+dbias", "gemm", "linear fwd+bwd", "block train step",
                    "group_quantize", "block_quantize", "group_cast_transpose", "block gemm",
-                   "block linear fwd+bwd", "pdl chain"}
-  assert all(r["us"] > 0 for r in res["rows"])
+                   "block linear fwd+bwd", "pdl chain", "linear stack peak memory"}
+  assert all(r["us"] > 0 for r in res["rows"] if "us" in r)
+  mem = next(r for r in res["rows"] if r["case"] == "linear stack peak memory")
+  assert mem["fp8_MiB"] > 0 and mem["bf16_MiB"] > 0
   assert res["ceilings"]["copy_TBps"] > 0
