@@ -196,6 +196,14 @@ def environment():
           "jax_fp8_cuda": jax_fp8.cuda_available()}
 
 
+def write_results(results: dict, out: str | None, name: str) -> None:
+  """Write ``results`` as JSON to ``out``, or to ``benchmarks/results/<name>.json``."""
+  path = pathlib.Path(out) if out else pathlib.Path(__file__).parent / "results" / f"{name}.json"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(results, indent=1))
+  print(f"wrote {path}")
+
+
 def print_table(results):
   c = results["ceilings"]
   print(f"\n{results['env']['device']}  jax {results['env']['jax']}  {results['env']['date']}")
@@ -233,12 +241,7 @@ def main(argv=None):
   rows = [r for g in GROUPS if g in args.only for r in groups[g]()]
   results = {"env": env, "ceilings": ceil, "rows": rows}
   print_table(results)
-  out = pathlib.Path(args.out) if args.out else (
-      pathlib.Path(__file__).parent / "results" /
-      f"{env['device'].replace(' ', '_')}-{env['date']}.json")
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(results, indent=1))
-  print(f"wrote {out}")
+  write_results(results, args.out, f"{env['device'].replace(' ', '_')}-{env['date']}")
 
 
 if __name__ == "__main__":

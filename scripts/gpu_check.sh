@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU session script: build, GPU tests, benchmark suite, demo. Logs go to $OUT
 # (the device tool brings them back). Usage on the GPU machine:
-#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [demo] [demo-block] [profile]
+#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [demo] [demo-block] [dp] [profile]
 # (default: tests bench demo; profile runs Nsight Compute over our kernels). Optional
 # environment: TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case
 # groups, see python -m benchmarks.run --help).
@@ -33,6 +33,10 @@ for s in $steps; do
            tail -25 "$OUT/bench.log" ;;
     demo)  python3 -m jax_fp8.demo --preset gpu --out "$OUT/demo" > "$OUT/demo.log" 2>&1
            echo "demo exit $?"; tail -15 "$OUT/demo.log" ;;
+    # Several GPUs: data-parallel training, 1..N devices, FP8 vs BF16 (NCCL_NVLS_ENABLE=0).
+    dp)    NCCL_NVLS_ENABLE=0 python3 -m benchmarks.data_parallel --out "$OUT/dp.json" \
+             > "$OUT/dp.log" 2>&1
+           echo "dp exit $?"; tail -8 "$OUT/dp.log" ;;
     demo-block) python3 -m jax_fp8.demo --preset gpu --recipe block --out "$OUT/demo-block" \
              > "$OUT/demo-block.log" 2>&1
            echo "demo-block exit $?"; tail -15 "$OUT/demo-block.log" ;;

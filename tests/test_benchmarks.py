@@ -7,7 +7,7 @@ import pathlib
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import run  # noqa: E402
+from benchmarks import data_parallel, run  # noqa: E402
 
 
 def test_quick_suite(tmp_path):
@@ -23,3 +23,16 @@ def test_quick_suite(tmp_path):
   mem = next(r for r in res["rows"] if r["case"] == "linear stack peak memory")
   assert mem["fp8_MiB"] > 0 and mem["bf16_MiB"] > 0
   assert res["ceilings"]["copy_TBps"] > 0
+
+
+def test_data_parallel_benchmark(tmp_path):
+  """The multi-device training benchmark end to end on two of the virtual CPU devices."""
+  out = tmp_path / "dp.json"
+  res = data_parallel.main(["--preset", "smoke", "--steps", "4", "--max-devices", "2",
+                            "--out", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+  assert [r["devices"] for r in res["rows"]] == [1, 2]
+  assert res["rows"][1]["global_batch"] == 2 * res["rows"][0]["global_batch"]
+  for r in res["rows"]:
+    assert r["fp8_step_ms"] > 0 and r["bf16_step_ms"] > 0
+  assert res["rows"][0]["fp8_scaling_efficiency"] == 1.0

@@ -37,6 +37,7 @@ class Config:
   vocab: int = 256
   fp8: bool = True
   recipe: str = "delayed"
+  amax_axis_name: str | None = None  # the data-parallel axis, under shard_map (delayed recipe)
 
   @property
   def d_ff(self) -> int:
@@ -55,7 +56,8 @@ def dense(cfg: Config, features: int, name: str) -> nn.Module:
   """A bf16-compute linear layer with f32 parameters: FP8 (jax_fp8) or plain, per ``cfg.fp8``."""
   kw = dict(dtype=COMPUTE, param_dtype=jnp.float32, kernel_init=INIT, name=name)
   if cfg.fp8:
-    return jax_fp8.flax.Dense(features, recipe=RECIPES[cfg.recipe], **kw)
+    axis = cfg.amax_axis_name if cfg.recipe == "delayed" else None  # block scaling: stateless
+    return jax_fp8.flax.Dense(features, recipe=RECIPES[cfg.recipe], amax_axis_name=axis, **kw)
   return nn.Dense(features, **kw)
 
 

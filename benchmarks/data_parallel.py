@@ -1,0 +1,128 @@
+"""Data-parallel training benchmark: the demo's transformer trained under ``shard_map`` on 1, 2,
+4, ... devices, FP8 (``jax_fp8.flax.Dense``) against BF16 (``flax.linen.Dense``).
+
+Weak scaling: every device takes the preset's batch, so the global batch grows with the device
+count and the ideal step time stays constant; scaling efficiency is the one-device step time
+over the n-device one. Parameters and optimizer state are replicated; the parameter gradients
+are averaged over the devices and the FP8 amaxes max-reduced (``amax_axis_name``), as in
+``examples/data_parallel.py``. Step times are wall-clock over the timed steps of a training
+loop, the first two (compilation, first donated step) left out, as in the demo.
+
+    python -m benchmarks.data_parallel [--preset gpu] [--steps 30] [--recipe delayed]
+                                       [--max-devices N] [--out PATH]
+
+Writes ``benchmarks/results/<gpu>x<N>-data-parallel-<date>.json``. NCCL's NVLink multicast
+(NVLS) is turned off unless the environment sets NCCL_NVLS_ENABLE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import os
+import time
+
+os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
+
+import jax_fp8  # noqa: E402
+from jax_fp8.demo import data  # noqa: E402
+from jax_fp8.demo.__main__ import PRESETS, SKIP_STEPS, init_variables, make_loss, make_optimizer  # noqa: E402
+from jax_fp8.demo.model import Transformer  # noqa: E402
+
+from .run import environment, write_results  # noqa: E402
+
+AXIS = "data"
+
+
+def step_time(preset, cfg, devices, batches, seed: int) -> float:
+  """Seconds per training step of ``cfg`` data-parallel over ``devices``."""
+  mesh = Mesh(np.array(devices), (AXIS,))
+  n = len(devices)
+  model = Transformer(cfg)
+  tx = make_optimizer(preset, len(batches))
+  loss_fn = make_loss(model)
+  params, fp8_state = init_variables(cfg, seed)
+  opt_state = tx.init(params)
+
+  def device_step(params, fp8_state, batch):
+    loss, (grads, state_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
+        params, fp8_state, batch)
+    grads = jax.tree.map(lambda g: g / n, grads)  # summed over the devices -> mean
+    return grads, jax_fp8.update_state(fp8_state, state_grads), jax.lax.pmean(loss, AXIS)
+
+  sharded = jax.shard_map(device_step, mesh=mesh, in_specs=(P(), P(), P(AXIS)),
+                          out_specs=(P(), P(), P()))
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))  # the train state is donated
+  def train_step(params, opt_state, fp8_state, batch):
+    grads, fp8_state, loss = sharded(params, fp8_state, batch)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, fp8_state, loss
+
+  replicated = jax.sharding.NamedSharding(mesh, P())
+  params, opt_state, fp8_state = jax.device_put((params, opt_state, fp8_state), replicated)
+  batch_sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
+  for i, batch in enumerate(batches):
+    if i == SKIP_STEPS:
+      jax.block_until_ready(params)
+      t0 = time.perf_counter()
+    params, opt_state, fp8_state, loss = train_step(
+        params, opt_state, fp8_state, jax.device_put(batch, batch_sharding))
+  jax.block_until_ready((params, loss))
+  return (time.perf_counter() - t0) / (len(batches) - SKIP_STEPS)
+
+
+def device_counts(available: int, limit: int | None) -> list[int]:
+  """1, 2, 4, ... up to the devices available (and the limit)."""
+  top = min(available, limit or available)
+  counts = [1]
+  while counts[-1] * 2 <= top:
+    counts.append(counts[-1] * 2)
+  return counts
+
+
+def main(argv=None) -> dict:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
+  p.add_argument("--steps", type=int, default=30, help="steps per run (the first two untimed)")
+  p.add_argument("--recipe", choices=["delayed", "block"], default="delayed")
+  p.add_argument("--max-devices", type=int, help="largest device count to run")
+  p.add_argument("--out", help="JSON path (default benchmarks/results/...)")
+  args = p.parse_args(argv)
+  if args.steps <= SKIP_STEPS:
+    p.error(f"--steps must be more than {SKIP_STEPS}")
+  devices = jax.devices()
+  preset = PRESETS[args.preset]
+  corpus = data.load_corpus()
+  rows = []
+  for n in device_counts(len(devices), args.max_devices):
+    batches = data.train_batches(corpus.train, args.steps, n * preset.batch, preset.seq_len, 0)
+    times = {}
+    for fp8 in (True, False):
+      cfg = dataclasses.replace(preset.config(fp8=fp8, recipe=args.recipe), amax_axis_name=AXIS)
+      times[fp8] = step_time(preset, cfg, devices[:n], batches, seed=0)
+    rows.append({"devices": n, "global_batch": n * preset.batch,
+                 "fp8_step_ms": times[True] * 1e3, "bf16_step_ms": times[False] * 1e3,
+                 "fp8_speedup": times[False] / times[True]})
+    print(f"{n} devices: FP8 {times[True] * 1e3:.1f} ms/step, BF16 {times[False] * 1e3:.1f} "
+          f"ms/step, FP8 speedup {times[False] / times[True]:.2f}x", flush=True)
+  for r in rows:  # weak scaling against one device
+    r["fp8_scaling_efficiency"] = rows[0]["fp8_step_ms"] / r["fp8_step_ms"]
+    r["bf16_scaling_efficiency"] = rows[0]["bf16_step_ms"] / r["bf16_step_ms"]
+  env = {**environment(), "device_count": len(devices),
+         "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
+  results = {"env": env, "preset": args.preset, "recipe": args.recipe, "steps": args.steps,
+             "rows": rows}
+  write_results(results, args.out, f"{env['device'].replace(' ', '_')}x{len(devices)}"
+                f"-data-parallel-{env['date']}")
+  return results
+
+
+if __name__ == "__main__":
+  main()
