@@ -64,18 +64,13 @@ def bench_gemm(shapes, rand):
   return rows
 
 
-def bench_linear(shapes, rand, fwd_bwd):
-  """Block-scaled linear forward + backward against BF16, per-tensor jax_fp8 and pure-XLA FP8."""
+def bench_linear(shapes, linear_problem, fwd_bwd):
+  """Block-scaled linear forward + backward against BF16, per-tensor jax_fp8 and pure-XLA FP8
+  (the operands and warm per-tensor state from ``run.linear_problem``)."""
   rows = []
   recipe = jax_fp8.BlockScaling()
   for m, n, k in shapes:
-    x = rand(5, (m, k), jnp.bfloat16)
-    w = rand(6, (k, n), jnp.bfloat16, k**-0.5)
-    b = rand(7, (n,), jnp.bfloat16)
-    g = rand(8, (m, n), jnp.bfloat16)
-    state = jax_fp8.LinearState.create()
-    _, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, b, state=s), state)
-    state = jax_fp8.update_state(state, vjp(g)[0])  # per-tensor rings past their first step
+    g, x, w, b, state = linear_problem(m, n, k)
     ours = device_time(fwd_bwd(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe)),
                        g, x, w, b)
     tensor = device_time(fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s)),

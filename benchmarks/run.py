@@ -115,18 +115,22 @@ def fwd_bwd(f):
   return run
 
 
+def linear_problem(m, n, k):
+  """bf16 ``(g, x, w, b)`` of a linear [M, K] x [K, N] and its per-tensor state at steady
+  state: one step taken, so no ring is on its first (current-scaling) step."""
+  x = rand(5, (m, k), jnp.bfloat16)
+  w = rand(6, (k, n), jnp.bfloat16, k**-0.5)
+  b = rand(7, (n,), jnp.bfloat16)
+  g = rand(8, (m, n), jnp.bfloat16)
+  state = jax_fp8.LinearState.create()
+  _, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, b, state=s), state)
+  return g, x, w, b, jax_fp8.update_state(state, vjp(g)[0])
+
+
 def bench_linear(quick, ceil):
   rows = []
   for m, n, k in (QUICK_GEMM_SHAPES if quick else GEMM_SHAPES):
-    x = rand(5, (m, k), jnp.bfloat16)
-    w = rand(6, (k, n), jnp.bfloat16, k**-0.5)
-    b = rand(7, (n,), jnp.bfloat16)
-    g = rand(8, (m, n), jnp.bfloat16)
-    # Steady state: one step taken, so no ring is on its first (current-scaling) step.
-    state = jax_fp8.LinearState.create()
-    _, vjp = jax.vjp(lambda s: jax_fp8.linear(x, w, b, state=s), state)
-    state = jax_fp8.update_state(state, vjp(g)[0])
-
+    g, x, w, b, state = linear_problem(m, n, k)
     ours_fn = fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s))
     ours = device_time(ours_fn, g, x, w, b, state)
     bf16 = device_time(fwd_bwd(peers.bf16_linear), g, x, w, b)
@@ -234,8 +238,8 @@ def main(argv=None):
       "block_scaling": lambda: (
           block_scaled.bench_quantizers([(512, 512)] if q else QUANT_SHAPES, rand, ceil) +
           block_scaled.bench_gemm(QUICK_GEMM_SHAPES if q else GEMM_SHAPES, rand) +
-          block_scaled.bench_linear(QUICK_GEMM_SHAPES if q else BLOCK_LINEAR_SHAPES, rand,
-                                    fwd_bwd) +
+          block_scaled.bench_linear(QUICK_GEMM_SHAPES if q else BLOCK_LINEAR_SHAPES,
+                                    linear_problem, fwd_bwd) +
           block_scaled.bench_pdl(QUICK_GEMM_SHAPES if q else PDL_SHAPES, rand)),
   }
   rows = [r for g in GROUPS if g in args.only for r in groups[g]()]
