@@ -31,8 +31,16 @@ GEMM_SHAPES = [(8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096),
 QUICK_GEMM_SHAPES = [(256, 256, 256)]
 BLOCK_LINEAR_SHAPES = [(16384, 4096, 14336), (16384, 14336, 4096), (8192, 8192, 8192)]
 PDL_SHAPES = [(512, 4096, 4096), (4096, 4096, 4096)]
+# Where FP8 stops paying: the linear at arithmetic intensities M*N*K / (M*K + K*N + M*N) from
+# about 170 to 2000 (the GEMM's FLOPs per element the quantizers move).
+CROSSOVER_SHAPES = [(4096, d, d) for d in (512, 1024, 1536, 2048, 3072, 4096)] + [
+    (4096, 1024, 4096), (4096, 4096, 1024), (1024, 4096, 4096), (16384, 1024, 1024),
+    (8192, 2048, 2048), (2048, 8192, 8192)]
 BLOCK = dict(d_model=4096, ffn=14336, heads=32, seq=2048, batch=8)
-GROUPS = ["per_tensor", "block_step", "block_scaling"]  # --only choices, in run order
+# The per-tensor crossover measured by bench_crossover on the H200 (2026-11-29): FP8 below it
+# is slower than BF16, so the "auto" linear runs BF16 there.
+AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=900.0)
+GROUPS = ["per_tensor", "block_step", "block_scaling", "crossover"]  # --only, in run order
 QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
 
 
@@ -133,6 +141,8 @@ def bench_linear(quick, ceil):
     g, x, w, b, state = linear_problem(m, n, k)
     ours_fn = fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s))
     ours = device_time(ours_fn, g, x, w, b, state)
+    auto = device_time(fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s, recipe=AUTO)),
+                       g, x, w, b, state)
     bf16 = device_time(fwd_bwd(peers.bf16_linear), g, x, w, b)
     xla8 = device_time(fwd_bwd(peers.xla_fp8_linear), g, x, w, b)
     flops = 6 * m * n * k
@@ -141,7 +151,32 @@ def bench_linear(quick, ceil):
     rows.append({"case": "linear fwd+bwd", "shape": [m, n, k], "us": ours * 1e6,
                  "peak_mem_vs_bf16": mem,
                  "TFLOPs": flops / ours / 1e12, "bf16_us": bf16 * 1e6, "xla_fp8_us": xla8 * 1e6,
-                 "vs_bf16": bf16 / ours, "vs_xla_fp8": xla8 / ours})
+                 "vs_bf16": bf16 / ours, "vs_xla_fp8": xla8 / ours,
+                 "auto_fp8": bool(intensity(m, n, k) >= AUTO.fp8_min_intensity),
+                 "auto_vs_bf16": bf16 / auto})
+  return rows
+
+
+def intensity(m, n, k):
+  """A linear's GEMM FLOPs / 2 per element of its three operands (x, kernel, output)."""
+  return m * n * k / (m * k + k * n + m * n)
+
+
+def bench_crossover(quick):
+  """FP8 linear fwd+bwd (per-tensor, and block-scaled) against BF16 across arithmetic
+  intensities: where the quantization passes cost more than the FP8 GEMMs save."""
+  rows = []
+  for m, n, k in (QUICK_GEMM_SHAPES if quick else CROSSOVER_SHAPES):
+    g, x, w, b, state = linear_problem(m, n, k)
+    ours = device_time(fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s)),
+                       g, x, w, b, state)
+    block_scaled = device_time(fwd_bwd(lambda x, w, b: jax_fp8.linear(
+        x, w, b, recipe=jax_fp8.BlockScaling())), g, x, w, b)
+    bf16 = device_time(fwd_bwd(peers.bf16_linear), g, x, w, b)
+    rows.append({"case": "linear crossover", "shape": [m, n, k], "us": ours * 1e6,
+                 "bf16_us": bf16 * 1e6, "block_us": block_scaled * 1e6,
+                 "intensity": float(intensity(m, n, k)), "vs_bf16": bf16 / ours,
+                 "block_vs_bf16": bf16 / block_scaled})
   return rows
 
 
@@ -212,7 +247,7 @@ def print_table(results):
   c = results["ceilings"]
   print(f"\n{results['env']['device']}  jax {results['env']['jax']}  {results['env']['date']}")
   print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 GEMM {c['bf16_gemm_TFLOPs']:.0f} TFLOP/s"
-        f" (timing loop overhead {c['timing_loop_overhead_us']:.1f} us/iteration, subtracted)")
+        f" (timing loop control {c['timing_loop_overhead_us']:.1f} us/iteration, cancelled)")
   print(f"{'case':<22}{'shape':<20}{'us':>10}  figures")
   for r in results["rows"]:
     figs = "  ".join(f"{k}={v:.3g}" for k, v in r.items()
@@ -241,6 +276,7 @@ def main(argv=None):
           block_scaled.bench_linear(QUICK_GEMM_SHAPES if q else BLOCK_LINEAR_SHAPES,
                                     linear_problem, fwd_bwd) +
           block_scaled.bench_pdl(QUICK_GEMM_SHAPES if q else PDL_SHAPES, rand)),
+      "crossover": lambda: bench_crossover(q),
   }
   rows = [r for g in GROUPS if g in args.only for r in groups[g]()]
   results = {"env": env, "ceilings": ceil, "rows": rows}

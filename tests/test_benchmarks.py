@@ -18,7 +18,8 @@ def test_quick_suite(tmp_path):
   assert cases == {"quantize", "quantize_delayed", "jnp quantize", "cast_transpose",
                    "cast_transpose+dbias", "gemm", "linear fwd+bwd", "block train step",
                    "group_quantize", "block_quantize", "group_cast_transpose", "block gemm",
-                   "block linear fwd+bwd", "pdl chain", "linear stack peak memory"}
+                   "block linear fwd+bwd", "pdl chain", "linear stack peak memory",
+                   "linear crossover"}
   assert all(r["us"] > 0 for r in res["rows"] if "us" in r)
   mem = next(r for r in res["rows"] if r["case"] == "linear stack peak memory")
   assert mem["fp8_MiB"] > 0 and mem["bf16_MiB"] > 0
@@ -36,3 +37,14 @@ def test_data_parallel_benchmark(tmp_path):
   for r in res["rows"]:
     assert r["fp8_step_ms"] > 0 and r["bf16_step_ms"] > 0
   assert res["rows"][0]["fp8_scaling_efficiency"] == 1.0
+
+
+def test_command_buffer_benchmark(tmp_path):
+  """The CUDA-graph comparison end to end (on CPU XLA ignores the flag: only the plumbing and
+  the bit comparison run)."""
+  from benchmarks import command_buffer
+  out = tmp_path / "cb.json"
+  res = command_buffer.main(["--quick", "--steps", "2", "--out", str(out)])
+  assert [r["mode"] for r in res["rows"]] == list(command_buffer.MODES)
+  assert all(r["bit_identical_to_off"] and r["fp8_step_ms"] > 0 and r["bf16_step_ms"] > 0
+             for r in res["rows"])
