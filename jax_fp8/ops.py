@@ -21,7 +21,6 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _SCRATCH = jax.ShapeDtypeStruct((3,), jnp.uint32)  # QuantizeScratch in csrc/kernels/quantize.cuh
 _GEMM_WORKSPACE = jax.ShapeDtypeStruct((32 << 20,), jnp.uint8)  # cuBLASLt workspace
 _ALGO_ID = {"max": 0, "most_recent": 1}
-_MAX_TILE_ROWS = 65535  # CUDA's limit on gridDim.y
 
 
 def varying_axes(*values) -> set:
@@ -144,17 +143,13 @@ def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = 
     columns appended up to a multiple of 16 rows of x, so it feeds a GEMM contracting over R
     directly); amax f32 []; dbias f32 [C] or None.
   Raises:
-    TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16, more
-    than 65535 * 64 rows.
+    TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16.
   """
   x = _check_input(x)
   if x.ndim != 2 or x.shape[1] <= 0 or x.shape[1] % 16:
     raise ValueError(f"x must be [R, C] with C a positive multiple of 16, got shape {x.shape}")
   hist, scale, steps = _check_ring(ring)
   rows, cols = x.shape
-  if rows > _MAX_TILE_ROWS * 64:
-    raise ValueError(f"x has {rows} rows; cast_transpose_delayed takes at most "
-                     f"{_MAX_TILE_ROWS * 64} (its grid has one row of blocks per 64 rows)")
   rows16 = -(-rows // 16) * 16
   qdt = fp8_dtype(ring.fmt)
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
@@ -214,7 +209,7 @@ def _scale_mode(a_scale, b_scale, m, n, k):
   return modes[b_scale.shape], a_scale, b_scale
 
 
-def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype):
+def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype, out_scale):
   _ffi.check_backend()
   a, b = jnp.asarray(a), jnp.asarray(b)
   for name, v in (("a", a), ("b", b)):
@@ -237,28 +232,43 @@ def _check_gemm(a, b, a_scale, b_scale, bias, out_dtype):
     raise TypeError(f"block-scaled GEMMs take e4m3 operands (the DeepSeek-V3 recipe; the only "
                     f"pair tested on cuBLASLt's block-scaled path), got {a.dtype} x {b.dtype}")
   out_dtype = jnp.dtype(out_dtype)
-  if out_dtype not in _FLOAT_DTYPES:
-    raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+  fp8_out = out_dtype == jnp.float8_e4m3fn
+  if out_dtype not in _FLOAT_DTYPES and not fp8_out:
+    raise TypeError(f"out_dtype must be bfloat16, float16, float32 or float8_e4m3fn, got "
+                    f"{out_dtype}")
+  if fp8_out:
+    if out_scale is None:
+      raise TypeError("out_dtype float8_e4m3fn needs out_scale (the output's dequantization "
+                      "step, a float32 scalar)")
+    out_scale = _check_scalar_f32(out_scale, "out_scale")
+    if mode:
+      raise ValueError("out_dtype float8_e4m3fn takes per-tensor scales only, got block scales")
+  elif out_scale is not None:
+    raise TypeError(f"out_scale applies to out_dtype float8_e4m3fn only, got out_dtype "
+                    f"{out_dtype}")
   if bias is not None:
     bias = jnp.asarray(bias)
     if out_dtype == jnp.float32:
-      raise TypeError("a fused bias needs out_dtype bfloat16 or float16 (cuBLASLt's FP8 "
-                      "epilogue); add an f32 bias after the GEMM")
-    if bias.shape != (n,) or bias.dtype != out_dtype:
-      raise ValueError(f"bias must be [{n}] {out_dtype}, got {bias.dtype}{list(bias.shape)}")
-  return a, b, a_scale, b_scale, bias, out_dtype, mode
+      raise TypeError("a fused bias needs out_dtype bfloat16, float16 or float8_e4m3fn "
+                      "(cuBLASLt's FP8 epilogue); add an f32 bias after the GEMM")
+    bias_dtype = jnp.dtype(jnp.bfloat16) if fp8_out else out_dtype
+    if bias.shape != (n,) or bias.dtype != bias_dtype:
+      raise ValueError(f"bias must be [{n}] {bias_dtype}, got {bias.dtype}{list(bias.shape)}")
+  return a, b, a_scale, b_scale, bias, out_dtype, out_scale, mode
 
 
 def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
          bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
-         fast_accum: bool = False) -> jax.Array:
+         out_scale: jax.Array | None = None,
+         fast_accum: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
   """FP8 GEMM in TN layout with f32 accumulation: ``(a_scale * b_scale) * a @ b.T + bias``,
-  with per-tensor or block scales.
+  with per-tensor or block scales, into a 16/32-bit output or into e4m3 with its amax.
 
   CUDA: cuBLASLt (scales read on the device, bias in the epilogue, heuristic algorithm chosen
   once per shape; block scales through its VEC128 / BLK128x128 modes, cuBLASLt >= 12.9, the
-  DeepSeek-V3 recipe). CPU: XLA's f32 dot on the upcast (for block scales: dequantized)
-  operands.
+  DeepSeek-V3 recipe; an e4m3 output through its D scale and amax-D epilogue, as
+  TransformerEngine's FP8-output GEMMs). CPU: XLA's f32 dot on the upcast (for block scales:
+  dequantized) operands.
 
   Args:
     a: [M, K] float8_e4m3fn or float8_e5m2.
@@ -270,29 +280,47 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
       make them. Block scales need e4m3 operands and no ``fast_accum``. On CUDA a
       block-scaled GEMM with M not a multiple of 4 runs on a copy of a padded with zero rows
       (cuBLASLt takes no other).
-    bias: optional [N] in ``out_dtype`` (bfloat16 or float16 only).
-    out_dtype: bfloat16 (default), float16 or float32.
+    bias: optional [N] in ``out_dtype`` (bfloat16 or float16), or bfloat16 for an e4m3 output.
+    out_dtype: bfloat16 (default), float16, float32, or float8_e4m3fn (per-tensor scales
+      only) so a layer hands FP8 straight to the next.
+    out_scale: the e4m3 output's dequantization step, float32 scalar, required with
+      ``out_dtype=float8_e4m3fn`` and rejected otherwise: the output is
+      ``saturate(rne(d * (1 / out_scale)))``, like ``quantize(d, out_scale)``. With a bias,
+      cuBLASLt (13.1) adds it in bf16 before the cast, so d and its amax can be off the f32
+      result by about 2^-7 relative (0.74% measured on the H200); the CPU path is exact.
     fast_accum: let Hopper's FP8 tensor cores accumulate without periodic promotion to f32
       (cuBLASLt ``FAST_ACCUM``): faster, less accurate for large K. CPU ignores it.
   Returns:
-    [M, N] in ``out_dtype``.
+    [M, N] in ``out_dtype``; for an e4m3 output the pair ``(d [M, N] e4m3, amax f32 [])``
+    where amax is max |d| before the cast, in f32 (the next scale's input, as
+    ``quantize`` returns it; on CUDA cuBLASLt's amax-D).
   Raises:
     TypeError / ValueError at trace time: wrong dtypes, ranks, K mismatch, K or N not a
-    multiple of 16, scales of shapes that match no scale mode, block scales with e5m2 operands
-    or fast_accum, a bias with f32 output or of the wrong shape.
+    multiple of 16, scales of shapes that match no scale mode, block scales with e5m2 operands,
+    fast_accum or an e4m3 output, a bias with f32 output or of the wrong shape or dtype,
+    out_scale missing for an e4m3 output or given for another.
   """
-  a, b, a_scale, b_scale, bias, out_dtype, mode = _check_gemm(a, b, a_scale, b_scale, bias,
-                                                              out_dtype)
+  a, b, a_scale, b_scale, bias, out_dtype, out_scale, mode = _check_gemm(
+      a, b, a_scale, b_scale, bias, out_dtype, out_scale)
+  fp8_out = out_scale is not None
   if mode and fast_accum:
     raise ValueError("fast_accum applies to per-tensor scales only: block-scaled GEMMs promote "
                      "to f32 at every 128-element group")
   (m, k), n = a.shape, b.shape[0]
+  args = (a, b, a_scale, b_scale) + (() if out_scale is None else (out_scale,))
+
+  def finish(d, out_scale=None):  # f32 result -> out_dtype (and its amax for an e4m3 output)
+    return reference.quantize(d, out_scale) if fp8_out else d.astype(out_dtype)
+
   if 0 in (m, n, a.shape[1]):  # nothing to multiply: no library call
     d = jnp.zeros((m, n), jnp.float32) + (0 if bias is None else bias.astype(jnp.float32))
-    return _vary_like(d.astype(out_dtype), a, b, a_scale, b_scale, bias)
+    return _vary_like(finish(d, out_scale), *args, bias)
 
-  def on_cuda(a, b, a_scale, b_scale, *bias):
-    bias_arg = bias[0] if bias else jnp.zeros((0,), out_dtype)
+  def on_cuda(a, b, a_scale, b_scale, *rest):
+    bias = rest[fp8_out:]
+    bias_arg = bias[0] if bias else jnp.zeros((0,), jnp.bfloat16 if fp8_out else out_dtype)
+    # cuBLASLt multiplies by its D scale: the reciprocal, computed as quantize computes it.
+    d_scale = (1.0 / rest[0]).reshape(1) if fp8_out else jnp.zeros((0,), jnp.float32)
     rows = m
     if mode:  # the layouts cuBLASLt reads (csrc/ffi/gemm_cuda.cc)
       rows = -(-m // 4) * 4  # it takes block-scaled GEMMs only for M % 4 == 0: zero rows
@@ -302,15 +330,18 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
         b_scale = jnp.pad(b_scale, ((0, 0), (0, -b_scale.shape[1] % 4)))
       else:  # [K/128, N], N contiguous
         b_scale = b_scale.T
-    d, _ = jax.ffi.ffi_call(
+    d, amax_d, _ = jax.ffi.ffi_call(
         "jax_fp8_gemm",
-        (jax.ShapeDtypeStruct((rows, n), out_dtype), _GEMM_WORKSPACE),
+        (jax.ShapeDtypeStruct((rows, n), out_dtype),
+         jax.ShapeDtypeStruct((int(fp8_out),), jnp.float32), _GEMM_WORKSPACE),
         vmap_method="sequential",
-    )(a, b, a_scale, b_scale, bias_arg, has_bias=bool(bias), fast_accum=bool(fast_accum),
-      scale_mode=np.int64(mode))
-    return _vary_like(d[:m], a, b, a_scale, b_scale, *bias)
+    )(a, b, a_scale, b_scale, bias_arg, d_scale, has_bias=bool(bias),
+      fast_accum=bool(fast_accum), scale_mode=np.int64(mode))
+    out = (d[:m], amax_d[0]) if fp8_out else d[:m]
+    return _vary_like(out, a, b, a_scale, b_scale, *rest)
 
-  def on_cpu(a, b, a_scale, b_scale, *bias):
+  def on_cpu(a, b, a_scale, b_scale, *rest):
+    bias = rest[fp8_out:]
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     if mode:  # block scales: dequantize each operand, then one f32 dot
       a = a * reference.expand_scales(a_scale, m, k, 1)
@@ -321,7 +352,7 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     d = acc * (a_scale * b_scale)
     if bias:
       d = d + bias[0].astype(jnp.float32)
-    return d.astype(out_dtype)
+    return finish(d, *rest[:fp8_out])
 
-  args = (a, b, a_scale, b_scale) + ((bias,) if bias is not None else ())
+  args += (bias,) if bias is not None else ()
   return jax.lax.platform_dependent(*args, cuda=on_cuda, default=on_cpu)

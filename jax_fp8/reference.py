@@ -64,14 +64,15 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
   return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
-def gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16) -> jax.Array:
-  """``(a_scale * b_scale) * a @ b.T + bias`` with f32 products and sums; a [M, K], b [N, K]."""
+def gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16, out_scale=None):
+  """``(a_scale * b_scale) * a @ b.T + bias`` with f32 products and sums; a [M, K], b [N, K].
+  With ``out_scale`` (an e4m3 output): ``quantize`` of that result, i.e. (q, amax)."""
   acc = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32).T,
                    precision=jax.lax.Precision.HIGHEST)  # [M, N]
   d = acc * (a_scale * b_scale)
   if bias is not None:
     d = d + bias.astype(jnp.float32)
-  return d.astype(out_dtype)
+  return quantize(d, out_scale) if out_scale is not None else d.astype(out_dtype)
 
 
 def linear(x, kernel, bias=None, *, state) -> jax.Array:

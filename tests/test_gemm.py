@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import on_cpu
+from conftest import on_cpu, poison_allocator
 
 import jax_fp8
 from jax_fp8 import blockwise, reference
@@ -63,6 +63,57 @@ def test_gemm_nan_propagates(platform, rng):
   assert np.all(np.isnan(d[3])) and np.all(np.isfinite(np.delete(d, 3, axis=0)))
 
 
+
+# An e4m3 output: q = saturate(rne(d / out_scale)) and amax = max |d| (cuBLASLt's amax-D).
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("headroom", [1.0, 0.25], ids=["fits", "saturates"])
+@pytest.mark.parametrize("m,n,k", [(1, 16, 16), (37, 48, 80), (256, 384, 512)])
+def test_gemm_e4m3_out(platform, rng, with_bias, headroom, m, n, k):
+  a, b = fp8_operand(rng, (m, k), "e4m3"), fp8_operand(rng, (n, k), "e4m3")
+  sa, sb = jnp.float32(rng.uniform(0.01, 2)), jnp.float32(rng.uniform(0.01, 2))
+  bias = jnp.asarray(rng.standard_normal(n) * 10, jnp.bfloat16) if with_bias else None
+  want = on_cpu(lambda *v: reference.gemm(*v[:4], bias=v[4], out_dtype=jnp.float32),
+                a, b, sa, sb, bias)
+  amax_want = np.max(np.abs(want))
+  # headroom 1: the largest |d| lands near 448; 0.25: a quarter of the range, so the largest
+  # values saturate to +-448.
+  out_scale = jnp.float32(amax_want / 448 * headroom)
+  poison_allocator(m * n)
+  q, amax = jax.jit(jax_fp8.gemm, static_argnames="out_dtype")(
+      a, b, sa, sb, bias=bias, out_dtype=jnp.float8_e4m3fn, out_scale=out_scale)
+  assert q.shape == (m, n) and q.dtype == jnp.float8_e4m3fn and amax.shape == ()
+  got = np.asarray(q.astype(jnp.float32))
+  assert np.all(np.isfinite(got))  # saturation, never NaN, and every element written
+  absdot = on_cpu(lambda a, b, sa, sb: reference.gemm(
+      jnp.abs(a.astype(jnp.float32)).astype(a.dtype), jnp.abs(b.astype(jnp.float32)).astype(
+          b.dtype), sa, sb, out_dtype=jnp.float32), a, b, sa, sb)
+  acc_err = 2**-12 * absdot + 1e-6  # as in test_gemm_matches_f32
+  # With a bias, cuBLASLt 13.1's epilogue beside an e4m3 D adds it in bf16 (C's type): its amax
+  # was 0.74% (2^-7.1) off the f32 result on the H200, so allow 2^-6 relative there.
+  epi = 2**-6 if with_bias else 0.0
+  assert abs(float(amax) - amax_want) <= epi * amax_want + acc_err.max(), (float(amax),
+                                                                           amax_want)
+  y = want / float(out_scale)  # the exact result in units of the output's step
+  # e4m3 rounding: half a step of 2^-3 relative (2^-9 absolute among subnormals).
+  bound = (2**-4 + epi) * np.abs(y) + 2**-10 + acc_err / float(out_scale)
+  fits = np.abs(y) < 448 - bound
+  assert np.all(np.abs(got - y)[fits] <= bound[fits]), np.max((np.abs(got - y) / bound)[fits])
+  over = np.abs(y) > 464 + bound  # beyond 448's rounding interval: saturated
+  assert np.array_equal(got[over], 448 * np.sign(y[over]))
+  assert over.any() == (headroom < 1)
+
+
+def test_gemm_e4m3_out_nan(platform, rng):
+  """A NaN operand stays visible: NaN in its output row and a NaN amax (so a scale ring that
+  takes it keeps its last finite scale)."""
+  a = fp8_operand(rng, (16, 32), "e4m3").at[3, 5].set(jnp.nan)
+  b = fp8_operand(rng, (16, 32), "e4m3")
+  q, amax = jax_fp8.gemm(a, b, jnp.float32(1), jnp.float32(1), out_dtype=jnp.float8_e4m3fn,
+                         out_scale=jnp.float32(0.5))
+  d = np.asarray(q.astype(jnp.float32))
+  assert np.all(np.isnan(d[3])) and np.all(np.isfinite(np.delete(d, 3, axis=0)))
+  assert np.isnan(float(amax))
+
 def test_bad_inputs():
   e4 = jnp.ones((32, 32), jnp.float8_e4m3fn)
   e5 = jnp.ones((32, 32), jnp.float8_e5m2)
@@ -102,6 +153,22 @@ def test_bad_inputs():
     jax_fp8.gemm(e4, e4, one, one, bias=jnp.ones(32), out_dtype=jnp.float32)
   with pytest.raises(ValueError, match="bias must be"):
     jax_fp8.gemm(e4, e4, one, one, bias=jnp.ones(16, jnp.bfloat16))
+  # An e4m3 output needs its scale, per-tensor operand scales and a bf16 bias.
+  with pytest.raises(TypeError, match="needs out_scale"):
+    jax_fp8.gemm(e4, e4, one, one, out_dtype=jnp.float8_e4m3fn)
+  with pytest.raises(TypeError, match="out_scale applies to out_dtype float8_e4m3fn only"):
+    jax_fp8.gemm(e4, e4, one, one, out_scale=one)
+  with pytest.raises(TypeError, match="out_scale must be a float32 scalar"):
+    jax_fp8.gemm(e4, e4, one, one, out_dtype=jnp.float8_e4m3fn, out_scale=jnp.ones(2))
+  with pytest.raises(ValueError, match="per-tensor scales only, got block scales"):
+    jax_fp8.gemm(a128, b128, jnp.ones((32, 2)), jnp.ones((1, 2)), out_dtype=jnp.float8_e4m3fn,
+                 out_scale=one)
+  with pytest.raises(ValueError, match=r"bias must be \[32\] bfloat16"):
+    jax_fp8.gemm(e4, e4, one, one, bias=jnp.ones(32, jnp.float16), out_dtype=jnp.float8_e4m3fn,
+                 out_scale=one)
+  with pytest.raises(TypeError, match="out_dtype must be bfloat16, float16, float32 or "
+                                      "float8_e4m3fn, got float8_e5m2"):
+    jax_fp8.gemm(e4, e4, one, one, out_dtype=jnp.float8_e5m2)
 
 
 # Block scaling (DeepSeek-V3 recipe): a with 1 x 128 scales [M, K/128]; b with 128 x 128 block

@@ -1,5 +1,8 @@
-// CUDA FFI handler for jax_fp8_gemm: FP8 x FP8 -> bf16 / f16 / f32 through cuBLASLt, TN layout,
-// f32 accumulation, scales read on the device, optional bias in the epilogue. Scales are
+// CUDA FFI handler for jax_fp8_gemm: FP8 x FP8 -> bf16 / f16 / f32 / e4m3 through cuBLASLt, TN
+// layout, f32 accumulation, scales read on the device, optional bias in the epilogue. An e4m3
+// output is multiplied by d_scale (the reciprocal of the output's dequantization step) before
+// the saturating cast, and cuBLASLt's epilogue writes the amax of the unscaled result (amax-D)
+// beside it, so the next layer's scale needs no extra pass. Scales are
 // per-tensor (scale_mode 0) or block scales (DeepSeek-V3 recipe, cuBLASLt >= 12.9): a with
 // 1 x 128 groups along K and b with 128 x 128 blocks (scale_mode 1) or 1 x 128 groups
 // (scale_mode 2). Layouts cuBLASLt 13.1 reads on the H200 (checked against an f32 reference,
@@ -67,9 +70,10 @@ Cache& cache() {
 
 struct Descs {
   cublasLtMatmulDesc_t op = nullptr;
-  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, ld = nullptr;
+  cublasLtMatrixLayout_t la = nullptr, lb = nullptr, lc = nullptr, ld = nullptr;
   ~Descs() {
     if (ld) cublasLtMatrixLayoutDestroy(ld);
+    if (lc) cublasLtMatrixLayoutDestroy(lc);
     if (lb) cublasLtMatrixLayoutDestroy(lb);
     if (la) cublasLtMatrixLayoutDestroy(la);
     if (op) cublasLtMatmulDescDestroy(op);
@@ -87,7 +91,8 @@ bool scale_sizes_ok(int64_t mode, int64_t M, int64_t N, int64_t K, size_t na, si
 
 ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                     ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
-                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> d,
+                    ffi::AnyBuffer bias, ffi::Buffer<ffi::F32> d_scale,
+                    ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::Buffer<ffi::F32>> amax_d,
                     ffi::Result<ffi::AnyBuffer> workspace, bool has_bias, bool fast_accum,
                     int64_t scale_mode) {
   // dtype -> rank -> shape relations -> alignment, as validated first in jax_fp8/ops.py.
@@ -96,14 +101,20 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   if (a.element_type() == ffi::DataType::F8E5M2 && b.element_type() == ffi::DataType::F8E5M2)
     return invalid("e5m2 x e5m2 is not supported by cuBLASLt");
   const auto dt = d->element_type();
-  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32)
-    return invalid("out must be bfloat16, float16 or float32");
+  const bool fp8_out = dt == ffi::DataType::F8E4M3FN;
+  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32 && !fp8_out)
+    return invalid("out must be bfloat16, float16, float32 or float8_e4m3fn");
+  const size_t n_fp8 = fp8_out ? 1 : 0;  // d_scale and amax_d exist for an e4m3 output only
+  if (d_scale.element_count() != n_fp8 || amax_d->element_count() != n_fp8)
+    return invalid("d_scale and amax_d must hold one f32 for an e4m3 output, none otherwise");
+  if (fp8_out && scale_mode != 0) return invalid("an e4m3 output takes per-tensor scales only");
+  const auto epi_t = fp8_out ? ffi::DataType::BF16 : dt;  // the bias's (and C's) type
   if (a.dimensions().size() != 2 || b.dimensions().size() != 2) return invalid("a, b must be 2-D");
   const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = b.dimensions()[0];
   if (b.dimensions()[1] != K) return invalid("a [M, K] and b [N, K] must share K");
   if (K % 16 || N % 16) return invalid("K and N must be multiples of 16");
-  if (has_bias && (bias.element_type() != dt || int64_t(bias.element_count()) != N))
-    return invalid("bias must be [N] in the output dtype");
+  if (has_bias && (bias.element_type() != epi_t || int64_t(bias.element_count()) != N))
+    return invalid("bias must be [N] in the output dtype (bfloat16 for an e4m3 output)");
   if (workspace->size_bytes() < kWorkspaceBytes) return invalid("workspace too small");
   if (scale_mode < 0 || scale_mode > 2) return invalid("scale_mode must be 0, 1 or 2");
   if (!scale_sizes_ok(scale_mode, M, N, K, a_scale.element_count(), b_scale.element_count()))
@@ -148,10 +159,16 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     return ffi::Error::Unimplemented("block-scaled GEMMs need cuBLASLt 12.9 or newer at build time");
 #endif
   }
+  if (fp8_out) {
+    const void* dsp = d_scale.typed_data();
+    void* amp = amax_d->typed_data();
+    JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &dsp, sizeof(dsp)));
+    JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amp, sizeof(amp)));
+  }
   if (has_bias) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
     const void* bp = bias.untyped_data();
-    const cudaDataType_t bt = lt_type(dt);
+    const cudaDataType_t bt = lt_type(epi_t);
     JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
     JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
     JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
@@ -159,6 +176,9 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   JF8_LT(cublasLtMatrixLayoutCreate(&ds.la, lt_type(b.element_type()), K, N, K));
   JF8_LT(cublasLtMatrixLayoutCreate(&ds.lb, lt_type(a.element_type()), K, M, K));
   JF8_LT(cublasLtMatrixLayoutCreate(&ds.ld, lt_type(dt), N, M, N));
+  // C is never read (beta = 0), but its layout must be 16-bit beside an FP8 D, and C may only
+  // share D's pointer when the layouts match: an FP8 D gets no C pointer at all.
+  JF8_LT(cublasLtMatrixLayoutCreate(&ds.lc, lt_type(epi_t), N, M, N));
 
   const int align = common_alignment({a.untyped_data(), b.untyped_data(), d->untyped_data(),
                                       has_bias ? bias.untyped_data() : nullptr});
@@ -181,7 +201,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
       cublasLtMatmulHeuristicResult_t res;
       int found = 0;
       const cublasStatus_t st =
-          cublasLtMatmulAlgoGetHeuristic(lt, ds.op, ds.la, ds.lb, ds.ld, ds.ld, pref, 1, &res, &found);
+          cublasLtMatmulAlgoGetHeuristic(lt, ds.op, ds.la, ds.lb, ds.lc, ds.ld, pref, 1, &res, &found);
       cublasLtMatmulPreferenceDestroy(pref);
       if (st != CUBLAS_STATUS_SUCCESS || found == 0)
         return ffi::Error::Internal("cuBLASLt found no FP8 algorithm for this GEMM (scale mode " +
@@ -193,8 +213,10 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     }
   }
   const float alpha = 1.0f, beta = 0.0f;
+  if (fp8_out && cudaMemsetAsync(amax_d->typed_data(), 0, sizeof(float), stream) != cudaSuccess)
+    return ffi::Error::Internal("cudaMemsetAsync of amax_d failed");
   JF8_LT(cublasLtMatmul(lt, ds.op, &alpha, b.untyped_data(), ds.la, a.untyped_data(), ds.lb, &beta,
-                        d->untyped_data(), ds.ld, d->untyped_data(), ds.ld, &algo,
+                        fp8_out ? nullptr : d->untyped_data(), ds.lc, d->untyped_data(), ds.ld, &algo,
                         workspace->untyped_data(), kWorkspaceBytes, stream));
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
@@ -211,7 +233,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmImpl,
                            .Arg<ffi::Buffer<ffi::F32>>()     // a_scale [] or [K/128, M]
                            .Arg<ffi::Buffer<ffi::F32>>()     // b_scale [], [ceil(N/128), ceil4(K/128)], [K/128, N]
                            .Arg<ffi::AnyBuffer>()            // bias [N] (or [0] when absent)
+                           .Arg<ffi::Buffer<ffi::F32>>()     // d_scale [1] (e4m3 out) or [0]
                            .Ret<ffi::AnyBuffer>()            // d [M, N]
+                           .Ret<ffi::Buffer<ffi::F32>>()     // amax_d [1] (e4m3 out) or [0]
                            .Ret<ffi::AnyBuffer>()            // workspace
                            .Attr<bool>("has_bias")
                            .Attr<bool>("fast_accum")
