@@ -22,7 +22,7 @@ import numpy as np
 
 from . import _ffi  # registers the FFI targets
 from .ops import _check_input, _vary_like
-from .scaling import fp8_dtype, fp8_max
+from .scaling import check_fp8_min_intensity, fp8_dtype, fp8_max
 
 BLOCK = 128  # the tile of block_quantize and group_cast_transpose; cuBLASLt's VEC128 / BLK128
 _LAYOUTS = {"row": 0, "col": 1, "col_tma": 2}
@@ -177,17 +177,21 @@ class BlockScaling:
     ue8m0: power-of-two scales (UE8M0), as DeepSeek-V3 uses on Hopper.
     group_size: 128, the group cuBLASLt's block-scaled Hopper GEMMs take.
     eps: floor of each group's amax (see ``group_quantize``).
+    fp8_min_intensity: below it a linear runs in its input's dtype (see
+      ``jax_fp8.scaling.check_fp8_min_intensity``); 0 (default): always FP8.
   """
 
   ue8m0: bool = False
   group_size: int = BLOCK
   eps: float = 1e-10
+  fp8_min_intensity: float = 0.0
 
   def __post_init__(self):
     if self.group_size != BLOCK:
       raise ValueError(f"BlockScaling.group_size must be {BLOCK} (cuBLASLt's VEC128 / "
                        f"BLK128x128 block-scaled GEMMs), got {self.group_size!r}")
     _check_eps(self.eps, "e4m3")
+    check_fp8_min_intensity(self)
 
   def kwargs(self) -> dict:
     """The quantizers' keyword arguments under this recipe."""

@@ -80,6 +80,17 @@ def _manual_axes() -> tuple:
   return tuple(getattr(get_mesh(), "manual_axes", ())) if get_mesh else ()
 
 
+def _fp8_pays(recipe, m, n, k) -> bool:
+  """Whether this GEMM's intensity reaches the recipe's ``fp8_min_intensity``."""
+  return m * n * k >= recipe.fp8_min_intensity * (m * k + k * n + m * n)
+
+
+def _linear_in_dtype(x, kernel, bias):
+  """The linear where FP8 cannot pay: XLA's GEMM in x's dtype, no ring touched."""
+  y = x @ kernel.astype(x.dtype)
+  return y if bias is None else y + bias.astype(x.dtype)
+
+
 def _gemm_dtype(dtype):
   """cuBLASLt writes bf16 / f16 directly; f32 inputs get an f32 GEMM output."""
   return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
@@ -188,7 +199,9 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
       ``LinearState.create(recipe)``); differentiate with respect to it and pass that gradient
       to ``jax_fp8.update_state`` for the next rings. Under ``BlockScaling``: None.
     recipe: a ``DelayedScaling`` (the state's rings must have been made by it) or a
-      ``BlockScaling`` (stateless; K and N multiples of 128).
+      ``BlockScaling`` (stateless; K and N multiples of 128). Either may set
+      ``fp8_min_intensity``: a linear below it runs in x's dtype (BF16 GEMMs through XLA),
+      its rings untouched, where the FP8 path would be slower (``check_fp8_min_intensity``).
     amax_axis_name: under ``pmap`` / ``shard_map``, the axis (or axes) whose devices share the
       scales; amaxes are max-reduced over it so all devices hold identical rings. Under a
       type-checked ``shard_map`` it must include every axis x, kernel or bias vary over while
@@ -239,6 +252,8 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     raise ValueError(f"state rings (fmt, history_len, margin, algo) for (x, kernel, grad) = "
                      f"{have} do not match the recipe's {want}")
   amax_axis_name = _amax_axes(x, kernel, bias, state, amax_axis_name)
+  if not _fp8_pays(recipe, x.size // k, n, k):
+    return _linear_in_dtype(x, kernel, bias)
   x, kernel, bias = _vary_all(x, kernel, bias)
   dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
   y = _linear(x.reshape(-1, k), kernel, bias, state, amax_axis_name, dtypes)
@@ -261,6 +276,8 @@ def _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name):
   if state is not None or amax_axis_name not in (None, ()):
     raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
                      "scales come from each device's own tensors)")
+  if not _fp8_pays(recipe, x.size // k, n, k):
+    return _linear_in_dtype(x, kernel, bias)
   x, kernel, bias = _vary_all(x, kernel, bias)
   dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
   y = _block_linear(x.reshape(-1, k), kernel, bias, recipe, dtypes)

@@ -153,6 +153,20 @@ def next_ring(ring: ScaleRing, amax: jax.Array) -> ScaleRing:
   )
 
 
+def check_fp8_min_intensity(recipe) -> None:
+  """Validate a recipe's ``fp8_min_intensity``: a linear whose GEMM does fewer multiply-adds
+  per element of x, kernel and output than this, ``M*N*K / (M*K + K*N + M*N)``, runs in the
+  input's dtype through XLA (BF16 GEMMs), because there the quantization passes cost more
+  than the FP8 GEMMs save; its rings are then untouched (no observation this step). On one
+  H200 the per-tensor FP8 linear overtook BF16 between intensities 819 (0.96x) and 910
+  (1.15x), so 900 is the measured crossover there (benchmarks "linear crossover", README).
+  Raises ValueError unless it is a finite float >= 0."""
+  v = recipe.fp8_min_intensity
+  if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+    raise ValueError(f"{type(recipe).__name__}.fp8_min_intensity must be a finite number >= 0, "
+                     f"got {v!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling:
   """Per-tensor delayed-scaling recipe (TransformerEngine's ``DelayedScaling``).
@@ -163,17 +177,20 @@ class DelayedScaling:
     history_len: amax history length L, 1..1024.
     margin: power-of-two headroom in the scale.
     algo: "max" (max over the history window) or "most_recent".
+    fp8_min_intensity: see ``check_fp8_min_intensity``; 0 (default): always FP8.
   """
 
   fmt: Literal["hybrid", "e4m3"] = "hybrid"
   history_len: int = 16
   margin: int = 0
   algo: Literal["max", "most_recent"] = "max"
+  fp8_min_intensity: float = 0.0
 
   def __post_init__(self):
     if self.fmt not in ("hybrid", "e4m3"):
       raise ValueError(f"DelayedScaling.fmt must be 'hybrid' or 'e4m3', got {self.fmt!r}")
     check_ring_params(self.history_len, "e4m3", self.margin, self.algo)
+    check_fp8_min_intensity(self)
 
   @property
   def fwd_fmt(self) -> str:

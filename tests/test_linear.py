@@ -183,3 +183,48 @@ def test_bad_inputs(rng):
     jax_fp8.linear(x, w, b, state={})
   with pytest.raises(ValueError, match="do not match the recipe"):
     jax_fp8.linear(x, w, b, state=s, recipe=jax_fp8.DelayedScaling(fmt="e4m3"))
+
+
+@pytest.mark.parametrize("recipe_cls", [jax_fp8.DelayedScaling, jax_fp8.BlockScaling])
+def test_fp8_min_intensity(platform, rng, recipe_cls):
+  """Below the recipe's intensity the linear is XLA's in x's dtype, gradients included, and no
+  ring moves; at or above it, FP8 (the rings observe the step)."""
+  m, n, k = 64, 128, 256
+  intensity = m * n * k / (m * k + k * n + m * n)  # 36.57
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((k, n)) / 16, jnp.float32)
+  b = jnp.asarray(rng.standard_normal(n), jnp.float32)
+  t = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  block = recipe_cls is jax_fp8.BlockScaling
+  state = None if block else jax_fp8.LinearState.create()
+
+  def run(threshold):
+    recipe = recipe_cls(fp8_min_intensity=threshold)
+    f = lambda x, w, b, s: jnp.sum(jax_fp8.linear(x, w, b, state=s, recipe=recipe).astype(
+        jnp.float32) * t)
+    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, w, b, state)
+
+  def plain(x, w, b):
+    return jnp.sum((x @ w.astype(x.dtype) + b.astype(x.dtype)).astype(jnp.float32) * t)
+  want_val, want_grads = jax.jit(jax.value_and_grad(plain, argnums=(0, 1, 2)))(x, w, b)
+
+  val, grads = run(intensity * 1.01)
+  assert float(val) == float(want_val)
+  for g, wg in zip(grads[:3], want_grads):
+    assert g.dtype == wg.dtype and np.array_equal(np.asarray(g), np.asarray(wg))
+  if not block:
+    nxt = jax_fp8.update_state(state, grads[3])
+    assert jax.tree.all(jax.tree.map(lambda a, c: np.array_equal(a, c), nxt, state))
+
+  val8, grads8 = run(intensity)  # the threshold itself runs FP8
+  assert float(val8) != float(want_val)
+  assert rel(grads8[1], want_grads[1]) < BWD_TOL
+  if not block:
+    assert float(jax_fp8.update_state(state, grads8[3]).x.steps) == 1.0
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), "900", True])
+def test_fp8_min_intensity_rejects(bad):
+  for cls in (jax_fp8.DelayedScaling, jax_fp8.BlockScaling):
+    with pytest.raises(ValueError, match=f"{cls.__name__}.fp8_min_intensity must be a finite"):
+      cls(fp8_min_intensity=bad)
