@@ -27,10 +27,11 @@ ffi::Error Launch(cudaStream_t stream, const CastTransposeArgs& a) {
   launch_pdl(first_step_amax_kernel<T>, grid_size(n, kQuantizeThreads * kElemsPerThread, 8),
              kQuantizeThreads, stream, static_cast<const T*>(a.x), n,
              static_cast<const float*>(a.ring.steps), a.scratch);
-  // At least one row of tiles, so an empty x still records its (zero) amax.
-  const dim3 grid(unsigned((a.cols + kTile - 1) / kTile),
-                  unsigned(std::max<int64_t>(1, (a.rows + kTile - 1) / kTile)));
-  launch_pdl(cast_transpose_kernel<T, true, kDbias>, grid, kTileThreads, stream,
+  // At least one row of tiles, so an empty x still records its (zero) amax; a persistent grid
+  // of up to 8 blocks an SM (2048 threads) over them.
+  const size_t tiles = size_t((a.cols + kTile - 1) / kTile) *
+                       size_t(std::max<int64_t>(1, (a.rows + kTile - 1) / kTile));
+  launch_pdl(cast_transpose_kernel<T, true, kDbias>, grid_size(tiles, 1, 8), kTileThreads, stream,
              static_cast<const T*>(a.x), a.rows, a.cols, a.rows16, a.scale, a.fmt, a.q, a.qt,
              a.amax, a.dbias_partial, a.scratch, a.ring);
   return last_error();

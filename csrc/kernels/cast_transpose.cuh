@@ -13,6 +13,10 @@ constexpr int kTile = 64;          // a block handles a 64 x 64 tile
 constexpr int kTileThreads = 256;  // 4 threads a row, 16 elements each
 static_assert(kTileThreads == kQuantizeThreads, "block_max assumes kQuantizeThreads");
 
+// A persistent grid: each block walks tiles t = blockIdx.x, + gridDim.x, ... (row-major over
+// the [ceil(R/64), ceil(C/64)] tiles), keeping its amax in registers, so the amax atomics and
+// the completion count are paid once per block, not once per tile.
+//
 // dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile (summed by the caller:
 // a fixed order inside the tile, so the kernel is deterministic).
 template <typename T, bool kRing, bool kDbias>
@@ -21,7 +25,7 @@ __global__ void __launch_bounds__(kTileThreads)
                           const float* scale_in, Fp8Format fmt, uint8_t* __restrict__ q,
                           uint8_t* __restrict__ qt, float* amax_out, float* dbias_partial,
                           QuantizeScratch* scratch, RingArgs ring) {
-  __shared__ uint8_t tile_q[kTile][kTile + 4];
+  __shared__ __align__(16) uint8_t tile_q[kTile][kTile + 4];
   __shared__ float tile_x[kDbias ? kTile : 1][kDbias ? kTile + 1 : 1];
   pdl_wait();
   float scale = *scale_in;
@@ -30,45 +34,53 @@ __global__ void __launch_bounds__(kTileThreads)
                                 ring.margin);
   }
   const float inv = 1.0f / flush_subnormal(scale);
-  const int64_t r0 = int64_t(blockIdx.y) * kTile, c0 = int64_t(blockIdx.x) * kTile;
+  const int64_t tiles_x = (cols + kTile - 1) / kTile;
+  const int64_t tiles = tiles_x * (rows > 0 ? (rows + kTile - 1) / kTile : 1);
   const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
-
-  // Row-major pass: 16 consecutive elements of one row per thread (C % 16 == 0).
   unsigned m = 0;
-  const int64_t r = r0 + tr, c = c0 + tc;
-  float f[kElemsPerThread];
-  alignas(16) uint8_t out[kElemsPerThread];
-  const bool in = r < rows && c < cols;
-  if (in) {
-    load16(x + r * cols + c, f);
-  } else {
-#pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k) f[k] = 0.0f;
-  }
-#pragma unroll
-  for (int k = 0; k < kElemsPerThread; ++k) {
-    m = max(m, abs_bits(f[k]));
-    out[k] = in ? float_to_fp8(f[k] * inv, fmt) : uint8_t(0);
-    tile_q[tr][tc + k] = out[k];
-    if constexpr (kDbias) tile_x[tr][tc + k] = f[k];
-  }
-  if (in) *reinterpret_cast<uint4*>(q + r * cols + c) = *reinterpret_cast<const uint4*>(out);
-  __syncthreads();
 
-  // Transposed pass: qt row (c0 + tr), 16 consecutive r of it per thread (R16 % 16 == 0).
-  const int64_t qt_row = c0 + tr, qt_col = r0 + tc;
-  if (qt_row < cols && qt_col < rows16) {
-    alignas(16) uint8_t t[kElemsPerThread];
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r0 = t / tiles_x * kTile, c0 = t % tiles_x * kTile;
+    // Row-major pass: 16 consecutive elements of one row per thread (C % 16 == 0).
+    const int64_t r = r0 + tr, c = c0 + tc;
+    float f[kElemsPerThread];
+    alignas(16) uint8_t out[kElemsPerThread];
+    const bool in = r < rows && c < cols;
+    if (in) {
+      load16(x + r * cols + c, f);
+    } else {
 #pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k) t[k] = tile_q[tc + k][tr];
-    *reinterpret_cast<uint4*>(qt + qt_row * rows16 + qt_col) = *reinterpret_cast<const uint4*>(t);
-  }
-  if constexpr (kDbias) {
-    if (threadIdx.x < kTile && c0 + threadIdx.x < cols && r0 < rows) {
-      float s = 0.0f;
-      for (int i = 0; i < kTile; ++i) s += tile_x[i][threadIdx.x];  // fixed order
-      dbias_partial[int64_t(blockIdx.y) * cols + c0 + threadIdx.x] = s;
+      for (int k = 0; k < kElemsPerThread; ++k) f[k] = 0.0f;
     }
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) {
+      m = max(m, abs_bits(f[k]));
+      out[k] = in ? float_to_fp8(f[k] * inv, fmt) : uint8_t(0);
+      if constexpr (kDbias) tile_x[tr][tc + k] = f[k];
+    }
+    const uint4 packed = *reinterpret_cast<const uint4*>(out);
+    if (in) *reinterpret_cast<uint4*>(q + r * cols + c) = packed;
+    // Rows of tile_q are 68 bytes: 4-byte aligned, so the 16 bytes go in as four words.
+    uint32_t* row = reinterpret_cast<uint32_t*>(&tile_q[tr][tc]);
+    row[0] = packed.x, row[1] = packed.y, row[2] = packed.z, row[3] = packed.w;
+    __syncthreads();
+
+    // Transposed pass: qt row (c0 + tr), 16 consecutive r of it per thread (R16 % 16 == 0).
+    const int64_t qt_row = c0 + tr, qt_col = r0 + tc;
+    if (qt_row < cols && qt_col < rows16) {
+      alignas(16) uint8_t tq[kElemsPerThread];
+#pragma unroll
+      for (int k = 0; k < kElemsPerThread; ++k) tq[k] = tile_q[tc + k][tr];
+      *reinterpret_cast<uint4*>(qt + qt_row * rows16 + qt_col) = *reinterpret_cast<const uint4*>(tq);
+    }
+    if constexpr (kDbias) {
+      if (threadIdx.x < kTile && c0 + threadIdx.x < cols && r0 < rows) {
+        float sum = 0.0f;
+        for (int i = 0; i < kTile; ++i) sum += tile_x[i][threadIdx.x];  // fixed order
+        dbias_partial[r0 / kTile * cols + c0 + threadIdx.x] = sum;
+      }
+    }
+    __syncthreads();  // the next tile reuses tile_q and tile_x
   }
 
   m = block_max(m);
@@ -76,7 +88,7 @@ __global__ void __launch_bounds__(kTileThreads)
   if (threadIdx.x == 0) {
     atomicMax(&scratch->amax_bits, m);
     __threadfence();
-    is_last = atomicAdd(&scratch->blocks_done, 1u) == gridDim.x * gridDim.y - 1;
+    is_last = atomicAdd(&scratch->blocks_done, 1u) == gridDim.x - 1;
   }
   __syncthreads();
   if (is_last) {
