@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU session script: build, GPU tests, benchmark suite, demo. Logs go to $OUT
 # (the device tool brings them back). Usage on the GPU machine:
-#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [demo] [demo-block] [dp] [profile]
+#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [graphs] [demo] [demo-block] [dp] [profile]
 # (default: tests bench demo; profile runs Nsight Compute over our kernels). Optional
 # environment: TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case
 # groups, see python -m benchmarks.run --help).
@@ -31,6 +31,10 @@ for s in $steps; do
     bench) python3 -m benchmarks.run --out "$OUT/bench.json" ${BENCH_ONLY:+--only $BENCH_ONLY} \
              > "$OUT/bench.log" 2>&1
            tail -25 "$OUT/bench.log" ;;
+    # CUDA graphs: our handlers in XLA's command buffers, step time and bits per setting.
+    graphs) python3 -m benchmarks.command_buffer --out "$OUT/command_buffer.json" \
+             > "$OUT/graphs.log" 2>&1
+           echo "graphs exit $?"; tail -8 "$OUT/graphs.log" ;;
     demo)  python3 -m jax_fp8.demo --preset gpu --out "$OUT/demo" > "$OUT/demo.log" 2>&1
            echo "demo exit $?"; tail -15 "$OUT/demo.log" ;;
     # Several GPUs: data-parallel training, 1..N devices, FP8 vs BF16 (NCCL_NVLS_ENABLE=0).
