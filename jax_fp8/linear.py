@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import blockwise, ops
+from . import blockwise, ops, sharding
 from .blockwise import BlockScaling
 from .scaling import DelayedScaling, ScaleRing, observe, scale_for_step
 
@@ -46,7 +46,7 @@ class LinearState:
 
 def _vary(v, axes):
   """v made varying over `axes` (shard_map), or v itself."""
-  missing = tuple(sorted(axes - ops.varying_axes(v))) if v is not None else ()
+  missing = tuple(sorted(axes - sharding.varying_axes(v))) if v is not None else ()
   return jax.lax.pcast(v, missing, to="varying") if missing else v
 
 
@@ -62,22 +62,15 @@ def _amax_axes(x, kernel, bias, state, amax_axis_name):
   every manual axis (a no-op where the amaxes agree anyway), and () means none.
   """
   names = {amax_axis_name} if isinstance(amax_axis_name, str) else set(amax_axis_name or ())
-  needed = ops.varying_axes(x, kernel, bias) - ops.varying_axes(state)
+  needed = sharding.varying_axes(x, kernel, bias) - sharding.varying_axes(state)
   if not needed <= names:
     raise ValueError(f"x, kernel or bias vary over the shard_map axes {sorted(needed)}, over "
                      f"which the state is replicated: pass them as amax_axis_name so every "
                      f"device keeps the same scale rings, got {amax_axis_name!r}")
-  typed = bool(ops.varying_axes(x, kernel, bias, state))
+  typed = bool(sharding.varying_axes(x, kernel, bias, state))
   if amax_axis_name is None and not typed:
-    return tuple(sorted(_manual_axes())) or None
+    return tuple(sorted(sharding.manual_axes())) or None
   return tuple(sorted(names)) or None
-
-
-def _manual_axes() -> tuple:
-  """The mesh axes of the enclosing shard_map (empty outside one, or where this jax cannot
-  say)."""
-  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-  return tuple(getattr(get_mesh(), "manual_axes", ())) if get_mesh else ()
 
 
 def _fp8_pays(recipe, m, n, k) -> bool:
@@ -263,7 +256,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
 def _vary_all(x, kernel, bias):
   """Under shard_map, every input made varying over the axes any of them varies over, so that a
   replicated input's gradient is summed over those axes, as JAX does for any op."""
-  axes = ops.varying_axes(x, kernel, bias)
+  axes = sharding.varying_axes(x, kernel, bias)
   return tuple(_vary(v, axes) for v in (x, kernel, bias)) if axes else (x, kernel, bias)
 
 

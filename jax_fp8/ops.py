@@ -13,24 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi  # registers the FFI targets
-from . import reference
-from .scaling import MAX_HISTORY, ScaleRing, fp8_dtype
+from . import reference, sharding
+from .sharding import varying_axes
+from .scaling import MAX_HISTORY, ScaleRing, fp8_dtype, next_ring, scale_for_step
 
 _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _SCRATCH = jax.ShapeDtypeStruct((3,), jnp.uint32)  # QuantizeScratch in csrc/kernels/quantize.cuh
 _GEMM_WORKSPACE = jax.ShapeDtypeStruct((32 << 20,), jnp.uint8)  # cuBLASLt workspace
 _ALGO_ID = {"max": 0, "most_recent": 1}
-
-
-def varying_axes(*values) -> set:
-  """The shard_map mesh axes any of ``values`` varies over (empty outside shard_map)."""
-  axes = set()
-  for v in jax.tree.leaves(values):
-    aval = jax.typeof(v)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it vma
-    axes |= set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
-  return axes
 
 
 def _vary_like(outs, *ins):
@@ -91,13 +82,46 @@ def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> tuple[jax.Arr
   """
   x = _check_input(x)
   scale = _check_scalar_f32(scale, "scale")
-  qdt = fp8_dtype(fmt)
+  fp8_dtype(fmt)
+  impl = lambda x, scale: _quantize_kernel(x, scale, fmt)
+
+  def plan(mesh, shapes):  # elementwise: x's sharding kept, the amax reduced over it
+    xs = tuple(sharding.even(mesh, e, d) for e, d in zip(sharding.spec(shapes[0].sharding,
+                                                                       x.ndim), x.shape))
+    over = sharding.axes(*xs)
+    lower = lambda x, scale: (lambda q, a: (q, sharding.pmax_keep_nan(a, over)))(*impl(x, scale))
+    rep = sharding.named(mesh)
+    return lower, (sharding.named(mesh, *xs), rep), (sharding.named(mesh, *xs), rep)
+
+  f = sharding.factors("x", x.ndim)
+  q, amax = sharding.call(impl, plan, f"{f}, -> {f}, ", x, scale)
+  return _vary_like((q, amax), x, scale)
+
+
+def _quantize_kernel(x, scale, fmt):
   q, amax, _ = jax.ffi.ffi_call(
       "jax_fp8_quantize",
-      (jax.ShapeDtypeStruct(x.shape, qdt), jax.ShapeDtypeStruct((), jnp.float32), _SCRATCH),
+      (jax.ShapeDtypeStruct(x.shape, fp8_dtype(fmt)), jax.ShapeDtypeStruct((), jnp.float32),
+       _SCRATCH),
       vmap_method="sequential",
   )(x, scale)
-  return _vary_like((q, amax), x, scale)
+  return q, amax
+
+
+def _ring_scale(x, ring_leaves, statics, over):
+  """The scale every device quantizes with: the ring's, or on a fresh ring the one from the
+  amax of x over all devices (computed on that step only)."""
+  hist, scale, steps = ring_leaves
+  ring = ScaleRing(hist, scale, steps, *statics)
+  first = jax.lax.cond(steps == 0,
+                       lambda x: sharding.pmax_keep_nan(reference.amax(x), over),
+                       lambda x: jnp.zeros((), jnp.float32), x)
+  return scale_for_step(ring, first), ring
+
+
+def _ring_outputs(ring, amax):
+  nxt = next_ring(ring, amax)
+  return nxt.amax_history, nxt.scale, nxt.steps
 
 
 def quantize_delayed(x: jax.Array, ring: ScaleRing) -> tuple[jax.Array, jax.Array, ScaleRing]:
@@ -117,12 +141,35 @@ def quantize_delayed(x: jax.Array, ring: ScaleRing) -> tuple[jax.Array, jax.Arra
   hist, scale, steps = _check_ring(ring)
   qdt = fp8_dtype(ring.fmt)
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  q, amax, hist, scale, steps, _ = jax.ffi.ffi_call(
-      "jax_fp8_quantize_ring",
-      (jax.ShapeDtypeStruct(x.shape, qdt), f32(()), f32(hist.shape), f32(()), f32(()), _SCRATCH),
-      input_output_aliases={1: 2, 2: 3, 3: 4},
-      vmap_method="sequential",
-  )(x, hist, scale, steps, margin=np.int64(ring.margin), algo=np.int64(_ALGO_ID[ring.algo]))
+  statics = (ring.fmt, ring.margin, ring.algo)
+
+  def impl(x, hist, scale, steps):
+    q, amax, hist, scale, steps, _ = jax.ffi.ffi_call(
+        "jax_fp8_quantize_ring",
+        (jax.ShapeDtypeStruct(x.shape, qdt), f32(()), f32(hist.shape), f32(()), f32(()),
+         _SCRATCH),
+        input_output_aliases={1: 2, 2: 3, 3: 4},
+        vmap_method="sequential",
+    )(x, hist, scale, steps, margin=np.int64(ring.margin), algo=np.int64(_ALGO_ID[ring.algo]))
+    return q, amax, hist, scale, steps
+
+  def plan(mesh, shapes):  # x's sharding kept; the ring replicated and advanced alike
+    xs = tuple(sharding.even(mesh, e, d) for e, d in zip(sharding.spec(shapes[0].sharding,
+                                                                       x.ndim), x.shape))
+    over = sharding.axes(*xs)
+
+    def lower(x, *ring_leaves):
+      s, ring_in = _ring_scale(x, ring_leaves, statics, over)
+      q, amax = _quantize_kernel(x, s, ring.fmt)  # the stateless kernel at scale s
+      amax = sharding.pmax_keep_nan(amax, over)
+      return (q, amax) + _ring_outputs(ring_in, amax)
+    rep = sharding.named(mesh)
+    return lower, (sharding.named(mesh, *xs), rep, rep, rep), (sharding.named(mesh, *xs),) + (
+        rep,) * 4
+
+  f = sharding.factors("x", x.ndim)
+  q, amax, hist, scale, steps = sharding.call(impl, plan, f"{f}, l, , -> {f}, , l, , ", x, hist,
+                                              scale, steps)
   q, amax, hist, scale, steps = _vary_like((q, amax, hist, scale, steps), x, ring)
   return q, amax, dataclasses.replace(ring, amax_history=hist, scale=scale, steps=steps)
 
@@ -149,23 +196,50 @@ def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = 
   if x.ndim != 2 or x.shape[1] <= 0 or x.shape[1] % 16:
     raise ValueError(f"x must be [R, C] with C a positive multiple of 16, got shape {x.shape}")
   hist, scale, steps = _check_ring(ring)
-  rows, cols = x.shape
-  rows16 = -(-rows // 16) * 16
   qdt = fp8_dtype(ring.fmt)
   f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
-  partial_rows = -(-rows // 64) if with_dbias else 0  # 64-row tiles of the kernel
-  q, qt, amax, hist, scale, steps, dbias_partial, _ = jax.ffi.ffi_call(
-      "jax_fp8_cast_transpose_ring",
-      (jax.ShapeDtypeStruct(x.shape, qdt), jax.ShapeDtypeStruct((cols, rows16), qdt), f32(()),
-       f32(hist.shape), f32(()), f32(()), f32((partial_rows, cols if with_dbias else 0)),
-       _SCRATCH),
-      input_output_aliases={1: 3, 2: 4, 3: 5},
-      vmap_method="sequential",
-  )(x, hist, scale, steps, margin=np.int64(ring.margin), algo=np.int64(_ALGO_ID[ring.algo]),
-    with_dbias=bool(with_dbias))
-  q, qt, amax, hist, scale, steps, dbias_partial = _vary_like(
-      (q, qt, amax, hist, scale, steps, dbias_partial), x, ring)
-  dbias = jnp.sum(dbias_partial, axis=0) if with_dbias else None
+  statics = (ring.fmt, ring.margin, ring.algo)
+
+  def impl(x, hist, scale, steps):
+    rows, cols = x.shape
+    partial_rows = -(-rows // 64) if with_dbias else 0  # 64-row tiles of the kernel
+    q, qt, amax, hist, scale, steps, dbias_partial, _ = jax.ffi.ffi_call(
+        "jax_fp8_cast_transpose_ring",
+        (jax.ShapeDtypeStruct(x.shape, qdt), jax.ShapeDtypeStruct((cols, -(-rows // 16) * 16), qdt),
+         f32(()), f32(hist.shape), f32(()), f32(()),
+         f32((partial_rows, cols if with_dbias else 0)), _SCRATCH),
+        input_output_aliases={1: 3, 2: 4, 3: 5},
+        vmap_method="sequential",
+    )(x, hist, scale, steps, margin=np.int64(ring.margin), algo=np.int64(_ALGO_ID[ring.algo]),
+      with_dbias=bool(with_dbias))
+    return (q, qt, amax, hist, scale, steps) + ((jnp.sum(dbias_partial, axis=0),)
+                                                if with_dbias else ())
+
+  def plan(mesh, shapes):
+    # Rows split in multiples of 16 (qt's padding is then the global one), columns in
+    # multiples of 16 (the kernel's); qt split as x transposed; the ring replicated.
+    r, c = sharding.spec(shapes[0].sharding, 2)
+    r, c = sharding.even(mesh, r, x.shape[0], 16), sharding.even(mesh, c, x.shape[1], 16)
+    over = sharding.axes(r, c)
+
+    def lower(x, *ring_leaves):
+      s, ring_in = _ring_scale(x, ring_leaves, statics, over)
+      # The kernel at scale s: a one-entry ring past its first step, whose update is dropped.
+      outs = impl(x, jnp.zeros((1,), jnp.float32), s, jnp.ones((), jnp.float32))
+      dbias = tuple(jax.lax.psum(d, sharding.axes(r)) for d in outs[6:])
+      amax = sharding.pmax_keep_nan(outs[2], over)
+      return outs[:2] + (amax,) + _ring_outputs(ring_in, amax) + dbias
+    rep = sharding.named(mesh)
+    outs = (sharding.named(mesh, r, c), sharding.named(mesh, c, r)) + (rep,) * 4 + (
+        (sharding.named(mesh, c),) if with_dbias else ())
+    return lower, (sharding.named(mesh, r, c), rep, rep, rep), outs
+
+  rows16 = -(-x.shape[0] // 16) * 16
+  qt_rows = "r" if rows16 == x.shape[0] else "p"  # a padded qt shares no factor with x
+  rule = f"r c, l, , -> r c, c {qt_rows}, , l, , " + (", c" if with_dbias else "")
+  outs = sharding.call(impl, plan, rule, x, hist, scale, steps)
+  q, qt, amax, hist, scale, steps, *dbias = _vary_like(outs, x, ring)
+  dbias = dbias[0] if with_dbias else None
   return q, qt, amax, dataclasses.replace(ring, amax_history=hist, scale=scale, steps=steps), dbias
 
 
@@ -317,6 +391,7 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     return _vary_like(finish(d, out_scale), *args, bias)
 
   def on_cuda(a, b, a_scale, b_scale, *rest):
+    (m, _), n = a.shape, b.shape[0]  # this device's piece under a sharded jit
     bias = rest[fp8_out:]
     bias_arg = bias[0] if bias else jnp.zeros((0,), jnp.bfloat16 if fp8_out else out_dtype)
     # cuBLASLt multiplies by its D scale: the reciprocal, computed as quantize computes it.
@@ -341,6 +416,7 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     return _vary_like(out, a, b, a_scale, b_scale, *rest)
 
   def on_cpu(a, b, a_scale, b_scale, *rest):
+    (m, k), n = a.shape, b.shape[0]
     bias = rest[fp8_out:]
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     if mode:  # block scales: dequantize each operand, then one f32 dot
@@ -354,5 +430,38 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
       d = d + bias[0].astype(jnp.float32)
     return finish(d, *rest[:fp8_out])
 
+  impl = lambda *v: jax.lax.platform_dependent(*v, cuda=on_cuda, default=on_cpu)
+
+  def plan(mesh, shapes):
+    # M and N keep a's and b's row sharding (on distinct axes); a K split alike in a and b
+    # is kept for per-tensor scales and a 16/32-bit output: local products summed.
+    am, ak = sharding.spec(shapes[0].sharding, 2)
+    bn, bk = sharding.spec(shapes[1].sharding, 2)
+    am = sharding.even(mesh, am, m)
+    bn = sharding.even(mesh, bn, n, 128 if mode == 1 else 16)
+    if set(sharding.axes(bn)) & set(sharding.axes(am)):
+      bn = None
+    kk = sharding.even(mesh, ak, k, 128 if mode else 16) if ak == bk and not fp8_out else None
+    if set(sharding.axes(kk)) & set(sharding.axes(am, bn)):
+      kk = None
+    rep = sharding.named(mesh)
+    ins = (sharding.named(mesh, am, kk), sharding.named(mesh, bn, kk))
+    ins += (rep, rep) if not mode else (sharding.named(mesh, am, kk), sharding.named(mesh, bn, kk))
+    ins += (rep,) * fp8_out + ((sharding.named(mesh, bn),) if bias is not None else ())
+    outs = (sharding.named(mesh, am, bn),) + (rep,) * fp8_out
+    over_k, over_mn = sharding.axes(kk), sharding.axes(am, bn)
+
+    def lower(*v):
+      if not over_k:
+        out = impl(*v)
+        return (out[0], sharding.pmax_keep_nan(out[1], over_mn)) if fp8_out else out
+      d = jax.lax.psum(impl(*v[:4]), over_k)  # the bias after the sum, once
+      return d if bias is None else (d.astype(jnp.float32) + v[4].astype(jnp.float32)).astype(
+          out_dtype)
+    return lower, ins, outs[0] if not fp8_out else outs
+
+  scale_factors = ", , " if not mode else f", m kb, {'nb' if mode == 1 else 'n'} kb"
+  rule = ("m k, n k" + scale_factors + ", " * fp8_out + (", n" if bias is not None else "") +
+          " -> m n" + ", " * fp8_out)
   args += (bias,) if bias is not None else ()
-  return jax.lax.platform_dependent(*args, cuda=on_cuda, default=on_cpu)
+  return sharding.call(impl, plan, rule, *args, reduction_factors=("k", "kb") if mode else ("k",))

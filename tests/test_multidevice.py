@@ -255,3 +255,68 @@ def test_pmap_axis_defaults(problem, name, shared):
   own = [float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(3 * x)))]
   want = [max(own)] * 2 if shared else own
   np.testing.assert_allclose(np.asarray(new.x.amax_history[:, 0]), want, rtol=1e-6)
+
+
+# Plain jit over a mesh, no shard_map: the ops' sharding rules (jax_fp8/sharding.py) keep the
+# operands split and add the reductions. Specs of x, kernel, bias and the output gradient.
+SHARDED_JIT = {
+    "data_parallel": (P("data"), P(), P(), P("data")),
+    "fsdp": (P("data"), P("data"), P(), P("data")),
+    "tensor_column": (P(), P(None, "model"), P("model"), P(None, "model")),
+    "tensor_row": (P(None, "model"), P("model"), P(), P()),
+    "data_and_model": (P("data"), P(None, "model"), P("model"), P("data", "model")),
+}
+
+
+@pytest.mark.parametrize("name", SHARDED_JIT)
+def test_sharded_jit(problem, name):
+  x, w, b, g, state = problem
+  mesh = Mesh(np.array(DEVICES).reshape(max(NDEV // 2, 1), -1), ("data", "model"))
+  specs = SHARDED_JIT[name]
+  put = lambda v, s: jax.device_put(v, jax.sharding.NamedSharding(mesh, s))
+  args = [put(v, s) for v, s in zip((x, w, b, g), specs)] + [put(state, P())]
+
+  @jax.jit
+  def step(x, w, b, g, state):
+    y, vjp = jax.vjp(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s), x, w, b, state)
+    dx, dw, db, obs = vjp(g)
+    return y, dx, dw, db, jax_fp8.update_state(state, obs)
+
+  got = step(*args)
+  check(got, single_device(x, w, b, g, state))
+  entry = lambda spec, i: spec[i] if len(spec) > i else None
+  y_spec = tuple(got[0].sharding.spec) + (None,) * (2 - len(got[0].sharding.spec))
+  assert y_spec == (entry(specs[0], 0), entry(specs[1], 1))  # y split as x's rows, w's columns
+  hlo = step.lower(*args).compile().as_text()
+  if name == "data_parallel":
+    # No activation gathered; reductions only for the amaxes (value and NaN flag), the
+    # replicated kernel's and bias's gradients.
+    assert "all-gather" not in hlo
+    reduced = set()
+    for line in hlo.splitlines():
+      if " all-reduce(" in line:
+        reduced |= set(re.findall(r"f32\[[\d,]*\]", line.split(" all-reduce(")[0].split("=", 1)[1]))
+    assert reduced <= {"f32[2]", f"f32[{K},{N}]", f"f32[{N}]"}, reduced
+
+
+def test_sharded_jit_fresh_rings(rng):
+  """On a ring's first step every device quantizes with the scale from the global amax, so a
+  sharded step equals one device's even then (and NaN stays visible in the amax)."""
+  x = jnp.asarray(rng.standard_normal((M, K)) * 5, jnp.float32).at[3, 7].set(40.0)
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
+  ring = jax_fp8.ScaleRing.create(4)
+  q, qt, a, nxt, db = jax.jit(lambda x, r: jax_fp8.cast_transpose_delayed(x, r, with_dbias=True))(
+      xs, ring)
+  with jax.default_device(DEVICES[0]):
+    rq, rqt, ra, rnxt, rdb = jax_fp8.cast_transpose_delayed(x, ring, with_dbias=True)
+  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(rq).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(qt).view(np.uint8), np.asarray(rqt).view(np.uint8))
+  assert float(a) == float(ra) == 40.0
+  for u, v in zip(jax.tree.leaves(nxt), jax.tree.leaves(rnxt)):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+  assert rel(db, rdb) < 1e-6
+  a_nan = jax.jit(lambda x, r: jax_fp8.quantize_delayed(x, r)[1])(
+      jax.device_put(x.at[M - 1, 0].set(jnp.nan), jax.sharding.NamedSharding(mesh, P("data"))),
+      ring)
+  assert np.isnan(float(a_nan))

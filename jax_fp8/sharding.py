@@ -1,0 +1,118 @@
+"""Sharding rules for the per-tensor FFI ops under a plain sharded ``jit``.
+
+An FFI call carries no sharding rule of its own, so XLA would gather every operand onto each
+device before it. Each op here is wrapped in ``jax.experimental.custom_partitioning`` (with a
+Shardy rule for propagation) whose partition callback keeps the operands' sharding where the
+kernel can run on the local pieces, replicates a dimension where it cannot (the partitioner
+then gathers that dimension), and adds the collectives the op needs:
+
+- ``quantize``: elementwise; the amax is max-reduced over every sharded axis.
+- ``quantize_delayed`` / ``cast_transpose_delayed``: the ring is replicated. Every device
+  quantizes with the same scale: the ring's, or on a fresh ring the one from the global amax
+  (max-reduced before the kernel runs, on that step only). The amax is max-reduced and the
+  next ring computed as ``jax_fp8.scaling.next_ring`` does, identically on every device.
+  ``qt`` is sharded like x transposed, which needs local rows a multiple of 16 (its padding);
+  dbias is summed over the row shards.
+- ``gemm``: M and N stay sharded as a's rows and b's rows; a contraction dimension K sharded
+  the same way in a and b (per-tensor scales, 16/32-bit output) gives local products summed
+  over those axes, as XLA does for its own dots (data-parallel wgrad); otherwise K is gathered.
+
+Inside ``shard_map`` (each device's body is already local) and under ``vmap`` (which
+``custom_partitioning`` cannot batch) the ops run their kernels directly. Meshes must have
+Auto axes (``jax.sharding.Mesh``'s default). The block-scaling ops have no rules yet: under a
+sharded ``jit`` their operands are gathered.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.custom_batching import custom_vmap
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+def varying_axes(*values) -> set:
+  """The shard_map mesh axes any of ``values`` varies over (empty outside shard_map)."""
+  out = set()
+  for v in jax.tree.leaves(values):
+    aval = jax.typeof(v)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it vma
+    out |= set(mat.varying) if mat is not None else set(getattr(aval, "vma", ()))
+  return out
+
+
+def manual_axes() -> tuple:
+  """The mesh axes of the enclosing shard_map (empty outside one, or where this jax cannot
+  say)."""
+  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  return tuple(getattr(get_mesh(), "manual_axes", ())) if get_mesh else ()
+
+
+def call(impl, plan, rule: str, *args, reduction_factors=()):
+  """``impl(*args)`` partitioned by ``plan(mesh, arg_shapes) -> (lower, arg_shardings,
+  result_shardings)``, ``lower`` running on the local pieces; ``impl`` itself inside
+  shard_map."""
+  if varying_axes(*args) or manual_axes():
+    return impl(*args)
+
+  def partition(mesh, arg_shapes, result_shape):
+    lower, arg_shardings, result_shardings = plan(mesh, arg_shapes)
+    return mesh, lower, result_shardings, arg_shardings
+
+  def infer(mesh, arg_shapes, result_shape):
+    return plan(mesh, arg_shapes)[2]
+
+  partitioned = custom_partitioning(impl)
+  partitioned.def_partition(partition, infer_sharding_from_operands=infer,
+                            propagate_user_sharding=None, sharding_rule=rule,
+                            reduction_factors=tuple(reduction_factors))
+  batched = custom_vmap(partitioned)
+
+  @batched.def_vmap
+  def _(axis_size, in_batched, *a):
+    outs = jax.vmap(impl, in_axes=[0 if b else None for b in in_batched])(*a)
+    return outs, jax.tree.map(lambda _: True, outs)
+  return batched(*args)
+
+
+def factors(prefix: str, ndim: int) -> str:
+  """Shardy factor names for the dimensions of an ndim array: "p0 p1 ..."."""
+  return " ".join(f"{prefix}{i}" for i in range(ndim))
+
+
+def spec(sharding, ndim: int) -> tuple:
+  """The partition spec of ``sharding`` padded to ndim entries (None: replicated)."""
+  s = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+  return s + (None,) * (ndim - len(s))
+
+
+def axes(*entries) -> tuple[str, ...]:
+  """The mesh axes named by partition-spec entries."""
+  out = []
+  for e in entries:
+    out += [] if e is None else [e] if isinstance(e, str) else list(e)
+  return tuple(out)
+
+
+def even(mesh, entry, dim: int, multiple: int = 1):
+  """``entry`` if it splits ``dim`` into equal pieces that are multiples of ``multiple``,
+  else None (replicate that dimension)."""
+  n = math.prod(mesh.shape[a] for a in axes(entry))
+  return entry if n > 1 and dim % (n * multiple) == 0 else None
+
+
+def named(mesh, *entries) -> NamedSharding:
+  return NamedSharding(mesh, P(*entries))
+
+
+def pmax_keep_nan(v: jax.Array, over: tuple[str, ...]) -> jax.Array:
+  """Max over the devices of ``over`` that returns NaN where any device holds one (a max
+  collective may drop NaNs), in one collective."""
+  if not over:
+    return v
+  nan = jnp.isnan(v)
+  both = jax.lax.pmax(jnp.stack([jnp.where(nan, -jnp.inf, v), nan.astype(v.dtype)]), over)
+  return jnp.where(both[1] > 0, jnp.nan, both[0])
