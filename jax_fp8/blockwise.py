@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi  # registers the FFI targets
+from . import sharding
 from .ops import _check_input, _vary_like
 from .scaling import check_fp8_min_intensity, fp8_dtype, fp8_max
 
@@ -89,13 +90,38 @@ def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", ep
   *lead, k = x.shape
   m, groups = int(np.prod(lead, dtype=np.int64)), k // group_size
   shape = {"row": (*lead, groups), "col": (groups, m), "col_tma": (groups, -(-m // 4) * 4)}
-  q, s = jax.ffi.ffi_call(
-      "jax_fp8_group_quantize",
-      (jax.ShapeDtypeStruct(x.shape, qdt),
-       jax.ShapeDtypeStruct(shape[scale_layout], jnp.float32)),
-      vmap_method="sequential",
-  )(x, group_size=np.int64(group_size), eps=eps, ue8m0=bool(ue8m0),
-    layout=np.int64(_LAYOUTS[scale_layout]))
+  row = scale_layout == "row"
+
+  def impl(x):
+    *lead, k = x.shape
+    m = int(np.prod(lead, dtype=np.int64))
+    shape = {"row": (*lead, k // group_size), "col": (k // group_size, m),
+             "col_tma": (k // group_size, -(-m // 4) * 4)}
+    return jax.ffi.ffi_call(
+        "jax_fp8_group_quantize",
+        (jax.ShapeDtypeStruct(x.shape, qdt),
+         jax.ShapeDtypeStruct(shape[scale_layout], jnp.float32)),
+        vmap_method="sequential",
+    )(x, group_size=np.int64(group_size), eps=eps, ue8m0=bool(ue8m0),
+      layout=np.int64(_LAYOUTS[scale_layout]))
+
+  def plan(mesh, shapes):  # groups stay whole on each device; no collective
+    *lead_s, ks = sharding.spec(shapes[0].sharding, x.ndim)
+    ks = sharding.even(mesh, ks, k, group_size)
+    lead_s = [sharding.even(mesh, e, d) for e, d in zip(lead_s, lead)]
+    if not row:  # the scales' M is the leading dims flattened: only the first may stay split
+      first = lead_s[0] if lead_s else None
+      if scale_layout == "col_tma":  # and its padding to 4 must be the global one
+        first = sharding.even(mesh, first, m, 4)
+      lead_s = [first] + [None] * (len(lead_s) - 1) if lead_s else []
+    xs = sharding.named(mesh, *lead_s, ks)
+    ss = xs if row else sharding.named(mesh, ks, lead_s[0] if lead_s else None)
+    return impl, (xs,), (xs, ss)
+
+  f = sharding.factors("x", x.ndim - 1)
+  m_factor = f if x.ndim == 2 else "m"  # a 2-D x's rows are the scales' M
+  rule = f"{f} (g k1) -> {f} (g k1), " + (f"{f} g" if row else f"g {m_factor}")
+  q, s = sharding.call(impl, plan, rule, x, k1=int(group_size))
   return _vary_like((q, s), x)
 
 
@@ -122,13 +148,26 @@ def block_quantize(w: jax.Array, *, block: tuple[int, int] = (BLOCK, BLOCK), fmt
                      f"{block!r}")
   w = _check_2d(w, 16, "the FP8 GEMMs' alignment", "w")
   qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)
-  r, c = w.shape
-  q, s = jax.ffi.ffi_call(
-      "jax_fp8_block_quantize",
-      (jax.ShapeDtypeStruct(w.shape, qdt),
-       jax.ShapeDtypeStruct((-(-r // BLOCK), -(-c // BLOCK)), jnp.float32)),
-      vmap_method="sequential",
-  )(w, eps=eps, ue8m0=bool(ue8m0))
+
+  def impl(w):
+    r, c = w.shape
+    return jax.ffi.ffi_call(
+        "jax_fp8_block_quantize",
+        (jax.ShapeDtypeStruct(w.shape, qdt),
+         jax.ShapeDtypeStruct((-(-r // BLOCK), -(-c // BLOCK)), jnp.float32)),
+        vmap_method="sequential",
+    )(w, eps=eps, ue8m0=bool(ue8m0))
+
+  def plan(mesh, shapes):  # whole blocks on each device; no collective
+    r, c = sharding.spec(shapes[0].sharding, 2)
+    ws = sharding.named(mesh, sharding.even(mesh, r, w.shape[0], BLOCK),
+                        sharding.even(mesh, c, w.shape[1], BLOCK))
+    return impl, (ws,), (ws, ws)
+
+  (rf, rb), (cf, cb) = sharding.grouped("r", w.shape[0]), sharding.grouped("c", w.shape[1])
+  sizes = {f"{d}1": BLOCK for d, size in (("r", w.shape[0]), ("c", w.shape[1]))
+           if size % BLOCK == 0}
+  q, s = sharding.call(impl, plan, f"{rf} {cf} -> {rf} {cf}, {rb} {cb}", w, **sizes)
   return _vary_like((q, s), w)
 
 
@@ -153,15 +192,34 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
   """
   x = _check_2d(x, BLOCK, "the group size", "x")
   qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)
-  r, c = x.shape
-  r128 = -(-r // BLOCK) * BLOCK
-  q, s_col, qt, st_col = jax.ffi.ffi_call(
-      "jax_fp8_group_cast_transpose",
-      (jax.ShapeDtypeStruct((r, c), qdt), jax.ShapeDtypeStruct((c // BLOCK, r), jnp.float32),
-       jax.ShapeDtypeStruct((c, r128), qdt),
-       jax.ShapeDtypeStruct((r128 // BLOCK, c), jnp.float32)),
-      vmap_method="sequential",
-  )(x, eps=eps, ue8m0=bool(ue8m0))
+
+  def impl(x):
+    r, c = x.shape
+    r128 = -(-r // BLOCK) * BLOCK
+    return jax.ffi.ffi_call(
+        "jax_fp8_group_cast_transpose",
+        (jax.ShapeDtypeStruct((r, c), qdt), jax.ShapeDtypeStruct((c // BLOCK, r), jnp.float32),
+         jax.ShapeDtypeStruct((c, r128), qdt),
+         jax.ShapeDtypeStruct((r128 // BLOCK, c), jnp.float32)),
+        vmap_method="sequential",
+    )(x, eps=eps, ue8m0=bool(ue8m0))
+
+  def plan(mesh, shapes):
+    # Rows split in multiples of 128 (qt's zero padding is then the global one), columns in
+    # multiples of 128 (whole groups); the transposed outputs split accordingly.
+    r, c = sharding.spec(shapes[0].sharding, 2)
+    r, c = sharding.even(mesh, r, x.shape[0], BLOCK), sharding.even(mesh, c, x.shape[1], BLOCK)
+    return impl, (sharding.named(mesh, r, c),), (
+        sharding.named(mesh, r, c), sharding.named(mesh, c, r), sharding.named(mesh, c, r),
+        sharding.named(mesh, r, c))
+
+  padded = x.shape[0] % BLOCK != 0  # then qt's columns share no factor with x's rows
+  rf, rb = ("r", "pb") if padded else sharding.grouped("r", x.shape[0])
+  qt_cols = "p" if padded else rf
+  sizes = {"c1": BLOCK, **({} if padded else {"r1": BLOCK})}
+  q, s_col, qt, st_col = sharding.call(
+      impl, plan, f"{rf} (cb c1) -> {rf} (cb c1), cb {rf}, (cb c1) {qt_cols}, {rb} (cb c1)", x,
+      **sizes)
   q, s_col, qt, st_col = _vary_like((q, s_col, qt, st_col), x)
   return q, s_col.T, qt, st_col.T
 

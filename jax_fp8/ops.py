@@ -7,6 +7,7 @@ oracle). CUDA kernels: ``csrc/kernels``; FFI handlers: ``csrc/ffi``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -383,14 +384,14 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
   (m, k), n = a.shape, b.shape[0]
   args = (a, b, a_scale, b_scale) + (() if out_scale is None else (out_scale,))
 
-  def finish(d, out_scale=None):  # f32 result -> out_dtype (and its amax for an e4m3 output)
-    return reference.quantize(d, out_scale) if fp8_out else d.astype(out_dtype)
+  def finish(d, out_scale=None, out=out_dtype):  # f32 -> out (and its amax for an e4m3 out)
+    return reference.quantize(d, out_scale) if fp8_out else d.astype(out)
 
   if 0 in (m, n, a.shape[1]):  # nothing to multiply: no library call
     d = jnp.zeros((m, n), jnp.float32) + (0 if bias is None else bias.astype(jnp.float32))
     return _vary_like(finish(d, out_scale), *args, bias)
 
-  def on_cuda(a, b, a_scale, b_scale, *rest):
+  def on_cuda(a, b, a_scale, b_scale, *rest, out=out_dtype):
     (m, _), n = a.shape, b.shape[0]  # this device's piece under a sharded jit
     bias = rest[fp8_out:]
     bias_arg = bias[0] if bias else jnp.zeros((0,), jnp.bfloat16 if fp8_out else out_dtype)
@@ -407,7 +408,7 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
         b_scale = b_scale.T
     d, amax_d, _ = jax.ffi.ffi_call(
         "jax_fp8_gemm",
-        (jax.ShapeDtypeStruct((rows, n), out_dtype),
+        (jax.ShapeDtypeStruct((rows, n), out),
          jax.ShapeDtypeStruct((int(fp8_out),), jnp.float32), _GEMM_WORKSPACE),
         vmap_method="sequential",
     )(a, b, a_scale, b_scale, bias_arg, d_scale, has_bias=bool(bias),
@@ -415,7 +416,7 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     out = (d[:m], amax_d[0]) if fp8_out else d[:m]
     return _vary_like(out, a, b, a_scale, b_scale, *rest)
 
-  def on_cpu(a, b, a_scale, b_scale, *rest):
+  def on_cpu(a, b, a_scale, b_scale, *rest, out=out_dtype):
     (m, k), n = a.shape, b.shape[0]
     bias = rest[fp8_out:]
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
@@ -428,20 +429,25 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     d = acc * (a_scale * b_scale)
     if bias:
       d = d + bias[0].astype(jnp.float32)
-    return finish(d, *rest[:fp8_out])
+    return finish(d, *rest[:fp8_out], out=out)
 
-  impl = lambda *v: jax.lax.platform_dependent(*v, cuda=on_cuda, default=on_cpu)
+  def kernel(out):
+    return lambda *v: jax.lax.platform_dependent(*v, cuda=functools.partial(on_cuda, out=out),
+                                                 default=functools.partial(on_cpu, out=out))
+  impl = kernel(out_dtype)
 
   def plan(mesh, shapes):
     # M and N keep a's and b's row sharding (on distinct axes); a K split alike in a and b
-    # is kept for per-tensor scales and a 16/32-bit output: local products summed.
+    # is kept for a 16/32-bit output (block scales: whole 128-groups on each device): the
+    # local products summed in f32, then the bias added and the result cast once.
     am, ak = sharding.spec(shapes[0].sharding, 2)
     bn, bk = sharding.spec(shapes[1].sharding, 2)
     am = sharding.even(mesh, am, m)
     bn = sharding.even(mesh, bn, n, 128 if mode == 1 else 16)
     if set(sharding.axes(bn)) & set(sharding.axes(am)):
       bn = None
-    kk = sharding.even(mesh, ak, k, 128 if mode else 16) if ak == bk and not fp8_out else None
+    same_k = sharding.axes(ak) == sharding.axes(bk)
+    kk = sharding.even(mesh, ak, k, 128 if mode else 16) if same_k and not fp8_out else None
     if set(sharding.axes(kk)) & set(sharding.axes(am, bn)):
       kk = None
     rep = sharding.named(mesh)
@@ -455,13 +461,17 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
       if not over_k:
         out = impl(*v)
         return (out[0], sharding.pmax_keep_nan(out[1], over_mn)) if fp8_out else out
-      d = jax.lax.psum(impl(*v[:4]), over_k)  # the bias after the sum, once
-      return d if bias is None else (d.astype(jnp.float32) + v[4].astype(jnp.float32)).astype(
-          out_dtype)
+      d = jax.lax.psum(kernel(jnp.float32)(*v[:4]), over_k)
+      return (d if bias is None else d + v[4].astype(jnp.float32)).astype(out_dtype)
     return lower, ins, outs[0] if not fp8_out else outs
 
-  scale_factors = ", , " if not mode else f", m kb, {'nb' if mode == 1 else 'n'} kb"
-  rule = ("m k, n k" + scale_factors + ", " * fp8_out + (", n" if bias is not None else "") +
-          " -> m n" + ", " * fp8_out)
+  if mode:  # K and the scales' K/128 as one factor, N and its blocks too (mode 1)
+    nf, nbf = sharding.grouped("n", n) if mode == 1 else ("n", "n")
+    rule = f"m (kb k1), {nf} (kb k1), m kb, {nbf} kb"
+  else:
+    nf, rule = "n", "m k, n k, , "
+  rule += ", " * fp8_out + (f", {nf}" if bias is not None else "") + f" -> m {nf}" + ", " * fp8_out
+  sizes = {"k1": 128, **({"n1": 128} if mode == 1 and n % 128 == 0 else {})} if mode else {}
   args += (bias,) if bias is not None else ()
-  return sharding.call(impl, plan, rule, *args, reduction_factors=("k", "kb") if mode else ("k",))
+  return sharding.call(impl, plan, rule, *args,
+                       reduction_factors=("kb", "k1") if mode else ("k",), **sizes)

@@ -1,4 +1,4 @@
-"""Sharding rules for the per-tensor FFI ops under a plain sharded ``jit``.
+"""Sharding rules for the FFI ops under a plain sharded ``jit``.
 
 An FFI call carries no sharding rule of its own, so XLA would gather every operand onto each
 device before it. Each op here is wrapped in ``jax.experimental.custom_partitioning`` (with a
@@ -14,13 +14,18 @@ then gathers that dimension), and adds the collectives the op needs:
   ``qt`` is sharded like x transposed, which needs local rows a multiple of 16 (its padding);
   dbias is summed over the row shards.
 - ``gemm``: M and N stay sharded as a's rows and b's rows; a contraction dimension K sharded
-  the same way in a and b (per-tensor scales, 16/32-bit output) gives local products summed
-  over those axes, as XLA does for its own dots (data-parallel wgrad); otherwise K is gathered.
+  the same way in a and b (16/32-bit output; block scales split with it, whole 128-groups on
+  each device) gives local products summed over those axes, as XLA does for its own dots
+  (data-parallel wgrad, row-parallel forward), in f32 before the output's one cast;
+  otherwise K is gathered.
+- ``group_quantize``, ``block_quantize``, ``group_cast_transpose``: stateless, so no
+  collective; a dimension stays split where every device holds whole groups / 128 x 128
+  blocks (and, for the transposed outputs, the global zero padding).
 
 Inside ``shard_map`` (each device's body is already local) and under ``vmap`` (which
-``custom_partitioning`` cannot batch) the ops run their kernels directly. Meshes must have
-Auto axes (``jax.sharding.Mesh``'s default). The block-scaling ops have no rules yet: under a
-sharded ``jit`` their operands are gathered.
+``custom_partitioning`` cannot batch) the ops run their kernels directly. Tested with Auto
+mesh axes (``jax.sharding.Mesh``'s default). The Shardy rules tie a grouped dimension to its
+scales' dimension through compound factors, so propagation shards both alike.
 """
 
 from __future__ import annotations
@@ -51,10 +56,11 @@ def manual_axes() -> tuple:
   return tuple(getattr(get_mesh(), "manual_axes", ())) if get_mesh else ()
 
 
-def call(impl, plan, rule: str, *args, reduction_factors=()):
+def call(impl, plan, rule: str, *args, reduction_factors=(), **factor_sizes):
   """``impl(*args)`` partitioned by ``plan(mesh, arg_shapes) -> (lower, arg_shardings,
   result_shardings)``, ``lower`` running on the local pieces; ``impl`` itself inside
-  shard_map."""
+  shard_map. ``rule``: the Shardy rule for propagation (``factor_sizes`` for its compound
+  factors)."""
   if varying_axes(*args) or manual_axes():
     return impl(*args)
 
@@ -68,7 +74,7 @@ def call(impl, plan, rule: str, *args, reduction_factors=()):
   partitioned = custom_partitioning(impl)
   partitioned.def_partition(partition, infer_sharding_from_operands=infer,
                             propagate_user_sharding=None, sharding_rule=rule,
-                            reduction_factors=tuple(reduction_factors))
+                            reduction_factors=tuple(reduction_factors), **factor_sizes)
   batched = custom_vmap(partitioned)
 
   @batched.def_vmap
@@ -76,6 +82,14 @@ def call(impl, plan, rule: str, *args, reduction_factors=()):
     outs = jax.vmap(impl, in_axes=[0 if b else None for b in in_batched])(*a)
     return outs, jax.tree.map(lambda _: True, outs)
   return batched(*args)
+
+
+def grouped(name: str, size: int, group: int = 128) -> tuple[str, str]:
+  """Shardy factors of a dimension of ``size`` cut into groups of ``group`` (each with one
+  scale): ``("(nameb name1)", "nameb")`` for the dimension and its scales' dimension, so a
+  sharding of one carries to the other; ``(name, name + "b")``, unlinked, where the last group
+  is ragged."""
+  return (f"({name}b {name}1)", f"{name}b") if size % group == 0 else (name, f"{name}b")
 
 
 def factors(prefix: str, ndim: int) -> str:

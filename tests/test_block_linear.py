@@ -129,6 +129,32 @@ def test_data_parallel_matches_one_device(rng):
   np.testing.assert_allclose(got[2], want[2], rtol=1e-4, atol=1e-4)
 
 
+
+@pytest.mark.parametrize("specs", [(P("data"), P()), (P(), P(None, "data")),
+                                   (P(None, "data"), P("data"))],
+                         ids=["data_parallel", "tensor_column", "tensor_row"])
+def test_sharded_jit_matches_one_device(rng, specs):
+  """A plain jit over 8 devices (no shard_map): the block ops' and gemm's sharding rules keep
+  x and the kernel split, each device holding whole groups and blocks, and the results are
+  one device's (dx bit for bit where K is whole on each device, sums within f32 order)."""
+  x, w, b, t = problem(rng, lead=(8 * 128,), k=1024, n=1024, dtype=jnp.float32)
+  recipe = jax_fp8.BlockScaling()
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+  put = lambda v, s: jax.device_put(v, jax.sharding.NamedSharding(mesh, s))
+  x_spec, w_spec = specs
+  t_spec = P(x_spec[0] if len(x_spec) else None, w_spec[1] if len(w_spec) > 1 else None)
+  b_spec = P(w_spec[1] if len(w_spec) > 1 else None)
+  run = jax.jit(lambda x, w, b, t: grad(x, w, b, t, recipe))
+  args = (put(x, x_spec), put(w, w_spec), put(b, b_spec), put(t, t_spec))
+  got = run(*args)
+  want = on_cpu(lambda *a: grad(*a, recipe), x, w, b, t)
+  if x_spec == P("data"):
+    np.testing.assert_array_equal(got[0], want[0])
+    assert "all-gather" not in run.lower(*args).compile().as_text()
+  for g, w_ in zip(got, want):
+    np.testing.assert_allclose(g, w_, rtol=1e-4, atol=1e-4)
+
 def test_bad_inputs():
   x = jnp.ones((4, 128))
   with pytest.raises(ValueError, match="multiples of 128"):

@@ -448,3 +448,30 @@ def test_pdl_on_off_same_bits(platform, rng, monkeypatch):
   for a, b in zip(off, on, strict=True):
     np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
   assert np.all(np.isfinite(on[4].astype(np.float32)))
+
+
+@pytest.mark.parametrize("spec", [("d",), (None, "m"), ("d", "m"), ("d", "d2")],
+                         ids=["rows", "cols", "rows_cols", "uneven_rows"])
+def test_sharded_jit_bit_identical(rng, spec):
+  """Under a plain jit over 8 CPU devices the quantizers run on the local pieces (whole groups
+  and blocks on each device, a dimension gathered where its pieces would cut them) and give
+  one device's bytes and scales."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 2, 2), ("d", "m", "d2"))
+  rows = 384 if spec != ("d", "d2") else 200  # 200: rows not in whole 128-row blocks
+  x = jnp.asarray(rng.standard_normal((rows, 512)) * 3, jnp.bfloat16)
+  xs = jax.device_put(x, NamedSharding(mesh, P(*spec)))
+  ops = {
+      "row": lambda x: blockwise.group_quantize(x, group_size=64),
+      "col": lambda x: blockwise.group_quantize(x, scale_layout="col"),
+      "col_tma": lambda x: blockwise.group_quantize(x, scale_layout="col_tma", ue8m0=True),
+      "block": blockwise.block_quantize,
+      "cast_transpose": blockwise.group_cast_transpose,
+  }
+  for name, op in ops.items():
+    got = jax.jit(op)(xs)
+    want = on_cpu(op, x)
+    for g, w in zip(got, want):
+      assert g.shape == w.shape, name
+      np.testing.assert_array_equal(bits(g) if g.dtype.itemsize == 1 else np.asarray(g),
+                                    bits(w) if w.dtype.itemsize == 1 else w, err_msg=name)

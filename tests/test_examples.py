@@ -8,7 +8,7 @@ import pytest
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
-@pytest.mark.parametrize("name", ["data_parallel", "fsdp"])
+@pytest.mark.parametrize("name", ["data_parallel", "fsdp", "sharded_jit"])
 def test_example_learns(name):
   spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
   module = importlib.util.module_from_spec(spec)

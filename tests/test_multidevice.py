@@ -320,3 +320,18 @@ def test_sharded_jit_fresh_rings(rng):
       jax.device_put(x.at[M - 1, 0].set(jnp.nan), jax.sharding.NamedSharding(mesh, P("data"))),
       ring)
   assert np.isnan(float(a_nan))
+
+
+def test_sharded_jit_gemm_sums_in_f32():
+  """A K split over the devices sums the local products in f32 and casts once: float16
+  partials of +-448 * 448 * 128 would overflow although the total is 0."""
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  k = 32 * NDEV
+  a = jnp.full((16, k), 448.0).astype(jnp.float8_e4m3fn)
+  b = (jnp.full((16, k), 448.0) * jnp.where(jnp.arange(k) < k // 2, 1.0, -1.0)).astype(
+      jnp.float8_e4m3fn)
+  split = jax.sharding.NamedSharding(mesh, P(None, "data"))
+  one = jnp.float32(1)
+  gemm = jax.jit(lambda a, b: jax_fp8.gemm(a, b, one, one, out_dtype=jnp.float16))
+  got = gemm(jax.device_put(a, split), jax.device_put(b, split))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.zeros((16, 16), np.float32))
