@@ -248,6 +248,8 @@ class BlockScaling:
     if self.group_size != BLOCK:
       raise ValueError(f"BlockScaling.group_size must be {BLOCK} (cuBLASLt's VEC128 / "
                        f"BLK128x128 block-scaled GEMMs), got {self.group_size!r}")
+    if not isinstance(self.ue8m0, (bool, np.bool_)):
+      raise TypeError(f"BlockScaling.ue8m0 must be a bool, got {self.ue8m0!r}")
     _check_eps(self.eps, "e4m3")
     check_fp8_min_intensity(self)
 

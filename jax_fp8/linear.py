@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -74,8 +75,9 @@ def _amax_axes(x, kernel, bias, state, amax_axis_name):
 
 
 def _fp8_pays(recipe, m, n, k) -> bool:
-  """Whether this GEMM's intensity reaches the recipe's ``fp8_min_intensity``."""
-  return m * n * k >= recipe.fp8_min_intensity * (m * k + k * n + m * n)
+  """Whether this GEMM's intensity reaches the recipe's ``fp8_min_intensity`` (never for an
+  empty K or N: nothing to quantize)."""
+  return k > 0 and n > 0 and m * n * k >= recipe.fp8_min_intensity * (m * k + k * n + m * n)
 
 
 def _linear_in_dtype(x, kernel, bias):
@@ -224,17 +226,18 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     raise ValueError(f"x [..., K] and kernel [K, N] must share K, got x {x.shape} and kernel "
                      f"{kernel.shape}")
   k, n = kernel.shape
-  if k % 16 or n % 16:
-    raise ValueError(f"K and N must be multiples of 16 for the FP8 GEMMs, got K={k}, N={n}")
   if bias is not None:
     bias = jnp.asarray(bias)
     if bias.shape != (n,) or not jnp.issubdtype(bias.dtype, jnp.floating):
       raise ValueError(f"bias must be a float [{n}], got {bias.dtype}{list(bias.shape)}")
-  if isinstance(recipe, BlockScaling):
-    return _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name)
-  if not isinstance(recipe, DelayedScaling):
+  if not isinstance(recipe, (DelayedScaling, BlockScaling)):
     raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
                     f"{type(recipe).__name__}")
+  fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), n, k)  # else XLA in x's dtype, any shape
+  if fp8 and (k % 16 or n % 16):
+    raise ValueError(f"K and N must be multiples of 16 for the FP8 GEMMs, got K={k}, N={n}")
+  if isinstance(recipe, BlockScaling):
+    return _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name, fp8)
   if not isinstance(state, LinearState):
     raise TypeError(f"state must be a jax_fp8.LinearState, got {type(state).__name__}")
   want = tuple((f, recipe.history_len, recipe.margin, recipe.algo)
@@ -245,11 +248,11 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     raise ValueError(f"state rings (fmt, history_len, margin, algo) for (x, kernel, grad) = "
                      f"{have} do not match the recipe's {want}")
   amax_axis_name = _amax_axes(x, kernel, bias, state, amax_axis_name)
-  if not _fp8_pays(recipe, x.size // k, n, k):
+  if not fp8:
     return _linear_in_dtype(x, kernel, bias)
   x, kernel, bias = _vary_all(x, kernel, bias)
   dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
-  y = _linear(x.reshape(-1, k), kernel, bias, state, amax_axis_name, dtypes)
+  y = _linear(x.reshape(math.prod(x.shape[:-1]), k), kernel, bias, state, amax_axis_name, dtypes)
   return y.reshape(*x.shape[:-1], n)
 
 
@@ -260,18 +263,18 @@ def _vary_all(x, kernel, bias):
   return tuple(_vary(v, axes) for v in (x, kernel, bias)) if axes else (x, kernel, bias)
 
 
-def _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name):
+def _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name, fp8):
   """``linear`` under BlockScaling (arguments checked by ``linear`` up to the recipe)."""
   k, n = kernel.shape
-  if k % recipe.group_size or n % recipe.group_size:
+  if fp8 and (k % recipe.group_size or n % recipe.group_size):
     raise ValueError(f"BlockScaling needs K and N multiples of {recipe.group_size} (the groups "
                      f"of x along K and of the gradient along N), got K={k}, N={n}")
   if state is not None or amax_axis_name not in (None, ()):
     raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
                      "scales come from each device's own tensors)")
-  if not _fp8_pays(recipe, x.size // k, n, k):
+  if not fp8:
     return _linear_in_dtype(x, kernel, bias)
   x, kernel, bias = _vary_all(x, kernel, bias)
   dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
-  y = _block_linear(x.reshape(-1, k), kernel, bias, recipe, dtypes)
+  y = _block_linear(x.reshape(math.prod(x.shape[:-1]), k), kernel, bias, recipe, dtypes)
   return y.reshape(*x.shape[:-1], n)

@@ -157,9 +157,11 @@ def check_fp8_min_intensity(recipe) -> None:
   """Validate a recipe's ``fp8_min_intensity``: a linear whose GEMM does fewer multiply-adds
   per element of x, kernel and output than this, ``M*N*K / (M*K + K*N + M*N)``, runs in the
   input's dtype through XLA (BF16 GEMMs), because there the quantization passes cost more
-  than the FP8 GEMMs save; its rings are then untouched (no observation this step). On one
-  H200 the per-tensor FP8 linear overtook BF16 between intensities 819 (0.96x) and 910
-  (1.15x), so 900 is the measured crossover there (benchmarks "linear crossover", README).
+  than the FP8 GEMMs save; its rings are then untouched (no observation this step). M counts
+  the rows the call sees: under shard_map, one device's. On one H200 the per-tensor FP8
+  linear overtook BF16 between intensities 819 (0.96x) and 910 (1.11-1.15x over two runs),
+  so 900 is the measured crossover there (benchmarks "linear crossover", README). The FP8
+  shape rules (K, N multiples of 16, or 128 under BlockScaling) apply only to FP8 layers.
   Raises ValueError unless it is a finite float >= 0."""
   v = recipe.fp8_min_intensity
   if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):

@@ -23,8 +23,9 @@ then gathers that dimension), and adds the collectives the op needs:
   blocks (and, for the transposed outputs, the global zero padding).
 
 Inside ``shard_map`` (each device's body is already local) and under ``vmap`` (which
-``custom_partitioning`` cannot batch) the ops run their kernels directly. Tested with Auto
-mesh axes (``jax.sharding.Mesh``'s default). The Shardy rules tie a grouped dimension to its
+``custom_partitioning`` cannot batch) the ops run their kernels directly. Meshes must have
+Auto axes (``jax.sharding.Mesh``'s default; ``jax.make_mesh`` makes Explicit ones unless told):
+Explicit axes raise a ValueError at trace time. The Shardy rules tie a grouped dimension to its
 scales' dimension through compound factors, so propagation shards both alike.
 """
 
@@ -56,6 +57,19 @@ def manual_axes() -> tuple:
   return tuple(getattr(get_mesh(), "manual_axes", ())) if get_mesh else ()
 
 
+def _check_auto_axes(args) -> None:
+  """Raise ValueError, naming the fix, for arrays on (or a context of) a mesh with Explicit
+  axes, which custom_partitioning does not take (jax.make_mesh's default in jax 0.10)."""
+  meshes = [jax.sharding.get_abstract_mesh()] + [
+      getattr(getattr(jax.typeof(v), "sharding", None), "mesh", None) for v in jax.tree.leaves(args)]
+  for mesh in meshes:
+    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+      raise ValueError(
+          f"jax_fp8's ops take meshes with Auto axes; got a mesh with Explicit axes "
+          f"{dict(zip(mesh.axis_names, mesh.axis_types))}. Build it with jax.sharding.Mesh(...) "
+          f"or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * ndim)")
+
+
 def call(impl, plan, rule: str, *args, reduction_factors=(), **factor_sizes):
   """``impl(*args)`` partitioned by ``plan(mesh, arg_shapes) -> (lower, arg_shardings,
   result_shardings)``, ``lower`` running on the local pieces; ``impl`` itself inside
@@ -63,6 +77,7 @@ def call(impl, plan, rule: str, *args, reduction_factors=(), **factor_sizes):
   factors)."""
   if varying_axes(*args) or manual_axes():
     return impl(*args)
+  _check_auto_axes(args)
 
   def partition(mesh, arg_shapes, result_shape):
     lower, arg_shardings, result_shardings = plan(mesh, arg_shapes)

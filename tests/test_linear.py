@@ -228,3 +228,20 @@ def test_fp8_min_intensity_rejects(bad):
   for cls in (jax_fp8.DelayedScaling, jax_fp8.BlockScaling):
     with pytest.raises(ValueError, match=f"{cls.__name__}.fp8_min_intensity must be a finite"):
       cls(fp8_min_intensity=bad)
+
+
+def test_fp8_min_intensity_any_shape(rng):
+  """A layer sent to XLA by fp8_min_intensity takes any K and N (the FP8 rules apply to FP8
+  layers only); empty K runs there too, giving the bias."""
+  x = jnp.asarray(rng.standard_normal((4, 24)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((24, 40)), jnp.float32)
+  for recipe in (jax_fp8.DelayedScaling(fp8_min_intensity=900),
+                 jax_fp8.BlockScaling(fp8_min_intensity=900)):
+    state = jax_fp8.LinearState.create(recipe) if isinstance(recipe, jax_fp8.DelayedScaling) \
+        else None
+    np.testing.assert_array_equal(jax_fp8.linear(x, w, state=state, recipe=recipe), x @ w)
+  with pytest.raises(ValueError, match="multiples of 16 for the FP8 GEMMs"):
+    jax_fp8.linear(x, w, state=jax_fp8.LinearState.create())
+  b = jnp.asarray(rng.standard_normal(32), jnp.float32)
+  y = jax_fp8.linear(jnp.ones((3, 0)), jnp.ones((0, 32)), b, state=jax_fp8.LinearState.create())
+  np.testing.assert_array_equal(y, jnp.broadcast_to(b, (3, 32)))

@@ -335,3 +335,12 @@ def test_sharded_jit_gemm_sums_in_f32():
   gemm = jax.jit(lambda a, b: jax_fp8.gemm(a, b, one, one, out_dtype=jnp.float16))
   got = gemm(jax.device_put(a, split), jax.device_put(b, split))
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.zeros((16, 16), np.float32))
+
+
+def test_explicit_axes_rejected():
+  """custom_partitioning takes Auto mesh axes; an Explicit-axis mesh (jax.make_mesh's default
+  in jax 0.10) gets a clear error at trace time, not a failure deep in the partitioner."""
+  mesh = Mesh(np.array(DEVICES), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  x = jax.device_put(jnp.ones((M, K)), jax.sharding.NamedSharding(mesh, P("data")))
+  with pytest.raises(ValueError, match="meshes with Auto axes; got a mesh with Explicit axes"):
+    jax.jit(lambda x: jax_fp8.quantize(x, jnp.float32(1)))(x)
