@@ -83,7 +83,7 @@ def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> tuple[jax.Arr
   """
   x = _check_input(x)
   scale = _check_scalar_f32(scale, "scale")
-  fp8_dtype(fmt)
+  fp8_dtype(fmt)  # an unknown format raises here, at trace time
   impl = lambda x, scale: _quantize_kernel(x, scale, fmt)
 
   def plan(mesh, shapes):  # elementwise: x's sharding kept, the amax reduced over it

@@ -17,6 +17,15 @@ TOL = {jnp.bfloat16: 8e-3, jnp.float16: 1e-3, jnp.float32: 2e-4}
 RTOL = {jnp.bfloat16: 2**-7, jnp.float16: 2**-10, jnp.float32: 2**-12}
 
 
+def accumulation_error(product, a, b, sa, sb):
+  """Elementwise bound on the FP8 tensor cores' accumulation error: 2^-12 of the scaled
+  |a| @ |b| that ``product`` (reference.gemm or block_gemm) gives, plus 1e-6."""
+  absdot = on_cpu(lambda a, b, sa, sb: product(
+      jnp.abs(a.astype(jnp.float32)).astype(a.dtype), jnp.abs(b.astype(jnp.float32)).astype(
+          b.dtype), sa, sb, out_dtype=jnp.float32), a, b, sa, sb)
+  return 2**-12 * absdot + 1e-6
+
+
 def fp8_operand(rng, shape, fmt):
   x = rng.standard_normal(shape).astype(np.float32) * 4
   return jnp.asarray(x).astype(jax_fp8.fp8_dtype(fmt))
@@ -43,10 +52,7 @@ def test_gemm_matches_f32(platform, rng, fa, fb, out_dtype, with_bias, m, n, k):
   err = np.linalg.norm(got - want) / np.linalg.norm(want)
   assert err < TOL[out_dtype], err
   # Elementwise: output rounding plus an accumulation error bounded by the sum of |products|.
-  absdot = on_cpu(lambda a, b, sa, sb: reference.gemm(
-      jnp.abs(a.astype(jnp.float32)).astype(a.dtype), jnp.abs(b.astype(jnp.float32)).astype(
-          b.dtype), sa, sb, out_dtype=jnp.float32), a, b, sa, sb)
-  bound = RTOL[out_dtype] * np.abs(want) + 2**-12 * absdot + 1e-6
+  bound = RTOL[out_dtype] * np.abs(want) + accumulation_error(reference.gemm, a, b, sa, sb)
   assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
 
 
@@ -84,10 +90,7 @@ def test_gemm_e4m3_out(platform, rng, with_bias, headroom, m, n, k):
   assert q.shape == (m, n) and q.dtype == jnp.float8_e4m3fn and amax.shape == ()
   got = np.asarray(q.astype(jnp.float32))
   assert np.all(np.isfinite(got))  # saturation, never NaN, and every element written
-  absdot = on_cpu(lambda a, b, sa, sb: reference.gemm(
-      jnp.abs(a.astype(jnp.float32)).astype(a.dtype), jnp.abs(b.astype(jnp.float32)).astype(
-          b.dtype), sa, sb, out_dtype=jnp.float32), a, b, sa, sb)
-  acc_err = 2**-12 * absdot + 1e-6  # as in test_gemm_matches_f32
+  acc_err = accumulation_error(reference.gemm, a, b, sa, sb)
   # With a bias, cuBLASLt 13.1's epilogue beside an e4m3 D adds it in bf16 (C's type): its amax
   # was 0.74% (2^-7.1) off the f32 result on the H200, so allow 2^-6 relative there.
   epi = 2**-6 if with_bias else 0.0
@@ -196,10 +199,7 @@ def check_block_gemm(got, a, b, sa, sb, bias, out_dtype):
   assert np.all(np.isfinite(got))
   err = np.linalg.norm(got - want) / np.linalg.norm(want)
   assert err < TOL[out_dtype], err
-  absdot = on_cpu(lambda a, b, sa, sb: reference.block_gemm(
-      jnp.abs(a.astype(jnp.float32)).astype(a.dtype), jnp.abs(b.astype(jnp.float32)).astype(
-          b.dtype), sa, sb, out_dtype=jnp.float32), a, b, sa, sb)
-  bound = RTOL[out_dtype] * np.abs(want) + 2**-12 * absdot + 1e-6
+  bound = RTOL[out_dtype] * np.abs(want) + accumulation_error(reference.block_gemm, a, b, sa, sb)
   assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
 
 
