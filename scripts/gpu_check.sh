@@ -45,8 +45,8 @@ for s in $steps; do
              > "$OUT/demo-block.log" 2>&1
            echo "demo-block exit $?"; tail -15 "$OUT/demo-block.log" ;;
     profile) ncu --clock-control none --kernel-name regex:"quantize_kernel|cast_transpose_kernel|group_quantize_kernel|block_quantize_kernel" \
-               --launch-skip 6 --launch-count 6 --section SpeedOfLight \
-               --section MemoryWorkloadAnalysis --section Occupancy \
+               --launch-skip 7 --launch-count 7 --section SpeedOfLight \
+               --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
                python3 scripts/profile_kernels.py > "$OUT/profile.log" 2>&1
            grep -E "==PROF==|Kernel|Throughput|Duration|Occupancy" "$OUT/profile.log" | head -60 ;;
   esac

@@ -28,10 +28,12 @@ ffi::Error Launch(cudaStream_t stream, const CastTransposeArgs& a) {
              kQuantizeThreads, stream, static_cast<const T*>(a.x), n,
              static_cast<const float*>(a.ring.steps), a.scratch);
   // At least one row of tiles, so an empty x still records its (zero) amax; a persistent grid
-  // of up to 8 blocks an SM (2048 threads) over them.
+  // over them of as many blocks as fit on the SMs at once (one wave: on sm_90 8 blocks an SM,
+  // 6 with the dbias sums' registers; a grid sized for 8 ran the dbias kernel in 1.33 waves).
   const size_t tiles = size_t((a.cols + kTile - 1) / kTile) *
                        size_t(std::max<int64_t>(1, (a.rows + kTile - 1) / kTile));
-  launch_pdl(cast_transpose_kernel<T, true, kDbias>, grid_size(tiles, 1, 8), kTileThreads, stream,
+  static const int per_sm = resident_blocks_per_sm(cast_transpose_kernel<T, true, kDbias>, kTileThreads);
+  launch_pdl(cast_transpose_kernel<T, true, kDbias>, grid_size(tiles, 1, per_sm), kTileThreads, stream,
              static_cast<const T*>(a.x), a.rows, a.cols, a.rows16, a.scale, a.fmt, a.q, a.qt,
              a.amax, a.dbias_partial, a.scratch, a.ring);
   return last_error();

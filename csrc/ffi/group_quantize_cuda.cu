@@ -22,7 +22,9 @@ struct GroupArgs {
 template <typename T, int G>
 ffi::Error Launch(cudaStream_t stream, const GroupArgs& a) {
   const size_t n = size_t(a.rows) * a.cols;
-  launch_pdl(group_quantize_kernel<T, G>, grid_size(n, kQuantizeThreads * kElemsPerThread, 8),
+  // One wave: as many blocks as fit at once (5 an SM for bf16 128-groups on sm_90, not 8).
+  static const int per_sm = resident_blocks_per_sm(group_quantize_kernel<T, G>, kQuantizeThreads);
+  launch_pdl(group_quantize_kernel<T, G>, grid_size(n, kQuantizeThreads * kElemsPerThread, per_sm),
              kQuantizeThreads, stream, static_cast<const T*>(a.x), a.rows, a.cols, a.eps, a.fmt,
              a.ue8m0, a.q, a.scales, a.layout);
   return last_error();

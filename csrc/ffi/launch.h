@@ -32,6 +32,15 @@ inline DeviceInfo device_info() {
   return d;
 }
 
+// How many blocks of `threads` threads of `kernel` fit on one SM at once (its registers and
+// shared memory decide): a host-side query, no stream work.
+template <typename... KArgs>
+int resident_blocks_per_sm(void (*kernel)(KArgs...), int threads) {
+  int blocks = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0);
+  return std::max(1, blocks);
+}
+
 // Blocks for a grid-stride kernel: enough to cover n in units of per_block, at most
 // blocks_per_sm resident blocks on every SM, at least one.
 inline int grid_size(size_t n, size_t per_block, int blocks_per_sm) {
