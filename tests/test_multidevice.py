@@ -24,7 +24,9 @@ def _mesh_devices():
     gpus = jax.devices("cuda")
   except RuntimeError:
     gpus = []
-  return gpus if HAS_CUDA and len(gpus) >= 2 else jax.devices("cpu")[:8]
+  if HAS_CUDA and len(gpus) >= 2:  # 2, 4 or 8 of them: M, K and N split evenly
+    return gpus[:min(8, 1 << (len(gpus).bit_length() - 1))]
+  return jax.devices("cpu")[:8]
 
 
 DEVICES = _mesh_devices()
@@ -280,7 +282,8 @@ SHARDED_JIT = {
 @pytest.mark.parametrize("name", SHARDED_JIT)
 def test_sharded_jit(problem, name):
   x, w, b, g, state = problem
-  # 2 x (NDEV / 2); on two GPUs the axis a case splits gets both of them.
+  # 2 x (NDEV / 2); on two GPUs the axis a case splits gets both of them (data_and_model then
+  # splits on the model axis only).
   specs = SHARDED_JIT[name]
   splits_model = any("model" in spec for spec in specs)
   shape = (NDEV // 2, 2) if NDEV >= 4 else ((1, 2) if splits_model else (2, 1))
@@ -301,11 +304,12 @@ def test_sharded_jit(problem, name):
   assert got[0].sharding.shard_shape((M, N)) == want_shard  # y split as x's rows, w's columns
   hlo = step.lower(*args).compile().as_text()
   if name == "data_parallel":
-    # No activation gathered; reductions only for the amaxes of x and the output gradient
-    # (value and NaN flag; once more in each fresh-ring branch), the replicated kernel's and
-    # bias's gradients.
+    # No activation gathered; reductions only for the replicated kernel's and bias's
+    # gradients and the amaxes of x and the output gradient (value and NaN flag; once more in
+    # each fresh-ring branch, which XLA may combine). A reduced activation would add at
+    # least M * K / NDEV elements.
     assert "all-gather" not in hlo
-    assert reduced_elements(hlo) == 2 * 2 * 2 + K * N + N
+    assert K * N + N < reduced_elements(hlo) <= 2 * 2 * 2 + K * N + N
 
 
 def test_sharded_jit_fresh_rings(rng):

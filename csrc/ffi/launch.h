@@ -33,11 +33,15 @@ inline DeviceInfo device_info() {
 }
 
 // How many blocks of `threads` threads of `kernel` fit on one SM at once (its registers and
-// shared memory decide): a host-side query, no stream work.
+// shared memory decide): a host-side query, no stream work. Callers keep it per kernel, so a
+// process is assumed to drive one GPU architecture. 8 (2048 threads of 256) if the query fails.
 template <typename... KArgs>
 int resident_blocks_per_sm(void (*kernel)(KArgs...), int threads) {
   int blocks = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0);
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0) != cudaSuccess) {
+    cudaGetLastError();  // not the launch's error
+    return 8;
+  }
   return std::max(1, blocks);
 }
 
