@@ -47,9 +47,12 @@ def train_step_fn(block: Block):
   return step
 
 
-def setup(fp8: bool, d_model: int, ffn: int, heads: int, seq: int, batch: int):
-  """The block, its variables (params in bf16, a warm FP8 state) and an input."""
-  block = Block(heads, ffn, Dense if fp8 else nn.Dense)
+def setup(recipe: jax_fp8.DelayedScaling | None, d_model: int, ffn: int, heads: int, seq: int,
+          batch: int):
+  """The block (FP8 under ``recipe``, or BF16 for None), its variables (params in bf16, a
+  warm FP8 state) and an input."""
+  fp8 = recipe is not None
+  block = Block(heads, ffn, functools.partial(Dense, recipe=recipe) if fp8 else nn.Dense)
   x = jax.random.normal(jax.random.key(0), (batch, seq, d_model), jnp.bfloat16)
   variables = jax.jit(block.init)(jax.random.key(1), x)
   params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), variables["params"])

@@ -29,6 +29,8 @@ import time
 import jax
 import numpy as np
 
+import jax_fp8
+
 from . import block
 from .run import QUICK_BLOCK, environment, write_results
 
@@ -46,7 +48,7 @@ CONFIG = dict(d_model=1024, ffn=3584, heads=8, seq=512, batch=4)
 def child(cfg: dict, steps: int, out_npz: str) -> dict:
   times, leaves = {}, []
   for fp8 in (True, False):
-    blk, params, state, x = block.setup(fp8, **cfg)
+    blk, params, state, x = block.setup(jax_fp8.DelayedScaling() if fp8 else None, **cfg)
     step = jax.jit(block.train_step_fn(blk))
     res = jax.block_until_ready(step(params, state, x))  # compile and warm up
     t0 = time.perf_counter()

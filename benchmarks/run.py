@@ -40,6 +40,10 @@ BLOCK = dict(d_model=4096, ffn=14336, heads=32, seq=2048, batch=8)
 # The per-tensor crossover measured by bench_crossover on the H200 (2026-11-29): FP8 below it
 # is slower than BF16, so the "auto" linear runs BF16 there.
 AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=900.0)
+# Fast accumulation in the forward GEMM only (TransformerEngine's default), and in all three
+# (what XLA's FP8 dot, and so the pure-JAX FP8 path, does at default precision).
+FAST_ACCUM = {"fast_fprop": jax_fp8.DelayedScaling(fast_accum=("fprop",)),
+              "fast_all": jax_fp8.DelayedScaling(fast_accum=("fprop", "dgrad", "wgrad"))}
 GROUPS = ["per_tensor", "block_step", "block_scaling", "crossover"]  # --only, in run order
 QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
 
@@ -110,8 +114,25 @@ def bench_gemm(quick, ceil):
     rows.append({"case": "gemm", "shape": [m, n, k], "us": ours * 1e6,
                  "TFLOPs": flops / ours / 1e12, "fast_accum_TFLOPs": flops / fast / 1e12,
                  "xla_fp8_TFLOPs": flops / xla / 1e12,
-                 "bf16_TFLOPs": flops / bf16 / 1e12, "vs_xla_fp8": xla / ours, "vs_bf16": bf16 / ours})
+                 "bf16_TFLOPs": flops / bf16 / 1e12, "vs_xla_fp8": xla / ours, "vs_bf16": bf16 / ours,
+                 **accumulation_errors(a, b)})
   return rows
+
+
+def accumulation_errors(a, b):
+  """Normwise relative error of each FP8 GEMM's f32 output against an f32 GEMM of the same
+  (exactly representable) operands: the accumulation error alone, no quantization in it."""
+  dims = (((1,), (1,)), ((), ()))
+  want = jax.jit(lambda a, b: jax.lax.dot_general(
+      a.astype(jnp.float32), b.astype(jnp.float32), dims,
+      precision=jax.lax.Precision.HIGHEST))(a, b)
+  one = jnp.float32(1)
+  got = {"exact_accum_err": jax_fp8.gemm(a, b, one, one, out_dtype=jnp.float32),
+         "fast_accum_err": jax_fp8.gemm(a, b, one, one, out_dtype=jnp.float32, fast_accum=True),
+         "xla_fp8_err": jax.jit(lambda a, b: jax.lax.dot_general(
+             a, b, dims, preferred_element_type=jnp.float32))(a, b)}
+  norm = float(jnp.linalg.norm(want))
+  return {name: float(jnp.linalg.norm(d - want)) / norm for name, d in got.items()}
 
 
 def fwd_bwd(f):
@@ -143,6 +164,8 @@ def bench_linear(quick, ceil):
     ours = device_time(ours_fn, g, x, w, b, state)
     auto = device_time(fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s, recipe=AUTO)),
                        g, x, w, b, state)
+    fast = {name: device_time(fwd_bwd(lambda x, w, b, s, r=recipe: jax_fp8.linear(
+        x, w, b, state=s, recipe=r)), g, x, w, b, state) for name, recipe in FAST_ACCUM.items()}
     bf16 = device_time(fwd_bwd(peers.bf16_linear), g, x, w, b)
     xla8 = device_time(fwd_bwd(peers.xla_fp8_linear), g, x, w, b)
     flops = 6 * m * n * k
@@ -153,7 +176,9 @@ def bench_linear(quick, ceil):
                  "TFLOPs": flops / ours / 1e12, "bf16_us": bf16 * 1e6, "xla_fp8_us": xla8 * 1e6,
                  "vs_bf16": bf16 / ours, "vs_xla_fp8": xla8 / ours,
                  "auto_fp8": bool(intensity(m, n, k) >= AUTO.fp8_min_intensity),
-                 "auto_vs_bf16": bf16 / auto})
+                 "auto_vs_bf16": bf16 / auto,
+                 **{f"{name}_vs_xla_fp8": xla8 / t for name, t in fast.items()},
+                 **{f"{name}_vs_bf16": bf16 / t for name, t in fast.items()}})
   return rows
 
 
@@ -208,17 +233,20 @@ def bench_memory(quick):
 
 
 def bench_block(quick, ceil):
-  """Transformer block train step (forward, backward, FP8 state update), FP8 vs BF16."""
+  """Transformer block train step (forward, backward, FP8 state update), FP8 vs BF16; FP8 also
+  with the FAST_ACCUM recipes."""
   cfg = QUICK_BLOCK if quick else BLOCK
+  recipes = {"fp8": jax_fp8.DelayedScaling(), "bf16": None, **FAST_ACCUM}
   times = {}
-  for fp8 in (True, False):
-    blk, params, state, x = block.setup(fp8, **cfg)
-    times[fp8] = device_time(block.train_step_fn(blk), params, state, x, iters=5 if quick else 10)
+  for name, recipe in recipes.items():
+    blk, params, state, x = block.setup(recipe, **cfg)
+    times[name] = device_time(block.train_step_fn(blk), params, state, x, iters=5 if quick else 10)
   d, f, t = cfg["d_model"], cfg["ffn"], cfg["batch"] * cfg["seq"]
   flops = 6 * t * (4 * d * d + 3 * d * f)  # the linears only
   return [{"case": "block train step", "shape": [cfg["batch"], cfg["seq"], d, f],
-           "us": times[True] * 1e6, "bf16_us": times[False] * 1e6,
-           "linear_TFLOPs": flops / times[True] / 1e12, "vs_bf16": times[False] / times[True]}]
+           "us": times["fp8"] * 1e6, "bf16_us": times["bf16"] * 1e6,
+           "linear_TFLOPs": flops / times["fp8"] / 1e12, "vs_bf16": times["bf16"] / times["fp8"],
+           **{f"{name}_vs_bf16": times["bf16"] / times[name] for name in FAST_ACCUM}}]
 
 
 def peak_bytes(fn, *args):

@@ -100,50 +100,52 @@ def _global_amax(amaxes, axis_name):
   return tuple(a)
 
 
-def _gemm_bias(a, b, a_scale, b_scale, bias, dtype):
+def _gemm_bias(a, b, a_scale, b_scale, bias, dtype, fast_accum=False):
   """``a @ b.T + bias`` in ``dtype``, the bias fused into the GEMM's epilogue where cuBLASLt
   can (bf16 / f16 outputs)."""
   out = _gemm_dtype(dtype)
   fused_bias = bias is not None and out != jnp.float32
   y = ops.gemm(a, b, a_scale, b_scale, bias=bias.astype(out) if fused_bias else None,
-               out_dtype=out)
+               out_dtype=out, fast_accum=fast_accum)
   if bias is not None and not fused_bias:
     y = y + bias.astype(out)
   return y.astype(dtype)
 
 
-def _forward(x, kernel, bias, state):
+def _forward(x, kernel, bias, state, fast_accum):
   """y = x @ kernel + bias in FP8, and what the backward and the state update need."""
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
   qx, qxt, ax, _, _ = ops.cast_transpose_delayed(x, state.x)  # [M, K], [K, M16] e4m3
   qk, qkt, ak, _, _ = ops.cast_transpose_delayed(kernel, state.kernel)  # [K, N], [N, K]
   sx, sk = scale_for_step(state.x, ax), scale_for_step(state.kernel, ak)  # what the kernels used
-  y = _gemm_bias(qx, qkt, sx, sk, bias, x.dtype)
+  y = _gemm_bias(qx, qkt, sx, sk, bias, x.dtype, "fprop" in fast_accum)
   return y, (qxt, sx, qk, sk), (ax, ak)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _linear(x, kernel, bias, state, axis_name, dtypes):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _linear(x, kernel, bias, state, axis_name, dtypes, fast_accum):
   del axis_name, dtypes  # used by the backward only
-  return _forward(x, kernel, bias, state)[0]
+  return _forward(x, kernel, bias, state, fast_accum)[0]
 
 
-def _linear_fwd(x, kernel, bias, state, axis_name, dtypes):
+def _linear_fwd(x, kernel, bias, state, axis_name, dtypes, fast_accum):
   del dtypes  # the backward's output dtypes (x, kernel, bias), static
-  y, saved, (ax, ak) = _forward(x, kernel, bias, state)
+  y, saved, (ax, ak) = _forward(x, kernel, bias, state, fast_accum)
   ax, ak = _global_amax((ax, ak), axis_name)
   return y, saved + (state.grad, observe(state.x, ax), observe(state.kernel, ak))
 
 
-def _linear_bwd(axis_name, dtypes, res, g):
+def _linear_bwd(axis_name, dtypes, fast_accum, res, g):
   qxt, sx, qk, sk, grad_ring, rx, rk = res
   x_dtype, k_dtype, b_dtype = dtypes
   # One quantization of g feeds both GEMMs; the same read gives dbias.
   qg, qgt, ag, _, db = ops.cast_transpose_delayed(g, grad_ring, with_dbias=b_dtype is not None)
   sg = scale_for_step(grad_ring, ag)
   rg = observe(grad_ring, *_global_amax((ag,), axis_name))
-  dx = ops.gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype))  # dgrad [M, K]
-  dk = ops.gemm(qxt, qgt, sx, sg, out_dtype=_gemm_dtype(k_dtype))  # wgrad [K, N], over M16
+  dx = ops.gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype),
+                fast_accum="dgrad" in fast_accum)  # dgrad [M, K]
+  dk = ops.gemm(qxt, qgt, sx, sg, out_dtype=_gemm_dtype(k_dtype),
+                fast_accum="wgrad" in fast_accum)  # wgrad [K, N], over M16
   db = None if b_dtype is None else db.astype(b_dtype)
   return dx.astype(x_dtype), dk.astype(k_dtype), db, LinearState(rx, rk, rg)
 
@@ -252,7 +254,8 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
     return _linear_in_dtype(x, kernel, bias)
   x, kernel, bias = _vary_all(x, kernel, bias)
   dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
-  y = _linear(x.reshape(math.prod(x.shape[:-1]), k), kernel, bias, state, amax_axis_name, dtypes)
+  y = _linear(x.reshape(math.prod(x.shape[:-1]), k), kernel, bias, state, amax_axis_name, dtypes,
+              recipe.fast_accum)
   return y.reshape(*x.shape[:-1], n)
 
 

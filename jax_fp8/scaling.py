@@ -26,6 +26,7 @@ FORMATS: dict[str, jnp.dtype] = {
     "e5m2": jnp.dtype(jnp.float8_e5m2),
 }
 ALGOS = ("max", "most_recent")
+LINEAR_GEMMS = ("fprop", "dgrad", "wgrad")  # a linear's three GEMMs (DelayedScaling.fast_accum)
 MAX_HISTORY = 1024  # one CUDA block finalizes the ring
 
 
@@ -180,6 +181,12 @@ class DelayedScaling:
     margin: power-of-two headroom in the scale.
     algo: "max" (max over the history window) or "most_recent".
     fp8_min_intensity: see ``check_fp8_min_intensity``; 0 (default): always FP8.
+    fast_accum: the linear's GEMMs, among "fprop" (y = x @ kernel), "dgrad" (dx) and "wgrad"
+      (dkernel), that let Hopper's FP8 tensor cores accumulate without promotion to f32
+      (``gemm``'s ``fast_accum``): faster, less accurate as K grows. () (default): none.
+      ("fprop",) is TransformerEngine's default (split accumulators for dgrad and wgrad);
+      all three is what XLA's own FP8 dot does at default precision (the pure-JAX FP8 path).
+      Benchmarks "gemm" and "linear fwd+bwd" give the speed and error of each on the H200.
   """
 
   fmt: Literal["hybrid", "e4m3"] = "hybrid"
@@ -187,12 +194,18 @@ class DelayedScaling:
   margin: int = 0
   algo: Literal["max", "most_recent"] = "max"
   fp8_min_intensity: float = 0.0
+  fast_accum: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.fmt not in ("hybrid", "e4m3"):
       raise ValueError(f"DelayedScaling.fmt must be 'hybrid' or 'e4m3', got {self.fmt!r}")
     check_ring_params(self.history_len, "e4m3", self.margin, self.algo)
     check_fp8_min_intensity(self)
+    v = self.fast_accum
+    if (not isinstance(v, tuple) or not set(v) <= set(LINEAR_GEMMS)
+        or len(set(v)) != len(v)):
+      raise ValueError(f"DelayedScaling.fast_accum must be a tuple of distinct names from "
+                       f"{LINEAR_GEMMS}, got {v!r}")
 
   @property
   def fwd_fmt(self) -> str:

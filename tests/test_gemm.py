@@ -17,13 +17,14 @@ TOL = {jnp.bfloat16: 8e-3, jnp.float16: 1e-3, jnp.float32: 2e-4}
 RTOL = {jnp.bfloat16: 2**-7, jnp.float16: 2**-10, jnp.float32: 2**-12}
 
 
-def accumulation_error(product, a, b, sa, sb):
-  """Elementwise bound on the FP8 tensor cores' accumulation error: 2^-12 of the scaled
-  |a| @ |b| that ``product`` (reference.gemm or block_gemm) gives, plus 1e-6."""
+def accumulation_error(product, a, b, sa, sb, rel=2**-12):
+  """Elementwise bound on the FP8 tensor cores' accumulation error: ``rel`` (2^-12 unless
+  told) of the scaled |a| @ |b| that ``product`` (reference.gemm or block_gemm) gives, plus
+  1e-6."""
   absdot = on_cpu(lambda a, b, sa, sb: product(
       jnp.abs(a.astype(jnp.float32)).astype(a.dtype), jnp.abs(b.astype(jnp.float32)).astype(
           b.dtype), sa, sb, out_dtype=jnp.float32), a, b, sa, sb)
-  return 2**-12 * absdot + 1e-6
+  return rel * absdot + 1e-6
 
 
 def fp8_operand(rng, shape, fmt):
@@ -54,6 +55,23 @@ def test_gemm_matches_f32(platform, rng, fa, fb, out_dtype, with_bias, m, n, k):
   # Elementwise: output rounding plus an accumulation error bounded by the sum of |products|.
   bound = RTOL[out_dtype] * np.abs(want) + accumulation_error(reference.gemm, a, b, sa, sb)
   assert np.all(np.abs(got - want) <= bound), np.max(np.abs(got - want) / bound)
+
+
+# Fast accumulation never promotes the tensor cores' partial sums to f32, so its error grows
+# with K: bounded here by 2^-8 of |a| @ |b| (the benchmark's "gemm" rows give the measured
+# error at the large shapes).
+@pytest.mark.parametrize("k", [512, 4096])
+def test_gemm_fast_accum(platform, rng, k):
+  a, b = fp8_operand(rng, (64, k), "e4m3"), fp8_operand(rng, (128, k), "e5m2")
+  sa, sb = jnp.float32(rng.uniform(0.01, 2)), jnp.float32(rng.uniform(0.01, 2))
+  run = jax.jit(jax_fp8.gemm, static_argnames=("out_dtype", "fast_accum"))
+  fast = np.asarray(run(a, b, sa, sb, out_dtype=jnp.float32, fast_accum=True))
+  exact = np.asarray(run(a, b, sa, sb, out_dtype=jnp.float32))
+  want = on_cpu(lambda *v: reference.gemm(*v, out_dtype=jnp.float32), a, b, sa, sb)
+  bound = accumulation_error(reference.gemm, a, b, sa, sb, rel=2**-8)
+  assert np.all(np.abs(fast - want) <= bound), np.max(np.abs(fast - want) / bound)
+  # CPU ignores the flag; on CUDA it reaches cuBLASLt and changes the accumulation.
+  assert np.array_equal(fast, exact) == (platform == "cpu")
 
 
 def test_gemm_zero_rows(platform):

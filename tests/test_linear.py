@@ -1,6 +1,7 @@
 """jax_fp8.linear: forward and gradients against f32 references, state updates, pmap."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from conftest import on_cpu
 
 import jax_fp8
 from jax_fp8 import reference
-from jax_fp8.scaling import next_ring
+from jax_fp8.scaling import LINEAR_GEMMS, next_ring
 
 # Normwise relative error allowed against the f32 math: E4M3 rounding (2^-4 relative at worst,
 # ~2% RMS on Gaussian data) in the forward, E5M2 (2^-3) in the gradients, where the error
@@ -183,6 +184,45 @@ def test_bad_inputs(rng):
     jax_fp8.linear(x, w, b, state={})
   with pytest.raises(ValueError, match="do not match the recipe"):
     jax_fp8.linear(x, w, b, state=s, recipe=jax_fp8.DelayedScaling(fmt="e4m3"))
+
+
+@pytest.mark.parametrize("fast", [(), ("fprop",), ("dgrad", "wgrad"), LINEAR_GEMMS],
+                         ids=lambda f: "+".join(f) or "none")
+def test_fast_accum_reaches_its_gemms(rng, fast):
+  """DelayedScaling.fast_accum sets cuBLASLt's fast accumulation on exactly the GEMMs it names
+  (read from the CUDA lowering: fprop gives [M, N], dgrad [M, K], wgrad [K, N])."""
+  m, k, n = 32, 64, 48
+  x, w, b, t = problem(rng, (m,), k, n)
+  recipe = jax_fp8.DelayedScaling(fast_accum=fast)
+  f = jax.value_and_grad(lambda x, w, s: jnp.sum(
+      jax_fp8.linear(x, w, b, state=s, recipe=recipe) * t), argnums=(0, 1, 2))
+  hlo = jax.jit(f).trace(x, w, jax_fp8.LinearState.create(recipe)).lower(
+      lowering_platforms=("cuda",)).as_text()
+  gemms = re.findall(r"custom_call @jax_fp8_gemm\(.*fast_accum = (\w+).*-> \(tensor<(\d+x\d+)x", hlo)
+  names = {f"{m}x{n}": "fprop", f"{m}x{k}": "dgrad", f"{k}x{n}": "wgrad"}
+  got = {names[shape]: flag == "true" for flag, shape in gemms}
+  assert got == {g: g in fast for g in LINEAR_GEMMS}
+
+
+def test_fast_accum_linear(platform, rng):
+  """With fast accumulation in all three GEMMs the forward and gradients stay within the FP8
+  tolerances against the f32 math (K = 1024, where the accumulation error shows on CUDA)."""
+  x, w, b, t = problem(rng, lead=(64,), k=1024, n=128)
+  recipe = jax_fp8.DelayedScaling(fast_accum=LINEAR_GEMMS)
+  state = jax_fp8.LinearState.create(recipe)
+  fp8 = lambda x, w, b: jnp.sum(jax_fp8.linear(x, w, b, state=state, recipe=recipe) * t)
+  val, grads = jax.jit(jax.value_and_grad(fp8, argnums=(0, 1, 2)))(x, w, b)
+  y = jax.jit(lambda x, w, b: jax_fp8.linear(x, w, b, state=state, recipe=recipe))(x, w, b)
+  assert rel(y, on_cpu(lambda x, w, b: x @ w + b, x, w, b)) < FWD_TOL
+  want = on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, w, b, t)
+  for got, ref, name in zip(grads, want, ("dx", "dkernel", "dbias")):
+    assert rel(got, ref) < BWD_TOL, name
+
+
+def test_fast_accum_rejects():
+  for bad in (["fprop"], ("fprop", "fprop"), ("forward",), "fprop"):
+    with pytest.raises(ValueError, match="DelayedScaling.fast_accum must be a tuple"):
+      jax_fp8.DelayedScaling(fast_accum=bad)
 
 
 @pytest.mark.parametrize("recipe_cls", [jax_fp8.DelayedScaling, jax_fp8.BlockScaling])

@@ -15,7 +15,10 @@ static_assert(kTileThreads == kQuantizeThreads, "block_max assumes kQuantizeThre
 
 // A persistent grid: each block walks tiles t = blockIdx.x, + gridDim.x, ... (row-major over
 // the [ceil(R/64), ceil(C/64)] tiles), keeping its amax in registers, so the amax atomics and
-// the completion count are paid once per block, not once per tile.
+// the completion count are paid once per block, not once per tile. Each thread's loads of the
+// next tile are issued before it works on the current one, so they are in flight through the
+// shared-memory stage and the stores (before this, ncu measured the one-wave grid at 61% of
+// DRAM bandwidth and 92% occupancy on the H200).
 //
 // dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile (summed by the caller:
 // a fixed order inside the tile, so the kernel is deterministic).
@@ -37,21 +40,27 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t tiles_x = (cols + kTile - 1) / kTile;
   const int64_t tiles = tiles_x * (rows > 0 ? (rows + kTile - 1) / kTile : 1);
   const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
+  // This thread's 16 elements of tile t: row r0 + tr, columns c0 + tc.. (C % 16 == 0), zeros
+  // outside x.
+  auto load = [&](int64_t t) {
+    Raw16<T> raw = {};
+    const int64_t r = t / tiles_x * kTile + tr, c = t % tiles_x * kTile + tc;
+    if (t < tiles && r < rows && c < cols) raw = load_raw16(x + r * cols + c);
+    return raw;
+  };
   unsigned m = 0;
 
+  Raw16<T> next = load(blockIdx.x);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const Raw16<T> cur = next;
+    next = load(t + gridDim.x);
     const int64_t r0 = t / tiles_x * kTile, c0 = t % tiles_x * kTile;
-    // Row-major pass: 16 consecutive elements of one row per thread (C % 16 == 0).
+    // Row-major pass: 16 consecutive elements of one row per thread.
     const int64_t r = r0 + tr, c = c0 + tc;
-    float f[kElemsPerThread];
-    alignas(16) uint8_t out[kElemsPerThread];
     const bool in = r < rows && c < cols;
-    if (in) {
-      load16(x + r * cols + c, f);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kElemsPerThread; ++k) f[k] = 0.0f;
-    }
+    float f[kElemsPerThread];
+    unpack16(cur, f);
+    alignas(16) uint8_t out[kElemsPerThread];
 #pragma unroll
     for (int k = 0; k < kElemsPerThread; ++k) {
       m = max(m, abs_bits(f[k]));

@@ -65,19 +65,39 @@ __device__ __forceinline__ unsigned block_max(unsigned v) {
   return v;
 }
 
-// Loads 16 consecutive elements as f32 with 16-byte vector loads (the caller guarantees a
-// 16-element-aligned, in-bounds start).
+// 16 consecutive elements of T as raw 16-byte vectors: loaded now, converted later, so a
+// kernel can have the next loads in flight while it works on the current ones.
 template <typename T>
-__device__ __forceinline__ void load16(const T* p, float (&v)[kElemsPerThread]) {
-  constexpr int kPerVec = 16 / sizeof(T);
+struct Raw16 {
+  static constexpr int kVecs = kElemsPerThread * sizeof(T) / 16;
+  uint4 v[kVecs];
+};
+
+// The caller guarantees a 16-element-aligned, in-bounds start.
+template <typename T>
+__device__ __forceinline__ Raw16<T> load_raw16(const T* p) {
+  Raw16<T> r;
   const uint4* src = reinterpret_cast<const uint4*>(p);
 #pragma unroll
-  for (int j = 0; j < kElemsPerThread / kPerVec; ++j) {
-    uint4 raw = src[j];
-    const T* e = reinterpret_cast<const T*>(&raw);
+  for (int j = 0; j < Raw16<T>::kVecs; ++j) r.v[j] = src[j];
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack16(const Raw16<T>& r, float (&v)[kElemsPerThread]) {
+  constexpr int kPerVec = 16 / sizeof(T);
+#pragma unroll
+  for (int j = 0; j < Raw16<T>::kVecs; ++j) {
+    const T* e = reinterpret_cast<const T*>(&r.v[j]);
 #pragma unroll
     for (int k = 0; k < kPerVec; ++k) v[j * kPerVec + k] = to_float(e[k]);
   }
+}
+
+// Loads 16 consecutive elements as f32 with 16-byte vector loads (same guarantee).
+template <typename T>
+__device__ __forceinline__ void load16(const T* p, float (&v)[kElemsPerThread]) {
+  unpack16(load_raw16(p), v);
 }
 
 // Amax over x when the ring is on its first step; otherwise every block returns at once.
