@@ -121,10 +121,12 @@ def bench_gemm(quick, ceil):
 
 def accumulation_errors(a, b):
   """Normwise relative error of each FP8 GEMM's f32 output against an f32 GEMM of the same
-  (exactly representable) operands: the accumulation error alone, no quantization in it."""
+  (exactly representable) operands: the accumulation error alone, no quantization in it. The
+  upcast operands pass an optimization barrier, or XLA would rewrite the f32 dot back into
+  an FP8 cuBLASLt GEMM (it did on the H200: an error of exactly 0)."""
   dims = (((1,), (1,)), ((), ()))
   want = jax.jit(lambda a, b: jax.lax.dot_general(
-      a.astype(jnp.float32), b.astype(jnp.float32), dims,
+      *jax.lax.optimization_barrier((a.astype(jnp.float32), b.astype(jnp.float32))), dims,
       precision=jax.lax.Precision.HIGHEST))(a, b)
   one = jnp.float32(1)
   got = {"exact_accum_err": jax_fp8.gemm(a, b, one, one, out_dtype=jnp.float32),
