@@ -219,10 +219,13 @@ def test_fast_accum_linear(platform, rng):
     assert rel(got, ref) < BWD_TOL, name
 
 
-def test_fast_accum_rejects():
-  for bad in (["fprop"], ("fprop", "fprop"), ("forward",), "fprop"):
+def test_fast_accum_rejects_and_orders():
+  for bad in (["fprop"], ("fprop", "fprop"), ("forward",), "fprop", (["fprop"],)):
     with pytest.raises(ValueError, match="DelayedScaling.fast_accum must be a tuple"):
       jax_fp8.DelayedScaling(fast_accum=bad)
+  recipe = jax_fp8.DelayedScaling(fast_accum=("wgrad", "fprop"))
+  assert recipe.fast_accum == ("fprop", "wgrad")
+  assert recipe == jax_fp8.DelayedScaling(fast_accum=("fprop", "wgrad"))
 
 
 @pytest.mark.parametrize("recipe_cls", [jax_fp8.DelayedScaling, jax_fp8.BlockScaling])
