@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The one GPU session script: build, GPU tests, benchmark suite, demo. Logs go to $OUT
 # (the device tool brings them back). Usage on the GPU machine:
-#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [graphs] [demo] [demo-block] [dp] [profile]
-# (default: tests bench demo; profile runs Nsight Compute over our kernels). Optional
+#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [graphs] [demo] [demo-block] [dp]
+#     [step-profile] [profile]
+# (default: tests bench demo; step-profile traces the block train step with the JAX profiler;
+# profile runs Nsight Compute over our kernels). Optional
 # environment: TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case
 # groups, see python -m benchmarks.run --help).
 set -u
@@ -44,6 +46,12 @@ for s in $steps; do
     demo-block) python3 -m jax_fp8.demo --preset gpu --recipe block --out "$OUT/demo-block" \
              > "$OUT/demo-block.log" 2>&1
            echo "demo-block exit $?"; tail -15 "$OUT/demo-block.log" ;;
+    # Where the transformer block train step's time goes, per stream and kind of work.
+    step-profile) for r in fp8 fast_all bf16; do
+             python3 -m benchmarks.step_profile --recipe $r --out "$OUT/step-profile-$r.json" \
+               > "$OUT/step-profile-$r.log" 2>&1
+             echo "step-profile $r exit $?"; grep -A6 "per step" "$OUT/step-profile-$r.log" | head -24
+           done ;;
     profile) ncu --clock-control none --kernel-name regex:"quantize_kernel|cast_transpose_kernel|group_quantize_kernel|block_quantize_kernel" \
                --launch-skip 7 --launch-count 7 --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \

@@ -48,3 +48,20 @@ def test_command_buffer_benchmark(tmp_path):
   assert [r["mode"] for r in res["rows"]] == list(command_buffer.MODES)
   assert all(r["bit_identical_to_off"] and r["fp8_step_ms"] > 0 and r["bf16_step_ms"] > 0
              for r in res["rows"])
+
+
+def test_step_profile(tmp_path):
+  """The step profile end to end on the CPU (its threads' times add up by kind), and the self
+  times of nested events."""
+  from benchmarks import step_profile
+  res = step_profile.main(["--quick", "--steps", "2", "--out", str(tmp_path / "sp.json")])
+  assert res["rows"] and json.loads((tmp_path / "sp.json").read_text())["recipe"] == "fp8"
+  for r in res["rows"]:
+    assert abs(sum(r["kinds_us"].values()) - r["us_per_step"]) <= 1e-6 * r["us_per_step"] + 1e-9
+  spans = [("t", 0.0, 10.0, "parent"), ("t", 2.0, 3.0, "a"), ("t", 6.0, 2.0, "b"),
+           ("t", 10.0, 2.0, "next"), ("u", 1.0, 4.0, "other thread")]
+  assert step_profile.self_times(spans) == [("t", "parent", 5.0), ("t", "a", 3.0),
+                                            ("t", "b", 2.0), ("t", "next", 2.0),
+                                            ("u", "other thread", 4.0)]
+  assert step_profile.kind("void jax_fp8::cast_transpose_kernel<...>") == "jax_fp8 quantize"
+  assert step_profile.kind("sm90_xmma_gemm_e4m3e4m3_bf16") == "GEMM"

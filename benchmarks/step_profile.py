@@ -1,0 +1,127 @@
+"""Where a transformer block train step's time goes: the step traced with the JAX profiler,
+the trace's events summed per thread of the device (on a GPU its streams, which carry the
+kernels by name, and XLA's op lines) and per kind of work.
+
+    python -m benchmarks.step_profile [--recipe fp8|fast_all|bf16] [--steps N] [--quick]
+                                      [--out PATH]
+
+Prints, per thread, the time per step and the share of each kind of work (our quantization
+kernels, GEMMs, attention, the rest), then the events that take the most time; writes the
+same as JSON (default ``benchmarks/results/<gpu>-<date>-step-profile-<recipe>.json``). The
+block and its sizes are the suite's ``block train step`` case (``benchmarks.block``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import pathlib
+import re
+import tempfile
+
+import jax
+
+from . import block
+from .run import BLOCK, FAST_ACCUM, QUICK_BLOCK, environment, write_results
+
+import jax_fp8
+
+RECIPES = {"fp8": jax_fp8.DelayedScaling(), "fast_all": FAST_ACCUM["fast_all"], "bf16": None}
+# Kinds of work by event name (kernel names on a GPU stream, op names on XLA's lines); the
+# first match wins, the rest is "other" (XLA's fusions: norms, activations, the optimizer).
+KINDS = (("jax_fp8 quantize", r"jax_fp8|quantize|cast_transpose"),
+         ("GEMM", r"gemm|xmma|nvjet|cutlass|cublas|matmul"),
+         ("attention", r"flash|fmha|attention|cudnn|softmax"),
+         ("memcpy / memset", r"memcpy|memset"))
+
+
+def kind(name: str) -> str:
+  return next((k for k, pattern in KINDS if re.search(pattern, name, re.I)), "other")
+
+
+def trace_events(fn, args, steps: int):
+  """The complete events ("X") of ``steps`` calls of ``fn`` under the profiler: (process,
+  thread, name, self time in us), the self time being the event's duration less that of the
+  events nested in it on its thread, so a thread's times add up to its busy time."""
+  jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
+  with tempfile.TemporaryDirectory() as tmp:
+    with jax.profiler.trace(tmp, create_perfetto_trace=True):
+      for _ in range(steps):
+        jax.block_until_ready(fn(*args))
+    path = next(pathlib.Path(tmp).rglob("perfetto_trace.json.gz"))
+    with gzip.open(path) as f:
+      data = json.load(f)
+  events = data["traceEvents"] if isinstance(data, dict) else data
+  names = {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+      key = e["pid"] if e["name"] == "process_name" else (e["pid"], e["tid"])
+      names[key] = e["args"]["name"]
+  spans = [((names.get(e["pid"], ""), names.get((e["pid"], e["tid"]), "")), float(e["ts"]),
+            float(e.get("dur", 0.0)), e["name"]) for e in events if e.get("ph") == "X"]
+  return [(*key, name, us) for key, name, us in self_times(spans)]
+
+
+def self_times(spans):
+  """[(key, name, self time)] of spans (key, start, duration, name) whose events on one key
+  (thread) nest: each span's duration less the durations of the spans directly inside it."""
+  out, enclosing, last_key = [], [], None  # enclosing: [end, index in out], outermost first
+  for key, ts, dur, name in sorted(spans, key=lambda s: (s[0], s[1], -s[2])):
+    if key != last_key:
+      enclosing, last_key = [], key
+    while enclosing and enclosing[-1][0] <= ts:
+      enclosing.pop()
+    if enclosing:
+      out[enclosing[-1][1]][2] -= dur
+    out.append([key, name, dur])
+    enclosing.append([ts + dur, len(out) - 1])
+  return [tuple(o) for o in out]
+
+
+def summarize(events, steps: int, top: int = 15):
+  """Per thread of the device processes ("/device:...", else the host's XLA threads):
+  microseconds per step, by kind and by event name (the ``top`` largest)."""
+  device = any(p.startswith("/device:") for p, *_ in events)
+  per_thread = collections.defaultdict(collections.Counter)
+  for process, thread, name, us in events:
+    if process.startswith("/device:") if device else thread != "python":
+      per_thread[f"{process} {thread}".strip()][name] += us / steps
+  rows = []
+  for thread, times in sorted(per_thread.items()):
+    kinds = collections.Counter()
+    for name, us in times.items():
+      kinds[kind(name)] += us
+    rows.append({"thread": thread, "us_per_step": sum(times.values()),
+                 "kinds_us": dict(kinds.most_common()),
+                 "top_events_us": dict(times.most_common(top))})
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--recipe", choices=list(RECIPES), default="fp8")
+  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--quick", action="store_true", help="the suite's tiny block (CPU smoke run)")
+  p.add_argument("--out", help="JSON path")
+  args = p.parse_args(argv)
+  blk, params, state, x = block.setup(RECIPES[args.recipe], **(QUICK_BLOCK if args.quick
+                                                                else BLOCK))
+  step = jax.jit(block.train_step_fn(blk))
+  rows = summarize(trace_events(step, (params, state, x), args.steps), args.steps)
+  env = environment()
+  for r in rows:
+    print(f"\n{r['thread']}: {r['us_per_step']:.0f} us per step")
+    for k, us in r["kinds_us"].items():
+      print(f"  {k:<20}{us:>12.0f} us  {us / r['us_per_step']:6.1%}")
+    for name, us in r["top_events_us"].items():
+      print(f"    {us:>10.0f} us  {name[:100]}")
+  results = {"env": env, "recipe": args.recipe, "steps": args.steps, "rows": rows}
+  write_results(results, args.out,
+                f"{env['device'].replace(' ', '_')}-{env['date']}-step-profile-{args.recipe}")
+  return results
+
+
+if __name__ == "__main__":
+  main()
