@@ -1,9 +1,11 @@
-"""Where a transformer block train step's time goes: the step traced with the JAX profiler,
-the trace's events summed per thread of the device (on a GPU its streams, which carry the
-kernels by name, and XLA's op lines) and per kind of work.
+"""Where a transformer block train step's time goes, per device stream and kind of work.
 
-    python -m benchmarks.step_profile [--recipe fp8|fast_all|bf16] [--steps N] [--quick]
-                                      [--out PATH]
+The step is traced with the JAX profiler and the trace's events are summed per thread of the
+device (on a GPU its streams, which carry the kernels by name, and XLA's op lines). On a CPU
+the events are XLA's thunk names (ffi_call.N, fusions), which cannot be sorted by kind.
+
+    python -m benchmarks.step_profile [--recipe fp8|fast_fprop|fast_all|bf16] [--steps N]
+                                      [--quick] [--out PATH]
 
 Prints, per thread, the time per step and the share of each kind of work (our quantization
 kernels, GEMMs, attention, the rest), then the events that take the most time; writes the
@@ -28,7 +30,7 @@ from .run import BLOCK, FAST_ACCUM, QUICK_BLOCK, environment, write_results
 
 import jax_fp8
 
-RECIPES = {"fp8": jax_fp8.DelayedScaling(), "fast_all": FAST_ACCUM["fast_all"], "bf16": None}
+RECIPES = {"fp8": jax_fp8.DelayedScaling(), **FAST_ACCUM, "bf16": None}
 # Kinds of work by event name (kernel names on a GPU stream, op names on XLA's lines); the
 # first match wins, the rest is "other" (XLA's fusions: norms, activations, the optimizer).
 KINDS = (("jax_fp8 quantize", r"jax_fp8|quantize|cast_transpose"),
@@ -101,23 +103,30 @@ def summarize(events, steps: int, top: int = 15):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--recipe", choices=list(RECIPES), default="fp8")
-  p.add_argument("--steps", type=int, default=5)
+  p.add_argument("--recipe", choices=list(RECIPES), default="fp8",
+                 help="fp8: DelayedScaling(); fast_fprop / fast_all: with fast accumulation in "
+                      "the forward GEMM / all three; bf16: flax.linen.Dense (default: fp8)")
+  p.add_argument("--steps", type=int, default=5, help="traced steps, >= 1 (default: 5)")
   p.add_argument("--quick", action="store_true", help="the suite's tiny block (CPU smoke run)")
-  p.add_argument("--out", help="JSON path")
+  p.add_argument("--out", help="JSON path (default: benchmarks/results/<gpu>-<date>-step-"
+                               "profile-<recipe>.json)")
   args = p.parse_args(argv)
-  blk, params, state, x = block.setup(RECIPES[args.recipe], **(QUICK_BLOCK if args.quick
-                                                                else BLOCK))
+  if args.steps < 1:
+    p.error(f"--steps must be >= 1, got {args.steps}")
+  cfg = QUICK_BLOCK if args.quick else BLOCK
+  blk, params, state, x = block.setup(RECIPES[args.recipe], **cfg)
   step = jax.jit(block.train_step_fn(blk))
   rows = summarize(trace_events(step, (params, state, x), args.steps), args.steps)
   env = environment()
+  print(f"{env['device']}  jax {env['jax']}  {env['date']}  recipe {args.recipe}  block {cfg}  "
+        f"{args.steps} steps traced")
   for r in rows:
     print(f"\n{r['thread']}: {r['us_per_step']:.0f} us per step")
     for k, us in r["kinds_us"].items():
       print(f"  {k:<20}{us:>12.0f} us  {us / r['us_per_step']:6.1%}")
     for name, us in r["top_events_us"].items():
       print(f"    {us:>10.0f} us  {name[:100]}")
-  results = {"env": env, "recipe": args.recipe, "steps": args.steps, "rows": rows}
+  results = {"env": env, "recipe": args.recipe, "block": cfg, "steps": args.steps, "rows": rows}
   write_results(results, args.out,
                 f"{env['device'].replace(' ', '_')}-{env['date']}-step-profile-{args.recipe}")
   return results

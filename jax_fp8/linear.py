@@ -41,6 +41,12 @@ class LinearState:
 
   @classmethod
   def create(cls, recipe: DelayedScaling = DelayedScaling()) -> "LinearState":
+    """Fresh rings for x and the kernel (the recipe's forward format) and for the gradient
+    (its backward format). Raises TypeError for a recipe other than DelayedScaling
+    (BlockScaling is stateless: its linear takes no state)."""
+    if not isinstance(recipe, DelayedScaling):
+      raise TypeError(f"LinearState.create takes a DelayedScaling recipe, got "
+                      f"{type(recipe).__name__} (BlockScaling is stateless: pass state=None)")
     return cls(recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.fwd_fmt),
                recipe.ring(recipe.bwd_fmt))
 
@@ -199,6 +205,8 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
       ``BlockScaling`` (stateless; K and N multiples of 128). Either may set
       ``fp8_min_intensity``: a linear below it runs in x's dtype (BF16 GEMMs through XLA),
       its rings untouched, where the FP8 path would be slower (``check_fp8_min_intensity``).
+      ``DelayedScaling.fast_accum`` names the GEMMs (fprop, dgrad, wgrad) that accumulate
+      the fast way.
     amax_axis_name: under ``pmap`` / ``shard_map``, the axis (or axes) whose devices share the
       scales; amaxes are max-reduced over it so all devices hold identical rings. Under a
       type-checked ``shard_map`` it must include every axis x, kernel or bias vary over while

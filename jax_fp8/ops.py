@@ -373,11 +373,13 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     TypeError / ValueError at trace time: wrong dtypes, ranks, K mismatch, K or N not a
     multiple of 16, scales of shapes that match no scale mode, block scales with e5m2 operands,
     fast_accum or an e4m3 output, a bias with f32 output or of the wrong shape or dtype,
-    out_scale missing for an e4m3 output or given for another.
+    out_scale missing for an e4m3 output or given for another, a fast_accum not a bool.
   """
   a, b, a_scale, b_scale, bias, out_dtype, out_scale, mode = _check_gemm(
       a, b, a_scale, b_scale, bias, out_dtype, out_scale)
   fp8_out = out_scale is not None
+  if not isinstance(fast_accum, (bool, np.bool_)):
+    raise TypeError(f"fast_accum must be a bool, got {fast_accum!r}")
   if mode and fast_accum:
     raise ValueError("fast_accum applies to per-tensor scales only: block-scaled GEMMs promote "
                      "to f32 at every 128-element group")

@@ -186,7 +186,8 @@ class DelayedScaling:
       (``gemm``'s ``fast_accum``): faster, less accurate as K grows. () (default): none.
       ("fprop",) is TransformerEngine's default (split accumulators for dgrad and wgrad);
       all three is what XLA's own FP8 dot does at default precision (the pure-JAX FP8 path).
-      Kept in that canonical order, so recipes that name the same GEMMs are equal. On the
+      Stored as a tuple in that canonical order, so recipes that name the same GEMMs are
+      equal (and hashable, as jit's static arguments need). On the
       H200 the benchmark's "gemm" rows give each GEMM's speed and accumulation error with and
       without it; "linear fwd+bwd" and "block train step" time ("fprop",) and all three.
   """
@@ -204,10 +205,10 @@ class DelayedScaling:
     check_ring_params(self.history_len, "e4m3", self.margin, self.algo)
     check_fp8_min_intensity(self)
     v = self.fast_accum
-    if (not isinstance(v, tuple) or not all(g in LINEAR_GEMMS for g in v)
+    if (not isinstance(v, (tuple, list, set, frozenset)) or not all(g in LINEAR_GEMMS for g in v)
         or len(set(v)) != len(v)):
-      raise ValueError(f"DelayedScaling.fast_accum must be a tuple of distinct names from "
-                       f"{LINEAR_GEMMS}, got {v!r}")
+      raise ValueError(f"DelayedScaling.fast_accum must be a tuple (or list or set) of distinct "
+                       f"names from {LINEAR_GEMMS}, got {v!r}")
     object.__setattr__(self, "fast_accum", tuple(g for g in LINEAR_GEMMS if g in v))
 
   @property

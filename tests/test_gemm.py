@@ -164,6 +164,8 @@ def test_bad_inputs():
     jax_fp8.gemm(a128, b128, jnp.ones((32, 2)), one)
   with pytest.raises(TypeError, match="block-scaled GEMMs take e4m3 operands"):
     jax_fp8.gemm(a128, b128.astype(jnp.float8_e5m2), jnp.ones((32, 2)), jnp.ones((1, 2)))
+  with pytest.raises(TypeError, match="fast_accum must be a bool"):
+    jax_fp8.gemm(e4, e4, one, one, fast_accum=("fprop",))
   with pytest.raises(ValueError, match="fast_accum applies to per-tensor scales only"):
     jax_fp8.gemm(a128, b128, jnp.ones((32, 2)), jnp.ones((1, 2)), fast_accum=True)
   with pytest.raises(TypeError, match="a_scale must be float32, got int32"):

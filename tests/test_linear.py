@@ -184,6 +184,8 @@ def test_bad_inputs(rng):
     jax_fp8.linear(x, w, b, state={})
   with pytest.raises(ValueError, match="do not match the recipe"):
     jax_fp8.linear(x, w, b, state=s, recipe=jax_fp8.DelayedScaling(fmt="e4m3"))
+  with pytest.raises(TypeError, match="LinearState.create takes a DelayedScaling"):
+    jax_fp8.LinearState.create(jax_fp8.BlockScaling())
 
 
 @pytest.mark.parametrize("fast", [(), ("fprop",), ("dgrad", "wgrad"), LINEAR_GEMMS],
@@ -220,12 +222,14 @@ def test_fast_accum_linear(platform, rng):
 
 
 def test_fast_accum_rejects_and_orders():
-  for bad in (["fprop"], ("fprop", "fprop"), ("forward",), "fprop", (["fprop"],)):
+  for bad in (("fprop", "fprop"), ("forward",), "fprop", (["fprop"],), None):
     with pytest.raises(ValueError, match="DelayedScaling.fast_accum must be a tuple"):
       jax_fp8.DelayedScaling(fast_accum=bad)
   recipe = jax_fp8.DelayedScaling(fast_accum=("wgrad", "fprop"))
   assert recipe.fast_accum == ("fprop", "wgrad")
-  assert recipe == jax_fp8.DelayedScaling(fast_accum=("fprop", "wgrad"))
+  for same in (("fprop", "wgrad"), ["wgrad", "fprop"], {"fprop", "wgrad"}):
+    assert jax_fp8.DelayedScaling(fast_accum=same) == recipe
+  assert hash(jax_fp8.DelayedScaling(fast_accum=[])) == hash(jax_fp8.DelayedScaling())
 
 
 @pytest.mark.parametrize("recipe_cls", [jax_fp8.DelayedScaling, jax_fp8.BlockScaling])
