@@ -21,6 +21,7 @@ import numpy as np
 
 import jax_fp8
 from jax_fp8 import reference
+from jax_fp8.scaling import LINEAR_GEMMS
 
 from . import block, block_scaled, peers
 from .timing import device_time, loop_overhead
@@ -43,7 +44,7 @@ AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=900.0)
 # Fast accumulation in the forward GEMM only (TransformerEngine's default), and in all three
 # (what XLA's FP8 dot, and so the pure-JAX FP8 path, does at default precision).
 FAST_ACCUM = {"fast_fprop": jax_fp8.DelayedScaling(fast_accum=("fprop",)),
-              "fast_all": jax_fp8.DelayedScaling(fast_accum=("fprop", "dgrad", "wgrad"))}
+              "fast_all": jax_fp8.DelayedScaling(fast_accum=LINEAR_GEMMS)}
 GROUPS = ["per_tensor", "block_step", "block_scaling", "crossover"]  # --only, in run order
 QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
 

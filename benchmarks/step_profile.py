@@ -25,10 +25,10 @@ import tempfile
 
 import jax
 
+import jax_fp8
+
 from . import block
 from .run import BLOCK, FAST_ACCUM, QUICK_BLOCK, environment, write_results
-
-import jax_fp8
 
 RECIPES = {"fp8": jax_fp8.DelayedScaling(), **FAST_ACCUM, "bf16": None}
 # Kinds of work by event name (kernel names on a GPU stream, op names on XLA's lines); the

@@ -48,7 +48,8 @@ def _loop_time(fn, args, calls, iters, repeats, min_seconds):
 
   jax.block_until_ready(loop(args, iters))  # compile and warm up
   n = int(min(100_000, max(iters, np.ceil(min_seconds / run(iters)))))
-  jax.block_until_ready(loop(args, n))  # compile (once more, unless n == iters)
+  if n != iters:
+    jax.block_until_ready(loop(args, n))  # compile for n iterations
   return float(np.median([run(n) for _ in range(repeats)]))
 
 

@@ -187,9 +187,9 @@ class DelayedScaling:
       ("fprop",) is TransformerEngine's default (split accumulators for dgrad and wgrad);
       all three is what XLA's own FP8 dot does at default precision (the pure-JAX FP8 path).
       Stored as a tuple in that canonical order, so recipes that name the same GEMMs are
-      equal (and hashable, as jit's static arguments need). On the
-      H200 the benchmark's "gemm" rows give each GEMM's speed and accumulation error with and
-      without it; "linear fwd+bwd" and "block train step" time ("fprop",) and all three.
+      equal (and hashable, as jit's static arguments need). On the H200 the benchmark's
+      "gemm" rows give each GEMM's speed and accumulation error with and without it;
+      "linear fwd+bwd" and "block train step" time ("fprop",) and all three.
   """
 
   fmt: Literal["hybrid", "e4m3"] = "hybrid"
