@@ -45,7 +45,7 @@ AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=900.0)
 # (what XLA's FP8 dot, and so the pure-JAX FP8 path, does at default precision).
 FAST_ACCUM = {"fast_fprop": jax_fp8.DelayedScaling(fast_accum=("fprop",)),
               "fast_all": jax_fp8.DelayedScaling(fast_accum=LINEAR_GEMMS)}
-GROUPS = ["per_tensor", "block_step", "block_scaling", "crossover"]  # --only, in run order
+GROUPS = ["quantize", "gemm", "linear", "block_step", "block_scaling", "crossover"]  # --only
 QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
 
 
@@ -298,8 +298,9 @@ def main(argv=None):
   ceil = ceilings(args.quick)
   q = args.quick
   groups = {
-      "per_tensor": lambda: (bench_quantize(q, ceil) + bench_gemm(q, ceil) +
-                             bench_linear(q, ceil) + bench_memory(q)),
+      "quantize": lambda: bench_quantize(q, ceil),
+      "gemm": lambda: bench_gemm(q, ceil),
+      "linear": lambda: bench_linear(q, ceil) + bench_memory(q),
       "block_step": lambda: bench_block(q, ceil),
       "block_scaling": lambda: (
           block_scaled.bench_quantizers([(512, 512)] if q else QUANT_SHAPES, rand, ceil) +

@@ -1,5 +1,6 @@
 """cast_transpose_delayed: both layouts, amax and ring bit-identical to the reference; dbias
-within f32 summation-order tolerance."""
+within f32 summation-order tolerance of it, and bit-identical between the CUDA kernel and the
+CPU handler (one summation order)."""
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +31,7 @@ def test_matches_reference(platform, rng, fmt, dtype, shape, with_dbias):
       x.flat[rng.integers(x.size)] = 6e4  # saturates e4m3 (and stays finite in float16)
     x = jnp.asarray(x).astype(dtype)
     poison_allocator(x.size)
+    cpu_db = on_cpu(lambda x, r: step(x, r, with_dbias=with_dbias)[4], x, ring)
     q, qt, a, ring, db = step(x, ring, with_dbias=with_dbias)
     rq, rqt, ra, ref_ring, rdb = on_cpu(
         lambda x, r: reference.cast_transpose_delayed(x, r, with_dbias=with_dbias), x, ref_ring)
@@ -42,6 +44,8 @@ def test_matches_reference(platform, rng, fmt, dtype, shape, with_dbias):
     if with_dbias:
       absum = np.abs(np.asarray(x, np.float32)).sum(axis=0)
       assert np.all(np.abs(np.asarray(db) - rdb) <= 1e-6 * absum + 1e-30)
+      if shape[0] <= 64:  # one row of tiles: no XLA sum of the partials, whose order may differ
+        np.testing.assert_array_equal(np.asarray(db), cpu_db)  # one summation order on both
     else:
       assert db is None
 

@@ -44,13 +44,17 @@ ffi::Error CastTransposeRingImpl(
       qtp[c * rows16 + r] = b;
     }
   }
-  if (with_dbias) {  // the kernel's order: per 64-row tile, rows in order
+  if (with_dbias) {  // the kernel's order: per 64-row tile, 8 pairwise trees of 8 rows
     float* dp = dbias_partial->typed_data();
     for (int64_t t = 0; t < tiles; ++t) {
       for (int64_t c = 0; c < cols; ++c) {
         float sum = 0.0f;
-        for (int64_t r = t * kDbiasTile; r < std::min(rows, (t + 1) * kDbiasTile); ++r)
-          sum += load_f32(x.untyped_data(), x.element_type(), r * cols + c);
+        for (int64_t r8 = t * kDbiasTile; r8 < (t + 1) * kDbiasTile; r8 += 8) {
+          float v[8];  // rows past x are zeros, as the kernel loads them
+          for (int i = 0; i < 8; ++i)
+            v[i] = r8 + i < rows ? load_f32(x.untyped_data(), x.element_type(), (r8 + i) * cols + c) : 0.0f;
+          sum += ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+        }
         dp[t * cols + c] = sum;
       }
     }

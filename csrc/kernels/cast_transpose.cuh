@@ -12,6 +12,7 @@ namespace jax_fp8 {
 constexpr int kTile = 64;          // a block handles a 64 x 64 tile
 constexpr int kTileThreads = 256;  // 4 threads a row, 16 elements each
 static_assert(kTileThreads == kQuantizeThreads, "block_max assumes kQuantizeThreads");
+static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a row");
 
 // A persistent grid: each block walks tiles t = blockIdx.x, + gridDim.x, ... (row-major over
 // the [ceil(R/64), ceil(C/64)] tiles), keeping its amax in registers, so the amax atomics and
@@ -20,8 +21,10 @@ static_assert(kTileThreads == kQuantizeThreads, "block_max assumes kQuantizeThre
 // shared-memory stage and the stores (before this, ncu measured the one-wave grid at 61% of
 // DRAM bandwidth and 92% occupancy on the H200).
 //
-// dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile (summed by the caller:
-// a fixed order inside the tile, so the kernel is deterministic).
+// dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile, summed by the caller.
+// Inside a tile the order is fixed, so the kernel is deterministic: a warp holds 8 rows and
+// sums them pairwise by shuffles ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the
+// 8 warps' sums are added in warp order onto 0 (the CPU handler follows the same order).
 template <typename T, bool kRing, bool kDbias>
 __global__ void __launch_bounds__(kTileThreads)
     cast_transpose_kernel(const T* x, int64_t rows, int64_t cols, int64_t rows16,
@@ -29,7 +32,8 @@ __global__ void __launch_bounds__(kTileThreads)
                           uint8_t* __restrict__ qt, float* amax_out, float* dbias_partial,
                           QuantizeScratch* scratch, RingArgs ring) {
   __shared__ __align__(16) uint8_t tile_q[kTile][kTile + 4];
-  __shared__ float tile_x[kDbias ? kTile : 1][kDbias ? kTile + 1 : 1];
+  constexpr int kWarps = kTileThreads / 32;
+  __shared__ float warp_sums[kDbias ? kWarps : 1][kDbias ? kTile : 1];
   pdl_wait();
   float scale = *scale_in;
   if constexpr (kRing) {
@@ -65,7 +69,17 @@ __global__ void __launch_bounds__(kTileThreads)
     for (int k = 0; k < kElemsPerThread; ++k) {
       m = max(m, abs_bits(f[k]));
       out[k] = in ? float_to_fp8(f[k] * inv, fmt) : uint8_t(0);
-      if constexpr (kDbias) tile_x[tr][tc + k] = f[k];
+    }
+    if constexpr (kDbias) {  // lanes 4 apart hold the same columns of the warp's next row
+#pragma unroll
+      for (int lanes = 4; lanes < 32; lanes *= 2) {
+#pragma unroll
+        for (int k = 0; k < kElemsPerThread; ++k) f[k] += __shfl_xor_sync(~0u, f[k], lanes);
+      }
+      if (threadIdx.x % 32 < 4) {
+#pragma unroll
+        for (int k = 0; k < kElemsPerThread; ++k) warp_sums[threadIdx.x / 32][tc + k] = f[k];
+      }
     }
     const uint4 packed = *reinterpret_cast<const uint4*>(out);
     if (in) *reinterpret_cast<uint4*>(q + r * cols + c) = packed;
@@ -85,11 +99,12 @@ __global__ void __launch_bounds__(kTileThreads)
     if constexpr (kDbias) {
       if (threadIdx.x < kTile && c0 + threadIdx.x < cols && r0 < rows) {
         float sum = 0.0f;
-        for (int i = 0; i < kTile; ++i) sum += tile_x[i][threadIdx.x];  // fixed order
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) sum += warp_sums[w][threadIdx.x];
         dbias_partial[r0 / kTile * cols + c0 + threadIdx.x] = sum;
       }
     }
-    __syncthreads();  // the next tile reuses tile_q and tile_x
+    __syncthreads();  // the next tile reuses tile_q and warp_sums
   }
 
   m = block_max(m);
