@@ -7,8 +7,9 @@ the events are XLA's thunk names (ffi_call.N, fusions), which cannot be sorted b
     python -m benchmarks.step_profile [--recipe fp8|fast_fprop|fast_all|bf16] [--steps N]
                                       [--quick] [--out PATH]
 
-Prints, per thread, the time per step and the share of each kind of work (our quantization
-kernels, GEMMs, attention, the rest), then the events that take the most time; writes the
+Prints, per thread, the busy time per step and the share of each kind of work (our
+quantization kernels, GEMMs, attention, the rest), its idle time inside the steps (a device
+stream waiting for the host), then the events that take the most time; writes the
 same as JSON (default ``benchmarks/results/<gpu>-<date>-step-profile-<recipe>.json``). The
 block and its sizes are the suite's ``block train step`` case (``benchmarks.block``).
 """
@@ -44,9 +45,8 @@ def kind(name: str) -> str:
 
 
 def trace_events(fn, args, steps: int):
-  """The complete events ("X") of ``steps`` calls of ``fn`` under the profiler: (process,
-  thread, name, self time in us), the self time being the event's duration less that of the
-  events nested in it on its thread, so a thread's times add up to its busy time."""
+  """The complete events ("X") of ``steps`` calls of ``fn`` under the profiler, as spans
+  ((process, thread), start, duration, name), times in us."""
   jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
   with tempfile.TemporaryDirectory() as tmp:
     with jax.profiler.trace(tmp, create_perfetto_trace=True):
@@ -61,9 +61,8 @@ def trace_events(fn, args, steps: int):
     if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
       key = e["pid"] if e["name"] == "process_name" else (e["pid"], e["tid"])
       names[key] = e["args"]["name"]
-  spans = [((names.get(e["pid"], ""), names.get((e["pid"], e["tid"]), "")), float(e["ts"]),
-            float(e.get("dur", 0.0)), e["name"]) for e in events if e.get("ph") == "X"]
-  return [(*key, name, us) for key, name, us in self_times(spans)]
+  return [((names.get(e["pid"], ""), names.get((e["pid"], e["tid"]), "")), float(e["ts"]),
+           float(e.get("dur", 0.0)), e["name"]) for e in events if e.get("ph") == "X"]
 
 
 def self_times(spans):
@@ -82,20 +81,34 @@ def self_times(spans):
   return [tuple(o) for o in out]
 
 
-def summarize(events, steps: int, top: int = 15):
+def idle_us(spans, steps: int) -> float:
+  """Microseconds per step that one thread's ``spans`` (key, start, duration, name) leave idle
+  between its first and last event, less the ``steps - 1`` longest gaps (the host's round
+  trips between the traced steps, each of which waits for the last)."""
+  gaps, end = [], None
+  for _, ts, dur, _ in sorted(spans, key=lambda s: s[1]):
+    if end is not None and ts > end:
+      gaps.append(ts - end)
+    end = ts + dur if end is None else max(end, ts + dur)
+  return sum(sorted(gaps)[:max(0, len(gaps) - (steps - 1))]) / steps
+
+
+def summarize(spans, steps: int, top: int = 15):
   """Per thread of the device processes ("/device:...", else the host's XLA threads):
-  microseconds per step, by kind and by event name (the ``top`` largest)."""
-  device = any(p.startswith("/device:") for p, *_ in events)
+  microseconds per step busy, by kind and by event name (the ``top`` largest; self times, so
+  they add up to the busy time), and idle inside the steps."""
+  device = any(key[0].startswith("/device:") for key, *_ in spans)
+  keep = [s for s in spans if (s[0][0].startswith("/device:") if device else s[0][1] != "python")]
   per_thread = collections.defaultdict(collections.Counter)
-  for process, thread, name, us in events:
-    if process.startswith("/device:") if device else thread != "python":
-      per_thread[f"{process} {thread}".strip()][name] += us / steps
+  for key, name, us in self_times(keep):
+    per_thread[key][name] += us / steps
   rows = []
-  for thread, times in sorted(per_thread.items()):
+  for key, times in sorted(per_thread.items()):
     kinds = collections.Counter()
     for name, us in times.items():
       kinds[kind(name)] += us
-    rows.append({"thread": thread, "us_per_step": sum(times.values()),
+    rows.append({"thread": " ".join(key).strip(), "us_per_step": sum(times.values()),
+                 "idle_us_per_step": idle_us([s for s in keep if s[0] == key], steps),
                  "kinds_us": dict(kinds.most_common()),
                  "top_events_us": dict(times.most_common(top))})
   return rows
@@ -121,7 +134,8 @@ def main(argv=None):
   print(f"{env['device']}  jax {env['jax']}  {env['date']}  recipe {args.recipe}  block {cfg}  "
         f"{args.steps} steps traced")
   for r in rows:
-    print(f"\n{r['thread']}: {r['us_per_step']:.0f} us per step")
+    print(f"\n{r['thread']}: {r['us_per_step']:.0f} us per step busy, "
+          f"{r['idle_us_per_step']:.0f} us idle between its events")
     for k, us in r["kinds_us"].items():
       print(f"  {k:<20}{us:>12.0f} us  {us / r['us_per_step']:6.1%}")
     for name, us in r["top_events_us"].items():

@@ -6,7 +6,9 @@
 # (default: tests bench demo; step-profile traces the block train step with the JAX profiler;
 # profile runs Nsight Compute over our kernels). Optional
 # environment: TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case
-# groups, see python -m benchmarks.run --help).
+# groups, see python -m benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes,
+# default "fp8 fast_all bf16"). The device tool brings back at most 8 files of $OUT: one log
+# per step, the step profiles' logs in one.
 set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
@@ -47,10 +49,11 @@ for s in $steps; do
              > "$OUT/demo-block.log" 2>&1
            echo "demo-block exit $?"; tail -15 "$OUT/demo-block.log" ;;
     # Where the transformer block train step's time goes, per stream and kind of work.
-    step-profile) for r in fp8 fast_all bf16; do
+    step-profile) for r in ${PROFILE_RECIPES:-fp8 fast_all bf16}; do
              python3 -m benchmarks.step_profile --recipe $r --out "$OUT/step-profile-$r.json" \
-               > "$OUT/step-profile-$r.log" 2>&1
-             echo "step-profile $r exit $?"; grep -A6 "per step" "$OUT/step-profile-$r.log" | head -24
+               > "$OUT/step-profile-$r.txt" 2>&1
+             echo "step-profile $r exit $?"; grep -A6 "per step" "$OUT/step-profile-$r.txt" | head -24
+             cat "$OUT/step-profile-$r.txt" >> "$OUT/step-profile.log"; rm "$OUT/step-profile-$r.txt"
            done ;;
     profile) ncu --clock-control none --kernel-name regex:"quantize_kernel|cast_transpose_kernel|group_quantize_kernel|block_quantize_kernel" \
                --launch-skip 7 --launch-count 7 --section SpeedOfLight \

@@ -63,5 +63,12 @@ def test_step_profile(tmp_path):
   assert step_profile.self_times(spans) == [("t", "parent", 5.0), ("t", "a", 3.0),
                                             ("t", "b", 2.0), ("t", "next", 2.0),
                                             ("u", "other thread", 4.0)]
+  # Two steps: the longest gap (15) is the host's round trip between them, nested and
+  # overlapping events leave no gap.
+  spans = [("t", 0.0, 10.0, "a"), ("t", 1.0, 2.0, "nested"), ("t", 12.0, 3.0, "b"),
+           ("t", 30.0, 1.0, "c"), ("t", 30.5, 1.5, "overlapping"), ("t", 34.0, 1.0, "d")]
+  assert step_profile.idle_us(spans, steps=2) == (2.0 + 2.0) / 2
+  assert step_profile.idle_us(spans, steps=1) == 2.0 + 15.0 + 2.0
+  assert all(r["idle_us_per_step"] >= 0 for r in res["rows"])
   assert step_profile.kind("void jax_fp8::cast_transpose_kernel<...>") == "jax_fp8 quantize"
   assert step_profile.kind("sm90_xmma_gemm_e4m3e4m3_bf16") == "GEMM"

@@ -23,17 +23,19 @@ static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a
 //
 // dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile, summed by the caller.
 // Inside a tile the order is fixed, so the kernel is deterministic: a warp holds 8 rows and
-// sums them pairwise by shuffles ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the
+// sums them pairwise by shuffles, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the
 // 8 warps' sums are added in warp order onto 0 (the CPU handler follows the same order).
+// 16-bit inputs are held to 40 registers a thread, 6 blocks an SM (the dbias sums took 48
+// without the bound, 5 blocks; with it ptxas spills nothing); f32 inputs would spill.
 template <typename T, bool kRing, bool kDbias>
-__global__ void __launch_bounds__(kTileThreads)
+__global__ void __launch_bounds__(kTileThreads, sizeof(T) == 2 ? 6 : 1)
     cast_transpose_kernel(const T* x, int64_t rows, int64_t cols, int64_t rows16,
                           const float* scale_in, Fp8Format fmt, uint8_t* __restrict__ q,
                           uint8_t* __restrict__ qt, float* amax_out, float* dbias_partial,
                           QuantizeScratch* scratch, RingArgs ring) {
   __shared__ __align__(16) uint8_t tile_q[kTile][kTile + 4];
   constexpr int kWarps = kTileThreads / 32;
-  __shared__ float warp_sums[kDbias ? kWarps : 1][kDbias ? kTile : 1];
+  __shared__ __align__(8) float warp_sums[kDbias ? kWarps : 1][kDbias ? kTile : 1];
   pdl_wait();
   float scale = *scale_in;
   if constexpr (kRing) {
@@ -70,16 +72,25 @@ __global__ void __launch_bounds__(kTileThreads)
       m = max(m, abs_bits(f[k]));
       out[k] = in ? float_to_fp8(f[k] * inv, fmt) : uint8_t(0);
     }
-    if constexpr (kDbias) {  // lanes 4 apart hold the same columns of the warp's next row
+    if constexpr (kDbias) {
+      // A reduce-scatter over the 8 lanes of a column group (lanes 4, 8, 16 apart hold the
+      // same columns of other rows): at each step a lane keeps half of its columns, sends the
+      // other half to its partner and adds the partner's half, so 8 + 4 + 2 shuffles leave it
+      // 2 columns summed over the warp's 8 rows (all 16 columns to every lane took 48).
+      int col = tc;
 #pragma unroll
-      for (int lanes = 4; lanes < 32; lanes *= 2) {
+      for (int step = 0; step < 3; ++step) {
+        const int lanes = 4 << step, half = kElemsPerThread / 2 >> step;
+        const bool upper = threadIdx.x & lanes;
 #pragma unroll
-        for (int k = 0; k < kElemsPerThread; ++k) f[k] += __shfl_xor_sync(~0u, f[k], lanes);
+        for (int k = 0; k < kElemsPerThread / 2; ++k) {  // constant bounds: f stays in registers
+          if (k >= half) break;
+          const float lo = f[k], hi = f[k + half];
+          f[k] = (upper ? hi : lo) + __shfl_xor_sync(~0u, upper ? lo : hi, lanes);
+        }
+        col += upper ? half : 0;
       }
-      if (threadIdx.x % 32 < 4) {
-#pragma unroll
-        for (int k = 0; k < kElemsPerThread; ++k) warp_sums[threadIdx.x / 32][tc + k] = f[k];
-      }
+      *reinterpret_cast<float2*>(&warp_sums[threadIdx.x / 32][col]) = make_float2(f[0], f[1]);
     }
     const uint4 packed = *reinterpret_cast<const uint4*>(out);
     if (in) *reinterpret_cast<uint4*>(q + r * cols + c) = packed;
