@@ -66,13 +66,15 @@ def trace_events(fn, args, steps: int):
 
 
 def self_times(spans):
-  """[(key, name, self time)] of spans (key, start, duration, name) whose events on one key
-  (thread) nest: each span's duration less the durations of the spans directly inside it."""
+  """[(key, name, self time)] of spans (key, start, duration, name) on threads (keys): each
+  span's duration less the durations of the spans directly inside it. A span that starts
+  inside another but ends after it (a kernel launched early by programmatic dependent launch,
+  as cuBLAS's are) is not inside it: both keep their whole durations."""
   out, enclosing, last_key = [], [], None  # enclosing: [end, index in out], outermost first
   for key, ts, dur, name in sorted(spans, key=lambda s: (s[0], s[1], -s[2])):
     if key != last_key:
       enclosing, last_key = [], key
-    while enclosing and enclosing[-1][0] <= ts:
+    while enclosing and (enclosing[-1][0] <= ts or enclosing[-1][0] < ts + dur):
       enclosing.pop()
     if enclosing:
       out[enclosing[-1][1]][2] -= dur

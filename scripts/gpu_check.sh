@@ -4,10 +4,10 @@
 #   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [graphs] [demo] [demo-block] [dp]
 #     [step-profile] [profile]
 # (default: tests bench demo; step-profile traces the block train step with the JAX profiler;
-# profile runs Nsight Compute over our kernels). Optional
-# environment: TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case
+# profile runs Nsight Compute over our kernels). Optional environment: TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case
 # groups, see python -m benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes,
-# default "fp8 fast_all bf16"). The device tool brings back at most 8 files of $OUT: one log
+# default "fp8 fast_all bf16"), NCU_KERNELS / NCU_SKIP / NCU_COUNT (profile's kernel-name
+# regex, launches skipped and profiled). The device tool brings back at most 8 files of $OUT: one log
 # per step, the step profiles' logs in one.
 set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
@@ -20,6 +20,12 @@ steps=${*:-tests bench demo}
   python3 -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
 } > "$OUT/env.log" 2>&1
 export JAX_FP8_CUDA_ARCHS=${JAX_FP8_CUDA_ARCHS:-90a-real}
+# SM clock, power and temperature every half second while the steps run (sustained GEMM
+# loads may run below the boost clock).
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
+  > "$OUT/clocks.csv" 2>&1 &
+sampler=$!
+trap 'kill $sampler 2>/dev/null' EXIT
 t0=$(date +%s)
 python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
@@ -55,9 +61,11 @@ for s in $steps; do
              echo "step-profile $r exit $?"; grep -A6 "per step" "$OUT/step-profile-$r.txt" | head -24
              cat "$OUT/step-profile-$r.txt" >> "$OUT/step-profile.log"; rm "$OUT/step-profile-$r.txt"
            done ;;
-    profile) ncu --clock-control none --kernel-name regex:"quantize_kernel|cast_transpose_kernel|group_quantize_kernel|block_quantize_kernel" \
-               --launch-skip 7 --launch-count 7 --section SpeedOfLight \
+    profile) ncu --clock-control none \
+               --kernel-name regex:"${NCU_KERNELS:-quantize_kernel|cast_transpose_kernel|group_quantize_kernel|block_quantize_kernel}" \
+               --launch-skip ${NCU_SKIP:-7} --launch-count ${NCU_COUNT:-7} --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+               --section WarpStateStats --section SchedulerStats \
                python3 scripts/profile_kernels.py > "$OUT/profile.log" 2>&1
            grep -E "==PROF==|Kernel|Throughput|Duration|Occupancy" "$OUT/profile.log" | head -60 ;;
   esac

@@ -59,9 +59,11 @@ def test_step_profile(tmp_path):
   for r in res["rows"]:
     assert abs(sum(r["kinds_us"].values()) - r["us_per_step"]) <= 1e-6 * r["us_per_step"] + 1e-9
   spans = [("t", 0.0, 10.0, "parent"), ("t", 2.0, 3.0, "a"), ("t", 6.0, 2.0, "b"),
-           ("t", 10.0, 2.0, "next"), ("u", 1.0, 4.0, "other thread")]
+           ("t", 10.0, 2.0, "next"), ("t", 11.0, 3.0, "overlaps next"),
+           ("u", 1.0, 4.0, "other thread")]
   assert step_profile.self_times(spans) == [("t", "parent", 5.0), ("t", "a", 3.0),
                                             ("t", "b", 2.0), ("t", "next", 2.0),
+                                            ("t", "overlaps next", 3.0),
                                             ("u", "other thread", 4.0)]
   # Two steps: the longest gap (15) is the host's round trip between them, nested and
   # overlapping events leave no gap.
