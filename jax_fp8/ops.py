@@ -204,17 +204,17 @@ def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = 
   def impl(x, hist, scale, steps):
     rows, cols = x.shape
     partial_rows = -(-rows // 64) if with_dbias else 0  # 64-row tiles of the kernel
-    q, qt, amax, hist, scale, steps, dbias_partial, _ = jax.ffi.ffi_call(
+    q, qt, amax, hist, scale, steps, _, dbias, _ = jax.ffi.ffi_call(
         "jax_fp8_cast_transpose_ring",
         (jax.ShapeDtypeStruct(x.shape, qdt), jax.ShapeDtypeStruct((cols, -(-rows // 16) * 16), qdt),
          f32(()), f32(hist.shape), f32(()), f32(()),
-         f32((partial_rows, cols if with_dbias else 0)), _SCRATCH),
+         f32((partial_rows, cols if with_dbias else 0)), f32((cols if with_dbias else 0,)),
+         _SCRATCH),
         input_output_aliases={1: 3, 2: 4, 3: 5},
         vmap_method="sequential",
     )(x, hist, scale, steps, margin=np.int64(ring.margin), algo=np.int64(_ALGO_ID[ring.algo]),
       with_dbias=bool(with_dbias))
-    return (q, qt, amax, hist, scale, steps) + ((jnp.sum(dbias_partial, axis=0),)
-                                                if with_dbias else ())
+    return (q, qt, amax, hist, scale, steps) + ((dbias,) if with_dbias else ())
 
   def plan(mesh, shapes):
     # Rows split in multiples of 16 (qt's padding is then the global one), columns in

@@ -4,11 +4,12 @@
 #   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [graphs] [demo] [demo-block] [dp]
 #     [step-profile] [profile]
 # (default: tests bench demo; step-profile traces the block train step with the JAX profiler;
-# profile runs Nsight Compute over our kernels). Optional environment: TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case
-# groups, see python -m benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes,
-# default "fp8 fast_all bf16"), NCU_KERNELS / NCU_SKIP / NCU_COUNT (profile's kernel-name
-# regex, launches skipped and profiled). The device tool brings back at most 8 files of $OUT: one log
-# per step, the step profiles' logs in one.
+# profile runs Nsight Compute over our kernels). Optional environment: TESTS_K (pytest -k
+# expression, default "not cpu"), BENCH_ONLY (benchmark case groups, see python -m
+# benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes, default "fp8 fast_all
+# bf16"), NCU_KERNELS / NCU_SKIP / NCU_COUNT (profile's kernel-name regex, matching launches
+# skipped and profiled). The device tool brings back at most 8 files of $OUT: one log per
+# step, the step profiles' logs in one.
 set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
@@ -61,7 +62,8 @@ for s in $steps; do
              echo "step-profile $r exit $?"; grep -A6 "per step" "$OUT/step-profile-$r.txt" | head -24
              cat "$OUT/step-profile-$r.txt" >> "$OUT/step-profile.log"; rm "$OUT/step-profile-$r.txt"
            done ;;
-    profile) ncu --clock-control none \
+    # No preallocation: ncu's kernel replay saves and restores all device memory JAX holds.
+    profile) XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none \
                --kernel-name regex:"${NCU_KERNELS:-quantize_kernel|cast_transpose_kernel|group_quantize_kernel|block_quantize_kernel}" \
                --launch-skip ${NCU_SKIP:-7} --launch-count ${NCU_COUNT:-7} --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \

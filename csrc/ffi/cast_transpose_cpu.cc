@@ -13,8 +13,8 @@ ffi::Error CastTransposeRingImpl(
     ffi::Buffer<ffi::F32> steps, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
     ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::F32>> history_out,
     ffi::Result<ffi::Buffer<ffi::F32>> scale_out, ffi::Result<ffi::Buffer<ffi::F32>> steps_out,
-    ffi::Result<ffi::Buffer<ffi::F32>> dbias_partial, ffi::Result<ffi::AnyBuffer>, int64_t margin,
-    int64_t algo, bool with_dbias) {
+    ffi::Result<ffi::Buffer<ffi::F32>> dbias_partial, ffi::Result<ffi::Buffer<ffi::F32>> dbias,
+    ffi::Result<ffi::AnyBuffer>, int64_t margin, int64_t algo, bool with_dbias) {
   if (!supported_input(x.element_type())) return invalid("x must be float32, bfloat16 or float16");
   if (x.dimensions().size() != 2) return invalid("x must be 2-D");
   const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1], rows16 = (rows + 15) / 16 * 16;
@@ -24,8 +24,9 @@ ffi::Error CastTransposeRingImpl(
   if (q->element_count() != size_t(rows * cols) || qt->element_count() != size_t(cols * rows16))
     return invalid("q must be [R, C] and qt [C, ceil16(R)]");
   const int64_t tiles = (rows + kDbiasTile - 1) / kDbiasTile;
-  if (with_dbias && dbias_partial->element_count() != size_t(tiles * cols))
-    return invalid("dbias_partial must be [ceil(R / 64), C]");
+  if (with_dbias && (dbias_partial->element_count() != size_t(tiles * cols) ||
+                     dbias->element_count() != size_t(cols)))
+    return invalid("dbias_partial must be [ceil(R / 64), C] and dbias [C]");
   const size_t len = history.element_count();
   if (auto e = check_ring_attrs(algo, len, kMaxHistory); e.failure()) return e;
 
@@ -58,6 +59,14 @@ ffi::Error CastTransposeRingImpl(
         dp[t * cols + c] = sum;
       }
     }
+    for (int64_t c = 0; c < cols; ++c) {  // dbias_reduce_kernel's order: 8 slices of the tiles
+      float s[8];
+      for (int w = 0; w < 8; ++w) {
+        s[w] = 0.0f;
+        for (int64_t t = w; t < tiles; t += 8) s[w] += dp[t * cols + c];
+      }
+      dbias->typed_data()[c] = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    }
   }
   amax->typed_data()[0] = a;
   write_next_ring(a, history, scale, steps, history_out, scale_out, steps_out, fmt, margin, algo);
@@ -79,6 +88,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CastTransposeRingCpuHandler, CastTransposeRingImpl
                                   .Ret<ffi::Buffer<ffi::F32>>()   // scale' (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // steps' (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>()   // dbias_partial [R/64, C]
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // dbias [C]
                                   .Ret<ffi::AnyBuffer>()          // scratch (used on CUDA only)
                                   .Attr<int64_t>("margin")
                                   .Attr<int64_t>("algo")

@@ -14,7 +14,7 @@ struct CastTransposeArgs {
   const float* scale;
   Fp8Format fmt;
   uint8_t *q, *qt;
-  float *amax, *dbias_partial;
+  float *amax, *dbias_partial, *dbias;
   QuantizeScratch* scratch;
   RingArgs ring;
 };
@@ -37,6 +37,11 @@ ffi::Error Launch(cudaStream_t stream, const CastTransposeArgs& a) {
   launch_pdl(cast_transpose_kernel<T, true, kDbias>, grid_size(tiles, 1, per_sm), kTileThreads, stream,
              static_cast<const T*>(a.x), a.rows, a.cols, a.rows16, a.scale, a.fmt, a.q, a.qt,
              a.amax, a.dbias_partial, a.scratch, a.ring);
+  if constexpr (kDbias) {
+    const int64_t row_tiles = (a.rows + kTile - 1) / kTile;
+    launch_pdl(dbias_reduce_kernel, int((a.cols + kDbiasCols - 1) / kDbiasCols), kTileThreads,
+               stream, static_cast<const float*>(a.dbias_partial), row_tiles, a.cols, a.dbias);
+  }
   return last_error();
 }
 
@@ -55,8 +60,8 @@ ffi::Error CastTransposeRingImpl(
     ffi::Buffer<ffi::F32> steps, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> qt,
     ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::Buffer<ffi::F32>> history_out,
     ffi::Result<ffi::Buffer<ffi::F32>> scale_out, ffi::Result<ffi::Buffer<ffi::F32>> steps_out,
-    ffi::Result<ffi::Buffer<ffi::F32>> dbias_partial, ffi::Result<ffi::AnyBuffer> scratch,
-    int64_t margin, int64_t algo, bool with_dbias) {
+    ffi::Result<ffi::Buffer<ffi::F32>> dbias_partial, ffi::Result<ffi::Buffer<ffi::F32>> dbias,
+    ffi::Result<ffi::AnyBuffer> scratch, int64_t margin, int64_t algo, bool with_dbias) {
   if (x.dimensions().size() != 2) return invalid("x must be 2-D");
   const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1], rows16 = (rows + 15) / 16 * 16;
   if (!is_fp8(q->element_type()) || qt->element_type() != q->element_type())
@@ -64,8 +69,9 @@ ffi::Error CastTransposeRingImpl(
   if (cols <= 0 || cols % 16) return invalid("x's columns must be a positive multiple of 16");
   if (q->element_count() != size_t(rows * cols) || qt->element_count() != size_t(cols * rows16))
     return invalid("q must be [R, C] and qt [C, ceil16(R)]");
-  if (with_dbias && dbias_partial->element_count() != size_t((rows + kTile - 1) / kTile * cols))
-    return invalid("dbias_partial must be [ceil(R / 64), C]");
+  if (with_dbias && (dbias_partial->element_count() != size_t((rows + kTile - 1) / kTile * cols) ||
+                     dbias->element_count() != size_t(cols)))
+    return invalid("dbias_partial must be [ceil(R / 64), C] and dbias [C]");
   if (auto e = check_ring_attrs(algo, history.element_count(), kMaxHistory); e.failure()) return e;
   if (history_out->typed_data() != history.typed_data() ||
       scale_out->typed_data() != scale.typed_data() || steps_out->typed_data() != steps.typed_data())
@@ -77,7 +83,8 @@ ffi::Error CastTransposeRingImpl(
   CastTransposeArgs a{x.untyped_data(), rows, cols, rows16, scale_out->typed_data(),
                       fp8_format(q->element_type()), static_cast<uint8_t*>(q->untyped_data()),
                       static_cast<uint8_t*>(qt->untyped_data()), amax->typed_data(),
-                      dbias_partial->typed_data(), static_cast<QuantizeScratch*>(scratch->untyped_data()),
+                      dbias_partial->typed_data(), dbias->typed_data(),
+                      static_cast<QuantizeScratch*>(scratch->untyped_data()),
                       RingArgs{history_out->typed_data(), scale_out->typed_data(),
                                steps_out->typed_data(), static_cast<int>(history.element_count()),
                                static_cast<int>(margin), static_cast<AmaxAlgo>(algo)}};
@@ -101,6 +108,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CastTransposeRingCudaHandler, CastTransposeRingImp
                                   .Ret<ffi::Buffer<ffi::F32>>()     // scale' (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>()     // steps' (aliased)
                                   .Ret<ffi::Buffer<ffi::F32>>()     // dbias_partial [R/64, C]
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // dbias [C]
                                   .Ret<ffi::AnyBuffer>()            // scratch
                                   .Attr<int64_t>("margin")
                                   .Attr<int64_t>("algo")

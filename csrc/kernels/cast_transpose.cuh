@@ -21,7 +21,8 @@ static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a
 // shared-memory stage and the stores (before this, ncu measured the one-wave grid at 61% of
 // DRAM bandwidth and 92% occupancy on the H200).
 //
-// dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile, summed by the caller.
+// dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile (dbias_reduce_kernel
+// sums them).
 // Inside a tile the order is fixed, so the kernel is deterministic: a warp holds 8 rows and
 // sums them pairwise by shuffles, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the
 // 8 warps' sums are added in warp order onto 0 (the CPU handler follows the same order).
@@ -134,5 +135,34 @@ __global__ void __launch_bounds__(kTileThreads, sizeof(T) == 2 ? 6 : 1)
   }
   pdl_trigger();
 }
+
+// The bias gradient from cast_transpose_kernel's partials: dbias[c] = the sum over p of
+// partial[p][c], p < tiles (the row tiles). A block takes 32 columns; its warp w sums the
+// rows p = w, w + 8, ... in order onto 0, and the 8 warps' sums are added pairwise,
+// ((w0 + w1) + (w2 + w3)) + ((w4 + w5) + (w6 + w7)): a fixed order (the CPU handler's). Launched
+// right after the cast-transpose (PDL), it reads the partials from L2.
+constexpr int kDbiasCols = 32, kDbiasSlices = kTileThreads / kDbiasCols;
+
+__global__ void __launch_bounds__(kTileThreads)
+    dbias_reduce_kernel(const float* partial, int64_t tiles, int64_t cols, float* dbias) {
+  __shared__ float sums[kDbiasSlices][kDbiasCols];
+  pdl_wait();
+  const int lane = threadIdx.x % kDbiasCols, w = threadIdx.x / kDbiasCols;
+  const int64_t c = int64_t(blockIdx.x) * kDbiasCols + lane;
+  float sum = 0.0f;
+  if (c < cols) {
+#pragma unroll 4
+    for (int64_t p = w; p < tiles; p += kDbiasSlices) sum += partial[p * cols + c];
+  }
+  sums[w][lane] = sum;
+  __syncthreads();
+  if (w == 0 && c < cols) {
+    const float(*s)[kDbiasCols] = sums;
+    dbias[c] = ((s[0][lane] + s[1][lane]) + (s[2][lane] + s[3][lane])) +
+               ((s[4][lane] + s[5][lane]) + (s[6][lane] + s[7][lane]));
+  }
+  pdl_trigger();
+}
+static_assert(kDbiasSlices == 8, "dbias_reduce_kernel adds 8 warps' sums");
 
 }  // namespace jax_fp8
