@@ -107,11 +107,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
   for (int p = 0; p < kBlockPasses; ++p) {
     const int64_t r = r0 + quad * kBlockPasses + p;
-    alignas(16) uint8_t out[kElemsPerThread];
-#pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k) out[k] = float_to_fp8(f[p][k] * inv[p], fmt);
     if (r < rows && c < cols)
-      *reinterpret_cast<uint4*>(q + r * cols + c) = *reinterpret_cast<const uint4*>(out);
+      *reinterpret_cast<uint4*>(q + r * cols + c) = quantize16(f[p], inv[p], fmt);
   }
 
   if constexpr (!kBlock2D) {

@@ -26,10 +26,11 @@ static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a
 // Inside a tile the order is fixed, so the kernel is deterministic: a warp holds 8 rows and
 // sums them pairwise by shuffles, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the
 // 8 warps' sums are added in warp order onto 0 (the CPU handler follows the same order).
-// 16-bit inputs are held to 40 registers a thread, 6 blocks an SM (the dbias sums took 48
-// without the bound, 5 blocks; with it ptxas spills nothing); f32 inputs would spill.
+// With the dbias sums, 16-bit inputs are held to 40 registers a thread, 6 blocks an SM (48
+// without the bound, 5 blocks; with it ptxas spills nothing). Without them the bound made
+// ptxas spill 28 bytes, so it is left to take 48; f32 inputs would spill.
 template <typename T, bool kRing, bool kDbias>
-__global__ void __launch_bounds__(kTileThreads, sizeof(T) == 2 ? 6 : 1)
+__global__ void __launch_bounds__(kTileThreads, kDbias && sizeof(T) == 2 ? 6 : 1)
     cast_transpose_kernel(const T* x, int64_t rows, int64_t cols, int64_t rows16,
                           const float* scale_in, Fp8Format fmt, uint8_t* __restrict__ q,
                           uint8_t* __restrict__ qt, float* amax_out, float* dbias_partial,
@@ -67,12 +68,9 @@ __global__ void __launch_bounds__(kTileThreads, sizeof(T) == 2 ? 6 : 1)
     const bool in = r < rows && c < cols;
     float f[kElemsPerThread];
     unpack16(cur, f);
-    alignas(16) uint8_t out[kElemsPerThread];
 #pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k) {
-      m = max(m, abs_bits(f[k]));
-      out[k] = in ? float_to_fp8(f[k] * inv, fmt) : uint8_t(0);
-    }
+    for (int k = 0; k < kElemsPerThread; ++k) m = max(m, abs_bits(f[k]));
+    const uint4 packed = in ? quantize16(f, inv, fmt) : make_uint4(0, 0, 0, 0);
     if constexpr (kDbias) {
       // A reduce-scatter over the 8 lanes of a column group (lanes 4, 8, 16 apart hold the
       // same columns of other rows): at each step a lane keeps half of its columns, sends the
@@ -93,7 +91,6 @@ __global__ void __launch_bounds__(kTileThreads, sizeof(T) == 2 ? 6 : 1)
       }
       *reinterpret_cast<float2*>(&warp_sums[threadIdx.x / 32][col]) = make_float2(f[0], f[1]);
     }
-    const uint4 packed = *reinterpret_cast<const uint4*>(out);
     if (in) *reinterpret_cast<uint4*>(q + r * cols + c) = packed;
     // Rows of tile_q are 68 bytes: 4-byte aligned, so the 16 bytes go in as four words.
     uint32_t* row = reinterpret_cast<uint32_t*>(&tile_q[tr][tc]);

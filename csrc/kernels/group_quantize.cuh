@@ -47,10 +47,7 @@ __global__ void __launch_bounds__(kQuantizeThreads, 5)
     // abs_bits order puts NaN above inf above finite values, so this is a NaN-propagating amax.
     const float scale = group_scale(bits_float(m), eps, fmt, ue8m0);
     const float inv = __frcp_rn(scale);  // = 1.0f / scale, correctly rounded, as on the CPU
-    alignas(16) uint8_t out[kElemsPerThread];
-#pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k) out[k] = float_to_fp8(f[k] * inv, fmt);
-    reinterpret_cast<uint4*>(q)[v] = *reinterpret_cast<const uint4*>(out);
+    reinterpret_cast<uint4*>(q)[v] = quantize16(f, inv, fmt);
     if (lane % kLanes == 0) {
       const int64_t e = v * kElemsPerThread, row = e / cols, g = (e % cols) / G;
       scales[row * layout.row_stride + g * layout.group_stride] = scale;
