@@ -7,9 +7,10 @@ the events are XLA's thunk names (ffi_call.N, fusions), which cannot be sorted b
     python -m benchmarks.step_profile [--recipe fp8|fast_fprop|fast_all|bf16] [--steps N]
                                       [--quick] [--out PATH]
 
-Prints, per thread, the busy time per step and the share of each kind of work (our
-quantization kernels, GEMMs, attention, the rest), its idle time inside the steps (a device
-stream waiting for the host), then the events that take the most time; writes the
+Prints, per thread, the work time per step and the share of each kind of work (our
+quantization kernels, GEMMs, attention, the rest), its idle time inside the steps (on a
+device stream, waiting for the host or for another stream), then the events that take the
+most time; writes the
 same as JSON (default ``benchmarks/results/<gpu>-<date>-step-profile-<recipe>.json``). The
 block and its sizes are the suite's ``block train step`` case (``benchmarks.block``).
 """
@@ -97,8 +98,9 @@ def idle_us(spans, steps: int) -> float:
 
 def summarize(spans, steps: int, top: int = 15):
   """Per thread of the device processes ("/device:...", else the host's XLA threads):
-  microseconds per step busy, by kind and by event name (the ``top`` largest; self times, so
-  they add up to the busy time), and idle inside the steps."""
+  microseconds of work per step, by kind and by event name (the ``top`` largest; self times,
+  which add up to the thread's occupied time except where kernels overlap through PDL: those
+  count whole), and idle inside the steps."""
   device = any(key[0].startswith("/device:") for key, *_ in spans)
   keep = [s for s in spans if (s[0][0].startswith("/device:") if device else s[0][1] != "python")]
   per_thread = collections.defaultdict(collections.Counter)
@@ -136,7 +138,7 @@ def main(argv=None):
   print(f"{env['device']}  jax {env['jax']}  {env['date']}  recipe {args.recipe}  block {cfg}  "
         f"{args.steps} steps traced")
   for r in rows:
-    print(f"\n{r['thread']}: {r['us_per_step']:.0f} us per step busy, "
+    print(f"\n{r['thread']}: {r['us_per_step']:.0f} us of work per step, "
           f"{r['idle_us_per_step']:.0f} us idle between its events")
     for k, us in r["kinds_us"].items():
       print(f"  {k:<20}{us:>12.0f} us  {us / r['us_per_step']:6.1%}")

@@ -1,7 +1,7 @@
 // Cast-transpose: one read of x [R, C] writes the row-major FP8 copy q [R, C] and the
 // transposed copy qt [C, R16] (R16 = R rounded up to 16, padding columns zero), with the amax
-// fused, optionally the column sums of x (the bias gradient, in per-tile partials), and
-// optionally the scale ring finalized by the last block. These are the layouts Hopper's TN-only
+// fused, optionally the column sums of x (the bias gradient: per-tile partials here, summed by
+// dbias_reduce_kernel), and optionally the scale ring finalized by the last block. These are the layouts Hopper's TN-only
 // FP8 GEMMs need: q feeds the forward / dgrad, qt the wgrad (DESIGN.md, "Linear layout").
 #pragma once
 

@@ -94,7 +94,6 @@ __device__ __forceinline__ void unpack16(const Raw16<T>& r, float (&v)[kElemsPer
   }
 }
 
-// Loads 16 consecutive elements as f32 with 16-byte vector loads (same guarantee).
 // 16 values times inv as 16 FP8 bytes (element k in byte k), two a conversion instruction
 // (cvt.rn.satfinite.{e4m3,e5m2}x2.f32, as float_to_fp8 one at a time), the format chosen once.
 template <__nv_fp8_interpretation_t kFmt>
@@ -117,6 +116,7 @@ __device__ __forceinline__ uint4 quantize16(const float (&f)[kElemsPerThread], f
                                  : quantize16_as<__NV_E5M2>(f, inv);
 }
 
+// Loads 16 consecutive elements as f32 with 16-byte vector loads (same guarantee).
 template <typename T>
 __device__ __forceinline__ void load16(const T* p, float (&v)[kElemsPerThread]) {
   unpack16(load_raw16(p), v);
