@@ -68,19 +68,22 @@ def trace_events(fn, args, steps: int):
 
 def self_times(spans):
   """[(key, name, self time)] of spans (key, start, duration, name) on threads (keys): each
-  span's duration less the durations of the spans directly inside it. A span that starts
-  inside another but ends after it (a kernel launched early by programmatic dependent launch,
-  as cuBLAS's are) is not inside it: both keep their whole durations."""
-  out, enclosing, last_key = [], [], None  # enclosing: [end, index in out], outermost first
+  span's duration less the time its direct children cover (children that overlap each other
+  count once). A span that starts inside another but ends after it (a kernel launched early
+  by programmatic dependent launch, as cuBLAS's are) is not inside it: both keep their whole
+  durations."""
+  out, enclosing, last_key = [], [], None  # enclosing: [end, index in out, covered until]
   for key, ts, dur, name in sorted(spans, key=lambda s: (s[0], s[1], -s[2])):
     if key != last_key:
       enclosing, last_key = [], key
     while enclosing and (enclosing[-1][0] <= ts or enclosing[-1][0] < ts + dur):
       enclosing.pop()
     if enclosing:
-      out[enclosing[-1][1]][2] -= dur
+      parent = enclosing[-1]
+      out[parent[1]][2] -= max(0.0, ts + dur - max(ts, parent[2]))
+      parent[2] = max(parent[2], ts + dur)
     out.append([key, name, dur])
-    enclosing.append([ts + dur, len(out) - 1])
+    enclosing.append([ts + dur, len(out) - 1, ts])
   return [tuple(o) for o in out]
 
 

@@ -204,6 +204,8 @@ def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = 
   def impl(x, hist, scale, steps):
     rows, cols = x.shape
     partial_rows = -(-rows // 64) if with_dbias else 0  # 64-row tiles of the kernel
+    # Outputs 7 and 9 are the kernel's scratch: the per-tile dbias partials, and the amax and
+    # completion counters.
     q, qt, amax, hist, scale, steps, _, dbias, _ = jax.ffi.ffi_call(
         "jax_fp8_cast_transpose_ring",
         (jax.ShapeDtypeStruct(x.shape, qdt), jax.ShapeDtypeStruct((cols, -(-rows // 16) * 16), qdt),

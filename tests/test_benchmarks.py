@@ -65,6 +65,10 @@ def test_step_profile(tmp_path):
                                             ("t", "b", 2.0), ("t", "next", 2.0),
                                             ("t", "overlaps next", 3.0),
                                             ("u", "other thread", 4.0)]
+  # Children overlapping each other (the second through PDL) cover their parent once.
+  assert step_profile.self_times([("t", 0.0, 100.0, "p"), ("t", 0.0, 80.0, "x"),
+                                  ("t", 20.0, 80.0, "y")]) == [("t", "p", 0.0), ("t", "x", 80.0),
+                                                               ("t", "y", 80.0)]
   # Two steps: the longest gap (15) is the host's round trip between them, nested and
   # overlapping events leave no gap.
   spans = [("t", 0.0, 10.0, "a"), ("t", 1.0, 2.0, "nested"), ("t", 12.0, 3.0, "b"),
