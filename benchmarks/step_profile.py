@@ -10,9 +10,9 @@ the events are XLA's thunk names (ffi_call.N, fusions), which cannot be sorted b
 Prints, per thread, the work time per step and the share of each kind of work (our
 quantization kernels, GEMMs, attention, the rest), its idle time inside the steps (on a
 device stream, waiting for the host or for another stream), then the events that take the
-most time; writes the
-same as JSON (default ``benchmarks/results/<gpu>-<date>-step-profile-<recipe>.json``). The
-block and its sizes are the suite's ``block train step`` case (``benchmarks.block``).
+most time; writes the same as JSON (default
+``benchmarks/results/<gpu>-<date>-step-profile-<recipe>.json``). The block and its sizes are
+the suite's ``block train step`` case (``benchmarks.block``).
 """
 
 from __future__ import annotations

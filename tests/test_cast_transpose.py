@@ -31,7 +31,8 @@ def test_matches_reference(platform, rng, fmt, dtype, shape, with_dbias):
       x.flat[rng.integers(x.size)] = 6e4  # saturates e4m3 (and stays finite in float16)
     x = jnp.asarray(x).astype(dtype)
     poison_allocator(x.size)
-    cpu_db = on_cpu(lambda x, r: step(x, r, with_dbias=with_dbias)[4], x, ring)
+    if platform == "cuda":  # the CPU handler's dbias, to compare bit for bit
+      cpu_db = on_cpu(lambda x, r: step(x, r, with_dbias=with_dbias)[4], x, ring)
     q, qt, a, ring, db = step(x, ring, with_dbias=with_dbias)
     rq, rqt, ra, ref_ring, rdb = on_cpu(
         lambda x, r: reference.cast_transpose_delayed(x, r, with_dbias=with_dbias), x, ref_ring)
@@ -44,7 +45,8 @@ def test_matches_reference(platform, rng, fmt, dtype, shape, with_dbias):
     if with_dbias:
       absum = np.abs(np.asarray(x, np.float32)).sum(axis=0)
       assert np.all(np.abs(np.asarray(db) - rdb) <= 1e-6 * absum + 1e-30)
-      np.testing.assert_array_equal(np.asarray(db), cpu_db)  # one summation order on both
+      if platform == "cuda":
+        np.testing.assert_array_equal(np.asarray(db), cpu_db)  # one summation order on both
     else:
       assert db is None
 

@@ -52,8 +52,10 @@ ffi::Error CastTransposeRingImpl(
         float sum = 0.0f;
         for (int64_t r8 = t * kDbiasTile; r8 < (t + 1) * kDbiasTile; r8 += 8) {
           float v[8];  // rows past x are zeros, as the kernel loads them
-          for (int i = 0; i < 8; ++i)
-            v[i] = r8 + i < rows ? load_f32(x.untyped_data(), x.element_type(), (r8 + i) * cols + c) : 0.0f;
+          for (int i = 0; i < 8; ++i) {
+            const int64_t r = r8 + i;
+            v[i] = r < rows ? load_f32(x.untyped_data(), x.element_type(), r * cols + c) : 0.0f;
+          }
           sum += ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
         }
         dp[t * cols + c] = sum;

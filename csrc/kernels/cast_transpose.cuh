@@ -1,8 +1,9 @@
 // Cast-transpose: one read of x [R, C] writes the row-major FP8 copy q [R, C] and the
 // transposed copy qt [C, R16] (R16 = R rounded up to 16, padding columns zero), with the amax
 // fused, optionally the column sums of x (the bias gradient: per-tile partials here, summed by
-// dbias_reduce_kernel), and optionally the scale ring finalized by the last block. These are the layouts Hopper's TN-only
-// FP8 GEMMs need: q feeds the forward / dgrad, qt the wgrad (DESIGN.md, "Linear layout").
+// dbias_reduce_kernel), and optionally the scale ring finalized by the last block. These are
+// the layouts Hopper's TN-only FP8 GEMMs need: q feeds the forward / dgrad, qt the wgrad
+// (DESIGN.md, "Linear layout").
 #pragma once
 
 #include "quantize.cuh"
@@ -22,10 +23,9 @@ static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a
 // DRAM bandwidth and 92% occupancy on the H200).
 //
 // dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile (dbias_reduce_kernel
-// sums them).
-// Inside a tile the order is fixed, so the kernel is deterministic: a warp holds 8 rows and
-// sums them pairwise by shuffles, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the
-// 8 warps' sums are added in warp order onto 0 (the CPU handler follows the same order).
+// sums them). Inside a tile the order is fixed, so the kernel is deterministic: a warp holds
+// 8 rows and sums them pairwise by shuffles, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)),
+// then the 8 warps' sums are added in warp order onto 0 (the CPU handler follows the order).
 // With the dbias sums, 16-bit inputs are held to 40 registers a thread, 6 blocks an SM (48
 // without the bound, 5 blocks; with it ptxas spills nothing). Without them the bound made
 // ptxas spill 28 bytes, so it is left to take 48; f32 inputs would spill.
