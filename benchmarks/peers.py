@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fp8 import reference
-from jax_fp8.scaling import fp8_max
+from jax_fp8.formats import fp8_max
 
 
 def bf16_linear(x, kernel, bias):

@@ -21,7 +21,7 @@ import numpy as np
 
 import jax_fp8
 from jax_fp8 import reference
-from jax_fp8.scaling import LINEAR_GEMMS
+from jax_fp8.recipes import LINEAR_GEMMS
 
 from . import block, block_scaled, peers
 from .timing import device_time, loop_overhead
@@ -43,8 +43,8 @@ BLOCK = dict(d_model=4096, ffn=14336, heads=32, seq=2048, batch=8)
 AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=900.0)
 # Fast accumulation in the forward GEMM only (TransformerEngine's default), and in all three
 # (what XLA's FP8 dot, and so the pure-JAX FP8 path, does at default precision).
-FAST_ACCUM = {"fast_fprop": jax_fp8.DelayedScaling(fast_accum=("fprop",)),
-              "fast_all": jax_fp8.DelayedScaling(fast_accum=LINEAR_GEMMS)}
+FAST_ACCUM = {"fast_fprop": jax_fp8.DelayedScaling(fast_accum_gemms=("fprop",)),
+              "fast_all": jax_fp8.DelayedScaling(fast_accum_gemms=LINEAR_GEMMS)}
 GROUPS = ["quantize", "gemm", "linear", "block_step", "block_scaling", "crossover"]  # --only
 QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
 
@@ -85,7 +85,7 @@ def bench_quantize(quick, ceil):
 
     def ct(with_dbias):
       def run(x, r):
-        q, qt, amax, _, dbias = jax_fp8.cast_transpose_delayed(x, r, with_dbias=with_dbias)
+        q, qt, amax, _, dbias, _ = jax_fp8.cast_transpose_delayed(x, r, with_dbias=with_dbias)
         return (q, qt, amax) + ((dbias,) if with_dbias else ())
       return run
 

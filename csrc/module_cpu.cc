@@ -1,6 +1,8 @@
-// The CPU extension: exports the CPU FFI handlers. Always built; needs no CUDA.
+// The CPU extension: exports the CPU FFI handlers and the shared constants (constants_py.h).
+// Always built; needs no CUDA.
 #include <nanobind/nanobind.h>
 
+#include "constants_py.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -15,6 +17,7 @@ XLA_FFI_Error* GroupCastTransposeCpuHandler(XLA_FFI_CallFrame* call_frame);
 }
 
 NB_MODULE(_jax_fp8_cpu, m) {
+  m.def("constants", &jax_fp8::constants_dict);
   m.def("registrations", []() {
     nb::dict d;
     d["jax_fp8_quantize"] = nb::capsule(reinterpret_cast<void*>(QuantizeCpuHandler));

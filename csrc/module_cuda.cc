@@ -1,8 +1,10 @@
-// The CUDA extension: exports the CUDA FFI handlers. Built when nvcc and cuBLASLt are found;
-// cudart is linked statically, cuBLASLt dynamically, so importing it fails cleanly (and
-// jax_fp8 carries on with the CPU targets) where those libraries are missing.
+// The CUDA extension: exports the CUDA FFI handlers and the shared constants (constants_py.h).
+// Built when nvcc and cuBLASLt are found; cudart is linked statically, cuBLASLt dynamically, so
+// importing it fails cleanly (and jax_fp8 carries on with the CPU targets) where those
+// libraries are missing.
 #include <nanobind/nanobind.h>
 
+#include "constants_py.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
@@ -18,6 +20,7 @@ XLA_FFI_Error* GemmCudaHandler(XLA_FFI_CallFrame* call_frame);
 }
 
 NB_MODULE(_jax_fp8_cuda, m) {
+  m.def("constants", &jax_fp8::constants_dict);
   m.def("registrations", []() {
     nb::dict d;
     d["jax_fp8_quantize"] = nb::capsule(reinterpret_cast<void*>(QuantizeCudaHandler));

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "constants.h"
+
 #if defined(__CUDACC__)
 #define JF8_HD __host__ __device__ __forceinline__
 #include <cuda_fp8.h>
@@ -135,26 +137,85 @@ JF8_HD float group_scale(float amax, float eps, Fp8Format f, bool ue8m0) {
   return bits_float((b + 0x007FFFFFu) & 0xFF800000u);
 }
 
-enum class AmaxAlgo : int { kMax = 0, kMostRecent = 1 };
+// Where the scale of group g of row r lands in a group quantize's scales (csrc/constants.h
+// ScaleLayoutId): scales[r * row_stride + g * group_stride], in a grid of padded_rows rows.
+struct ScaleLayout {
+  int64_t row_stride;    // row: groups; col / col_tma: 1
+  int64_t group_stride;  // row: 1; col: rows; col_tma: rows rounded up to 4
+  int64_t padded_rows;   // rows of the stored grid (col_tma pads with zero scales)
+};
 
-constexpr int kMaxHistory = 1024;  // amax history length limit (jax_fp8.scaling.MAX_HISTORY)
+// A delayed-scaling quantize's ring (jax_fp8.scaling.ScaleRing), read from its inputs, and the
+// separate outputs it writes: the ring after this step and the scale it quantized with.
+struct RingArgs {
+  const float* history;  // [len], newest first
+  const float* scale;    // []
+  const float* steps;    // []
+  float* scale_used;     // []
+  float* history_out;    // [len]
+  float* scale_out;      // []
+  float* steps_out;      // []
+  int len;
+  int margin;
+  AmaxAlgo algo;
+  bool observe;  // write this step's observation of the ring instead of the next ring
+};
 
-// Ring finalize on one thread: push `amax` at the front of history[len] (newest first), reduce
-// the window, publish the next scale, and count the step if the window was informative (so a
-// ring that has seen only zeros stays on current scaling). A non-finite amax leaves the ring as
-// it was. Mirrors jax_fp8.scaling.next_ring.
-JF8_HD void ring_finalize_serial(float amax, float* history, int len, float* scale, float* steps,
-                                 Fp8Format f, int margin, AmaxAlgo algo) {
-  if (!(amax <= FLT_MAX)) return;  // NaN or inf: keep the last finite state
-  float window = amax;
-  for (int i = len - 1; i > 0; --i) {
-    history[i] = history[i - 1];
-    window = fmaxf(window, history[i]);
+// The ring rules, written once for the CPU handlers and the CUDA epilogues (jnp's twins:
+// jax_fp8.scaling.observe and update_state's advance).
+//  - observe(ring, amax): the history shifted by one with ring_front(amax) in front, scale 0,
+//    steps + 1.
+//  - advance(ring, observation with front f): a non-finite f leaves the ring as it was;
+//    otherwise the history is shifted with f in front, the window (the shifted history's max,
+//    or f for most_recent) gives the next scale, and the step counts if the window was
+//    informative (so a ring that has seen only zeros stays on current scaling).
+// Without `observe` the ring written is the next ring, advance(ring, observe(ring, amax)): a
+// NaN or inf amax leaves it unchanged.
+
+// The front entry an amax is recorded as: NaN and inf become +inf.
+JF8_HD float ring_front(float amax) { return amax <= FLT_MAX ? amax : INFINITY; }
+
+// Whether the ring stays as it was this step: advanced by a non-finite front.
+JF8_HD bool ring_unchanged(const RingArgs& ring, float front) {
+  return !ring.observe && !(front <= FLT_MAX);
+}
+
+// Writes entries i = first, first + stride, ... of the history after this step and returns the
+// max of the shifted history over them as bits (entries are >= 0, so bits order as values;
+// NaN-propagating, as jnp.max). One thread: first 0, stride 1; a CUDA block: its threads.
+JF8_HD uint32_t ring_write_history(const RingArgs& ring, float front, int first, int stride) {
+  const bool unchanged = ring_unchanged(ring, front);
+  uint32_t m = 0;
+  for (int i = first; i < ring.len; i += stride) {
+    const float shifted = i == 0 ? front : ring.history[i - 1];
+    m = float_bits(shifted) > m ? float_bits(shifted) : m;
+    ring.history_out[i] = unchanged ? ring.history[i] : shifted;
   }
-  history[0] = amax;
-  if (algo == AmaxAlgo::kMostRecent) window = amax;
-  *scale = scale_from_amax(window, *scale, f, margin);
-  if (informative(window)) *steps += 1.0f;
+  return m;
+}
+
+// Writes the scale and steps after this step, from the shifted history's max (all threads'
+// ring_write_history results combined).
+JF8_HD void ring_write_scalars(const RingArgs& ring, float front, uint32_t shifted_max_bits,
+                               Fp8Format f) {
+  const float scale = *ring.scale, steps = *ring.steps;
+  if (ring.observe) {
+    *ring.scale_out = 0.0f;
+    *ring.steps_out = steps + 1.0f;
+  } else if (ring_unchanged(ring, front)) {
+    *ring.scale_out = scale;
+    *ring.steps_out = steps;
+  } else {
+    const float window = ring.algo == AmaxAlgo::kMostRecent ? front : bits_float(shifted_max_bits);
+    *ring.scale_out = scale_from_amax(window, scale, f, ring.margin);
+    *ring.steps_out = informative(window) ? steps + 1.0f : steps;
+  }
+}
+
+// The whole ring after this step, on one thread (the CPU handlers).
+inline void ring_write_serial(const RingArgs& ring, float amax, Fp8Format f) {
+  const float front = ring_front(amax);
+  ring_write_scalars(ring, front, ring_write_history(ring, front, 0, 1), f);
 }
 
 }  // namespace jax_fp8

@@ -1,18 +1,23 @@
-"""jax_fp8: FP8 training for JAX (XLA FFI kernels, delayed scaling, Flax layers)."""
+"""jax_fp8: FP8 training for JAX (XLA FFI kernels, delayed and block scaling, Flax layers).
 
-from . import flax  # noqa: F401  (registers the state classes with flax.serialization)
-from . import reference
+The core depends on jax and numpy only; ``jax_fp8.flax`` (the Flax layer) needs the ``flax``
+extra and is imported on its own: ``import jax_fp8.flax``.
+"""
+
 from ._ffi import cuda_available
-from .blockwise import BlockScaling, block_quantize, group_cast_transpose, group_quantize
+from .formats import fp8_dtype, fp8_max
 from .linear import LinearState, linear
-from .ops import cast_transpose_delayed, dequantize, gemm, quantize, quantize_delayed
-from .scaling import (DelayedScaling, ScaleRing, combine_updates, fp8_dtype, fp8_max, share,
-                      update_state)
+from .ops import (CastTransposed, DelayedQuantized, Quantized, block_quantize,
+                  cast_transpose_delayed, dequantize, gemm, group_cast_transpose, group_quantize,
+                  quantize, quantize_delayed)
+from .recipes import BlockScaling, DelayedScaling
+from .state import ScaleRing, combine_updates, share, update_state
+
+__version__ = "0.2.0"
 
 __all__ = [
-    "BlockScaling", "block_quantize", "group_cast_transpose", "group_quantize",
-    "DelayedScaling", "LinearState", "ScaleRing", "cast_transpose_delayed", "combine_updates",
-    "cuda_available",
-    "dequantize", "fp8_dtype", "fp8_max", "gemm", "linear", "quantize", "quantize_delayed",
-    "reference", "share", "update_state",
+    "BlockScaling", "CastTransposed", "DelayedQuantized", "DelayedScaling", "LinearState",
+    "Quantized", "ScaleRing", "block_quantize", "cast_transpose_delayed", "combine_updates",
+    "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm", "group_cast_transpose",
+    "group_quantize", "linear", "quantize", "quantize_delayed", "share", "update_state",
 ]

@@ -1,4 +1,5 @@
-"""The one module that touches the compiled extensions: registers every FFI target.
+"""The one module that touches the compiled extensions: registers every FFI target and reads
+the constants Python and C++ share (``CONSTANTS``).
 
 `_jax_fp8_cpu` is always built and registered for "cpu". `_jax_fp8_cuda` is built when nvcc was
 present at install time and is registered for "CUDA" only when it imports (it needs cuBLASLt);
@@ -20,6 +21,13 @@ except ImportError as e:  # no CUDA extension built, or cuBLASLt missing
   CUDA_IMPORT_ERROR: str | None = str(e)
 else:
   CUDA_IMPORT_ERROR = None
+
+# The numbers and ids written once in csrc/constants.h (scratch and workspace sizes, tiles,
+# attribute ids); the CUDA module must agree (else it is a stale build and is not used).
+CONSTANTS: dict = dict(_jax_fp8_cpu.constants())
+if _jax_fp8_cuda is not None and dict(_jax_fp8_cuda.constants()) != CONSTANTS:
+  CUDA_IMPORT_ERROR = "the CUDA and CPU extensions were built from different sources: reinstall"
+  _jax_fp8_cuda = None
 
 for _name, _capsule in _jax_fp8_cpu.registrations().items():
   jax.ffi.register_ffi_target(_name, _capsule, platform="cpu")

@@ -1,6 +1,7 @@
 """Flax (linen) layers backed by jax_fp8.linear, and the state classes registered with
 flax.serialization (so ``flax.serialization.to_bytes`` / ``from_bytes`` and Flax checkpoints
-carry the FP8 state)."""
+carry the FP8 state). Needs the ``flax`` extra (``pip install jax_fp8[flax]``); importing this
+module registers the state classes."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import jax
 import jax.numpy as jnp
 from flax import serialization
 
-from .blockwise import BlockScaling
 from .linear import LinearState, linear
-from .scaling import DelayedScaling, ScaleRing
+from .recipes import BlockScaling, DelayedScaling
+from .state import ScaleRing
 
 STATE_COLLECTION = "fp8_state"
 
@@ -64,8 +65,10 @@ class Dense(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
     if not isinstance(self.recipe, (DelayedScaling, BlockScaling)):
-      raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
+      raise TypeError(f"Dense.recipe must be a DelayedScaling or a BlockScaling, got "
                       f"{type(self.recipe).__name__}")
+    if isinstance(self.features, bool) or not isinstance(self.features, int) or self.features < 1:
+      raise ValueError(f"Dense.features must be a positive int, got {self.features!r}")
     kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features),
                         self.param_dtype)
     bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)

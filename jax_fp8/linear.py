@@ -7,8 +7,9 @@ cast-transposed once (E5M2 under the HYBRID recipe), the same read giving dbias,
 dgrad (``dx = g @ kernel.T``) and wgrad (``dkernel = x.T @ g``) as FP8 GEMMs. Only FP8 copies
 are saved: x transposed (for wgrad) and the kernel (for dgrad).
 
-The rings' observations of the step leave it as the gradient with respect to the state;
-``jax_fp8.update_state`` turns them into the next rings (see ``jax_fp8.scaling``).
+The rings' observations of the step, written by the cast-transpose kernels themselves, leave it
+as the gradient with respect to the state; ``jax_fp8.update_state`` turns them into the next
+rings (see ``jax_fp8.state``).
 
 Under ``BlockScaling`` (stateless, DeepSeek-V3) the same three GEMMs run block-scaled: x and the
 gradient are group cast-transposed (1 x 128 groups both ways from one read), the kernel is
@@ -19,14 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 
 import jax
 import jax.numpy as jnp
 
-from . import blockwise, ops, sharding
-from .blockwise import BlockScaling
-from .scaling import DelayedScaling, ScaleRing, observe, scale_for_step
+from . import checks, sharding
+from .formats import FLOAT_DTYPES
+from .ops import blockwise
+from .ops.cast_transpose import cast_transpose_delayed
+from .ops.gemm import gemm
+from .recipes import BlockScaling, DelayedScaling
+from .state import ScaleRing
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "kernel", "grad"],
@@ -51,10 +57,23 @@ class LinearState:
                recipe.ring(recipe.bwd_fmt))
 
 
-def _vary(v, axes):
-  """v made varying over `axes` (shard_map), or v itself."""
-  missing = tuple(sorted(axes - sharding.varying_axes(v))) if v is not None else ()
-  return jax.lax.pcast(v, missing, to="varying") if missing else v
+def _axis_names(amax_axis_name) -> set:
+  """The names in amax_axis_name (None, a str or a tuple / list of str), each bound here;
+  TypeError / ValueError otherwise."""
+  if amax_axis_name is None:
+    return set()
+  names = (amax_axis_name,) if isinstance(amax_axis_name, str) else amax_axis_name
+  if not isinstance(names, (tuple, list)) or not all(isinstance(a, str) for a in names):
+    raise TypeError(f"amax_axis_name must be None, an axis name (str) or a tuple of them, got "
+                    f"{amax_axis_name!r}")
+  for a in names:
+    try:
+      jax.lax.axis_size(a)
+    except NameError:
+      raise ValueError(f"amax_axis_name names the axis {a!r}, which is not bound here: name an "
+                       f"axis of the enclosing pmap or shard_map (or pass None outside them)"
+                       ) from None
+  return set(names)
 
 
 def _amax_axes(x, kernel, bias, state, amax_axis_name):
@@ -68,7 +87,7 @@ def _amax_axes(x, kernel, bias, state, amax_axis_name):
   (pmap, shard_map with check_vma=False, or every input replicated), the default None means
   every manual axis (a no-op where the amaxes agree anyway), and () means none.
   """
-  names = {amax_axis_name} if isinstance(amax_axis_name, str) else set(amax_axis_name or ())
+  names = _axis_names(amax_axis_name)
   needed = sharding.varying_axes(x, kernel, bias) - sharding.varying_axes(state)
   if not needed <= names:
     raise ValueError(f"x, kernel or bias vary over the shard_map axes {sorted(needed)}, over "
@@ -97,13 +116,17 @@ def _gemm_dtype(dtype):
   return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
 
 
-def _global_amax(amaxes, axis_name):
-  """The amaxes max-reduced over the devices that share the scales, in one collective (NaN
-  counted as inf, so the max keeps it), so every device records the same observation."""
-  a = jnp.stack(amaxes)
-  if axis_name is not None:
-    a = jax.lax.pmax(jnp.where(jnp.isnan(a), jnp.inf, a), axis_name)
-  return tuple(a)
+def _shared(observations, states, axis_name):
+  """Observations of rings that the devices of ``axis_name`` share, combined over them by an
+  elementwise max (exact for observations: they differ only in the front amax, +inf for NaN or
+  inf), in one collective, so every device records the same step; typed like their rings."""
+  if axis_name is None:
+    return observations
+  leaves, tree = jax.tree.flatten(observations)
+  flat = jax.lax.pmax(jnp.concatenate([jnp.ravel(v) for v in leaves]), axis_name)
+  parts = jnp.split(flat, list(itertools.accumulate(v.size for v in leaves))[:-1])
+  shared = jax.tree.unflatten(tree, [p.reshape(v.shape) for p, v in zip(parts, leaves)])
+  return tuple(sharding.vary_like(o, r) for o, r in zip(shared, states))
 
 
 def _gemm_bias(a, b, a_scale, b_scale, bias, dtype, fast_accum=False):
@@ -111,7 +134,7 @@ def _gemm_bias(a, b, a_scale, b_scale, bias, dtype, fast_accum=False):
   can (bf16 / f16 outputs)."""
   out = _gemm_dtype(dtype)
   fused_bias = bias is not None and out != jnp.float32
-  y = ops.gemm(a, b, a_scale, b_scale, bias=bias.astype(out) if fused_bias else None,
+  y = gemm(a, b, a_scale, b_scale, bias=bias.astype(out) if fused_bias else None,
                out_dtype=out, fast_accum=fast_accum)
   if bias is not None and not fused_bias:
     y = y + bias.astype(out)
@@ -119,13 +142,12 @@ def _gemm_bias(a, b, a_scale, b_scale, bias, dtype, fast_accum=False):
 
 
 def _forward(x, kernel, bias, state, fast_accum):
-  """y = x @ kernel + bias in FP8, and what the backward and the state update need."""
+  """y = x @ kernel + bias in FP8, what the backward needs, and the rings' observations."""
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
-  qx, qxt, ax, _, _ = ops.cast_transpose_delayed(x, state.x)  # [M, K], [K, M16] e4m3
-  qk, qkt, ak, _, _ = ops.cast_transpose_delayed(kernel, state.kernel)  # [K, N], [N, K]
-  sx, sk = scale_for_step(state.x, ax), scale_for_step(state.kernel, ak)  # what the kernels used
-  y = _gemm_bias(qx, qkt, sx, sk, bias, x.dtype, "fprop" in fast_accum)
-  return y, (qxt, sx, qk, sk), (ax, ak)
+  cx = cast_transpose_delayed(x, state.x, observe=True)  # q [M, K], qt [K, M16] e4m3
+  ck = cast_transpose_delayed(kernel, state.kernel, observe=True)  # q [K, N], qt [N, K]
+  y = _gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, bias, x.dtype, "fprop" in fast_accum)
+  return y, (cx.qt, cx.scale, ck.q, ck.scale), (cx.ring, ck.ring)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -136,23 +158,21 @@ def _linear(x, kernel, bias, state, axis_name, dtypes, fast_accum):
 
 def _linear_fwd(x, kernel, bias, state, axis_name, dtypes, fast_accum):
   del dtypes  # the backward's output dtypes (x, kernel, bias), static
-  y, saved, (ax, ak) = _forward(x, kernel, bias, state, fast_accum)
-  ax, ak = _global_amax((ax, ak), axis_name)
-  return y, saved + (state.grad, observe(state.x, ax), observe(state.kernel, ak))
+  y, saved, observations = _forward(x, kernel, bias, state, fast_accum)
+  return y, saved + (state.grad,) + _shared(observations, (state.x, state.kernel), axis_name)
 
 
 def _linear_bwd(axis_name, dtypes, fast_accum, res, g):
   qxt, sx, qk, sk, grad_ring, rx, rk = res
   x_dtype, k_dtype, b_dtype = dtypes
   # One quantization of g feeds both GEMMs; the same read gives dbias.
-  qg, qgt, ag, _, db = ops.cast_transpose_delayed(g, grad_ring, with_dbias=b_dtype is not None)
-  sg = scale_for_step(grad_ring, ag)
-  rg = observe(grad_ring, *_global_amax((ag,), axis_name))
-  dx = ops.gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype),
-                fast_accum="dgrad" in fast_accum)  # dgrad [M, K]
-  dk = ops.gemm(qxt, qgt, sx, sg, out_dtype=_gemm_dtype(k_dtype),
-                fast_accum="wgrad" in fast_accum)  # wgrad [K, N], over M16
-  db = None if b_dtype is None else db.astype(b_dtype)
+  cg = cast_transpose_delayed(g, grad_ring, with_dbias=b_dtype is not None, observe=True)
+  dx = gemm(cg.q, qk, cg.scale, sk, out_dtype=_gemm_dtype(x_dtype),
+            fast_accum="dgrad" in fast_accum)  # dgrad [M, K]
+  dk = gemm(qxt, cg.qt, sx, cg.scale, out_dtype=_gemm_dtype(k_dtype),
+            fast_accum="wgrad" in fast_accum)  # wgrad [K, N], over M16
+  db = None if b_dtype is None else cg.dbias.astype(b_dtype)
+  rg, = _shared((cg.ring,), (grad_ring,), axis_name)
   return dx.astype(x_dtype), dk.astype(k_dtype), db, LinearState(rx, rk, rg)
 
 
@@ -179,8 +199,8 @@ def _block_linear_bwd(recipe, dtypes, res, g):
   qxt, sxt, qk, sk = res
   x_dtype, k_dtype, b_dtype = dtypes
   qg, sg, qgt, sgt = blockwise.group_cast_transpose(g, **recipe.kwargs())  # [M,N], [N,M128]
-  dx = ops.gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype))  # dgrad: 1x128 . 128x128
-  dk = ops.gemm(qxt, qgt, sxt, sgt, out_dtype=_gemm_dtype(k_dtype))  # wgrad: 1x128 . 1x128
+  dx = gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype))  # dgrad: 1x128 . 128x128
+  dk = gemm(qxt, qgt, sxt, sgt, out_dtype=_gemm_dtype(k_dtype))  # wgrad: 1x128 . 1x128
   db = None if b_dtype is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype)
   return dx.astype(x_dtype), dk.astype(k_dtype), db
 
@@ -205,7 +225,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
       ``BlockScaling`` (stateless; K and N multiples of 128). Either may set
       ``fp8_min_intensity``: a linear below it runs in x's dtype (BF16 GEMMs through XLA),
       its rings untouched, where the FP8 path would be slower (``check_fp8_min_intensity``).
-      ``DelayedScaling.fast_accum`` names the GEMMs (fprop, dgrad, wgrad) that accumulate
+      ``DelayedScaling.fast_accum_gemms`` names the GEMMs (fprop, dgrad, wgrad) that accumulate
       the fast way.
     amax_axis_name: under ``pmap`` / ``shard_map``, the axis (or axes) whose devices share the
       scales; amaxes are max-reduced over it so all devices hold identical rings. Under a
@@ -219,16 +239,16 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   Raises:
     ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under
     BlockScaling), mismatched shapes, unsupported dtypes, rings that do not match the recipe,
-    axes missing from amax_axis_name under shard_map, a state or amax axis given to
-    BlockScaling.
+    amax_axis_name not a str or tuple of str or naming an axis that is not bound, axes missing
+    from amax_axis_name under shard_map, a state or amax axis given to BlockScaling.
 
   Method: per-tensor delayed scaling with the HYBRID format (Micikevicius et al. 2022;
   NVIDIA TransformerEngine); block scaling after the DeepSeek-V3 technical report
   (arXiv 2412.19437, section 3.3).
   """
-  x, kernel = jnp.asarray(x), jnp.asarray(kernel)
+  x, kernel = checks.array(x, "x"), checks.array(kernel, "kernel")
   for name, v in (("x", x), ("kernel", kernel)):
-    if v.dtype not in ops._FLOAT_DTYPES:
+    if v.dtype not in FLOAT_DTYPES:
       raise TypeError(f"{name} must be float32, bfloat16 or float16, got {v.dtype}")
   if kernel.ndim != 2:
     raise ValueError(f"kernel must be [K, N], got shape {kernel.shape}")
@@ -237,7 +257,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
                      f"{kernel.shape}")
   k, n = kernel.shape
   if bias is not None:
-    bias = jnp.asarray(bias)
+    bias = checks.array(bias, "bias")
     if bias.shape != (n,) or not jnp.issubdtype(bias.dtype, jnp.floating):
       raise ValueError(f"bias must be a float [{n}], got {bias.dtype}{list(bias.shape)}")
   if not isinstance(recipe, (DelayedScaling, BlockScaling)):
@@ -260,32 +280,25 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   amax_axis_name = _amax_axes(x, kernel, bias, state, amax_axis_name)
   if not fp8:
     return _linear_in_dtype(x, kernel, bias)
-  x, kernel, bias = _vary_all(x, kernel, bias)
+  x, kernel, bias = sharding.vary_like((x, kernel, bias), x, kernel, bias)
   dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
   y = _linear(x.reshape(math.prod(x.shape[:-1]), k), kernel, bias, state, amax_axis_name, dtypes,
-              recipe.fast_accum)
+              recipe.fast_accum_gemms)
   return y.reshape(*x.shape[:-1], n)
-
-
-def _vary_all(x, kernel, bias):
-  """Under shard_map, every input made varying over the axes any of them varies over, so that a
-  replicated input's gradient is summed over those axes, as JAX does for any op."""
-  axes = sharding.varying_axes(x, kernel, bias)
-  return tuple(_vary(v, axes) for v in (x, kernel, bias)) if axes else (x, kernel, bias)
 
 
 def _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name, fp8):
   """``linear`` under BlockScaling (arguments checked by ``linear`` up to the recipe)."""
   k, n = kernel.shape
-  if fp8 and (k % recipe.group_size or n % recipe.group_size):
-    raise ValueError(f"BlockScaling needs K and N multiples of {recipe.group_size} (the groups "
+  if fp8 and (k % blockwise.BLOCK or n % blockwise.BLOCK):
+    raise ValueError(f"BlockScaling needs K and N multiples of {blockwise.BLOCK} (the groups "
                      f"of x along K and of the gradient along N), got K={k}, N={n}")
   if state is not None or amax_axis_name not in (None, ()):
     raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
                      "scales come from each device's own tensors)")
   if not fp8:
     return _linear_in_dtype(x, kernel, bias)
-  x, kernel, bias = _vary_all(x, kernel, bias)
+  x, kernel, bias = sharding.vary_like((x, kernel, bias), x, kernel, bias)
   dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
   y = _block_linear(x.reshape(math.prod(x.shape[:-1]), k), kernel, bias, recipe, dtypes)
   return y.reshape(*x.shape[:-1], n)

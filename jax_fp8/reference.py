@@ -1,7 +1,10 @@
 """Plain-jnp twins of every jax_fp8 op: the specification and the test oracle.
 
-Same signatures as the fast ops; unfused and written to be read. Quantize results must match
-the CUDA and CPU kernels bit for bit; GEMM and linear results within stated tolerances.
+Same signatures and results as the fast ops; unfused and written to be read. Quantize results
+must match the CUDA and CPU kernels bit for bit; GEMM and linear results within stated
+tolerances. Tests and benchmarks import this module; the library does not. The ring rules and
+the formats' numerics come from ``jax_fp8.state`` and ``jax_fp8.formats`` (their one jnp
+definition), so the twins check the kernels against them.
 """
 
 from __future__ import annotations
@@ -10,53 +13,37 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .scaling import ScaleRing, fp8_dtype, fp8_max, next_ring, scale_for_step
+from .formats import amax, apply_scales, as_f32, fp8_dtype, fp8_max
+from .ops import CastTransposed, DelayedQuantized, Quantized
+from .ops.gemm import expand_scales
+from .state import ScaleRing, next_ring, observe as observe_ring, scale_for_step
 
 _CANONICAL_NAN = 0x7F  # what the hardware's cvt.rn.satfinite writes for any NaN
 
 
-def as_f32(x: jax.Array) -> jax.Array:
-  """x in f32 with subnormals flushed to (signed) zero: f32 subnormals count as zero on every
-  backend (XLA's CPU runtime flushes them, GPUs do not)."""
-  x = jnp.asarray(x).astype(jnp.float32)
-  return jnp.where(jnp.abs(x) < np.finfo(np.float32).tiny, x * 0, x)
-
-
-def amax(x: jax.Array) -> jax.Array:
-  """max |x| in f32 (NaN if x holds a NaN), f32 []. The NaN is explicit: XLA's CPU max
-  reduction can drop NaNs (seen with jax 0.10.2 on a [52, 80] array)."""
-  a = jnp.abs(as_f32(x))
-  nan = jnp.isnan(a)
-  return jnp.where(jnp.any(nan), jnp.nan, jnp.max(jnp.where(nan, 0.0, a), initial=0.0))
-
-
-def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> tuple[jax.Array, jax.Array]:
+def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> Quantized:
   """``q = saturate(rne(x * (1 / scale)))``, amax = max |x|. ml_dtypes' cast does not saturate,
   so clip first; NaN becomes the canonical NaN byte 0x7F."""
-  dt = fp8_dtype(fmt)
-  fmax = fp8_max(fmt)
-  y = as_f32(x) * (1.0 / as_f32(scale))
-  q = jnp.clip(y, -fmax, fmax).astype(dt)
-  nan = jax.lax.bitcast_convert_type(jnp.uint8(_CANONICAL_NAN), dt)
-  q = jnp.where(jnp.isnan(y), nan, q)
-  return q, amax(x)
+  return Quantized(_cast(as_f32(x) * (1.0 / as_f32(scale)), fmt), amax(x))
 
 
-def quantize_delayed(x: jax.Array, ring: ScaleRing) -> tuple[jax.Array, jax.Array, ScaleRing]:
-  """Quantize with the ring's scale (current scaling on a fresh ring), then record the amax."""
+def quantize_delayed(x: jax.Array, ring: ScaleRing, *, observe: bool = False) -> DelayedQuantized:
+  """Quantize with the ring's scale (current scaling on a fresh ring), then record the amax
+  (the next ring, or with ``observe`` the ring's observation)."""
   a = amax(x)
-  q, _ = quantize(x, scale_for_step(ring, a), ring.fmt)
-  return q, a, next_ring(ring, a)
+  s = scale_for_step(ring, a)
+  moved = observe_ring(ring, a) if observe else next_ring(ring, a)
+  return DelayedQuantized(quantize(x, s, ring.fmt).q, a, moved, s)
 
 
-def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False):
+def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
+                           observe: bool = False) -> CastTransposed:
   """quantize_delayed, plus the transposed copy padded with zero columns to a multiple of 16,
   plus (optionally) the f32 column sums of x."""
-  q, a, nxt = quantize_delayed(x, ring)  # [R, C]
-  pad = -x.shape[0] % 16
-  qt = jnp.pad(q.T, ((0, 0), (0, pad)))  # [C, ceil16(R)]
+  q, a, moved, s = quantize_delayed(x, ring, observe=observe)  # [R, C]
+  qt = jnp.pad(q.T, ((0, 0), (0, -x.shape[0] % 16)))  # [C, ceil16(R)]
   dbias = jnp.sum(as_f32(x), axis=0) if with_dbias else None  # [C]
-  return q, qt, a, nxt, dbias
+  return CastTransposed(q, qt, a, moved, dbias, s)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
@@ -69,7 +56,7 @@ def gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16, out_scale
   With ``out_scale`` (an e4m3 output): ``quantize`` of that result, i.e. (q, amax)."""
   acc = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32).T,
                    precision=jax.lax.Precision.HIGHEST)  # [M, N]
-  d = acc * (a_scale * b_scale)
+  d = apply_scales(acc, a_scale, b_scale)
   if bias is not None:
     d = d + bias.astype(jnp.float32)
   return quantize(d, out_scale) if out_scale is not None else d.astype(out_dtype)
@@ -80,11 +67,9 @@ def linear(x, kernel, bias=None, *, state) -> jax.Array:
   f32, add the bias. ``x [..., K]``, ``kernel [K, N]``, returns ``[..., N]`` in x's dtype.
   (The recipe is implied by the rings; the amax axis changes only the rings' update.)"""
   x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-  qx, _, _ = quantize_delayed(x2, state.x)
-  qk, _, _ = quantize_delayed(kernel, state.kernel)  # [K, N]
-  sx = scale_for_step(state.x, amax(x2))
-  sk = scale_for_step(state.kernel, amax(kernel))
-  y = gemm(qx, qk.T, sx, sk, out_dtype=jnp.float32)
+  cx = quantize_delayed(x2, state.x)
+  ck = quantize_delayed(kernel, state.kernel)  # [K, N]
+  y = gemm(cx.q, ck.q.T, cx.scale, ck.scale, out_dtype=jnp.float32)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   return y.astype(x.dtype).reshape(*x.shape[:-1], kernel.shape[-1])
@@ -105,13 +90,6 @@ def group_scale(amax_: jax.Array, eps: float, fmt: str, ue8m0: bool) -> jax.Arra
   return jnp.where(jnp.isfinite(s), up, s)
 
 
-def _amax_along(x: jax.Array, axis) -> jax.Array:
-  """NaN-propagating max |x| over ``axis``, f32 (see ``amax``)."""
-  a = jnp.abs(as_f32(x))
-  nan = jnp.any(jnp.isnan(a), axis=axis)
-  return jnp.where(nan, jnp.nan, jnp.max(jnp.where(jnp.isnan(a), 0.0, a), axis=axis))
-
-
 def _cast(y: jax.Array, fmt: str) -> jax.Array:
   """f32 -> FP8 with saturation and the canonical NaN, as ``quantize``."""
   dt, fmax = fp8_dtype(fmt), fp8_max(fmt)
@@ -125,7 +103,7 @@ def group_quantize(x, *, group_size=128, fmt="e4m3", eps=1e-10, ue8m0=False, sca
   product of the leading dims) or ``[K/g, ceil4(M)]`` zero-padded ("col_tma")."""
   *lead, k = x.shape
   g = x.reshape(*lead, k // group_size, group_size)
-  s = group_scale(_amax_along(g, -1), eps, fmt, ue8m0)  # [..., K/g]
+  s = group_scale(amax(g, axis=-1), eps, fmt, ue8m0)  # [..., K/g]
   q = _cast(as_f32(g) * (1.0 / s)[..., None], fmt).reshape(x.shape)
   if scale_layout == "row":
     return q, s
@@ -142,13 +120,12 @@ def _tiles(x, fill=0.0):
   return xp.reshape(xp.shape[0] // 128, 128, xp.shape[1] // 128, 128)
 
 
-def block_quantize(w, *, block=(128, 128), fmt="e4m3", eps=1e-10, ue8m0=False):
+def block_quantize(w, *, fmt="e4m3", eps=1e-10, ue8m0=False):
   """128 x 128 block quantization of ``w [R, C]``: ``q [R, C]``, scales
   ``[ceil(R/128), ceil(C/128)]``; edge blocks use only the elements they hold."""
-  del block  # (128, 128), checked by the op
   r, c = w.shape
   t = _tiles(w)
-  s = group_scale(_amax_along(t, (1, 3)), eps, fmt, ue8m0)  # [R/128, C/128]
+  s = group_scale(amax(t, axis=(1, 3)), eps, fmt, ue8m0)  # [R/128, C/128]
   q = _cast(t * (1.0 / s)[:, None, :, None], fmt).reshape(t.shape[0] * 128, -1)[:r, :c]
   return q, s
 
@@ -163,13 +140,6 @@ def group_cast_transpose(x, *, fmt="e4m3", eps=1e-10, ue8m0=False):
   qt, st = group_quantize(xt, group_size=128, fmt=fmt, eps=eps, ue8m0=ue8m0)
   qt = jnp.where(jnp.arange(qt.shape[1]) < r, qt, jnp.zeros((), qt.dtype))  # zero bytes
   return q, s, qt, st
-
-
-def expand_scales(scale: jax.Array, rows: int, cols: int, block_rows: int) -> jax.Array:
-  """Scales [ceil(rows / block_rows), ceil(cols / 128)] repeated to one per element
-  [rows, cols]: block_rows 1 for 1 x 128 groups, 128 for 128 x 128 blocks."""
-  s = jnp.repeat(jnp.repeat(scale, block_rows, axis=0), 128, axis=1)
-  return s[:rows, :cols]
 
 
 def block_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16) -> jax.Array:

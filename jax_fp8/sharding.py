@@ -10,7 +10,7 @@ then gathers that dimension), and adds the collectives the op needs:
 - ``quantize_delayed`` / ``cast_transpose_delayed``: the ring is replicated. Every device
   quantizes with the same scale: the ring's, or on a fresh ring the one from the global amax
   (max-reduced before the kernel runs, on that step only). The amax is max-reduced and the
-  next ring computed as ``jax_fp8.scaling.next_ring`` does, identically on every device.
+  next ring (or the observation) computed by ``jax_fp8.state``, identically on every device.
   ``qt`` is sharded like x transposed, which needs local rows a multiple of 16 (its padding);
   dbias is summed over the row shards.
 - ``gemm``: M and N stay sharded as a's rows and b's rows; a contraction dimension K sharded
@@ -50,6 +50,21 @@ def varying_axes(*values) -> set:
   return out
 
 
+def vary_like(outs, *ins):
+  """``outs`` (a pytree) made varying over every shard_map axis any of ``ins`` varies over:
+  FFI results are typed as invariant although each device computes its own, and an input
+  replicated over an axis that another input varies over must vary too, so that its gradient
+  is summed over that axis as JAX does for any op. Outside shard_map: ``outs`` as they are."""
+  axes = varying_axes(*ins)
+  if not axes:
+    return outs
+
+  def vary(o):
+    missing = tuple(sorted(axes - varying_axes(o)))
+    return jax.lax.pcast(o, missing, to="varying") if missing else o
+  return jax.tree.map(vary, outs)
+
+
 def manual_axes() -> tuple:
   """The mesh axes of the enclosing shard_map (empty outside one, or where this jax cannot
   say)."""
@@ -61,7 +76,8 @@ def _check_auto_axes(args) -> None:
   """Raise ValueError, naming the fix, for arrays on (or a context of) a mesh with Explicit
   axes, which custom_partitioning does not take (jax.make_mesh's default in jax 0.10)."""
   meshes = [jax.sharding.get_abstract_mesh()] + [
-      getattr(getattr(jax.typeof(v), "sharding", None), "mesh", None) for v in jax.tree.leaves(args)]
+      getattr(getattr(jax.typeof(v), "sharding", None), "mesh", None)
+      for v in jax.tree.leaves(args)]
   for mesh in meshes:
     if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
       raise ValueError(
@@ -70,13 +86,13 @@ def _check_auto_axes(args) -> None:
           f"or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * ndim)")
 
 
-def call(impl, plan, rule: str, *args, reduction_factors=(), **factor_sizes):
+def call(op: str, impl, plan, rule: str, *args, reduction_factors=(), **factor_sizes):
   """``impl(*args)`` partitioned by ``plan(mesh, arg_shapes) -> (lower, arg_shardings,
   result_shardings)``, ``lower`` running on the local pieces; ``impl`` itself inside
   shard_map. ``rule``: the Shardy rule for propagation (``factor_sizes`` for its compound
-  factors)."""
+  factors). Differentiating it raises a TypeError naming the op ``jax_fp8.<op>``."""
   if varying_axes(*args) or manual_axes():
-    return impl(*args)
+    return _not_differentiable(op, impl)(*args)
   _check_auto_axes(args)
 
   def partition(mesh, arg_shapes, result_shape):
@@ -96,7 +112,21 @@ def call(impl, plan, rule: str, *args, reduction_factors=(), **factor_sizes):
   def _(axis_size, in_batched, *a):
     outs = jax.vmap(impl, in_axes=[0 if b else None for b in in_batched])(*a)
     return outs, jax.tree.map(lambda _: True, outs)
-  return batched(*args)
+  return _not_differentiable(op, batched)(*args)
+
+
+def _not_differentiable(op: str, fn):
+  """``fn`` whose differentiation raises a TypeError that names the op and the way out, in
+  place of JAX's message about a primitive (custom_partitioning, ffi_call) it cannot
+  differentiate."""
+  wrapped = jax.custom_jvp(fn)
+
+  def jvp(primals, tangents):
+    raise TypeError(f"jax_fp8.{op} is not differentiable (its outputs are FP8 bytes and "
+                    f"scales); differentiate through jax_fp8.linear, whose custom_vjp runs FP8 "
+                    f"GEMMs forward and backward, or wrap the op in jax.lax.stop_gradient")
+  wrapped.defjvp(jvp)
+  return wrapped
 
 
 def grouped(name: str, size: int, group: int = 128) -> tuple[str, str]:

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The one GPU session script: build, GPU tests, benchmark suite, demo. Logs go to $OUT
-# (the device tool brings them back). Usage on the GPU machine:
-#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [graphs] [demo] [demo-block] [dp]
-#     [step-profile] [profile]
-# (default: tests bench demo; step-profile traces the block train step with the JAX profiler;
-# profile runs Nsight Compute over our kernels). Optional environment: TESTS_K (pytest -k
-# expression, default "not cpu"), BENCH_ONLY (benchmark case groups, see python -m
-# benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes, default "fp8 fast_all
-# bf16"), NCU_KERNELS / NCU_SKIP / NCU_COUNT (profile's kernel-name regex, matching launches
-# skipped and profiled). The device tool brings back at most 8 files of $OUT: one log per
-# step, the step profiles' logs in one.
+# The one script for a GPU machine: build, GPU tests, benchmarks, sanitizers, demo. Logs go to
+# $OUT (one log per step; at most a few files, so they are easy to bring back). Usage:
+#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [sanitize] [graphs] [demo]
+#     [demo-block] [dp] [step-profile] [profile]
+# (default: tests bench demo; sanitize runs compute-sanitizer's memcheck, racecheck, initcheck
+# and synccheck over every variant of our kernels; step-profile traces the block train step
+# with the JAX profiler; profile runs Nsight Compute over our kernels). Optional environment:
+# TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case groups, see
+# python -m benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes, default "fp8
+# fast_all bf16"), NCU_KERNELS / NCU_SKIP / NCU_COUNT (profile's kernel-name regex, matching
+# launches skipped and profiled), SANITIZE_TOOLS (default all four).
 set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
@@ -55,6 +55,17 @@ for s in $steps; do
     demo-block) python3 -m jax_fp8.demo --preset gpu --recipe block --out "$OUT/demo-block" \
              > "$OUT/demo-block.log" 2>&1
            echo "demo-block exit $?"; tail -15 "$OUT/demo-block.log" ;;
+    # Every kernel variant of ours under compute-sanitizer (only kernels in namespace jax_fp8
+    # are instrumented); JAX allocates each buffer with its own cudaMalloc, so memcheck sees
+    # each buffer's exact bounds.
+    sanitize) for tool in ${SANITIZE_TOOLS:-memcheck racecheck initcheck synccheck}; do
+             echo "## compute-sanitizer --tool $tool" >> "$OUT/sanitize.log"
+             XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+               compute-sanitizer --tool $tool --kernel-name kns=jax_fp8 --error-exitcode 99 \
+               python3 scripts/run_kernels.py coverage >> "$OUT/sanitize.log" 2>&1
+             echo "sanitize $tool exit $?"
+           done
+           grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit" "$OUT/sanitize.log" | tail -12 ;;
     # Where the transformer block train step's time goes, per stream and kind of work.
     step-profile) for r in ${PROFILE_RECIPES:-fp8 fast_all bf16}; do
              python3 -m benchmarks.step_profile --recipe $r --out "$OUT/step-profile-$r.json" \
@@ -68,7 +79,7 @@ for s in $steps; do
                --launch-skip ${NCU_SKIP:-7} --launch-count ${NCU_COUNT:-7} --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
                --section WarpStateStats --section SchedulerStats \
-               python3 scripts/profile_kernels.py > "$OUT/profile.log" 2>&1
+               python3 scripts/run_kernels.py profile > "$OUT/profile.log" 2>&1
            grep -E "==PROF==|Kernel|Throughput|Duration|Occupancy" "$OUT/profile.log" | head -60 ;;
   esac
   echo "$s $(( $(date +%s) - t0 )) s"

@@ -33,13 +33,14 @@ def test_matches_reference(platform, rng, fmt, dtype, shape, with_dbias):
     poison_allocator(x.size)
     if platform == "cuda":  # the CPU handler's dbias, to compare bit for bit
       cpu_db = on_cpu(lambda x, r: step(x, r, with_dbias=with_dbias)[4], x, ring)
-    q, qt, a, ring, db = step(x, ring, with_dbias=with_dbias)
-    rq, rqt, ra, ref_ring, rdb = on_cpu(
+    q, qt, a, ring, db, s = step(x, ring, with_dbias=with_dbias)
+    rq, rqt, ra, ref_ring, rdb, rs = on_cpu(
         lambda x, r: reference.cast_transpose_delayed(x, r, with_dbias=with_dbias), x, ref_ring)
     assert q.shape == shape and qt.shape == (shape[1], -(-shape[0] // 16) * 16)
     np.testing.assert_array_equal(bits(q), bits(rq))
     np.testing.assert_array_equal(bits(qt), bits(rqt))
     np.testing.assert_array_equal(np.asarray(a), ra)
+    np.testing.assert_array_equal(np.asarray(s), rs)  # the scale used
     for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
       np.testing.assert_array_equal(np.asarray(got), want)
     if with_dbias:

@@ -48,8 +48,8 @@ def test_cast_transpose_ring_any_input(platform_name, data, rows, cols16, margin
   for _ in range(steps):
     x = jnp.asarray(data.draw(arrays((rows, 16 * cols16))))
     with jax.default_device(jax.devices(platform_name)[0]):
-      q, qt, a, ring, _ = jax_fp8.cast_transpose_delayed(x, ring)
-    rq, rqt, ra, ref_ring, _ = on_cpu(reference.cast_transpose_delayed, x, ref_ring)
+      q, qt, a, ring, _, _ = jax_fp8.cast_transpose_delayed(x, ring)
+    rq, rqt, ra, ref_ring, _, _ = on_cpu(reference.cast_transpose_delayed, x, ref_ring)
     np.testing.assert_array_equal(bits(q), bits(rq))
     np.testing.assert_array_equal(bits(qt), bits(rqt))
     np.testing.assert_array_equal(np.asarray(a), ra)

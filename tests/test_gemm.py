@@ -7,7 +7,8 @@ import pytest
 from conftest import on_cpu, poison_allocator
 
 import jax_fp8
-from jax_fp8 import blockwise, reference
+from jax_fp8 import reference
+from jax_fp8.ops import blockwise
 
 PAIRS = [("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3")]
 # Normwise relative error allowed: the output's rounding (bf16 2^-8, f16 2^-11) plus the
@@ -78,6 +79,27 @@ def test_gemm_zero_rows(platform):
   a = jnp.zeros((0, 32), jnp.float8_e4m3fn)
   b = jnp.ones((16, 32), jnp.float8_e4m3fn)
   assert jax_fp8.gemm(a, b, jnp.float32(1), jnp.float32(1)).shape == (0, 16)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_tiny_scales_do_not_underflow(platform, out_dtype):
+  """Scales of tensors of magnitude 1e-20 and 1e-15 (about 2e-23 and 2e-18) multiply to an f32
+  subnormal (4.9e-41), while the result (1.3e-33 at K = 128) is a normal f32: gemm, linear and
+  the reference twin return it. Inputs quantize to 448 exactly, so the result is exact to the
+  output's rounding (2^-8 for bf16); an underflowing scale product gives 0 on the CPU."""
+  x = jnp.full((16, 128), 1e-20, jnp.float32)
+  w = jnp.full((128, 32), 1e-15, jnp.float32)
+  want = 128 * np.float64(1e-20) * np.float64(1e-15)  # every entry of x @ w
+  qx, ax = jax_fp8.quantize(x, jnp.float32(1e-20 / 448))
+  qw, aw = jax_fp8.quantize(w.T, jnp.float32(1e-15 / 448))
+  sx, sw = jnp.float32(1e-20 / 448), jnp.float32(1e-15 / 448)
+  assert float(sx) * float(sw) < np.finfo(np.float32).tiny  # the product alone underflows
+  got = {"gemm": jax_fp8.gemm(qx, qw, sx, sw, out_dtype=out_dtype),
+         "reference": on_cpu(lambda *a: reference.gemm(*a, out_dtype=out_dtype), qx, qw, sx, sw),
+         "linear": jax_fp8.linear(x.astype(out_dtype), w.astype(out_dtype),
+                                  state=jax_fp8.LinearState.create())}
+  for name, y in got.items():
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2**-7, err_msg=name)
 
 
 def test_gemm_nan_propagates(platform, rng):

@@ -11,7 +11,8 @@ from conftest import on_cpu
 
 import jax_fp8
 from jax_fp8 import reference
-from jax_fp8.scaling import LINEAR_GEMMS, next_ring
+from jax_fp8.recipes import LINEAR_GEMMS
+from jax_fp8.state import next_ring
 
 # Normwise relative error allowed against the f32 math: E4M3 rounding (2^-4 relative at worst,
 # ~2% RMS on Gaussian data) in the forward, E5M2 (2^-3) in the gradients, where the error
@@ -112,6 +113,18 @@ def test_state_gradient_gives_next_ring(platform, rng):
   assert float(state.x.steps) == 3 and float(state.grad.steps) == 3
 
 
+def test_rings_move_in_the_kernels(rng):
+  """The train step's rings are moved by the cast-transpose kernels alone: they read the rings
+  and write the observations to fresh buffers, so the compiled step holds no copy of a ring
+  buffer and no jnp ring arithmetic (a concatenate shifting a history) around our calls."""
+  x, w, b, t = problem(rng)
+  state = jax_fp8.LinearState.create()  # rings of 16: no other f32[16] in this step
+  step = jax.jit(lambda x, w, b, s, t: jax.grad(loss, argnums=(1, 3))(x, w, b, s, t))
+  hlo = step.lower(x, w, b, state, t).compile().as_text()
+  assert hlo.count("custom_call_target=\"jax_fp8_cast_transpose_ring\"") == 3
+  assert not re.search(r"f32\[16\]\{0\} (copy|concatenate)\(", hlo)
+
+
 def test_unused_ring_does_not_roll(rng):
   x, w, b, t = problem(rng)
   s1, s2 = jax_fp8.LinearState.create(), jax_fp8.LinearState.create()
@@ -183,7 +196,7 @@ def test_bad_inputs(rng):
   with pytest.raises(TypeError, match="state must be a jax_fp8.LinearState"):
     jax_fp8.linear(x, w, b, state={})
   with pytest.raises(ValueError, match="do not match the recipe"):
-    jax_fp8.linear(x, w, b, state=s, recipe=jax_fp8.DelayedScaling(fmt="e4m3"))
+    jax_fp8.linear(x, w, b, state=s, recipe=jax_fp8.DelayedScaling(fp8_format="e4m3"))
   with pytest.raises(TypeError, match="LinearState.create takes a DelayedScaling"):
     jax_fp8.LinearState.create(jax_fp8.BlockScaling())
 
@@ -195,7 +208,7 @@ def test_fast_accum_reaches_its_gemms(rng, fast):
   (read from the CUDA lowering: fprop gives [M, N], dgrad [M, K], wgrad [K, N])."""
   m, k, n = 32, 64, 48
   x, w, b, t = problem(rng, (m,), k, n)
-  recipe = jax_fp8.DelayedScaling(fast_accum=fast)
+  recipe = jax_fp8.DelayedScaling(fast_accum_gemms=fast)
   f = jax.value_and_grad(lambda x, w, s: jnp.sum(
       jax_fp8.linear(x, w, b, state=s, recipe=recipe) * t), argnums=(0, 1, 2))
   hlo = jax.jit(f).trace(x, w, jax_fp8.LinearState.create(recipe)).lower(
@@ -210,7 +223,7 @@ def test_fast_accum_linear(platform, rng):
   """With fast accumulation in all three GEMMs the forward and gradients stay within the FP8
   tolerances against the f32 math (K = 1024, where the accumulation error shows on CUDA)."""
   x, w, b, t = problem(rng, lead=(64,), k=1024, n=128)
-  recipe = jax_fp8.DelayedScaling(fast_accum=LINEAR_GEMMS)
+  recipe = jax_fp8.DelayedScaling(fast_accum_gemms=LINEAR_GEMMS)
   state = jax_fp8.LinearState.create(recipe)
   fp8 = lambda x, w, b: jnp.sum(jax_fp8.linear(x, w, b, state=state, recipe=recipe) * t)
   val, grads = jax.jit(jax.value_and_grad(fp8, argnums=(0, 1, 2)))(x, w, b)
@@ -223,13 +236,13 @@ def test_fast_accum_linear(platform, rng):
 
 def test_fast_accum_rejects_and_orders():
   for bad in (("fprop", "fprop"), ("forward",), "fprop", (["fprop"],), None):
-    with pytest.raises(ValueError, match="DelayedScaling.fast_accum must be a tuple"):
-      jax_fp8.DelayedScaling(fast_accum=bad)
-  recipe = jax_fp8.DelayedScaling(fast_accum=("wgrad", "fprop"))
-  assert recipe.fast_accum == ("fprop", "wgrad")
+    with pytest.raises(ValueError, match="DelayedScaling.fast_accum_gemms must be a tuple"):
+      jax_fp8.DelayedScaling(fast_accum_gemms=bad)
+  recipe = jax_fp8.DelayedScaling(fast_accum_gemms=("wgrad", "fprop"))
+  assert recipe.fast_accum_gemms == ("fprop", "wgrad")
   for same in (("fprop", "wgrad"), ["wgrad", "fprop"], {"fprop", "wgrad"}):
-    assert jax_fp8.DelayedScaling(fast_accum=same) == recipe
-  assert hash(jax_fp8.DelayedScaling(fast_accum=[])) == hash(jax_fp8.DelayedScaling())
+    assert jax_fp8.DelayedScaling(fast_accum_gemms=same) == recipe
+  assert hash(jax_fp8.DelayedScaling(fast_accum_gemms=[])) == hash(jax_fp8.DelayedScaling())
 
 
 @pytest.mark.parametrize("recipe_cls", [jax_fp8.DelayedScaling, jax_fp8.BlockScaling])
@@ -270,10 +283,12 @@ def test_fp8_min_intensity(platform, rng, recipe_cls):
     assert float(jax_fp8.update_state(state, grads8[3]).x.steps) == 1.0
 
 
-@pytest.mark.parametrize("bad", [-1.0, float("inf"), float("nan"), "900", True])
-def test_fp8_min_intensity_rejects(bad):
+@pytest.mark.parametrize("bad,error", [(-1.0, ValueError), (float("inf"), ValueError),
+                                       (float("nan"), ValueError), ("900", TypeError),
+                                       (True, TypeError)])
+def test_fp8_min_intensity_rejects(bad, error):
   for cls in (jax_fp8.DelayedScaling, jax_fp8.BlockScaling):
-    with pytest.raises(ValueError, match=f"{cls.__name__}.fp8_min_intensity must be a finite"):
+    with pytest.raises(error, match=f"{cls.__name__}.fp8_min_intensity must be"):
       cls(fp8_min_intensity=bad)
 
 

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8
-from jax_fp8.scaling import next_ring
+from jax_fp8.state import next_ring
 from conftest import HAS_CUDA
 
 
@@ -117,11 +117,13 @@ def test_data_parallel(problem):
     assert np.all(np.asarray(leaf) == np.asarray(leaf)[:1])
 
   # The compiled step gathers no activations, and reduces only the gradients of the
-  # replicated kernel and bias and the amaxes (x and kernel in one, grad in one; XLA may
-  # combine reductions into tuples).
+  # replicated kernel and bias and the rings' observations written by the kernels (history,
+  # scale and steps of x and kernel in one, of grad in one; XLA may combine reductions into
+  # tuples).
   hlo = run.lower(x, w, b, g, state).compile().as_text()
   assert "all-gather" not in hlo
-  assert reduced_elements(hlo) == 2 + 1 + K * N + N
+  history = state.x.amax_history.shape[0]
+  assert reduced_elements(hlo) == 3 * (history + 2) + K * N + N
 
 
 def test_fsdp(problem):
@@ -319,10 +321,10 @@ def test_sharded_jit_fresh_rings(rng):
   mesh = Mesh(np.array(DEVICES), ("data",))
   xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
   ring = jax_fp8.ScaleRing.create(4)
-  q, qt, a, nxt, db = jax.jit(lambda x, r: jax_fp8.cast_transpose_delayed(x, r, with_dbias=True))(
+  q, qt, a, nxt, db, _ = jax.jit(lambda x, r: jax_fp8.cast_transpose_delayed(x, r, with_dbias=True))(
       xs, ring)
   with jax.default_device(DEVICES[0]):
-    rq, rqt, ra, rnxt, rdb = jax_fp8.cast_transpose_delayed(x, ring, with_dbias=True)
+    rq, rqt, ra, rnxt, rdb, _ = jax_fp8.cast_transpose_delayed(x, ring, with_dbias=True)
   np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(rq).view(np.uint8))
   np.testing.assert_array_equal(np.asarray(qt).view(np.uint8), np.asarray(rqt).view(np.uint8))
   assert float(a) == float(ra) == 40.0

@@ -67,7 +67,7 @@ def test_f32_subnormals_count_as_zero(platform):
   q, a = jax_fp8.quantize(x, jnp.float32(np.finfo(np.float32).tiny))
   assert float(a) == 0.0
   np.testing.assert_array_equal(bits(q), [0x00, 0x80, 0x00, 0x00])
-  _, _, ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(2))
+  _, _, ring, _ = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(2))
   assert float(ring.amax_history[0]) == 0.0 and float(ring.scale) == 1.0
 
 
@@ -91,9 +91,10 @@ def test_ring_50_steps(platform, rng, algo, fmt, margin, length):
   for t in range(50):
     mag = float(np.exp(rng.uniform(-6, 6)))
     x = jnp.asarray(rng.standard_normal(1000 + 37 * t).astype(np.float32) * mag, jnp.bfloat16)
-    q, a, ring = step(x, ring)
-    qr, ar, ref_ring = on_cpu(reference.quantize_delayed, x, ref_ring)
+    q, a, ring, s = step(x, ring)
+    qr, ar, ref_ring, sr = on_cpu(reference.quantize_delayed, x, ref_ring)
     check_same(q, a, qr, ar)
+    np.testing.assert_array_equal(np.asarray(s), sr)  # the scale used
     for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
       np.testing.assert_array_equal(np.asarray(got), want)
   assert float(ring.steps) == 50
@@ -107,8 +108,8 @@ def test_ring_many_blocks(platform, rng, n, length):
   ref_ring = ring
   for _ in range(3):
     x = jnp.asarray(rng.standard_normal(n).astype(np.float32) * rng.uniform(0.1, 100))
-    q, a, ring = jax_fp8.quantize_delayed(x, ring)
-    qr, ar, ref_ring = on_cpu(reference.quantize_delayed, x, ref_ring)
+    q, a, ring, _ = jax_fp8.quantize_delayed(x, ring)
+    qr, ar, ref_ring, _ = on_cpu(reference.quantize_delayed, x, ref_ring)
     check_same(q, a, qr, ar)
     for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
       np.testing.assert_array_equal(np.asarray(got), want)
@@ -117,10 +118,35 @@ def test_ring_many_blocks(platform, rng, n, length):
 def test_ring_first_step_uses_current_amax(platform):
   """Step 0 scales from the tensor's own amax, not from a default scale of 1."""
   x = jnp.asarray([0.0, 1e-3, -2e-3], jnp.float32)
-  q, a, ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3"))
+  q, a, ring, _ = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3"))
   np.testing.assert_allclose(np.asarray(q.astype(jnp.float32))[2], -448.0)
   np.testing.assert_allclose(float(ring.scale), 2e-3 / 448, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(ring.amax_history), [2e-3, 0, 0, 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["quantize_delayed", "cast_transpose_delayed"])
+@pytest.mark.parametrize("special", ["finite", "nan", "inf"])
+def test_observe_writes_the_observation(platform, rng, op, special):
+  """observe=True: the kernel writes the ring's observation of the step (the state gradient:
+  history shifted with the amax in front, +inf for NaN or inf, steps + 1, scale 0), bit for
+  bit as jax_fp8.state.observe, on a fresh ring and on a later one; q and the scale used are
+  those of observe=False."""
+  fn, ref = getattr(jax_fp8, op), getattr(reference, op)
+  x = rng.standard_normal((40, 48)).astype(np.float32)
+  x[3, 7] = {"finite": 5.0, "nan": np.nan, "inf": np.inf}[special]
+  x = jnp.asarray(x, jnp.bfloat16)
+  fresh = jax_fp8.ScaleRing.create(5, "e4m3", margin=1)
+  later = on_cpu(lambda r: reference.quantize_delayed(jnp.full((4, 16), 7.0), r).ring, fresh)
+  for ring in (fresh, later):
+    got, plain = jax.jit(lambda x, r: (fn(x, r, observe=True), fn(x, r)))(x, ring)
+    want = on_cpu(lambda x, r: ref(x, r, observe=True), x, ring)
+    np.testing.assert_array_equal(bits(got.q), bits(want.q))
+    np.testing.assert_array_equal(bits(got.q), bits(plain.q))
+    for g, w in zip(jax.tree.leaves((got.ring, got.scale, got.amax)),
+                    jax.tree.leaves((want.ring, want.scale, want.amax))):
+      np.testing.assert_array_equal(np.asarray(g), w)
+    assert float(got.ring.steps) == float(ring.steps) + 1 and float(got.ring.scale) == 0
+    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(plain.scale))
 
 
 @pytest.mark.parametrize("op", ["quantize_delayed", "cast_transpose_delayed"])
@@ -130,9 +156,9 @@ def test_ring_after_all_zero_steps_uses_current_amax(platform, op):
   placeholder scale 1."""
   def run(x, ring):
     if op == "quantize_delayed":
-      q, a, ring = jax_fp8.quantize_delayed(x, ring)
+      q, a, ring, _ = jax_fp8.quantize_delayed(x, ring)
     else:
-      q, _, a, ring, _ = jax_fp8.cast_transpose_delayed(x, ring)
+      q, _, a, ring, _, _ = jax_fp8.cast_transpose_delayed(x, ring)
     return q, a, ring
 
   ring = jax_fp8.ScaleRing.create(4, "e4m3")
@@ -149,7 +175,7 @@ def test_ring_after_all_zero_steps_uses_current_amax(platform, op):
 
 def test_ring_margin(platform):
   x = jnp.asarray([3.0, -1.0], jnp.float32)
-  _, _, ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3", margin=2))
+  _, _, ring, _ = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3", margin=2))
   np.testing.assert_allclose(float(ring.scale), 3.0 * 4 / 448, rtol=1e-6)
 
 
@@ -157,24 +183,24 @@ def test_ring_edge_cases(platform):
   """All-zero tensor keeps a positive scale; tiny and huge amax give finite scales; NaN / inf
   leave the ring untouched (the state is never poisoned) while q shows the NaN."""
   ring = jax_fp8.ScaleRing.create(4, "e4m3")
-  q, _, ring = jax_fp8.quantize_delayed(jnp.zeros((64,), jnp.float32), ring)
+  q, _, ring, _ = jax_fp8.quantize_delayed(jnp.zeros((64,), jnp.float32), ring)
   # An all-zero step is recorded but not counted: the ring stays on current scaling.
   assert float(ring.scale) == 1.0 and float(ring.steps) == 0 and not np.any(bits(q))
   np.testing.assert_array_equal(np.asarray(ring.amax_history), [0, 0, 0, 0])
-  _, _, r_tiny = jax_fp8.quantize_delayed(jnp.full((8,), 1e-37, jnp.float32), ring)
+  _, _, r_tiny, _ = jax_fp8.quantize_delayed(jnp.full((8,), 1e-37, jnp.float32), ring)
   assert float(r_tiny.scale) == np.finfo(np.float32).tiny
-  _, _, r_sub = jax_fp8.quantize_delayed(jnp.full((8,), 1e-44, jnp.float32), ring)
+  _, _, r_sub, _ = jax_fp8.quantize_delayed(jnp.full((8,), 1e-44, jnp.float32), ring)
   assert float(r_sub.scale) == 1.0  # an f32-subnormal amax counts as zero: scale kept
-  _, _, r_huge = jax_fp8.quantize_delayed(jnp.full((8,), 3e38, jnp.float32), ring)
+  _, _, r_huge, _ = jax_fp8.quantize_delayed(jnp.full((8,), 3e38, jnp.float32), ring)
   assert np.isfinite(float(r_huge.scale)) and float(r_huge.scale) > 0
   before = jax.tree.map(np.asarray, r_huge)
   for bad in (np.nan, np.inf):
     x = jnp.asarray([1.0, bad, 2.0], jnp.float32)
-    q, a, after = jax_fp8.quantize_delayed(x, r_huge)
+    q, a, after, _ = jax_fp8.quantize_delayed(x, r_huge)
     for got, want in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
       np.testing.assert_array_equal(np.asarray(got), want)
     assert not np.isfinite(float(a))  # the amax itself is reported as computed
-  qn, an, _ = jax_fp8.quantize_delayed(jnp.asarray([1.0, np.nan], jnp.float32), r_huge)
+  qn, an, _, _ = jax_fp8.quantize_delayed(jnp.asarray([1.0, np.nan], jnp.float32), r_huge)
   assert np.isnan(float(an)) and np.isnan(np.asarray(qn.astype(jnp.float32))[1])
 
 

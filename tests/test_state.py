@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8
-from jax_fp8.scaling import next_ring, observe
+from jax_fp8.state import next_ring, observe
 
 INF = np.inf
 

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <algorithm>
-#include <cstring>
 
 #include "common.h"
 
@@ -21,42 +20,18 @@ inline float load_f32(const void* x, ffi::DataType t, size_t i) {
   }
 }
 
-inline bool supported_input(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
-}
-
-inline float amax_of(const ffi::AnyBuffer& x) {
-  uint32_t m = 0;
-  for (size_t i = 0; i < x.element_count(); ++i)
-    m = std::max(m, abs_bits(load_f32(x.untyped_data(), x.element_type(), i)));
-  return bits_float(m);
-}
-
 // NaN-propagating max |x| over rows [r0, r1) and columns [c0, c1) of x viewed as [*, cols].
-inline float amax_region(const ffi::AnyBuffer& x, int64_t cols, int64_t r0, int64_t r1, int64_t c0,
-                         int64_t c1) {
+inline float amax_region(const void* x, ffi::DataType t, int64_t cols, int64_t r0, int64_t r1,
+                         int64_t c0, int64_t c1) {
   uint32_t m = 0;
   for (int64_t r = r0; r < r1; ++r)
-    for (int64_t c = c0; c < c1; ++c)
-      m = std::max(m, abs_bits(load_f32(x.untyped_data(), x.element_type(), r * cols + c)));
+    for (int64_t c = c0; c < c1; ++c) m = std::max(m, abs_bits(load_f32(x, t, r * cols + c)));
   return bits_float(m);
 }
 
-// Writes the ring outputs: the inputs advanced by this step's amax (copied first, in case XLA
-// did not alias them; the result is the same either way).
-inline void write_next_ring(float amax, const ffi::Buffer<ffi::F32>& history,
-                            const ffi::Buffer<ffi::F32>& scale, const ffi::Buffer<ffi::F32>& steps,
-                            ffi::Result<ffi::Buffer<ffi::F32>>& history_out,
-                            ffi::Result<ffi::Buffer<ffi::F32>>& scale_out,
-                            ffi::Result<ffi::Buffer<ffi::F32>>& steps_out, Fp8Format fmt,
-                            int64_t margin, int64_t algo) {
-  const size_t len = history.element_count();
-  std::memmove(history_out->typed_data(), history.typed_data(), len * sizeof(float));
-  scale_out->typed_data()[0] = scale.typed_data()[0];
-  steps_out->typed_data()[0] = steps.typed_data()[0];
-  ring_finalize_serial(amax, history_out->typed_data(), static_cast<int>(len),
-                       scale_out->typed_data(), steps_out->typed_data(), fmt,
-                       static_cast<int>(margin), static_cast<AmaxAlgo>(algo));
+// NaN-propagating max |x| over all n elements.
+inline float amax_of(const void* x, ffi::DataType t, size_t n) {
+  return amax_region(x, t, 1, 0, 1, 0, int64_t(n));
 }
 
 }  // namespace jax_fp8

@@ -14,6 +14,7 @@
 // cuBLASLt is column-major, so it computes D^T[N, M]: its "A" is our B seen as a K x N
 // column-major matrix with op T, its "B" is our A seen as K x M column-major with op N, and
 // D^T is N x M column-major, which is D row-major. The bias runs along cuBLASLt's rows (our N).
+// Arguments: gemm_args.h.
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
@@ -22,12 +23,11 @@
 #include <string>
 #include <tuple>
 
-#include "common.h"
+#include "gemm_args.h"
+#include "launch.h"
 
 namespace jax_fp8 {
 namespace {
-
-constexpr size_t kWorkspaceBytes = 32u << 20;
 
 #define JF8_LT(call)                                                                \
   do {                                                                              \
@@ -80,46 +80,8 @@ struct Descs {
   }
 };
 
-// Element counts the scales must have for a scale mode (0 per-tensor, 1 and 2 block scaling).
-bool scale_sizes_ok(int64_t mode, int64_t M, int64_t N, int64_t K, size_t na, size_t nb) {
-  if (mode == 0) return na == 1 && nb == 1;
-  if (K % 128 || M % 4) return false;
-  const int64_t kb = K / 128;
-  const int64_t want_b = mode == 1 ? (N + 127) / 128 * ((kb + 3) / 4 * 4) : N * kb;
-  return int64_t(na) == M * kb && int64_t(nb) == want_b;
-}
-
-ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                    ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
-                    ffi::AnyBuffer bias, ffi::Buffer<ffi::F32> d_scale,
-                    ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::Buffer<ffi::F32>> amax_d,
-                    ffi::Result<ffi::AnyBuffer> workspace, bool has_bias, bool fast_accum,
-                    int64_t scale_mode) {
-  // dtype -> rank -> shape relations -> alignment, as validated first in jax_fp8/ops.py.
-  if (!is_fp8(a.element_type()) || !is_fp8(b.element_type()))
-    return invalid("a and b must be float8_e4m3fn or float8_e5m2");
-  if (a.element_type() == ffi::DataType::F8E5M2 && b.element_type() == ffi::DataType::F8E5M2)
-    return invalid("e5m2 x e5m2 is not supported by cuBLASLt");
-  const auto dt = d->element_type();
-  const bool fp8_out = dt == ffi::DataType::F8E4M3FN;
-  if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32 && !fp8_out)
-    return invalid("out must be bfloat16, float16, float32 or float8_e4m3fn");
-  const size_t n_fp8 = fp8_out ? 1 : 0;  // d_scale and amax_d exist for an e4m3 output only
-  if (d_scale.element_count() != n_fp8 || amax_d->element_count() != n_fp8)
-    return invalid("d_scale and amax_d must hold one f32 for an e4m3 output, none otherwise");
-  if (fp8_out && scale_mode != 0) return invalid("an e4m3 output takes per-tensor scales only");
-  const auto epi_t = fp8_out ? ffi::DataType::BF16 : dt;  // the bias's (and C's) type
-  if (a.dimensions().size() != 2 || b.dimensions().size() != 2) return invalid("a, b must be 2-D");
-  const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = b.dimensions()[0];
-  if (b.dimensions()[1] != K) return invalid("a [M, K] and b [N, K] must share K");
-  if (K % 16 || N % 16) return invalid("K and N must be multiples of 16");
-  if (has_bias && (bias.element_type() != epi_t || int64_t(bias.element_count()) != N))
-    return invalid("bias must be [N] in the output dtype (bfloat16 for an e4m3 output)");
-  if (workspace->size_bytes() < kWorkspaceBytes) return invalid("workspace too small");
-  if (scale_mode < 0 || scale_mode > 2) return invalid("scale_mode must be 0, 1 or 2");
-  if (!scale_sizes_ok(scale_mode, M, N, K, a_scale.element_count(), b_scale.element_count()))
-    return invalid("scales do not match the scale mode (block scaling also needs K % 128 == 0 "
-                   "and M % 4 == 0)");
+ffi::Error GemmImpl(cudaStream_t stream, const GemmArgs& g) {
+  const int64_t M = g.M, N = g.N, K = g.K;
   if (M == 0) return ffi::Error::Success();
 
   int dev = 0;
@@ -141,15 +103,15 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
   const cublasOperation_t op_t = CUBLAS_OP_T, op_n = CUBLAS_OP_N;
   JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSA, &op_t, sizeof(op_t)));
   JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_TRANSB, &op_n, sizeof(op_n)));
-  const int8_t fast = fast_accum ? 1 : 0;
+  const int8_t fast = g.fast_accum ? 1 : 0;
   JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
-  const void* sa = b_scale.typed_data();  // cuBLASLt's A is our b
-  const void* sb = a_scale.typed_data();
+  const void* sa = g.b_scale;  // cuBLASLt's A is our b
+  const void* sb = g.a_scale;
   JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &sa, sizeof(sa)));
   JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &sb, sizeof(sb)));
-  if (scale_mode != 0) {
+  if (g.scale_mode != ScaleMode::kPerTensor) {
 #if CUBLAS_VERSION >= 120900
-    const cublasLtMatmulMatrixScale_t mode_a = scale_mode == 1
+    const cublasLtMatmulMatrixScale_t mode_a = g.scale_mode == ScaleMode::kBlock128x128
                                                    ? CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F
                                                    : CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
     const cublasLtMatmulMatrixScale_t mode_b = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
@@ -159,31 +121,30 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     return ffi::Error::Unimplemented("block-scaled GEMMs need cuBLASLt 12.9 or newer at build time");
 #endif
   }
-  if (fp8_out) {
-    const void* dsp = d_scale.typed_data();
-    void* amp = amax_d->typed_data();
+  if (g.fp8_out) {
+    const void* dsp = g.d_scale;
+    void* amp = g.amax_d;
     JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_D_SCALE_POINTER, &dsp, sizeof(dsp)));
     JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, &amp, sizeof(amp)));
   }
-  if (has_bias) {
+  if (g.bias) {
     const cublasLtEpilogue_t epi = CUBLASLT_EPILOGUE_BIAS;
-    const void* bp = bias.untyped_data();
-    const cudaDataType_t bt = lt_type(epi_t);
+    const void* bp = g.bias;
+    const cudaDataType_t bt = lt_type(g.epilogue_type);
     JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
     JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bp, sizeof(bp)));
     JF8_LT(cublasLtMatmulDescSetAttribute(ds.op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bt, sizeof(bt)));
   }
-  JF8_LT(cublasLtMatrixLayoutCreate(&ds.la, lt_type(b.element_type()), K, N, K));
-  JF8_LT(cublasLtMatrixLayoutCreate(&ds.lb, lt_type(a.element_type()), K, M, K));
-  JF8_LT(cublasLtMatrixLayoutCreate(&ds.ld, lt_type(dt), N, M, N));
+  JF8_LT(cublasLtMatrixLayoutCreate(&ds.la, lt_type(g.b_type), K, N, K));
+  JF8_LT(cublasLtMatrixLayoutCreate(&ds.lb, lt_type(g.a_type), K, M, K));
+  JF8_LT(cublasLtMatrixLayoutCreate(&ds.ld, lt_type(g.d_type), N, M, N));
   // C is never read (beta = 0), but its layout must be 16-bit beside an FP8 D, and C may only
   // share D's pointer when the layouts match: an FP8 D gets no C pointer at all.
-  JF8_LT(cublasLtMatrixLayoutCreate(&ds.lc, lt_type(epi_t), N, M, N));
+  JF8_LT(cublasLtMatrixLayoutCreate(&ds.lc, lt_type(g.epilogue_type), N, M, N));
 
-  const int align = common_alignment({a.untyped_data(), b.untyped_data(), d->untyped_data(),
-                                      has_bias ? bias.untyped_data() : nullptr});
-  const AlgoKey key{dev, M, N, K, int(a.element_type()), int(b.element_type()), int(dt), has_bias,
-                    fast_accum, align, scale_mode};
+  const int align = common_alignment({g.a, g.b, g.d, g.bias});
+  const AlgoKey key{dev, M, N, K, int(g.a_type), int(g.b_type), int(g.d_type), g.bias != nullptr,
+                    g.fast_accum, align, int64_t(g.scale_mode)};
   cublasLtMatmulAlgo_t algo;
   {
     std::lock_guard<std::mutex> lock(cache().mu);
@@ -191,7 +152,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     if (it == cache().algos.end()) {
       cublasLtMatmulPreference_t pref;
       JF8_LT(cublasLtMatmulPreferenceCreate(&pref));
-      size_t ws = kWorkspaceBytes;
+      size_t ws = kGemmWorkspaceBytes;
       cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws,
                                            sizeof(ws));
       const uint32_t al = static_cast<uint32_t>(align);
@@ -205,7 +166,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
       cublasLtMatmulPreferenceDestroy(pref);
       if (st != CUBLAS_STATUS_SUCCESS || found == 0)
         return ffi::Error::Internal("cuBLASLt found no FP8 algorithm for this GEMM (scale mode " +
-                                    std::to_string(scale_mode) + ")");
+                                    std::to_string(int64_t(g.scale_mode)) + ")");
       cache().algos[key] = res.algo;
       algo = res.algo;
     } else {
@@ -213,33 +174,17 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
     }
   }
   const float alpha = 1.0f, beta = 0.0f;
-  if (fp8_out && cudaMemsetAsync(amax_d->typed_data(), 0, sizeof(float), stream) != cudaSuccess)
+  if (g.fp8_out && cudaMemsetAsync(g.amax_d, 0, sizeof(float), stream) != cudaSuccess)
     return ffi::Error::Internal("cudaMemsetAsync of amax_d failed");
-  JF8_LT(cublasLtMatmul(lt, ds.op, &alpha, b.untyped_data(), ds.la, a.untyped_data(), ds.lb, &beta,
-                        fp8_out ? nullptr : d->untyped_data(), ds.lc, d->untyped_data(), ds.ld, &algo,
-                        workspace->untyped_data(), kWorkspaceBytes, stream));
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
-  return ffi::Error::Success();
+  JF8_LT(cublasLtMatmul(lt, ds.op, &alpha, g.b, ds.la, g.a, ds.lb, &beta,
+                        g.fp8_out ? nullptr : g.d, ds.lc, g.d, ds.ld, &algo, g.workspace,
+                        kGemmWorkspaceBytes, stream));
+  return last_error();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, GemmImpl,
-                       ffi::Ffi::Bind()
-                           .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                           .Arg<ffi::AnyBuffer>()            // a [M, K] fp8
-                           .Arg<ffi::AnyBuffer>()            // b [N, K] fp8
-                           .Arg<ffi::Buffer<ffi::F32>>()     // a_scale [] or [K/128, M]
-                           .Arg<ffi::Buffer<ffi::F32>>()     // b_scale [], [ceil(N/128), ceil4(K/128)], [K/128, N]
-                           .Arg<ffi::AnyBuffer>()            // bias [N] (or [0] when absent)
-                           .Arg<ffi::Buffer<ffi::F32>>()     // d_scale [1] (e4m3 out) or [0]
-                           .Ret<ffi::AnyBuffer>()            // d [M, N]
-                           .Ret<ffi::Buffer<ffi::F32>>()     // amax_d [1] (e4m3 out) or [0]
-                           .Ret<ffi::AnyBuffer>()            // workspace
-                           .Attr<bool>("has_bias")
-                           .Attr<bool>("fast_accum")
-                           .Attr<int64_t>("scale_mode"),
-                       {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmCudaHandler, DecodeThen(DecodeGemm, GemmImpl),
+                              BindGemm(BindCuda()), {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_fp8

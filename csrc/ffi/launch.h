@@ -1,13 +1,18 @@
-// Kernel launch with Programmatic Dependent Launch on sm_90+ (programmatic stream
-// serialization; kernels wait with cudaGridDependencySynchronize before reading upstream data).
+// What the CUDA handlers share: kernel launch with Programmatic Dependent Launch on sm_90+
+// (programmatic stream serialization; kernels wait with cudaGridDependencySynchronize before
+// reading upstream data), the pick of a kernel instantiation by input dtype, and the start and
+// the callable of every CUDA handler (the stream, then the op's one decoder).
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
 
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_fp8 {
@@ -75,10 +80,51 @@ void launch_pdl(void (*kernel)(KArgs...), dim3 blocks, int threads, cudaStream_t
   cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
-inline xla::ffi::Error last_error() {
+inline ffi::Error last_error() {
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return xla::ffi::Error::Internal(cudaGetErrorString(e));
-  return xla::ffi::Error::Success();
+  if (e != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+// Calls launch(InputType<T>{}) with T the device type of the quantizers' input dtype t (float,
+// __nv_bfloat16, __half): how a handler picks its kernels' instantiation.
+template <typename T>
+struct InputType {
+  using type = T;
+};
+
+template <typename F>
+ffi::Error dispatch_input(ffi::DataType t, F&& launch) {
+  switch (t) {
+    case ffi::DataType::F32: return launch(InputType<float>{});
+    case ffi::DataType::BF16: return launch(InputType<__nv_bfloat16>{});
+    case ffi::DataType::F16: return launch(InputType<__half>{});
+    default: return invalid("x must be float32, bfloat16 or float16");
+  }
+}
+
+// The start of every CUDA handler's Bind chain: the stream. The op's chain (<op>_args.h)
+// follows, and the handler is marked kCmdBufferCompatible (only launches and memsets on this
+// stream, the same for the same attributes).
+inline auto BindCuda() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+
+// CpuCall's twin (common.h): the stream, then the bound values to the op's decoder, then impl.
+template <typename Args, typename... Bound>
+struct CudaCall {
+  ffi::Error (*decode)(Platform, Args&, Bound...);
+  ffi::Error (*impl)(cudaStream_t, const Args&);
+
+  ffi::Error operator()(cudaStream_t stream, Bound... bound) const {
+    Args a{};
+    if (ffi::Error e = decode(Platform::kCuda, a, bound...); e.failure()) return e;
+    return impl(stream, a);
+  }
+};
+
+template <typename Args, typename... Bound>
+CudaCall<Args, Bound...> DecodeThen(ffi::Error (*decode)(Platform, Args&, Bound...),
+                                    ffi::Error (*impl)(cudaStream_t, const Args&)) {
+  return {decode, impl};
 }
 
 }  // namespace jax_fp8

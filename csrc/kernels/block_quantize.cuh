@@ -16,7 +16,7 @@
 
 namespace jax_fp8 {
 
-constexpr int kBlockTile = 128;
+// kBlockTile (128): csrc/constants.h.
 constexpr int kBlockThreads = 256;  // 8 threads a row of 16 elements each; 32 row quads a tile
 constexpr int kBlockPasses = kBlockTile / (kBlockThreads / 8);  // rows per thread: 4
 static_assert(kBlockThreads == kQuantizeThreads, "block_max assumes kQuantizeThreads");

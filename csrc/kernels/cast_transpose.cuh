@@ -1,17 +1,18 @@
 // Cast-transpose: one read of x [R, C] writes the row-major FP8 copy q [R, C] and the
 // transposed copy qt [C, R16] (R16 = R rounded up to 16, padding columns zero), with the amax
 // fused, optionally the column sums of x (the bias gradient: per-tile partials here, summed by
-// dbias_reduce_kernel), and optionally the scale ring finalized by the last block. These are
-// the layouts Hopper's TN-only FP8 GEMMs need: q feeds the forward / dgrad, qt the wgrad
-// (DESIGN.md, "Linear layout").
+// dbias_reduce_kernel), and optionally the scale ring's outputs written by the last block, as
+// in quantize.cuh. These are the layouts Hopper's TN-only FP8 GEMMs need: q feeds the forward
+// / dgrad, qt the wgrad (docs/design.md, "Linear layout").
 #pragma once
 
 #include "quantize.cuh"
 
 namespace jax_fp8 {
 
-constexpr int kTile = 64;          // a block handles a 64 x 64 tile
-constexpr int kTileThreads = 256;  // 4 threads a row, 16 elements each
+constexpr int kTile = kDbiasTileRows;  // a block handles a 64 x 64 tile
+constexpr int kTileThreads = 256;      // 4 threads a row, 16 elements each
+static_assert(kQtRowMultiple == kElemsPerThread, "a thread stores 16 bytes of a qt row");
 static_assert(kTileThreads == kQuantizeThreads, "block_max assumes kQuantizeThreads");
 static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a row");
 
@@ -19,16 +20,17 @@ static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a
 // the [ceil(R/64), ceil(C/64)] tiles), keeping its amax in registers, so the amax atomics and
 // the completion count are paid once per block, not once per tile. Each thread's loads of the
 // next tile are issued before it works on the current one, so they are in flight through the
-// shared-memory stage and the stores (before this, ncu measured the one-wave grid at 61% of
-// DRAM bandwidth and 92% occupancy on the H200).
+// shared-memory stage and the stores, rather than the memory system idling while a block
+// transposes.
 //
 // dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile (dbias_reduce_kernel
 // sums them). Inside a tile the order is fixed, so the kernel is deterministic: a warp holds
 // 8 rows and sums them pairwise by shuffles, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)),
 // then the 8 warps' sums are added in warp order onto 0 (the CPU handler follows the order).
-// With the dbias sums, 16-bit inputs are held to 40 registers a thread, 6 blocks an SM (48
-// without the bound, 5 blocks; with it ptxas spills nothing). Without them the bound made
-// ptxas spill 28 bytes, so it is left to take 48; f32 inputs would spill.
+// With the dbias sums, 16-bit inputs are held by the launch bound to 6 blocks an SM (fewer
+// registers a thread, one more resident block; ptxas spills nothing). Without the dbias sums
+// the same bound makes ptxas spill, so those instantiations keep their registers; f32 inputs
+// would spill.
 template <typename T, bool kRing, bool kDbias>
 __global__ void __launch_bounds__(kTileThreads, kDbias && sizeof(T) == 2 ? 6 : 1)
     cast_transpose_kernel(const T* x, int64_t rows, int64_t cols, int64_t rows16,
@@ -39,11 +41,7 @@ __global__ void __launch_bounds__(kTileThreads, kDbias && sizeof(T) == 2 ? 6 : 1
   constexpr int kWarps = kTileThreads / 32;
   __shared__ __align__(8) float warp_sums[kDbias ? kWarps : 1][kDbias ? kTile : 1];
   pdl_wait();
-  float scale = *scale_in;
-  if constexpr (kRing) {
-    scale = ring_scale_for_step(scale, *ring.steps, bits_float(scratch->first_amax_bits), fmt,
-                                ring.margin);
-  }
+  const float scale = kRing ? ring_scale(ring, scratch, fmt) : *scale_in;
   const float inv = 1.0f / flush_subnormal(scale);
   const int64_t tiles_x = (cols + kTile - 1) / kTile;
   const int64_t tiles = tiles_x * (rows > 0 ? (rows + kTile - 1) / kTile : 1);
@@ -128,7 +126,7 @@ __global__ void __launch_bounds__(kTileThreads, kDbias && sizeof(T) == 2 ? 6 : 1
     __threadfence();
     const float amax = bits_float(atomicMax(&scratch->amax_bits, 0u));
     if (threadIdx.x == 0) *amax_out = amax;
-    if constexpr (kRing) ring_finalize_block(amax, ring, fmt);
+    if constexpr (kRing) ring_write_block(ring, amax, fmt);
   }
   pdl_trigger();
 }

@@ -9,13 +9,6 @@
 
 namespace jax_fp8 {
 
-// Where group (row, g) of a [rows, groups] grid of scales is stored.
-struct ScaleLayout {
-  int64_t row_stride;    // "row": groups; "col" / "col_tma": 1
-  int64_t group_stride;  // "row": 1; "col": rows; "col_tma": rows rounded up to 4
-  int64_t padded_rows;   // rows of the stored grid (col_tma pads with zero scales)
-};
-
 // One thread quantizes 16 consecutive elements; G / 16 adjacent lanes hold one group and
 // reduce its amax with shuffles. Loops run per warp so every lane reaches the shuffles.
 template <typename T, int G>

@@ -1,6 +1,7 @@
 // CUDA kernels for per-tensor FP8 quantization with a fused amax, and the delayed-scaling
-// variant whose last block finalizes the scale ring (no extra launch). Device code only: no
-// XLA or nanobind includes. Launched by csrc/ffi/quantize_cuda.cu.
+// variant whose last block writes the scale ring's outputs (the next ring, or this step's
+// observation of it: numerics.h) with no extra launch. Device code only: no XLA or nanobind
+// includes. Launched by csrc/ffi/quantize_cuda.cu.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,6 +16,7 @@ namespace jax_fp8 {
 
 constexpr int kQuantizeThreads = 256;
 constexpr int kElemsPerThread = 16;  // 16 fp8 bytes out per thread: one 16-byte store
+static_assert(kElemsPerThread == kColMultiple, "csrc/constants.h kColMultiple");
 
 // Scratch words, zeroed by a memset on the stream before the launches.
 struct QuantizeScratch {
@@ -22,16 +24,8 @@ struct QuantizeScratch {
   unsigned first_amax_bits;  // amax from the pre-pass on a ring's first step
   unsigned blocks_done;      // last-block detection
 };
-
-// Delayed-scaling state, aliased in place (see jax_fp8.scaling.ScaleRing).
-struct RingArgs {
-  float* history;  // [len], newest first
-  float* scale;    // []
-  float* steps;    // []
-  int len;
-  int margin;
-  AmaxAlgo algo;
-};
+static_assert(sizeof(QuantizeScratch) == kQuantizeScratchWords * sizeof(unsigned),
+              "csrc/constants.h kQuantizeScratchWords");
 
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -141,43 +135,33 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   pdl_trigger();
 }
 
-// The last block of a ring quantize: roll the history, reduce the window, publish the scale.
-// Same result as ring_finalize_serial, spread over the block.
-__device__ inline void ring_finalize_block(float amax, const RingArgs& ring, Fp8Format fmt) {
-  __shared__ float hist[kMaxHistory];
-  __shared__ unsigned window_bits;
-  if (!(amax <= FLT_MAX)) return;  // NaN or inf: the ring keeps its last finite state
-  unsigned m = 0;
-  for (int i = threadIdx.x; i < ring.len; i += blockDim.x) {
-    const float h = i == 0 ? amax : ring.history[i - 1];
-    hist[i] = h;
-    m = max(m, float_bits(h));  // history entries are finite and >= 0
-  }
-  m = block_max(m);
-  if (threadIdx.x == 0) window_bits = m;
-  __syncthreads();
-  for (int i = threadIdx.x; i < ring.len; i += blockDim.x) ring.history[i] = hist[i];
-  if (threadIdx.x == 0) {
-    const float window = ring.algo == AmaxAlgo::kMostRecent ? amax : bits_float(window_bits);
-    *ring.scale = scale_from_amax(window, *ring.scale, fmt, ring.margin);
-    if (informative(window)) *ring.steps += 1.0f;
-  }
+// The last block of a ring quantize writes the ring after this step (numerics.h's ring rules,
+// the shifted history's max reduced over the block).
+__device__ inline void ring_write_block(const RingArgs& ring, float amax, Fp8Format fmt) {
+  const float front = ring_front(amax);
+  const unsigned m = block_max(ring_write_history(ring, front, threadIdx.x, blockDim.x));
+  if (threadIdx.x == 0) ring_write_scalars(ring, front, m, fmt);
 }
 
-// q = saturate(rne(x / scale)) with amax fused. Without a ring, `scale` is the given scale.
-// With a ring, the scale is the ring's (or, on its first step, the pre-pass amax's), and the
-// last block to finish finalizes the ring in place.
+// The ring's scale this step (or, on its first step, the scale from the pre-pass amax); one
+// thread records it as scale_used.
+__device__ __forceinline__ float ring_scale(const RingArgs& ring, const QuantizeScratch* scratch,
+                                            Fp8Format fmt) {
+  const float scale = ring_scale_for_step(*ring.scale, *ring.steps,
+                                          bits_float(scratch->first_amax_bits), fmt, ring.margin);
+  if (blockIdx.x == 0 && threadIdx.x == 0) *ring.scale_used = scale;
+  return scale;
+}
+
+// q = saturate(rne(x / scale)) with amax fused. Without a ring, `scale_in` is the scale. With
+// a ring, the scale is ring_scale's, and the last block to finish writes the ring outputs.
 template <typename T, bool kRing>
 __global__ void __launch_bounds__(kQuantizeThreads)
     quantize_kernel(const T* x, size_t n, const float* scale_in, Fp8Format fmt,
                     uint8_t* __restrict__ q, float* amax_out, QuantizeScratch* scratch,
                     RingArgs ring) {
   pdl_wait();
-  float scale = *scale_in;
-  if constexpr (kRing) {
-    scale = ring_scale_for_step(scale, *ring.steps, bits_float(scratch->first_amax_bits), fmt,
-                                ring.margin);
-  }
+  const float scale = kRing ? ring_scale(ring, scratch, fmt) : *scale_in;
   const float inv = 1.0f / flush_subnormal(scale);
   unsigned m = 0;
   const size_t n_vec = n / kElemsPerThread;
@@ -208,7 +192,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     __threadfence();
     const float amax = bits_float(atomicMax(&scratch->amax_bits, 0u));
     if (threadIdx.x == 0) *amax_out = amax;
-    if constexpr (kRing) ring_finalize_block(amax, ring, fmt);
+    if constexpr (kRing) ring_write_block(ring, amax, fmt);
   }
   pdl_trigger();
 }

@@ -4,47 +4,33 @@ Scales are f32, one per group of 128 (or ``group_size``) consecutive elements al
 ("per-token group", activations and gradients) or per 128 x 128 block (weights):
 ``scale = max(amax, eps) * f32(1 / fmt_max)``, optionally rounded up to a power of two
 (UE8M0), and ``q = saturate(rne(x * (1 / scale)))``. (vLLM and SGLang divide by fmt_max
-instead; the two differ by one ulp in about half of the non-UE8M0 scales.) A group holding NaN or inf gets a NaN / inf scale, so
-it dequantizes to NaN rather than to silent finite values. Source: DeepSeek-V3 technical
+instead; the two differ by one ulp in about half of the non-UE8M0 scales.) A group holding NaN
+or inf gets a NaN / inf scale, so it dequantizes to NaN rather than to silent finite values. Source: DeepSeek-V3 technical
 report (arXiv 2412.19437), section 3.3; the per-token-group kernels of vLLM and SGLang.
 
 CUDA kernels: ``csrc/kernels/group_quantize.cuh`` and ``block_quantize.cuh`` (PDL-launched);
-CPU handlers ``csrc/ffi/*_cpu.cc``; jnp twins of the same names in ``jax_fp8.reference``.
+FFI handlers ``csrc/ffi/group_quantize_*`` and ``block_quantize_*``; jnp twins of the same names
+in ``jax_fp8.reference``; tests: ``tests/test_blockwise.py``.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _ffi  # registers the FFI targets
-from . import sharding
-from .ops import _check_input, _vary_like
-from .scaling import check_fp8_min_intensity, fp8_dtype, fp8_max
+from .. import _ffi, checks, sharding
+from ..formats import fp8_dtype
 
-BLOCK = 128  # the tile of block_quantize and group_cast_transpose; cuBLASLt's VEC128 / BLK128
-_LAYOUTS = {"row": 0, "col": 1, "col_tma": 2}
-_GROUP_SIZES = (16, 32, 64, 128)
-_MAX_TILE_ROWS = 65535  # CUDA's limit on gridDim.y
-
-
-def _check_eps(eps, fmt):
-  eps = float(eps)
-  with np.errstate(over="ignore"):
-    eps32 = np.float32(eps)
-  if not np.isfinite(eps32) or eps32 * (np.float32(1) / np.float32(fp8_max(fmt))) < \
-      np.finfo(np.float32).tiny:
-    raise ValueError(f"eps must be finite and at least fmt_max * FLT_MIN "
-                     f"({fp8_max(fmt) * np.finfo(np.float32).tiny:.3g} for {fmt}) and finite in f32, "
-                     f"so every scale is a normal f32, got {eps}")
-  return np.float32(eps)
+BLOCK = _ffi.CONSTANTS["block_tile"]  # the tile of block_quantize / group_cast_transpose: 128
+_LAYOUTS = {"row": _ffi.CONSTANTS["layout_row"], "col": _ffi.CONSTANTS["layout_col"],
+            "col_tma": _ffi.CONSTANTS["layout_col_tma"]}
+_GROUP_SIZES = tuple(_ffi.CONSTANTS["group_sizes"])
+_MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y
 
 
 def _check_2d(x, multiple, what, name):
-  x = _check_input(x, name)
+  x = checks.float_input(x, name)
   if x.ndim != 2 or x.shape[1] == 0 or x.shape[1] % multiple:
     raise ValueError(f"{name} must be [R, C] with C a positive multiple of {multiple} ({what}), "
                      f"got shape {x.shape}")
@@ -77,16 +63,15 @@ def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", ep
     TypeError / ValueError at trace time: dtype, K not a multiple of group_size, group_size,
     fmt, eps or scale_layout out of range.
   """
-  x = _check_input(x)
-  if isinstance(group_size, bool) or not isinstance(group_size, (int, np.integer)) or \
-      group_size not in _GROUP_SIZES:
+  x = checks.float_input(x)
+  if checks.integer(group_size, "group_size") not in _GROUP_SIZES:
     raise ValueError(f"group_size must be one of {_GROUP_SIZES}, got {group_size!r}")
   if x.ndim < 1 or x.shape[-1] % group_size:
     raise ValueError(f"x's last axis must be a multiple of group_size={group_size}, got shape "
                      f"{x.shape}")
-  if scale_layout not in _LAYOUTS:
-    raise ValueError(f"scale_layout must be one of {sorted(_LAYOUTS)}, got {scale_layout!r}")
-  qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)
+  checks.one_of(scale_layout, "scale_layout", _LAYOUTS)
+  qdt, eps = fp8_dtype(fmt), checks.group_eps(eps, fmt)
+  ue8m0 = checks.boolean(ue8m0, "ue8m0")
   *lead, k = x.shape
   m, groups = int(np.prod(lead, dtype=np.int64)), k // group_size
   shape = {"row": (*lead, groups), "col": (groups, m), "col_tma": (groups, -(-m // 4) * 4)}
@@ -121,12 +106,11 @@ def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", ep
   f = sharding.factors("x", x.ndim - 1)
   m_factor = f if x.ndim == 2 else "m"  # a 2-D x's rows are the scales' M
   rule = f"{f} (g k1) -> {f} (g k1), " + (f"{f} g" if row else f"g {m_factor}")
-  q, s = sharding.call(impl, plan, rule, x, k1=int(group_size))
-  return _vary_like((q, s), x)
+  q, s = sharding.call("group_quantize", impl, plan, rule, x, k1=int(group_size))
+  return sharding.vary_like((q, s), x)
 
 
-def block_quantize(w: jax.Array, *, block: tuple[int, int] = (BLOCK, BLOCK), fmt: str = "e4m3",
-                   eps: float = 1e-10, ue8m0: bool = False):
+def block_quantize(w: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10, ue8m0: bool = False):
   """128 x 128 block FP8 quantization (weights in the DeepSeek-V3 recipe): one scale per block.
 
   Since a block's scale does not depend on the direction, ``q.T`` with ``scales.T`` is the
@@ -134,7 +118,6 @@ def block_quantize(w: jax.Array, *, block: tuple[int, int] = (BLOCK, BLOCK), fmt
 
   Args:
     w: [R, C] float32 / bfloat16 / float16, C a positive multiple of 16.
-    block: (128, 128), the only block cuBLASLt's Hopper GEMMs take.
     fmt, eps, ue8m0: as in ``group_quantize``.
   Returns:
     ``(q, scales)``: q [R, C] FP8; scales f32 [ceil(R/128), ceil(C/128)], edge blocks scaled by
@@ -143,11 +126,9 @@ def block_quantize(w: jax.Array, *, block: tuple[int, int] = (BLOCK, BLOCK), fmt
     TypeError / ValueError at trace time: dtype, rank, C, block, fmt or eps out of range,
     more than 65535 * 128 rows.
   """
-  if not isinstance(block, (tuple, list)) or tuple(block) != (BLOCK, BLOCK):
-    raise ValueError(f"block must be (128, 128), the block of cuBLASLt's block-scaled GEMM, got "
-                     f"{block!r}")
-  w = _check_2d(w, 16, "the FP8 GEMMs' alignment", "w")
-  qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)
+  w = _check_2d(w, _ffi.CONSTANTS["col_multiple"], "the kernel's 16-element vectors", "w")
+  qdt, eps = fp8_dtype(fmt), checks.group_eps(eps, fmt)
+  ue8m0 = checks.boolean(ue8m0, "ue8m0")
 
   def impl(w):
     r, c = w.shape
@@ -167,8 +148,9 @@ def block_quantize(w: jax.Array, *, block: tuple[int, int] = (BLOCK, BLOCK), fmt
   (rf, rb), (cf, cb) = sharding.grouped("r", w.shape[0]), sharding.grouped("c", w.shape[1])
   sizes = {f"{d}1": BLOCK for d, size in (("r", w.shape[0]), ("c", w.shape[1]))
            if size % BLOCK == 0}
-  q, s = sharding.call(impl, plan, f"{rf} {cf} -> {rf} {cf}, {rb} {cb}", w, **sizes)
-  return _vary_like((q, s), w)
+  rule = f"{rf} {cf} -> {rf} {cf}, {rb} {cb}"
+  q, s = sharding.call("block_quantize", impl, plan, rule, w, **sizes)
+  return sharding.vary_like((q, s), w)
 
 
 def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
@@ -191,7 +173,8 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
     65535 * 128 rows.
   """
   x = _check_2d(x, BLOCK, "the group size", "x")
-  qdt, eps = fp8_dtype(fmt), _check_eps(eps, fmt)
+  qdt, eps = fp8_dtype(fmt), checks.group_eps(eps, fmt)
+  ue8m0 = checks.boolean(ue8m0, "ue8m0")
 
   def impl(x):
     r, c = x.shape
@@ -217,42 +200,7 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
   rf, rb = ("r", "pb") if padded else sharding.grouped("r", x.shape[0])
   qt_cols = "p" if padded else rf
   sizes = {"c1": BLOCK, **({} if padded else {"r1": BLOCK})}
-  q, s_col, qt, st_col = sharding.call(
-      impl, plan, f"{rf} (cb c1) -> {rf} (cb c1), cb {rf}, (cb c1) {qt_cols}, {rb} (cb c1)", x,
-      **sizes)
-  q, s_col, qt, st_col = _vary_like((q, s_col, qt, st_col), x)
+  rule = f"{rf} (cb c1) -> {rf} (cb c1), cb {rf}, (cb c1) {qt_cols}, {rb} (cb c1)"
+  q, s_col, qt, st_col = sharding.call("group_cast_transpose", impl, plan, rule, x, **sizes)
+  q, s_col, qt, st_col = sharding.vary_like((q, s_col, qt, st_col), x)
   return q, s_col.T, qt, st_col.T
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockScaling:
-  """Block-scaling recipe for ``jax_fp8.linear`` and ``jax_fp8.flax.Dense`` (DeepSeek-V3
-  technical report, section 3.3): E4M3 everywhere; activations and output gradients in 1 x 128
-  groups (along K for the forward and dgrad, along the tokens for wgrad), weights in 128 x 128
-  blocks. Stateless: scales come from the current tensors, so there are no rings to thread.
-
-  Attributes:
-    ue8m0: power-of-two scales (UE8M0), as DeepSeek-V3 uses on Hopper.
-    group_size: 128, the group cuBLASLt's block-scaled Hopper GEMMs take.
-    eps: floor of each group's amax (see ``group_quantize``).
-    fp8_min_intensity: below it a linear runs in its input's dtype (see
-      ``jax_fp8.scaling.check_fp8_min_intensity``); 0 (default): always FP8.
-  """
-
-  ue8m0: bool = False
-  group_size: int = BLOCK
-  eps: float = 1e-10
-  fp8_min_intensity: float = 0.0
-
-  def __post_init__(self):
-    if self.group_size != BLOCK:
-      raise ValueError(f"BlockScaling.group_size must be {BLOCK} (cuBLASLt's VEC128 / "
-                       f"BLK128x128 block-scaled GEMMs), got {self.group_size!r}")
-    if not isinstance(self.ue8m0, (bool, np.bool_)):
-      raise TypeError(f"BlockScaling.ue8m0 must be a bool, got {self.ue8m0!r}")
-    _check_eps(self.eps, "e4m3")
-    check_fp8_min_intensity(self)
-
-  def kwargs(self) -> dict:
-    """The quantizers' keyword arguments under this recipe."""
-    return {"fmt": "e4m3", "eps": self.eps, "ue8m0": self.ue8m0}

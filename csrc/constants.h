@@ -1,0 +1,54 @@
+// The numbers and ids that the Python side and the C++ side must agree on, each written once.
+// Python reads them from the extension (`constants()` in both modules, built by
+// constants_py.h; `jax_fp8._ffi.CONSTANTS`), so they are never written again there.
+// Plain C++: included by the numerics, the CUDA kernels and the FFI handlers alike.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jax_fp8 {
+
+// u32 words of the scratch result of jax_fp8_quantize, jax_fp8_quantize_ring and
+// jax_fp8_cast_transpose_ring (the kernels' QuantizeScratch: amax, first-step amax and
+// completion count), zeroed on the stream before each launch.
+constexpr int kQuantizeScratchWords = 3;
+
+// Bytes of the cuBLASLt workspace, the last result of jax_fp8_gemm.
+constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+
+// The cast-transpose's tile rows: dbias_partial has one row per kDbiasTileRows rows of x.
+constexpr int kDbiasTileRows = 64;
+
+// The cast-transpose's qt is [C, R rounded up to kQtRowMultiple] (16-byte rows of FP8).
+constexpr int kQtRowMultiple = 16;
+
+// The last axis of x in the cast-transpose and block_quantize is a multiple of this: whole
+// 16-element vectors, as the kernels load and store them.
+constexpr int kColMultiple = 16;
+
+// Longest amax history a ring may have (the CUDA epilogue reduces it in one block).
+constexpr int kMaxHistory = 1024;
+
+// How a ring reduces its history window (the `algo` attribute; jax_fp8.scaling.ALGOS).
+enum class AmaxAlgo : int64_t { kMax = 0, kMostRecent = 1 };
+
+// Where jax_fp8_group_quantize stores the scales of rows x groups (the `layout` attribute):
+// row [M, K/g]; col [K/g, M]; col_tma [K/g, ceil4(M)] with zero scales in the padding.
+enum class ScaleLayoutId : int64_t { kRow = 0, kCol = 1, kColTma = 2 };
+
+// The tile of block scaling: 128 x 128 blocks (block_quantize) and 1 x 128 / 128 x 1 groups
+// (group_cast_transpose), as cuBLASLt's BLK128x128 / VEC128 scale modes take them.
+constexpr int kBlockTile = 128;
+
+// Scale modes of jax_fp8_gemm (the `scale_mode` attribute): per-tensor scalars; a 1 x 128
+// groups with b 128 x 128 blocks; a and b both 1 x 128 groups.
+enum class ScaleMode : int64_t { kPerTensor = 0, kBlock128x128 = 1, kGroup1x128 = 2 };
+
+// Group sizes jax_fp8_group_quantize takes (one instantiation each).
+constexpr int kGroupSizes[] = {16, 32, 64, 128};
+
+// Most row tiles of 128 a block-scaling kernel takes: CUDA's limit on gridDim.y.
+constexpr int64_t kMaxTileRows = 65535;
+
+}  // namespace jax_fp8

@@ -1,0 +1,36 @@
+// csrc/constants.h as the Python dict both extension modules export as `constants()`; read once
+// by jax_fp8/_ffi.py (CONSTANTS). Keys are the constants' names in lower case.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include "constants.h"
+
+namespace jax_fp8 {
+
+inline nanobind::dict constants_dict() {
+  namespace nb = nanobind;
+  nb::dict d;
+  d["quantize_scratch_words"] = kQuantizeScratchWords;
+  d["gemm_workspace_bytes"] = kGemmWorkspaceBytes;
+  d["dbias_tile_rows"] = kDbiasTileRows;
+  d["qt_row_multiple"] = kQtRowMultiple;
+  d["col_multiple"] = kColMultiple;
+  d["max_history"] = kMaxHistory;
+  d["algo_max"] = int64_t(AmaxAlgo::kMax);
+  d["algo_most_recent"] = int64_t(AmaxAlgo::kMostRecent);
+  d["layout_row"] = int64_t(ScaleLayoutId::kRow);
+  d["layout_col"] = int64_t(ScaleLayoutId::kCol);
+  d["layout_col_tma"] = int64_t(ScaleLayoutId::kColTma);
+  d["block_tile"] = kBlockTile;
+  d["scale_mode_per_tensor"] = int64_t(ScaleMode::kPerTensor);
+  d["scale_mode_block"] = int64_t(ScaleMode::kBlock128x128);
+  d["scale_mode_group"] = int64_t(ScaleMode::kGroup1x128);
+  nb::list group_sizes;
+  for (int g : kGroupSizes) group_sizes.append(g);
+  d["group_sizes"] = nb::tuple(group_sizes);
+  d["max_tile_rows"] = kMaxTileRows;
+  return d;
+}
+
+}  // namespace jax_fp8

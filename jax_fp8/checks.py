@@ -1,0 +1,102 @@
+"""Argument checks at trace time, in one voice: each raises ``TypeError`` (wrong kind of value)
+or ``ValueError`` (right kind, out of range) naming the argument, the rule and what came."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _ffi
+from .formats import FLOAT_DTYPES, FP8_DTYPES, fp8_max
+
+
+def _describe(v) -> str:
+  return f"{type(v).__name__} {v!r}" if not hasattr(v, "dtype") else (
+      f"{v.dtype}{list(np.shape(v))}")
+
+
+def array(v, name: str) -> jax.Array:
+  """``v`` as a jax array; a TypeError naming ``name`` for None, strings, lists of non-numbers
+  and other values jnp cannot take."""
+  if v is None or isinstance(v, (str, bytes)):
+    raise TypeError(f"{name} must be an array, got {_describe(v)}")
+  try:
+    return jnp.asarray(v)
+  except (TypeError, ValueError) as e:
+    raise TypeError(f"{name} must be an array, got {type(v).__name__}: {e}") from None
+
+
+def float_input(x, name: str = "x") -> jax.Array:
+  """A float32 / bfloat16 / float16 array for a quantizer; checks that the backend can run the
+  kernels (RuntimeError otherwise)."""
+  _ffi.check_backend()
+  x = array(x, name)
+  if x.dtype not in FLOAT_DTYPES:
+    raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+  return x
+
+
+def fp8_array(v, name: str) -> jax.Array:
+  v = array(v, name)
+  if v.dtype not in FP8_DTYPES:
+    raise TypeError(f"{name} must be float8_e4m3fn or float8_e5m2, got {v.dtype}")
+  return v
+
+
+def scalar_f32(v, name: str) -> jax.Array:
+  """A float32 scalar array (a scale read on the device)."""
+  v = array(v, name)
+  if v.shape != () or v.dtype != jnp.float32:
+    raise TypeError(f"{name} must be a float32 scalar, got {_describe(v)}")
+  return v
+
+
+def boolean(v, name: str) -> bool:
+  """A Python or NumPy bool (not any truthy value: ``"no"`` is not False)."""
+  if not isinstance(v, (bool, np.bool_)):
+    raise TypeError(f"{name} must be a bool, got {_describe(v)}")
+  return bool(v)
+
+
+def integer(v, name: str, lo: int | None = None, hi: int | None = None) -> int:
+  """A static Python or NumPy int (not a bool, float or traced value) in [lo, hi]."""
+  if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+    raise TypeError(f"{name} must be a Python int (static, not traced), got {_describe(v)}")
+  if (lo is not None and v < lo) or (hi is not None and v > hi):
+    bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (
+        f">= {lo}" if lo is not None else f"<= {hi}")
+    raise ValueError(f"{name} must be an int {bounds}, got {v}")
+  return int(v)
+
+
+def number(v, name: str, lo: float = -math.inf, finite: bool = True) -> float:
+  """A static real number (int or float, not a bool or array), finite if asked, >= lo."""
+  if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+    raise TypeError(f"{name} must be a number, got {_describe(v)}")
+  if (finite and not math.isfinite(v)) or (lo > -math.inf and not v >= lo):
+    rule = " and ".join(r for r, on in (("finite", finite), (f">= {lo}", lo > -math.inf)) if on)
+    raise ValueError(f"{name} must be {rule}, got {v!r}")
+  return float(v)
+
+
+def one_of(v, name: str, choices) -> str:
+  if not isinstance(v, str) or v not in choices:
+    raise ValueError(f"{name} must be one of {tuple(choices)}, got {v!r}")
+  return v
+
+
+def group_eps(eps, fmt: str, name: str = "eps") -> np.float32:
+  """The floor of a group's amax (block scaling): finite in f32 with ``eps / fmt_max`` a normal
+  f32, so every scale is normal and its reciprocal finite."""
+  eps = number(eps, name, finite=False)
+  with np.errstate(over="ignore"):
+    eps32 = np.float32(eps)
+  if not np.isfinite(eps32) or eps32 * (np.float32(1) / np.float32(fp8_max(fmt))) < \
+      np.finfo(np.float32).tiny:
+    raise ValueError(f"{name} must be finite and at least fmt_max * FLT_MIN "
+                     f"({fp8_max(fmt) * np.finfo(np.float32).tiny:.3g} for {fmt}) and finite in "
+                     f"f32, so every scale is a normal f32, got {eps}")
+  return eps32

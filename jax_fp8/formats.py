@@ -1,0 +1,66 @@
+"""FP8 formats and the jnp numerics every layer shares.
+
+Convention used everywhere in jax_fp8: **scale is the dequantization step**,
+``x ~= q * scale`` with ``q = saturate(round_nearest_even(x * (1 / scale)))`` (as in
+``jax.nn.scaled_matmul`` and DeepGEMM). No API takes a ``scale_inv``. Casts saturate (±inf and
+values beyond the format's largest finite value go to ±max); NaN stays NaN (byte 0x7F).
+f32 subnormals count as zero on every backend (XLA's CPU runtime flushes them).
+
+Formats (Micikevicius et al., "FP8 Formats for Deep Learning", 2022): "e4m3" is
+``float8_e4m3fn`` (max 448, no inf), "e5m2" is ``float8_e5m2`` (max 57344).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FORMATS: dict[str, jnp.dtype] = {
+    "e4m3": jnp.dtype(jnp.float8_e4m3fn),
+    "e5m2": jnp.dtype(jnp.float8_e5m2),
+}
+FP8_DTYPES = tuple(FORMATS.values())
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def fp8_dtype(fmt: str) -> jnp.dtype:
+  """The JAX dtype of an FP8 format name: "e4m3" -> float8_e4m3fn, "e5m2" -> float8_e5m2.
+
+  Raises:
+    ValueError: ``fmt`` is not one of the names (a non-string included).
+  """
+  if not isinstance(fmt, str) or fmt not in FORMATS:
+    raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
+  return FORMATS[fmt]
+
+
+def fp8_max(fmt: str) -> float:
+  """Largest finite value of the format (448 for e4m3, 57344 for e5m2), from the dtype."""
+  return float(jnp.finfo(fp8_dtype(fmt)).max)
+
+
+def as_f32(x: jax.Array) -> jax.Array:
+  """x in f32 with subnormals flushed to (signed) zero: f32 subnormals count as zero on every
+  backend (XLA's CPU runtime flushes them, GPUs do not)."""
+  x = jnp.asarray(x).astype(jnp.float32)
+  return jnp.where(jnp.abs(x) < np.finfo(np.float32).tiny, x * 0, x)
+
+
+def amax(x: jax.Array, axis=None) -> jax.Array:
+  """max |x| in f32 over ``axis`` (all axes by default), NaN where x holds a NaN. The NaN is
+  explicit: XLA's CPU max reduction can drop NaNs."""
+  a = jnp.abs(as_f32(x))
+  nan = jnp.isnan(a)
+  return jnp.where(jnp.any(nan, axis=axis), jnp.nan,
+                   jnp.max(jnp.where(nan, 0.0, a), axis=axis, initial=0.0))
+
+
+def apply_scales(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Array:
+  """``acc * a_scale * b_scale`` in f32 with no intermediate underflow or overflow: the scales'
+  mantissas multiply ``acc`` and their exponents are added in once, so the result is exact to
+  f32 rounding wherever it is a normal f32, even when ``a_scale * b_scale`` alone is not
+  (e.g. scales of 2e-23 and 2e-18 from tensors of magnitude 1e-20 and 1e-15)."""
+  ma, ea = jnp.frexp(jnp.asarray(a_scale, jnp.float32))
+  mb, eb = jnp.frexp(jnp.asarray(b_scale, jnp.float32))
+  return jnp.ldexp(acc * (ma * mb), ea + eb)

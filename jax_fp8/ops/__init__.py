@@ -1,0 +1,12 @@
+"""Stateless FP8 primitives, one module per op: validate at trace time, shape the results, call
+the FFI target (``csrc/ffi``), with a sharding rule for a plain sharded jit. Each op has a
+plain-jnp twin of the same name in ``jax_fp8.reference``."""
+
+from .blockwise import block_quantize, group_cast_transpose, group_quantize
+from .cast_transpose import CastTransposed, cast_transpose_delayed
+from .gemm import gemm
+from .quantize import DelayedQuantized, Quantized, dequantize, quantize, quantize_delayed
+
+__all__ = ["CastTransposed", "DelayedQuantized", "Quantized", "block_quantize",
+           "cast_transpose_delayed", "dequantize", "gemm", "group_cast_transpose",
+           "group_quantize", "quantize", "quantize_delayed"]

@@ -1,0 +1,284 @@
+"""FP8 GEMM (TN layout) with per-tensor or block scales: cuBLASLt on CUDA, XLA's f32 dot on CPU.
+
+FFI handler: ``csrc/ffi/gemm_cuda.cc``; jnp twins: ``jax_fp8.reference.gemm`` and
+``block_gemm``; tests: ``tests/test_gemm.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _ffi, checks, sharding
+from ..formats import FLOAT_DTYPES, apply_scales
+from .quantize import quantize_kernel
+
+_WORKSPACE = jax.ShapeDtypeStruct((_ffi.CONSTANTS["gemm_workspace_bytes"],), jnp.uint8)
+PER_TENSOR = _ffi.CONSTANTS["scale_mode_per_tensor"]
+BLOCK_128X128 = _ffi.CONSTANTS["scale_mode_block"]  # b in 128 x 128 blocks (weights)
+GROUP_1X128 = _ffi.CONSTANTS["scale_mode_group"]  # b in 1 x 128 groups (wgrad)
+_GROUP = _ffi.CONSTANTS["block_tile"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """A checked GEMM's static description: sizes, scale mode, output and options."""
+  m: int
+  n: int
+  k: int
+  mode: int
+  out_dtype: jnp.dtype
+  fp8_out: bool
+  has_bias: bool
+  fast_accum: bool
+
+  def split(self, rest):
+    """(out_scale, bias) from the arguments after the four operands (each may be None)."""
+    out_scale = rest[0] if self.fp8_out else None
+    bias = rest[int(self.fp8_out)] if self.has_bias else None
+    return out_scale, bias
+
+
+def _scale_mode(a_scale, b_scale, m, n, k) -> int:
+  """The scale mode of the two scales' shapes; ValueError for shapes of no mode."""
+  if a_scale.shape == () and b_scale.shape == ():
+    return PER_TENSOR
+  kb, nb = k // _GROUP, -(-n // _GROUP)
+  modes = {(nb, kb): BLOCK_128X128, (n, kb): GROUP_1X128}
+  if k % _GROUP or a_scale.shape != (m, kb) or b_scale.shape not in modes:
+    want = (f"a_scale [M, K/128] = [{m}, {kb}] and b_scale [ceil(N/128), K/128] = [{nb}, {kb}] "
+            f"(128 x 128 blocks) or [N, K/128] = [{n}, {kb}] (1 x 128 groups)"
+            if k % _GROUP == 0 else f"K={k} is not")
+    raise ValueError(f"scales must be float32 scalars (per-tensor), or block scales with K a "
+                     f"multiple of 128: {want}; got a_scale {list(a_scale.shape)} and b_scale "
+                     f"{list(b_scale.shape)} with K={k}")
+  return modes[b_scale.shape]
+
+
+def _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum):
+  """The checked arguments (arrays) and the Problem; TypeError / ValueError otherwise."""
+  _ffi.check_backend()
+  a, b = checks.fp8_array(a, "a"), checks.fp8_array(b, "b")
+  for name, v in (("a", a), ("b", b)):
+    if v.ndim != 2:
+      raise ValueError(f"{name} must be 2-D, got shape {v.shape}")
+  if a.dtype == b.dtype == jnp.float8_e5m2:
+    raise TypeError("e5m2 x e5m2 GEMMs are not supported (cuBLASLt has none); use e4m3 for "
+                    "one operand")
+  if a.shape[1] != b.shape[1]:
+    raise ValueError(f"a [M, K] and b [N, K] must share K (TN layout), got a {a.shape} and "
+                     f"b {b.shape}")
+  (m, k), n = a.shape, b.shape[0]
+  if k % 16 or n % 16:
+    raise ValueError(f"K and N must be multiples of 16 (cuBLASLt FP8 alignment), got K={k}, "
+                     f"N={n}; pad the operands")
+  a_scale, b_scale = checks.array(a_scale, "a_scale"), checks.array(b_scale, "b_scale")
+  for name, v in (("a_scale", a_scale), ("b_scale", b_scale)):
+    if v.dtype != jnp.float32:
+      raise TypeError(f"{name} must be float32, got {v.dtype}")
+  mode = _scale_mode(a_scale, b_scale, m, n, k)
+  if mode != PER_TENSOR and not a.dtype == b.dtype == jnp.float8_e4m3fn:
+    raise TypeError(f"block-scaled GEMMs take e4m3 operands (the DeepSeek-V3 recipe), got "
+                    f"{a.dtype} x {b.dtype}")
+  try:
+    out_dtype = jnp.dtype(out_dtype)
+  except TypeError:
+    raise TypeError(f"out_dtype must be a dtype, got {out_dtype!r}") from None
+  fp8_out = out_dtype == jnp.float8_e4m3fn
+  if out_dtype not in FLOAT_DTYPES and not fp8_out:
+    raise TypeError(f"out_dtype must be bfloat16, float16, float32 or float8_e4m3fn, got "
+                    f"{out_dtype}")
+  if fp8_out:
+    if out_scale is None:
+      raise TypeError("out_dtype float8_e4m3fn needs out_scale (the output's dequantization "
+                      "step, a float32 scalar)")
+    out_scale = checks.scalar_f32(out_scale, "out_scale")
+    if mode != PER_TENSOR:
+      raise ValueError("out_dtype float8_e4m3fn takes per-tensor scales only, got block scales")
+  elif out_scale is not None:
+    raise TypeError(f"out_scale applies to out_dtype float8_e4m3fn only, got out_dtype "
+                    f"{out_dtype}")
+  if bias is not None:
+    bias = checks.array(bias, "bias")
+    if out_dtype == jnp.float32:
+      raise TypeError("a fused bias needs out_dtype bfloat16, float16 or float8_e4m3fn "
+                      "(cuBLASLt's FP8 epilogue); add an f32 bias after the GEMM")
+    bias_dtype = jnp.dtype(jnp.bfloat16) if fp8_out else out_dtype
+    if bias.shape != (n,) or bias.dtype != bias_dtype:
+      raise ValueError(f"bias must be [{n}] {bias_dtype}, got {bias.dtype}{list(bias.shape)}")
+  fast_accum = checks.boolean(fast_accum, "fast_accum")
+  if mode != PER_TENSOR and fast_accum:
+    raise ValueError("fast_accum applies to per-tensor scales only: block-scaled GEMMs promote "
+                     "to f32 at every 128-element group")
+  args = (a, b, a_scale, b_scale) + ((out_scale,) if fp8_out else ()) + (
+      (bias,) if bias is not None else ())
+  return args, Problem(m, n, k, mode, out_dtype, fp8_out, bias is not None, fast_accum)
+
+
+def _finish(p: Problem, d, out_scale, out_dtype):
+  """An f32 result in the output dtype: e4m3 with its amax (the quantize kernel), or a cast."""
+  return quantize_kernel(d, out_scale, "e4m3") if p.fp8_out else d.astype(out_dtype)
+
+
+def _on_cuda(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
+  """cuBLASLt, with the operands and scales in the layouts it reads (csrc/ffi/gemm_cuda.cc)."""
+  out_scale, bias = p.split(rest)
+  m, n = a.shape[0], b.shape[0]  # this device's piece under a sharded jit
+  bias_arg = bias if bias is not None else jnp.zeros((0,), jnp.bfloat16 if p.fp8_out
+                                                     else out_dtype)
+  # cuBLASLt multiplies by its D scale: the reciprocal, computed as quantize computes it.
+  d_scale = (1.0 / out_scale).reshape(1) if p.fp8_out else jnp.zeros((0,), jnp.float32)
+  rows = m
+  if p.mode != PER_TENSOR:
+    rows = -(-m // 4) * 4  # cuBLASLt takes block-scaled GEMMs only for M % 4 == 0: zero rows
+    a = jnp.pad(a, ((0, rows - m), (0, 0)))
+    a_scale = jnp.pad(a_scale, ((0, rows - m), (0, 0))).T  # [K/128, M], M contiguous
+    if p.mode == BLOCK_128X128:  # [ceil(N/128), K/128] with rows padded to 16 bytes
+      b_scale = jnp.pad(b_scale, ((0, 0), (0, -b_scale.shape[1] % 4)))
+    else:  # [K/128, N], N contiguous
+      b_scale = b_scale.T
+  d, amax_d, _ = jax.ffi.ffi_call(
+      "jax_fp8_gemm",
+      (jax.ShapeDtypeStruct((rows, n), out_dtype),
+       jax.ShapeDtypeStruct((int(p.fp8_out),), jnp.float32), _WORKSPACE),
+      vmap_method="sequential",
+  )(a, b, a_scale, b_scale, bias_arg, d_scale, has_bias=p.has_bias, fast_accum=p.fast_accum,
+    scale_mode=np.int64(p.mode))
+  out = (d[:m], amax_d[0]) if p.fp8_out else d[:m]
+  return sharding.vary_like(out, a, b, a_scale, b_scale, *rest)
+
+
+def expand_scales(scale: jax.Array, rows: int, cols: int, block_rows: int) -> jax.Array:
+  """Block scales [ceil(rows / block_rows), ceil(cols / 128)] repeated to one per element
+  [rows, cols]: block_rows 1 for 1 x 128 groups, 128 for 128 x 128 blocks."""
+  s = jnp.repeat(jnp.repeat(scale, block_rows, axis=0), _GROUP, axis=1)
+  return s[:rows, :cols]
+
+
+def _on_cpu(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
+  """XLA's f32 dot of the upcast operands (block scales: dequantized first)."""
+  out_scale, bias = p.split(rest)
+  (m, k), n = a.shape, b.shape[0]
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  if p.mode != PER_TENSOR:
+    a = a * expand_scales(a_scale, m, k, 1)
+    b = b * expand_scales(b_scale, n, k, _GROUP if p.mode == BLOCK_128X128 else 1)
+    a_scale = b_scale = jnp.float32(1)
+  acc = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  d = apply_scales(acc, a_scale, b_scale)
+  if bias is not None:
+    d = d + bias.astype(jnp.float32)
+  return _finish(p, d, out_scale, out_dtype)
+
+
+def _kernel(p: Problem, out_dtype):
+  """The per-device GEMM for the platform being lowered, into ``out_dtype``."""
+  return lambda *v: jax.lax.platform_dependent(
+      *v, cuda=functools.partial(_on_cuda, p, out_dtype),
+      default=functools.partial(_on_cpu, p, out_dtype))
+
+
+def _plan(p: Problem):
+  """The partition callback of a sharded jit. M and N keep a's and b's row sharding (on distinct
+  axes); a K split alike in a and b is kept for a 16/32-bit output (block scales: whole
+  128-groups on each device), the local products summed in f32, then the bias added and the
+  result cast once; otherwise K is gathered."""
+  def plan(mesh, shapes):
+    am, ak = sharding.spec(shapes[0].sharding, 2)
+    bn, bk = sharding.spec(shapes[1].sharding, 2)
+    am = sharding.even(mesh, am, p.m)
+    bn = sharding.even(mesh, bn, p.n, _GROUP if p.mode == BLOCK_128X128 else 16)
+    if set(sharding.axes(bn)) & set(sharding.axes(am)):
+      bn = None
+    same_k = sharding.axes(ak) == sharding.axes(bk)
+    kk = (sharding.even(mesh, ak, p.k, _GROUP if p.mode != PER_TENSOR else 16)
+          if same_k and not p.fp8_out else None)
+    if set(sharding.axes(kk)) & set(sharding.axes(am, bn)):
+      kk = None
+    rep = sharding.named(mesh)
+    ins = (sharding.named(mesh, am, kk), sharding.named(mesh, bn, kk))
+    ins += ((rep, rep) if p.mode == PER_TENSOR else
+            (sharding.named(mesh, am, kk), sharding.named(mesh, bn, kk)))
+    ins += (rep,) * p.fp8_out + ((sharding.named(mesh, bn),) if p.has_bias else ())
+    d = sharding.named(mesh, am, bn)
+    over_k, over_mn = sharding.axes(kk), sharding.axes(am, bn)
+
+    def lower(*v):
+      if not over_k:
+        out = _kernel(p, p.out_dtype)(*v)
+        return (out[0], sharding.pmax_keep_nan(out[1], over_mn)) if p.fp8_out else out
+      d = jax.lax.psum(_kernel(dataclasses.replace(p, has_bias=False), jnp.float32)(*v[:4]),
+                       over_k)
+      return (d if not p.has_bias else d + v[4].astype(jnp.float32)).astype(p.out_dtype)
+    return lower, ins, (d, rep) if p.fp8_out else d
+  return plan
+
+
+def _rule(p: Problem) -> tuple[str, dict, tuple]:
+  """The Shardy rule, its compound factors' sizes and its reduction factors. Block scales: K
+  and the scales' K/128 as one factor, and N with its blocks (128 x 128 mode)."""
+  if p.mode != PER_TENSOR:
+    nf, nbf = sharding.grouped("n", p.n) if p.mode == BLOCK_128X128 else ("n", "n")
+    rule = f"m (kb k1), {nf} (kb k1), m kb, {nbf} kb"
+    sizes = {"k1": _GROUP, **({"n1": _GROUP} if p.mode == BLOCK_128X128 and p.n % _GROUP == 0
+                              else {})}
+    reduction = ("kb", "k1")
+  else:
+    nf, rule, sizes, reduction = "n", "m k, n k, , ", {}, ("k",)
+  rule += ", " * p.fp8_out + (f", {nf}" if p.has_bias else "") + f" -> m {nf}" + ", " * p.fp8_out
+  return rule, sizes, reduction
+
+
+def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
+         bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
+         out_scale: jax.Array | None = None,
+         fast_accum: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+  """FP8 GEMM in TN layout with f32 accumulation: ``(a_scale * b_scale) * a @ b.T + bias``,
+  with per-tensor or block scales, into a 16/32-bit output or into e4m3 with its amax.
+
+  CUDA: cuBLASLt (scales read on the device, bias in the epilogue, heuristic algorithm chosen
+  once per shape; block scales through its VEC128 / BLK128x128 modes, cuBLASLt >= 12.9, the
+  DeepSeek-V3 recipe; an e4m3 output through its D scale and amax-D epilogue, as
+  TransformerEngine's FP8-output GEMMs). CPU: XLA's f32 dot on the upcast (for block scales:
+  dequantized) operands, the per-tensor scales applied so that their product cannot underflow
+  (``jax_fp8.formats.apply_scales``).
+
+  Args:
+    a: [M, K] float8_e4m3fn or float8_e5m2.
+    b: [N, K] float8_e4m3fn or float8_e5m2 (not both e5m2).
+    a_scale, b_scale: the operands' dequantization steps, float32. Per-tensor: two scalars.
+      Block scaling (K a multiple of 128): a_scale [M, K/128] (1 x 128 groups of a's rows) and
+      b_scale [ceil(N/128), K/128] (128 x 128 blocks, weights) or [N, K/128] (1 x 128 groups,
+      as in wgrad); ``group_quantize`` / ``block_quantize`` / ``group_cast_transpose`` make
+      them. Block scales need e4m3 operands and no ``fast_accum``. On CUDA a block-scaled GEMM
+      with M not a multiple of 4 runs on a copy of a padded with zero rows.
+    bias: optional [N] in ``out_dtype`` (bfloat16 or float16), or bfloat16 for an e4m3 output.
+    out_dtype: bfloat16 (default), float16, float32, or float8_e4m3fn (per-tensor scales
+      only) so a layer hands FP8 straight to the next.
+    out_scale: the e4m3 output's dequantization step, float32 scalar, required with
+      ``out_dtype=float8_e4m3fn`` and rejected otherwise: the output is
+      ``saturate(rne(d * (1 / out_scale)))``, like ``quantize(d, out_scale)``. With a bias,
+      cuBLASLt adds it in bf16 before the cast (about 2^-7 relative); the CPU path is exact.
+    fast_accum: a bool; let Hopper's FP8 tensor cores accumulate without periodic promotion
+      to f32 (cuBLASLt ``FAST_ACCUM``): faster, less accurate for large K. CPU ignores it.
+  Returns:
+    [M, N] in ``out_dtype``; for an e4m3 output the pair ``(d [M, N] e4m3, amax f32 [])``
+    where amax is max |d| before the cast, in f32 (on CUDA cuBLASLt's amax-D).
+  Raises:
+    TypeError / ValueError at trace time: wrong dtypes, ranks, K mismatch, K or N not a
+    multiple of 16, scales of shapes that match no scale mode, block scales with e5m2 operands,
+    fast_accum or an e4m3 output, a bias with f32 output or of the wrong shape or dtype,
+    out_scale missing for an e4m3 output or given for another, fast_accum not a bool.
+  """
+  args, p = _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum)
+  if 0 in (p.m, p.n, p.k):  # nothing to multiply: no library call
+    out_scale, bias = p.split(args[4:])
+    d = jnp.zeros((p.m, p.n), jnp.float32) + (0 if bias is None else bias.astype(jnp.float32))
+    return sharding.vary_like(_finish(p, d, out_scale, p.out_dtype), *args)
+  rule, sizes, reduction = _rule(p)
+  return sharding.call("gemm", _kernel(p, p.out_dtype), _plan(p), rule, *args,
+                       reduction_factors=reduction, **sizes)

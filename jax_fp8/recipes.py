@@ -1,0 +1,108 @@
+"""Training recipes for ``jax_fp8.linear`` and ``jax_fp8.flax.Dense``: frozen, hashable
+dataclasses (usable as jit static arguments), checked when built."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from . import checks
+from .state import ScaleRing, check_history_len, check_ring_params
+
+LINEAR_GEMMS = ("fprop", "dgrad", "wgrad")  # a linear's three GEMMs
+
+
+def check_fp8_min_intensity(recipe) -> None:
+  """Validate a recipe's ``fp8_min_intensity``: a linear whose GEMM does fewer multiply-adds
+  per element of x, kernel and output than this, ``M*N*K / (M*K + K*N + M*N)``, runs in the
+  input's dtype through XLA (BF16 GEMMs), because there the quantization passes cost more
+  than the FP8 GEMMs save; its rings are then untouched (no observation this step). M counts
+  the rows the call sees: under shard_map, one device's. docs/performance.md gives the
+  crossover measured on the H200. The FP8 shape rules (K, N multiples of 16, or 128 under
+  BlockScaling) apply only to FP8 layers. Raises TypeError / ValueError unless it is a finite
+  number >= 0."""
+  checks.number(recipe.fp8_min_intensity, f"{type(recipe).__name__}.fp8_min_intensity", lo=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+  """Per-tensor delayed-scaling recipe (TransformerEngine's ``DelayedScaling``).
+
+  Attributes:
+    fp8_format: "hybrid" (E4M3 for activations and weights, E5M2 for gradients) or "e4m3"
+      (E4M3 for all three).
+    history_len: amax history length L, 1..1024.
+    margin: power-of-two headroom in the scale, an int in [-64, 64].
+    algo: "max" (max over the history window) or "most_recent".
+    fp8_min_intensity: see ``check_fp8_min_intensity``; 0 (default): always FP8.
+    fast_accum_gemms: the linear's GEMMs, among "fprop" (y = x @ kernel), "dgrad" (dx) and
+      "wgrad" (dkernel), that let Hopper's FP8 tensor cores accumulate without promotion to
+      f32 (``gemm``'s ``fast_accum``): faster, less accurate as K grows. () (default): none.
+      ("fprop",) is TransformerEngine's default; all three is what XLA's own FP8 dot does at
+      default precision. Stored as a tuple in that canonical order, so recipes that name the
+      same GEMMs are equal (and hashable).
+  Raises:
+    TypeError / ValueError when built with a field out of range.
+  """
+
+  fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+  history_len: int = 16
+  margin: int = 0
+  algo: Literal["max", "most_recent"] = "max"
+  fp8_min_intensity: float = 0.0
+  fast_accum_gemms: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    checks.one_of(self.fp8_format, "DelayedScaling.fp8_format", ("hybrid", "e4m3"))
+    check_history_len(self.history_len)
+    check_ring_params("e4m3", self.margin, self.algo)
+    check_fp8_min_intensity(self)
+    v = self.fast_accum_gemms
+    if (isinstance(v, str) or not isinstance(v, (tuple, list, set, frozenset))
+        or not all(isinstance(g, str) and g in LINEAR_GEMMS for g in v) or len(set(v)) != len(v)):
+      raise ValueError(f"DelayedScaling.fast_accum_gemms must be a tuple (or list or set) of "
+                       f"distinct names from {LINEAR_GEMMS}, got {v!r}")
+    object.__setattr__(self, "fast_accum_gemms", tuple(g for g in LINEAR_GEMMS if g in v))
+
+  @property
+  def fwd_fmt(self) -> str:
+    """The FP8 format of x and the kernel."""
+    return "e4m3"
+
+  @property
+  def bwd_fmt(self) -> str:
+    """The FP8 format of the output gradient."""
+    return "e5m2" if self.fp8_format == "hybrid" else "e4m3"
+
+  def ring(self, fmt: str) -> ScaleRing:
+    return ScaleRing.create(self.history_len, fmt, self.margin, self.algo)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+  """Block-scaling recipe (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.3): E4M3
+  everywhere; activations and output gradients in 1 x 128 groups (along K for the forward and
+  dgrad, along the tokens for wgrad), weights in 128 x 128 blocks (the only sizes cuBLASLt's
+  block-scaled Hopper GEMMs take). Stateless: scales come from the current tensors.
+
+  Attributes:
+    ue8m0: power-of-two scales (UE8M0), as DeepSeek-V3 uses on Hopper; a bool.
+    eps: floor of each group's amax (see ``group_quantize``).
+    fp8_min_intensity: below it a linear runs in its input's dtype (see
+      ``check_fp8_min_intensity``); 0 (default): always FP8.
+  Raises:
+    TypeError / ValueError when built with a field out of range.
+  """
+
+  ue8m0: bool = False
+  eps: float = 1e-10
+  fp8_min_intensity: float = 0.0
+
+  def __post_init__(self):
+    checks.boolean(self.ue8m0, "BlockScaling.ue8m0")
+    checks.group_eps(self.eps, "e4m3", "BlockScaling.eps")
+    check_fp8_min_intensity(self)
+
+  def kwargs(self) -> dict:
+    """The quantizers' keyword arguments under this recipe."""
+    return {"fmt": "e4m3", "eps": self.eps, "ue8m0": self.ue8m0}

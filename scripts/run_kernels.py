@@ -1,0 +1,74 @@
+"""Runs jax_fp8's CUDA kernels for a tool that watches them (`scripts/gpu_check.sh`):
+
+    python scripts/run_kernels.py profile    # each kernel a few times at 8192 x 8192 bf16 (ncu)
+    python scripts/run_kernels.py coverage   # every variant once on small, ragged shapes
+                                             # (compute-sanitizer's memcheck, racecheck,
+                                             # initcheck and synccheck)
+"""
+
+import itertools
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jax_fp8
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def profile():
+  x = jax.random.normal(jax.random.key(0), (8192, 8192), jnp.bfloat16)
+  ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create()).ring  # past step 0
+  quantize = jax.jit(lambda x: jax_fp8.quantize(x, jnp.float32(0.01)))
+  delayed = jax.jit(jax_fp8.quantize_delayed)
+  cast_t = jax.jit(jax_fp8.cast_transpose_delayed)
+  cast_t_dbias = jax.jit(lambda x, r: jax_fp8.cast_transpose_delayed(x, r, with_dbias=True))
+  group = jax.jit(lambda x: jax_fp8.group_quantize(x, scale_layout="col"))
+  block = jax.jit(jax_fp8.block_quantize)
+  group_t = jax.jit(jax_fp8.group_cast_transpose)
+  for _ in range(3):
+    jax.block_until_ready((quantize(x), delayed(x, ring), cast_t(x, ring), cast_t_dbias(x, ring),
+                           group(x), block(x), group_t(x)))
+
+
+def coverage():
+  """Every kernel and template variant: input dtypes, formats, fresh and later ring steps, both
+  ring epilogues, dbias, group sizes and scale layouts, ragged edges, the GEMM's scale modes."""
+  key = jax.random.key(0)
+  for dtype, fmt in itertools.product(DTYPES, ("e4m3", "e5m2")):
+    for shape in ((1, 16), (37, 80), (300, 272), (1000, 1040)):  # tails, partial tiles
+      x = (jax.random.normal(key, shape, jnp.float32) * 3).astype(dtype)
+      jax.block_until_ready(jax_fp8.quantize(x, jnp.float32(0.05), fmt))
+      for observe, dbias in itertools.product((False, True), (False, True)):
+        ring = jax_fp8.ScaleRing.create(5, fmt)
+        for _ in range(2):  # the fresh step (amax pre-pass), then a delayed one
+          q = jax_fp8.quantize_delayed(x, ring, observe=observe)
+          c = jax_fp8.cast_transpose_delayed(x, ring, with_dbias=dbias, observe=observe)
+          jax.block_until_ready((q, c))
+          ring = jax_fp8.quantize_delayed(x, ring).ring
+    for shape in ((3, 128), (130, 256), (257, 384)):
+      x = (jax.random.normal(key, shape, jnp.float32) * 3).astype(dtype)
+      for group_size, layout, ue8m0 in itertools.product((16, 32, 64, 128),
+                                                         ("row", "col", "col_tma"), (False, True)):
+        jax.block_until_ready(jax_fp8.group_quantize(x, group_size=group_size, fmt=fmt,
+                                                     scale_layout=layout, ue8m0=ue8m0))
+      jax.block_until_ready((jax_fp8.block_quantize(x, fmt=fmt),
+                             jax_fp8.block_quantize(x[:, :144], fmt=fmt),
+                             jax_fp8.group_cast_transpose(x, fmt=fmt)))
+  a = jax.random.normal(key, (130, 256), jnp.float32).astype(jnp.float8_e4m3fn)
+  b = jax.random.normal(key, (272, 256), jnp.float32).astype(jnp.float8_e4m3fn)
+  one = jnp.float32(1)
+  bias = jnp.ones((272,), jnp.bfloat16)
+  qa, sa = jax_fp8.group_quantize(a.astype(jnp.float32))
+  qb, sb = jax_fp8.block_quantize(b.astype(jnp.float32))
+  qg, sg = jax_fp8.group_quantize(b.astype(jnp.float32))
+  jax.block_until_ready((
+      jax_fp8.gemm(a, b, one, one), jax_fp8.gemm(a, b, one, one, bias=bias, fast_accum=True),
+      jax_fp8.gemm(a, b, one, one, out_dtype=jnp.float32),
+      jax_fp8.gemm(a, b, one, one, bias=bias, out_dtype=jnp.float8_e4m3fn, out_scale=one),
+      jax_fp8.gemm(qa, qb, sa, sb), jax_fp8.gemm(qa, qg, sa, sg, bias=bias)))
+
+
+if __name__ == "__main__":
+  {"profile": profile, "coverage": coverage}[sys.argv[1]]()

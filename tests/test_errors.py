@@ -1,0 +1,134 @@
+"""Bad input gets a clear TypeError / ValueError at trace time naming the argument, the rule
+and what came (or the right value), across the public API."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_fp8
+import jax_fp8.flax
+
+X = jnp.ones((32, 128), jnp.float32)
+S = jnp.float32(1)
+RING = jax_fp8.ScaleRing.create(4)
+E4 = jnp.ones((32, 128), jnp.float8_e4m3fn)
+
+CASES = {
+    # arguments used before they were checked
+    "group_quantize eps None": (lambda: jax_fp8.group_quantize(X, eps=None), TypeError,
+                                "eps must be a number, got NoneType None"),
+    "BlockScaling eps str": (lambda: jax_fp8.BlockScaling(eps="tiny"), TypeError,
+                             "BlockScaling.eps must be a number, got str 'tiny'"),
+    "ScaleRing.create None": (lambda: jax_fp8.ScaleRing.create(None), TypeError,
+                              "history_len must be a Python int"),
+    "quantize fmt list": (lambda: jax_fp8.quantize(X, S, ["e4m3"]), ValueError,
+                          r"fmt must be one of \['e4m3', 'e5m2'\], got \['e4m3'\]"),
+    "gemm a_scale None": (lambda: jax_fp8.gemm(E4, E4, None, S), TypeError,
+                          "a_scale must be an array, got NoneType None"),
+    "gemm b_scale str": (lambda: jax_fp8.gemm(E4, E4, S, "1"), TypeError,
+                         "b_scale must be an array, got str"),
+    "quantize x None": (lambda: jax_fp8.quantize(None, S), TypeError,
+                        "x must be an array, got NoneType None"),
+    "quantize scale list": (lambda: jax_fp8.quantize(X, [1.0]), TypeError,
+                            r"scale must be a float32 scalar, got float32\[1\]"),
+    "dequantize dtype": (lambda: jax_fp8.dequantize(E4, S, "int8"), TypeError,
+                         "dtype must be float32, bfloat16 or float16, got int8"),
+    "linear bias str": (lambda: jax_fp8.linear(X, jnp.ones((128, 16)), "b",
+                                               state=jax_fp8.LinearState.create()), TypeError,
+                        "bias must be an array, got str"),
+    "DelayedScaling fp8_format": (lambda: jax_fp8.DelayedScaling(fp8_format="e5m2"), ValueError,
+                                  "DelayedScaling.fp8_format must be one of"),
+    "DelayedScaling intensity str": (lambda: jax_fp8.DelayedScaling(fp8_min_intensity="900"),
+                                     TypeError, "fp8_min_intensity must be a number"),
+    "DelayedScaling margin float": (lambda: jax_fp8.DelayedScaling(margin=1.0), TypeError,
+                                    "margin must be a Python int"),
+    # booleans that took any truthy value
+    "group_quantize ue8m0 str": (lambda: jax_fp8.group_quantize(X, ue8m0="no"), TypeError,
+                                 "ue8m0 must be a bool, got str 'no'"),
+    "block_quantize ue8m0 int": (lambda: jax_fp8.block_quantize(X, ue8m0=1), TypeError,
+                                 "ue8m0 must be a bool, got int 1"),
+    "group_cast_transpose ue8m0": (lambda: jax_fp8.group_cast_transpose(X, ue8m0="yes"),
+                                   TypeError, "ue8m0 must be a bool"),
+    "cast_transpose with_dbias str": (
+        lambda: jax_fp8.cast_transpose_delayed(X, RING, with_dbias="no"), TypeError,
+        "with_dbias must be a bool, got str 'no'"),
+    "cast_transpose observe int": (lambda: jax_fp8.cast_transpose_delayed(X, RING, observe=0),
+                                   TypeError, "observe must be a bool, got int 0"),
+    "quantize_delayed observe str": (lambda: jax_fp8.quantize_delayed(X, RING, observe="no"),
+                                     TypeError, "observe must be a bool"),
+    "ScaleRing history_len bool": (lambda: jax_fp8.ScaleRing.create(history_len=True), TypeError,
+                                   "history_len must be a Python int .* got bool True"),
+    "ScaleRing history_len 0": (lambda: jax_fp8.ScaleRing.create(0), ValueError,
+                                r"history_len must be an int in \[1, 1024\], got 0"),
+    "gemm fast_accum str": (lambda: jax_fp8.gemm(E4, E4, S, S, fast_accum="yes"), TypeError,
+                            "fast_accum must be a bool"),
+    # share's count
+    "share n 0": (lambda: jax_fp8.share(jax_fp8.LinearState.create(), 0), ValueError,
+                  r"n must be an int >= 1, got 0"),
+    "share n -2": (lambda: jax_fp8.share(jax_fp8.LinearState.create(), -2), ValueError,
+                   r"n must be an int >= 1, got -2"),
+    "share n float": (lambda: jax_fp8.share(jax_fp8.LinearState.create(), 2.0), TypeError,
+                      "n must be a Python int .* got float 2.0"),
+    "share n traced": (lambda: jax.jit(lambda n: jax_fp8.share(jax_fp8.LinearState.create(), n))(
+        2), TypeError, r"n must be a Python int \(static, not traced\), got int32\[\]"),
+    # amax_axis_name of the wrong type, or naming an axis that is not bound
+    "amax_axis_name int": (lambda: jax_fp8.linear(X, jnp.ones((128, 16)),
+                                                  state=jax_fp8.LinearState.create(),
+                                                  amax_axis_name=3), TypeError,
+                           "amax_axis_name must be None, an axis name"),
+    "amax_axis_name unbound": (lambda: jax_fp8.linear(X, jnp.ones((128, 16)),
+                                                      state=jax_fp8.LinearState.create(),
+                                                      amax_axis_name="data"), ValueError,
+                               "amax_axis_name names the axis 'data', which is not bound"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_clear_error(case):
+  fn, exc, message = CASES[case]
+  with pytest.raises(exc, match=message):
+    fn()
+
+
+def test_amax_axis_name_unbound_under_pmap_and_shard_map():
+  """An axis the mesh does not have fails in the forward, with the names, under pmap and
+  shard_map (it used to pass the forward and fail the backward with a bare AssertionError or
+  NameError)."""
+  state = jax_fp8.LinearState.create()
+  w = jnp.ones((128, 16))
+
+  def loss(x, s):
+    return jax_fp8.linear(x, w, state=s, amax_axis_name="model").sum()
+  with pytest.raises(ValueError, match="names the axis 'model', which is not bound"):
+    jax.pmap(jax.grad(loss, argnums=1), axis_name="data")(X[None], jax.tree.map(
+        lambda v: v[None], state))
+  mesh = Mesh(np.array(jax.devices()[:2]), ("data",))
+  sm = jax.shard_map(jax.grad(loss, argnums=1), mesh=mesh, in_specs=(P("data"), P()),
+                     out_specs=P())
+  with pytest.raises(ValueError, match="names the axis 'model', which is not bound"):
+    sm(X, state)
+
+
+@pytest.mark.parametrize("op", ["quantize", "gemm", "group_quantize", "block_quantize",
+                                "group_cast_transpose", "quantize_delayed",
+                                "cast_transpose_delayed"])
+def test_grad_names_the_op(op):
+  calls = {
+      "quantize": lambda x: jax_fp8.quantize(x, S).amax,
+      "gemm": lambda x: jax_fp8.gemm(x.astype(jnp.float8_e4m3fn), E4, S, S).astype(
+          jnp.float32).sum(),
+      "group_quantize": lambda x: jax_fp8.group_quantize(x)[1].sum(),
+      "block_quantize": lambda x: jax_fp8.block_quantize(x)[1].sum(),
+      "group_cast_transpose": lambda x: jax_fp8.group_cast_transpose(x)[1].sum(),
+      "quantize_delayed": lambda x: jax_fp8.quantize_delayed(x, RING).amax,
+      "cast_transpose_delayed": lambda x: jax_fp8.cast_transpose_delayed(x, RING).amax,
+  }
+  with pytest.raises(TypeError, match=f"jax_fp8.{op} is not differentiable.*jax_fp8.linear"):
+    jax.grad(calls[op])(X)
+
+
+def test_flax_dense_bad_features():
+  with pytest.raises(ValueError, match="Dense.features must be a positive int, got 0"):
+    jax_fp8.flax.Dense(0).init(jax.random.key(0), X)
