@@ -1,8 +1,8 @@
 """A transformer block train step, FP8 (jax_fp8.flax.Dense) against BF16 (flax.linen.Dense):
 attention projections (fused q/k/v, output) and a SwiGLU MLP, bf16 attention
 (``jax.nn.dot_product_attention``: cuDNN's fused attention on a GPU, as training stacks use,
-XLA's elsewhere), pre-RMSNorm, as in the DESIGN.md anchor (d_model 4096, ffn 14336, seq 2048,
-batch 8)."""
+XLA's elsewhere), pre-RMSNorm, at the shape of the block-step anchor in docs/performance.md
+(d_model 4096, ffn 14336, seq 2048, batch 8)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,10 @@ are averaged over the devices and the FP8 amaxes max-reduced (``amax_axis_name``
 loop, the first two (compilation, first donated step) left out, as in the demo.
 
     python -m benchmarks.data_parallel [--preset gpu] [--steps 30] [--recipe delayed]
-                                       [--max-devices N] [--out PATH]
+                                       [--max-devices N] [--platform cpu] [--out PATH]
+
+The devices are the default backend's, or ``--platform``'s (``cpu``: the host's, eight virtual
+ones under the tests' ``--xla_force_host_platform_device_count=8``).
 
 Writes ``benchmarks/results/<gpu>x<N>-data-parallel-<date>.json``. NCCL's NVLink multicast
 (NVLS) is turned off unless the environment sets NCCL_NVLS_ENABLE.
@@ -93,11 +96,13 @@ def main(argv=None) -> dict:
   p.add_argument("--steps", type=int, default=30, help="steps per run (the first two untimed)")
   p.add_argument("--recipe", choices=["delayed", "block"], default="delayed")
   p.add_argument("--max-devices", type=int, help="largest device count to run")
+  p.add_argument("--platform", help="run on this platform's devices (cpu, cuda; default: the "
+                                    "default backend's)")
   p.add_argument("--out", help="JSON path (default benchmarks/results/...)")
   args = p.parse_args(argv)
   if args.steps <= SKIP_STEPS:
     p.error(f"--steps must be more than {SKIP_STEPS}")
-  devices = jax.devices()
+  devices = jax.devices(args.platform) if args.platform else jax.devices()
   preset = PRESETS[args.preset]
   corpus = data.load_corpus()
   rows = []
@@ -106,7 +111,8 @@ def main(argv=None) -> dict:
     times = {}
     for fp8 in (True, False):
       cfg = dataclasses.replace(preset.config(fp8=fp8, recipe=args.recipe), amax_axis_name=AXIS)
-      times[fp8] = step_time(preset, cfg, devices[:n], batches, seed=0)
+      with jax.default_device(devices[0]):  # initialization too, not on the default backend
+        times[fp8] = step_time(preset, cfg, devices[:n], batches, seed=0)
     rows.append({"devices": n, "global_batch": n * preset.batch,
                  "fp8_step_ms": times[True] * 1e3, "bf16_step_ms": times[False] * 1e3,
                  "fp8_speedup": times[False] / times[True]})
@@ -115,7 +121,7 @@ def main(argv=None) -> dict:
   for r in rows:  # weak scaling against one device
     r["fp8_scaling_efficiency"] = rows[0]["fp8_step_ms"] / r["fp8_step_ms"]
     r["bf16_scaling_efficiency"] = rows[0]["bf16_step_ms"] / r["bf16_step_ms"]
-  env = {**environment(), "device_count": len(devices),
+  env = {**environment(devices[0]), "device_count": len(devices),
          "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
   results = {"env": env, "preset": args.preset, "recipe": args.recipe, "steps": args.steps,
              "rows": rows}

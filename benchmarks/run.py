@@ -259,8 +259,10 @@ def peak_bytes(fn, *args):
   return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
 
 
-def environment():
-  dev = jax.devices()[0]
+def environment(device=None):
+  """The machine and versions a result was measured with; ``device`` (default: the default
+  backend's first) names the device."""
+  dev = device or jax.devices()[0]
   return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
           "python": pyplatform.python_version(), "date": datetime.date.today().isoformat(),
           "jax_fp8_cuda": jax_fp8.cuda_available()}

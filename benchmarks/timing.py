@@ -1,32 +1,37 @@
-"""Device timing: many calls inside one jitted loop, the loop's own cost cancelled.
+"""Device timing: many calls inside one jitted loop, the loop's own cost cancelled (the method
+and its history: docs/performance.md).
 
 ``fn`` runs inside a ``fori_loop`` in one jit, so host dispatch is paid once per measurement,
-not per call (per-call host timing hid up to 45% of a GEMM's rate, DESIGN.md). The loop's
-control costs about 20 us an iteration on the H200 (jax 0.11.2), as much as a small kernel,
-and subtracting a separately measured loop overhead read small GEMMs faster than the chip's
-peak (session 3), so each case is timed twice: with one call and with two calls of ``fn`` per
-iteration. The difference of the two is one call's cost, launch gaps included, with the loop
-control cancelled exactly. Every call's output is loop-carried, so none is dead code, and
-each call's inputs pass through an optimization barrier together with the earlier calls'
-outputs, so XLA neither hoists the calls out of the loop nor overlaps them. A run lasts at
-least 50 ms (short calls get more iterations): with a fixed 20 iterations, one H200 run in
-session 5 read a quantize at 1.7x the copy bandwidth and the loop control at -9.7 us.
+not per call (per-call host timing hid up to 45% of a GEMM's rate). The loop's control costs
+about 20 us an iteration on the H200 (jax 0.11.2), as much as a small kernel, and subtracting a
+separately measured loop overhead read small GEMMs faster than the chip's peak, so each case is
+timed with one call and with 1 + n chained calls of ``fn`` per iteration: the difference over n
+is one call's cost, launch gaps included, with the loop control cancelled exactly. n is 1
+unless that difference does not stand out of the timing noise; then it doubles, up to a limit
+(at the quick shapes the H200 read two chained calls faster than one, 7.5 against 10.4 us an
+iteration). Every call's output is loop-carried, so none is dead code, and each call's inputs pass
+through an optimization barrier together with the earlier calls' outputs, so XLA neither
+hoists the calls out of the loop nor overlaps them. A run lasts at least 50 ms (short calls get
+more iterations): with a fixed 20 iterations, an H200 run read a quantize at 1.7x the copy
+bandwidth and the loop control at -9.7 us.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
-def _loop_time(fn, args, calls, iters, repeats, min_seconds):
-  """Seconds per loop iteration of ``calls`` chained calls of ``fn``, over at least ``iters``
-  iterations and at least ``min_seconds`` a run (more iterations for short calls, so the
-  host's launch and synchronization jitter is spread thin)."""
+def _loop_times(fn, args, calls, iters, repeats, min_seconds) -> list[float]:
+  """Seconds per loop iteration of ``calls`` chained calls of ``fn``, one figure per run:
+  ``repeats`` runs of at least ``iters`` iterations and at least ``min_seconds`` each (more
+  iterations for short calls, so the host's launch and synchronization jitter is spread
+  thin)."""
   def body(_, carry):
     ins, outs = carry[0], []
     for _ in range(calls):
@@ -50,24 +55,49 @@ def _loop_time(fn, args, calls, iters, repeats, min_seconds):
   n = int(min(100_000, max(iters, np.ceil(min_seconds / run(iters)))))
   if n != iters:
     jax.block_until_ready(loop(args, n))  # compile for n iterations
-  return float(np.median([run(n) for _ in range(repeats)]))
+  return [run(n) for _ in range(repeats)]
 
 
-def device_time(fn, *args, iters: int = 20, repeats: int = 5, min_seconds: float = 0.05) -> float:
+def _loop_time(fn, args, calls, iters, repeats, min_seconds) -> float:
+  """The median of ``_loop_times``."""
+  return float(np.median(_loop_times(fn, args, calls, iters, repeats, min_seconds)))
+
+
+def per_call(times: Callable[[int], Sequence[float]], max_calls: int = 32) -> float:
+  """One call's seconds from loop timings; ``times(c)`` gives the runs' seconds per iteration
+  with ``c`` chained calls. The difference between the medians with 1 + n calls and with one,
+  divided by n, for the first n of 1, 2, 4, ..., ``max_calls`` where that difference is larger
+  than the spread (largest minus smallest run) of either timing. Raises RuntimeError when no n
+  up to ``max_calls`` gives one."""
+  one = times(1)
+  n = 1
+  while True:
+    more = times(1 + n)
+    diff = float(np.median(more) - np.median(one))
+    noise = float(max(np.ptp(one), np.ptp(more)))
+    if diff > noise:
+      return diff / n
+    if 2 * n > max_calls:
+      raise RuntimeError(
+          f"{1 + n} calls per iteration ({np.median(more) * 1e6:.1f} us) were not slower than "
+          f"one ({np.median(one) * 1e6:.1f} us) by more than the runs' spread "
+          f"({noise * 1e6:.1f} us): too short to time this way")
+    n *= 2
+
+
+def device_time(fn, *args, iters: int = 20, repeats: int = 5, min_seconds: float = 0.05,
+                max_calls: int = 32) -> float:
   """Seconds per call of ``fn(*args)`` on the device: the median time of a loop iteration
-  with two chained calls minus that with one (medians over ``repeats`` runs of at least
-  ``iters`` iterations and ``min_seconds`` each). On XLA:CPU, whose runtime overlaps the two
-  calls, the one-call time (the CPU figures only exercise the suite). Raises RuntimeError
-  when the difference is not positive (a call too short to resolve against the timing
-  noise)."""
-  one = _loop_time(fn, args, 1, iters, repeats, min_seconds)
-  if jax.default_backend() == "cpu":
-    return one  # XLA:CPU runs independent thunks concurrently: no difference to take
-  two = _loop_time(fn, args, 2, iters, repeats, min_seconds)
-  if two <= one:
-    raise RuntimeError(f"two calls per iteration ({two * 1e6:.1f} us) were not slower than one "
-                       f"({one * 1e6:.1f} us): too short to time this way")
-  return two - one
+  with 1 + n chained calls minus that with one, divided by n (medians over ``repeats`` runs of
+  at least ``iters`` iterations and ``min_seconds`` each). n is the first of 1, 2, 4, ...,
+  ``max_calls`` whose difference is larger than the spread of either loop's runs (``per_call``).
+  On XLA:CPU, whose runtime overlaps chained calls, the one-call time (the CPU figures only
+  exercise the suite). Raises RuntimeError when no n up to ``max_calls`` resolves the call
+  against the timing noise."""
+  if jax.default_backend() == "cpu":  # XLA:CPU runs independent thunks concurrently
+    return _loop_time(fn, args, 1, iters, repeats, min_seconds)
+  return per_call(lambda calls: _loop_times(fn, args, calls, iters, repeats, min_seconds),
+                  max_calls)
 
 
 def loop_overhead(iters: int = 20, repeats: int = 5, min_seconds: float = 0.05) -> float:

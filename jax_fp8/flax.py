@@ -76,5 +76,7 @@ class Dense(nn.Module):
     state = (None if isinstance(self.recipe, BlockScaling) else
              self.variable(STATE_COLLECTION, "linear", LinearState.create, self.recipe).value)
     inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    return linear(inputs, kernel, bias, state=state, recipe=self.recipe,
-                  amax_axis_name=self.amax_axis_name)
+    # init usually runs outside the pmap / shard_map whose axis is named; the axis serves the
+    # backward only, and init takes no gradient.
+    axis = None if self.is_initializing() else self.amax_axis_name
+    return linear(inputs, kernel, bias, state=state, recipe=self.recipe, amax_axis_name=axis)

@@ -1,9 +1,12 @@
 """Runs jax_fp8's CUDA kernels for a tool that watches them (`scripts/gpu_check.sh`):
 
     python scripts/run_kernels.py profile    # each kernel a few times at 8192 x 8192 bf16 (ncu)
-    python scripts/run_kernels.py coverage   # every variant once on small, ragged shapes
-                                             # (compute-sanitizer's memcheck, racecheck,
-                                             # initcheck and synccheck)
+    python scripts/run_kernels.py coverage   # every variant of our kernels once on small,
+                                             # ragged shapes (compute-sanitizer's four tools)
+    python scripts/run_kernels.py gemm       # our cuBLASLt calls, every scale mode (memcheck)
+
+Inputs are copied from the host: initcheck reports buffers written by XLA's own kernels as
+uninitialized (it did for a slice and for jnp.zeros), never those written by a copy.
 """
 
 import itertools
@@ -11,6 +14,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import jax_fp8
 
@@ -34,41 +38,49 @@ def profile():
 
 def coverage():
   """Every kernel and template variant: input dtypes, formats, fresh and later ring steps, both
-  ring epilogues, dbias, group sizes and scale layouts, ragged edges, the GEMM's scale modes."""
-  key = jax.random.key(0)
+  ring epilogues, dbias, group sizes and scale layouts, ragged edges."""
+  rng = np.random.default_rng(0)
+  normal = lambda shape, dtype: jax.device_put((rng.standard_normal(shape) * 3).astype(dtype))
   for dtype, fmt in itertools.product(DTYPES, ("e4m3", "e5m2")):
-    for shape in ((1, 16), (37, 80), (300, 272), (1000, 1040)):  # tails, partial tiles
-      x = (jax.random.normal(key, shape, jnp.float32) * 3).astype(dtype)
-      jax.block_until_ready(jax_fp8.quantize(x, jnp.float32(0.05), fmt))
+    for shape in ((37, 80), (1000, 1040)):  # a vector tail, partial tiles, several blocks
+      x = normal(shape, dtype)
+      jax.block_until_ready(jax_fp8.quantize(x, jax.device_put(np.float32(0.05)), fmt))
       for observe, dbias in itertools.product((False, True), (False, True)):
-        ring = jax_fp8.ScaleRing.create(5, fmt)
+        ring = jax_fp8.ScaleRing(*jax.device_put((np.zeros(5, np.float32), np.float32(1),
+                                                  np.float32(0))), fmt)
         for _ in range(2):  # the fresh step (amax pre-pass), then a delayed one
           q = jax_fp8.quantize_delayed(x, ring, observe=observe)
           c = jax_fp8.cast_transpose_delayed(x, ring, with_dbias=dbias, observe=observe)
           jax.block_until_ready((q, c))
           ring = jax_fp8.quantize_delayed(x, ring).ring
-    for shape in ((3, 128), (130, 256), (257, 384)):
-      x = (jax.random.normal(key, shape, jnp.float32) * 3).astype(dtype)
-      for group_size, layout, ue8m0 in itertools.product((16, 32, 64, 128),
-                                                         ("row", "col", "col_tma"), (False, True)):
+    for shape in ((3, 128), (257, 384)):
+      x = normal(shape, dtype)
+      for group_size, layout, ue8m0 in zip((16, 32, 64, 128), ("row", "col", "col_tma", "col"),
+                                           (False, True, False, True)):
         jax.block_until_ready(jax_fp8.group_quantize(x, group_size=group_size, fmt=fmt,
                                                      scale_layout=layout, ue8m0=ue8m0))
       jax.block_until_ready((jax_fp8.block_quantize(x, fmt=fmt),
-                             jax_fp8.block_quantize(x[:, :144], fmt=fmt),
+                             jax_fp8.block_quantize(normal((shape[0], 144), dtype), fmt=fmt),
                              jax_fp8.group_cast_transpose(x, fmt=fmt)))
-  a = jax.random.normal(key, (130, 256), jnp.float32).astype(jnp.float8_e4m3fn)
-  b = jax.random.normal(key, (272, 256), jnp.float32).astype(jnp.float8_e4m3fn)
-  one = jnp.float32(1)
-  bias = jnp.ones((272,), jnp.bfloat16)
-  qa, sa = jax_fp8.group_quantize(a.astype(jnp.float32))
-  qb, sb = jax_fp8.block_quantize(b.astype(jnp.float32))
-  qg, sg = jax_fp8.group_quantize(b.astype(jnp.float32))
+
+
+def gemm():
+  """The GEMM's scale modes, bias and output dtypes (cuBLASLt's kernels: under memcheck only,
+  which checks the pointers and layouts our handler gives it)."""
+  rng = np.random.default_rng(0)
+  a32, b32 = rng.standard_normal((130, 256)), rng.standard_normal((272, 256))
+  a = jax.device_put(a32.astype(jnp.float8_e4m3fn))
+  b = jax.device_put(b32.astype(jnp.float8_e4m3fn))
+  one = jax.device_put(np.float32(1))
+  bias = jax.device_put(np.ones(272, jnp.bfloat16))
+  qa, sa = jax_fp8.group_quantize(jax.device_put(a32.astype(np.float32)))
+  qb, sb = jax_fp8.block_quantize(jax.device_put(b32.astype(np.float32)))
+  qg, sg = jax_fp8.group_quantize(jax.device_put(b32.astype(np.float32)))
   jax.block_until_ready((
       jax_fp8.gemm(a, b, one, one), jax_fp8.gemm(a, b, one, one, bias=bias, fast_accum=True),
       jax_fp8.gemm(a, b, one, one, out_dtype=jnp.float32),
       jax_fp8.gemm(a, b, one, one, bias=bias, out_dtype=jnp.float8_e4m3fn, out_scale=one),
       jax_fp8.gemm(qa, qb, sa, sb), jax_fp8.gemm(qa, qg, sa, sg, bias=bias)))
 
-
 if __name__ == "__main__":
-  {"profile": profile, "coverage": coverage}[sys.argv[1]]()
+  {"profile": profile, "coverage": coverage, "gemm": gemm}[sys.argv[1]]()

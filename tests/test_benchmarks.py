@@ -1,13 +1,15 @@
 """The benchmark suite's quick mode runs end to end and writes every case (so the suite does
-not rot between GPU sessions)."""
+not rot between runs on a GPU)."""
 
 import json
 import sys
 import pathlib
 
+import pytest
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import data_parallel, run  # noqa: E402
+from benchmarks import data_parallel, run, timing  # noqa: E402
 
 
 def test_quick_suite(tmp_path):
@@ -26,28 +28,50 @@ def test_quick_suite(tmp_path):
   assert res["ceilings"]["copy_TBps"] > 0
 
 
+def test_per_call_takes_more_calls_until_resolved():
+  """device_time's difference method on made-up loop timings: a call of 0.5 us against runs
+  that spread by 2 us (two calls faster than one, as on the H200 at the quick shapes) is
+  resolved with 1 + 8 calls; a call that never stands out raises."""
+  asked = []
+
+  def times(calls):  # seconds per iteration of each run; the median's noise in the middle run
+    asked.append(calls)
+    base = 10e-6 + 0.5e-6 * (calls - 1)
+    return [base - 1e-6, base - (1e-6 if calls == 2 else 0.0), base + 1e-6]
+
+  assert abs(timing.per_call(times) - 0.5e-6) < 1e-12
+  assert asked == [1, 2, 3, 5, 9]
+  with pytest.raises(RuntimeError, match=r"33 calls per iteration .* not slower than one"):
+    timing.per_call(lambda calls: [10e-6 + 1e-9 * calls, 12e-6, 8e-6])
+
+
 def test_data_parallel_benchmark(tmp_path):
-  """The multi-device training benchmark end to end on two of the virtual CPU devices."""
+  """The multi-device training benchmark end to end on two of the virtual CPU devices,
+  whatever the default backend."""
   out = tmp_path / "dp.json"
   res = data_parallel.main(["--preset", "smoke", "--steps", "4", "--max-devices", "2",
-                            "--out", str(out)])
+                            "--platform", "cpu", "--out", str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(res))
   assert [r["devices"] for r in res["rows"]] == [1, 2]
   assert res["rows"][1]["global_batch"] == 2 * res["rows"][0]["global_batch"]
   for r in res["rows"]:
     assert r["fp8_step_ms"] > 0 and r["bf16_step_ms"] > 0
   assert res["rows"][0]["fp8_scaling_efficiency"] == 1.0
+  assert res["env"]["platform"] == "cpu" and res["env"]["device_count"] == 8
 
 
 def test_command_buffer_benchmark(tmp_path):
-  """The CUDA-graph comparison end to end (on CPU XLA ignores the flag: only the plumbing and
-  the bit comparison run)."""
+  """The CUDA-graph comparison end to end (on CPU XLA ignores the flags: only the plumbing and
+  the bit comparison run): the first child dumps the autotuning results, and every leaf of
+  both steps is compared."""
   from benchmarks import command_buffer
   out = tmp_path / "cb.json"
   res = command_buffer.main(["--quick", "--steps", "2", "--out", str(out)])
   assert [r["mode"] for r in res["rows"]] == list(command_buffer.MODES)
-  assert all(r["bit_identical_to_off"] and r["fp8_step_ms"] > 0 and r["bf16_step_ms"] > 0
-             for r in res["rows"])
+  assert res["rows"][0]["autotune_flag"] == "--xla_gpu_dump_autotune_results_to"
+  assert res["leaves"]["fp8"] > res["leaves"]["bf16"] > 0  # the FP8 step adds its rings
+  assert all(r["bit_identical_to_off"] and r["differing_leaves"] == [] and r["fp8_step_ms"] > 0
+             and r["bf16_step_ms"] > 0 for r in res["rows"])
 
 
 def test_step_profile(tmp_path):
