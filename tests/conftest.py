@@ -1,6 +1,11 @@
 """Shared test helpers. Eight virtual CPU devices for the multi-device tests; CUDA cases are marked
-`gpu` and skipped without a CUDA GPU (one capability probe: jax_fp8.cuda_available)."""
+`gpu` and skipped without a CUDA GPU (one capability probe: jax_fp8.cuda_available).
 
+Random test data comes from one base seed, ``JAX_FP8_TEST_SEED`` (0 unless set), so every run
+draws the same data; set it to explore others (``JAX_FP8_TEST_SEED=7 pytest tests``). Each
+test mixes the base seed with its own name, so tests do not all see the same data."""
+
+import hashlib
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -13,6 +18,29 @@ import pytest  # noqa: E402
 import jax_fp8  # noqa: E402
 
 HAS_CUDA = jax_fp8.cuda_available()
+
+
+def _base_seed() -> int:
+  value = os.environ.get("JAX_FP8_TEST_SEED", "0")
+  try:
+    return int(value)
+  except ValueError:
+    raise ValueError(f"JAX_FP8_TEST_SEED must be an integer, got {value!r}") from None
+
+
+BASE_SEED = _base_seed()
+
+
+def seed_for(name: str) -> int:
+  """The 32-bit seed of one test's data: a SHA-256 of the base seed and ``name`` (the test's
+  node id), the same on every run and machine (Python's own hash is salted per process)."""
+  digest = hashlib.sha256(f"{BASE_SEED}:{name}".encode()).digest()
+  return int.from_bytes(digest[:4], "little")
+
+
+def pytest_report_header(config):
+  return f"JAX_FP8_TEST_SEED={BASE_SEED} (the base seed of the tests' random data)"
+
 
 PLATFORMS = [
     pytest.param("cpu", id="cpu"),
@@ -32,10 +60,34 @@ def platform(request):
 
 @pytest.fixture
 def rng(request):
-  """A fresh NumPy generator per test, seeded from OS entropy; the seed is printed on failure."""
-  seed = np.random.SeedSequence().entropy % (2**32)
-  print(f"rng seed {seed}")
+  """A NumPy generator seeded with ``seed_for(node id)``; the seeds are printed (pytest shows
+  them on failure). Rerun one test on the same data with the printed JAX_FP8_TEST_SEED."""
+  seed = seed_for(request.node.nodeid)
+  print(f"rng seed {seed} (JAX_FP8_TEST_SEED={BASE_SEED}, {request.node.nodeid})")
   return np.random.default_rng(seed)
+
+
+# The FP8 GEMMs' accumulation error, relative to the sum of the products' magnitudes
+# (|a| @ |b|): Hopper's FP8 tensor cores accumulate with about 14 bits (DeepSeek-V3 technical
+# report, section 3.3.2), good to 2^-12; f32 on the CPU gives K * 2^-24, below that to K = 4096.
+ACCUMULATION = 2.0**-12
+
+
+def summation_error(n: int, platform: str = "cpu") -> float:
+  """Bound on the error of a sum of ``n`` terms computed in f32 in any order, relative to the
+  sum of the terms' magnitudes: Higham's gamma_n = n u / (1 - n u), u = 2^-24; on a GPU plus
+  ``ACCUMULATION`` (the sum may run in an FP8 GEMM). Two orders differ by at most twice this."""
+  nu = n * roundoff(jax.numpy.float32)
+  return nu / (1 - nu) + (0.0 if platform == "cpu" else ACCUMULATION)
+
+
+def roundoff(dtype) -> float:
+  """The unit roundoff of round-to-nearest into ``dtype`` (a dtype or "e4m3" / "e5m2"): half
+  the spacing above 1, the largest relative error of rounding a normal value (e4m3 2^-4, e5m2
+  2^-3, bfloat16 2^-8, float16 2^-11, float32 2^-24)."""
+  if isinstance(dtype, str):
+    dtype = jax_fp8.fp8_dtype(dtype)
+  return float(jax.numpy.finfo(dtype).eps) / 2
 
 
 def on_cpu(fn, *args):

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as orbax
+from conftest import roundoff
 
 import jax_fp8
 from jax_fp8.flax import Dense
@@ -24,7 +25,8 @@ def test_init_matches_nn_dense(rng):
   y = Dense(48).apply(ours, x)
   y_ref = nn.Dense(48).apply(theirs, x)
   assert y.shape == (2, 7, 48)
-  assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) < 0.04
+  # x and kernel e4m3 (each element within 2^-4 of itself): the product within about the sum.
+  assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) < 2 * roundoff("e4m3")
   y16 = Dense(48, dtype=jnp.bfloat16, use_bias=False).apply(
       {"params": {"kernel": ours["params"]["kernel"]}, "fp8_state": ours["fp8_state"]}, x)
   assert y16.dtype == jnp.bfloat16
@@ -71,6 +73,9 @@ def test_fp8_training_tracks_bf16(rng):
   y = jnp.tanh(x @ w)
   fp8, state = train(Dense, (x, y))
   ref, _ = train(nn.Dense, (x, y))
+  # Task-level checks of a training run, not format bounds: over 40 seeds (CPU) the final loss
+  # fell to at most 0.225 of the first (f32 at most 0.226), and the FP8 and f32 runs' final
+  # losses differed by at most 1.1%.
   assert fp8[-1] < 0.3 * fp8[0]  # it learns
   assert abs(np.mean(fp8[-5:]) - np.mean(ref[-5:])) < 0.15 * np.mean(ref[-5:]) + 1e-3
   rings = jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, jax_fp8.ScaleRing))

@@ -39,7 +39,7 @@ def test_special_values(platform, fmt, dtype):
     q, a = jax.jit(jax_fp8.quantize, static_argnums=2)(x, s, fmt)
     qr, ar = on_cpu(lambda x, s: reference.quantize(x, s, fmt), x, s)
     check_same(q, a, qr, ar)
-  # The saturation policy stated in DESIGN.md: beyond max (465 in e4m3) -> max, inf -> max,
+  # The saturation policy stated in docs/design.md: beyond max (465 in e4m3) -> max, inf -> max,
   # NaN stays NaN.
   fmax = jax_fp8.fp8_max(fmt)
   q, _ = jax_fp8.quantize(jnp.asarray([fmax * 1.04, np.inf, -np.inf, np.nan], jnp.float32),
