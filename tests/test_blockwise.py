@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, on_cpu, poison_allocator, roundoff
+from conftest import PLATFORMS, bits, on_cpu, poison_allocator, roundoff
 
 import jax_fp8
 from jax_fp8 import reference
@@ -423,9 +423,8 @@ def test_empty_rows(platform):
 # ------------------------------------------------------------------------------------------
 # Programmatic Dependent Launch on and off give the same bits.
 
+@pytest.mark.parametrize("platform", [PLATFORMS[1]], indirect=True)  # a CUDA launch attribute
 def test_pdl_on_off_same_bits(platform, rng, monkeypatch):
-  if platform != "cuda":
-    pytest.skip("PDL is a CUDA launch attribute")
   x = jnp.asarray(rng.standard_normal((256, 512)), jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((384, 512)) * 0.05, jnp.bfloat16)
 
