@@ -15,8 +15,7 @@ from ..formats import amax
 from ..state import ALGOS, ScaleRing, next_ring, observe, scale_for_step
 
 SCRATCH = jax.ShapeDtypeStruct((_ffi.CONSTANTS["quantize_scratch_words"],), jnp.uint32)
-_ALGO_IDS = {"max": _ffi.CONSTANTS["algo_max"], "most_recent": _ffi.CONSTANTS["algo_most_recent"]}
-assert tuple(_ALGO_IDS) == ALGOS
+_ALGO_IDS = {algo: _ffi.CONSTANTS[f"algo_{algo}"] for algo in ALGOS}
 
 
 def check_ring(ring) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -49,7 +48,7 @@ def sharded_scale(x, ring: ScaleRing, leaves, over) -> tuple[jax.Array, ScaleRin
   """Under a sharded jit: the scale every device quantizes with (the ring's, or on a fresh ring
   the one from the amax of x over all devices, computed on that step only), and the ring
   rebuilt from its local leaves."""
-  ring = dataclasses.replace(ring, amax_history=leaves[0], scale=leaves[1], steps=leaves[2])
+  ring = rebuild(ring, leaves)
   first = jax.lax.cond(ring.steps == 0,
                        lambda x: sharding.pmax_keep_nan(amax(x), over),
                        lambda x: jnp.zeros((), jnp.float32), x)
@@ -64,4 +63,5 @@ def moved(ring: ScaleRing, amax_: jax.Array, observe_: bool) -> tuple:
 
 
 def rebuild(ring: ScaleRing, leaves) -> ScaleRing:
+  """``ring`` with the leaves (history, scale, steps) a kernel or the sharded path wrote."""
   return dataclasses.replace(ring, amax_history=leaves[0], scale=leaves[1], steps=leaves[2])
