@@ -30,7 +30,7 @@ constexpr int kColMultiple = 16;
 // Longest amax history a ring may have (the CUDA epilogue reduces it in one block).
 constexpr int kMaxHistory = 1024;
 
-// How a ring reduces its history window (the `algo` attribute; jax_fp8.scaling.ALGOS).
+// How a ring reduces its history window (the `algo` attribute; jax_fp8.state.ALGOS).
 enum class AmaxAlgo : int64_t { kMax = 0, kMostRecent = 1 };
 
 // Where jax_fp8_group_quantize stores the scales of rows x groups (the `layout` attribute):

@@ -1,6 +1,6 @@
 // Numerics shared by the CPU handlers and the CUDA kernels, so both produce the same bits.
 //
-// Conventions (see jax_fp8/scaling.py): `scale` is the dequantization step, x ~= q * scale,
+// Conventions (see jax_fp8/formats.py and jax_fp8/state.py): `scale` is the dequantization step, x ~= q * scale,
 // q = saturate(round_nearest_even(x * (1 / scale))). Casts saturate to the format's largest
 // finite value (+-inf -> +-max); NaN maps to the canonical NaN 0x7F of either format.
 #pragma once
@@ -107,7 +107,7 @@ JF8_HD uint8_t float_to_fp8(float x, Fp8Format f) {
 // that it and its reciprocal stay finite and positive. An amax that is 0, below FLT_MIN (an f32
 // subnormal: XLA's CPU runtime flushes those to zero, so they count as zero everywhere) or not
 // finite carries no information: the previous scale is kept. Mirrors
-// jax_fp8.scaling.scale_from_amax.
+// jax_fp8.state.scale_from_amax.
 JF8_HD bool informative(float amax) { return amax >= FLT_MIN && amax <= FLT_MAX; }
 
 JF8_HD float scale_from_amax(float amax, float prev_scale, Fp8Format f, int margin) {
@@ -145,7 +145,7 @@ struct ScaleLayout {
   int64_t padded_rows;   // rows of the stored grid (col_tma pads with zero scales)
 };
 
-// A delayed-scaling quantize's ring (jax_fp8.scaling.ScaleRing), read from its inputs, and the
+// A delayed-scaling quantize's ring (jax_fp8.state.ScaleRing), read from its inputs, and the
 // separate outputs it writes: the ring after this step and the scale it quantized with.
 struct RingArgs {
   const float* history;  // [len], newest first
@@ -162,7 +162,7 @@ struct RingArgs {
 };
 
 // The ring rules, written once for the CPU handlers and the CUDA epilogues (jnp's twins:
-// jax_fp8.scaling.observe and update_state's advance).
+// jax_fp8.state.observe and advance).
 //  - observe(ring, amax): the history shifted by one with ring_front(amax) in front, scale 0,
 //    steps + 1.
 //  - advance(ring, observation with front f): a non-finite f leaves the ring as it was;

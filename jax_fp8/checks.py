@@ -54,6 +54,18 @@ def scalar_f32(v, name: str) -> jax.Array:
   return v
 
 
+def dtype(v, name: str, allowed) -> jnp.dtype:
+  """A dtype among ``allowed`` (None is not float64 here)."""
+  names = ", ".join(jnp.dtype(d).name for d in allowed)
+  try:
+    d = jnp.dtype(v) if v is not None else None
+  except TypeError:
+    d = None
+  if d not in allowed:
+    raise TypeError(f"{name} must be one of {names}, got {d.name if d is not None else repr(v)}")
+  return d
+
+
 def boolean(v, name: str) -> bool:
   """A Python or NumPy bool (not any truthy value: ``"no"`` is not False)."""
   if not isinstance(v, (bool, np.bool_)):
@@ -76,14 +88,21 @@ def number(v, name: str, lo: float = -math.inf, finite: bool = True) -> float:
   """A static real number (int or float, not a bool or array), finite if asked, >= lo."""
   if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
     raise TypeError(f"{name} must be a number, got {_describe(v)}")
-  if (finite and not math.isfinite(v)) or (lo > -math.inf and not v >= lo):
+  try:
+    out = float(v)
+  except OverflowError:
+    raise ValueError(f"{name} must be representable as a float, got {v!r}") from None
+  if (finite and not math.isfinite(out)) or (lo > -math.inf and not out >= lo):
     rule = " and ".join(r for r, on in (("finite", finite), (f">= {lo}", lo > -math.inf)) if on)
     raise ValueError(f"{name} must be {rule}, got {v!r}")
-  return float(v)
+  return out
 
 
 def one_of(v, name: str, choices) -> str:
-  if not isinstance(v, str) or v not in choices:
+  """One of the string ``choices`` (TypeError for a non-string)."""
+  if not isinstance(v, str):
+    raise TypeError(f"{name} must be one of {tuple(choices)}, got {_describe(v)}")
+  if v not in choices:
     raise ValueError(f"{name} must be one of {tuple(choices)}, got {v!r}")
   return v
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import serialization
 
+from . import checks
 from .linear import LinearState, linear
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing
@@ -67,12 +68,14 @@ class Dense(nn.Module):
     if not isinstance(self.recipe, (DelayedScaling, BlockScaling)):
       raise TypeError(f"Dense.recipe must be a DelayedScaling or a BlockScaling, got "
                       f"{type(self.recipe).__name__}")
-    if isinstance(self.features, bool) or not isinstance(self.features, int) or self.features < 1:
-      raise ValueError(f"Dense.features must be a positive int, got {self.features!r}")
-    kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features),
+    features = checks.integer(self.features, "Dense.features", lo=1)
+    use_bias = checks.boolean(self.use_bias, "Dense.use_bias")
+    if jnp.ndim(inputs) < 1:
+      raise ValueError("Dense inputs must be [..., K], got a scalar")
+    kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], features),
                         self.param_dtype)
-    bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-            if self.use_bias else None)
+    bias = (self.param("bias", self.bias_init, (features,), self.param_dtype)
+            if use_bias else None)
     state = (None if isinstance(self.recipe, BlockScaling) else
              self.variable(STATE_COLLECTION, "linear", LinearState.create, self.recipe).value)
     inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)

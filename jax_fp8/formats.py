@@ -28,9 +28,11 @@ def fp8_dtype(fmt: str) -> jnp.dtype:
   """The JAX dtype of an FP8 format name: "e4m3" -> float8_e4m3fn, "e5m2" -> float8_e5m2.
 
   Raises:
-    ValueError: ``fmt`` is not one of the names (a non-string included).
+    TypeError / ValueError: ``fmt`` is not a string / not one of the names.
   """
-  if not isinstance(fmt, str) or fmt not in FORMATS:
+  if not isinstance(fmt, str):
+    raise TypeError(f"fmt must be one of {sorted(FORMATS)}, got {type(fmt).__name__} {fmt!r}")
+  if fmt not in FORMATS:
     raise ValueError(f"fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
   return FORMATS[fmt]
 

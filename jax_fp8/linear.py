@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from . import checks, sharding
 from .formats import FLOAT_DTYPES
 from .ops import blockwise
+from .ops._ring import check_ring
 from .ops.cast_transpose import cast_transpose_delayed
 from .ops.gemm import gemm
 from .recipes import BlockScaling, DelayedScaling
@@ -258,18 +259,22 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   k, n = kernel.shape
   if bias is not None:
     bias = checks.array(bias, "bias")
-    if bias.shape != (n,) or not jnp.issubdtype(bias.dtype, jnp.floating):
-      raise ValueError(f"bias must be a float [{n}], got {bias.dtype}{list(bias.shape)}")
+    if bias.dtype not in FLOAT_DTYPES:
+      raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
+    if bias.shape != (n,):
+      raise ValueError(f"bias must be [{n}], got {list(bias.shape)}")
   if not isinstance(recipe, (DelayedScaling, BlockScaling)):
     raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
                     f"{type(recipe).__name__}")
   fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), n, k)  # else XLA in x's dtype, any shape
-  if fp8 and (k % 16 or n % 16):
-    raise ValueError(f"K and N must be multiples of 16 for the FP8 GEMMs, got K={k}, N={n}")
   if isinstance(recipe, BlockScaling):
     return _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name, fp8)
+  if fp8 and (k % 16 or n % 16):
+    raise ValueError(f"K and N must be multiples of 16 for the FP8 GEMMs, got K={k}, N={n}")
   if not isinstance(state, LinearState):
     raise TypeError(f"state must be a jax_fp8.LinearState, got {type(state).__name__}")
+  for name in ("x", "kernel", "grad"):
+    check_ring(getattr(state, name), f"state.{name}")
   want = tuple((f, recipe.history_len, recipe.margin, recipe.algo)
                for f in (recipe.fwd_fmt, recipe.fwd_fmt, recipe.bwd_fmt))
   have = tuple((r.fmt, jnp.shape(r.amax_history)[0], r.margin, r.algo)

@@ -158,6 +158,19 @@ def _is_ring(x) -> bool:
   return isinstance(x, ScaleRing)
 
 
+def _check_like(value, name: str, like, like_name: str) -> None:
+  """``value`` has the pytree structure of ``like`` (rings of the same format, margin and algo)
+  and the same leaf shapes: it is a gradient of ``like``. ValueError naming both otherwise."""
+  tv, tl = jax.tree.structure(value), jax.tree.structure(like)
+  if tv != tl:
+    raise ValueError(f"{name} must have the structure of {like_name} (the gradient of the state "
+                     f"with respect to itself, ring for ring), got {tv} against {tl}")
+  for v, l in zip(jax.tree.leaves(value), jax.tree.leaves(like)):
+    if jnp.shape(v) != jnp.shape(l):
+      raise ValueError(f"{name} must have the leaf shapes of {like_name}, got {jnp.shape(v)} "
+                       f"against {jnp.shape(l)}")
+
+
 def update_state(state, state_grads):
   """The state for the next step from the gradient with respect to the state.
 
@@ -176,6 +189,8 @@ def update_state(state, state_grads):
   scale errs towards headroom, never towards overflow. Rings stacked on leading axes (a Flax
   ``nn.scan`` over layers) are advanced one by one.
   """
+  _check_like(state_grads, "state_grads", state, "state")
+
   def advance_stacked(ring, obs):  # rings stacked by a scan over layers: [..., L]
     fn = advance
     for _ in range(jnp.ndim(ring.steps)):
@@ -187,7 +202,9 @@ def update_state(state, state_grads):
 def combine_updates(a, b):
   """Combine two state gradients of the same step (e.g. two microbatches' gradients computed
   from the same state in a ``lax.scan``) by an elementwise max, which is exact for
-  observations; use it for the state where parameter gradients would be summed."""
+  observations; use it for the state where parameter gradients would be summed. Raises
+  ValueError when a and b differ in structure or shapes."""
+  _check_like(b, "b", a, "a")
   return jax.tree.map(jnp.maximum, a, b)
 
 

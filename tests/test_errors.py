@@ -23,8 +23,8 @@ CASES = {
                              "BlockScaling.eps must be a number, got str 'tiny'"),
     "ScaleRing.create None": (lambda: jax_fp8.ScaleRing.create(None), TypeError,
                               "history_len must be a Python int"),
-    "quantize fmt list": (lambda: jax_fp8.quantize(X, S, ["e4m3"]), ValueError,
-                          r"fmt must be one of \['e4m3', 'e5m2'\], got \['e4m3'\]"),
+    "quantize fmt list": (lambda: jax_fp8.quantize(X, S, ["e4m3"]), TypeError,
+                          r"fmt must be one of \['e4m3', 'e5m2'\], got list \['e4m3'\]"),
     "gemm a_scale None": (lambda: jax_fp8.gemm(E4, E4, None, S), TypeError,
                           "a_scale must be an array, got NoneType None"),
     "gemm b_scale str": (lambda: jax_fp8.gemm(E4, E4, S, "1"), TypeError,
@@ -34,7 +34,22 @@ CASES = {
     "quantize scale list": (lambda: jax_fp8.quantize(X, [1.0]), TypeError,
                             r"scale must be a float32 scalar, got float32\[1\]"),
     "dequantize dtype": (lambda: jax_fp8.dequantize(E4, S, "int8"), TypeError,
-                         "dtype must be float32, bfloat16 or float16, got int8"),
+                         "dtype must be one of float32, bfloat16, float16, got int8"),
+    "linear bias fp8": (lambda: jax_fp8.linear(X, jnp.ones((128, 16)),
+                                               jnp.ones(16, jnp.float8_e4m3fn),
+                                               state=jax_fp8.LinearState.create()), TypeError,
+                        "bias must be float32, bfloat16 or float16, got float8_e4m3fn"),
+    "linear state None rings": (lambda: jax_fp8.linear(X, jnp.ones((128, 16)),
+                                                       state=jax_fp8.LinearState(None, None, None)),
+                                TypeError, "state.x must be a jax_fp8.ScaleRing, got NoneType"),
+    "linear stacked state": (lambda: jax_fp8.linear(X, jnp.ones((128, 16)), state=jax_fp8.share(
+        jax_fp8.LinearState.create(), 2)), ValueError, r"state.x.amax_history must be float32 \[L\]"),
+    "intensity huge int": (lambda: jax_fp8.DelayedScaling(fp8_min_intensity=10**400), ValueError,
+                           "fp8_min_intensity must be representable as a float"),
+    "dequantize dtype None": (lambda: jax_fp8.dequantize(E4, S, None), TypeError,
+                              "dtype must be one of float32, bfloat16, float16, got None"),
+    "algo None": (lambda: jax_fp8.DelayedScaling(algo=None), TypeError,
+                  "algo must be one of .* got NoneType None"),
     "linear bias str": (lambda: jax_fp8.linear(X, jnp.ones((128, 16)), "b",
                                                state=jax_fp8.LinearState.create()), TypeError,
                         "bias must be an array, got str"),
@@ -129,6 +144,34 @@ def test_grad_names_the_op(op):
     jax.grad(calls[op])(X)
 
 
-def test_flax_dense_bad_features():
-  with pytest.raises(ValueError, match="Dense.features must be a positive int, got 0"):
-    jax_fp8.flax.Dense(0).init(jax.random.key(0), X)
+@pytest.mark.parametrize("kwargs,error,message", [
+    (dict(features=0), ValueError, "Dense.features must be an int >= 1, got 0"),
+    (dict(features=16.0), TypeError, "Dense.features must be a Python int"),
+    (dict(features=16, use_bias="no"), TypeError, "Dense.use_bias must be a bool, got str"),
+], ids=["features 0", "features float", "use_bias str"])
+def test_flax_dense_bad_arguments(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    jax_fp8.flax.Dense(**kwargs).init(jax.random.key(0), X)
+
+
+def _grads(history_len=16):
+  recipe = jax_fp8.DelayedScaling(history_len=history_len)
+  state = jax_fp8.LinearState.create(recipe)
+  return state, jax.grad(lambda s: jax_fp8.linear(X, jnp.ones((128, 16)), state=s,
+                                                  recipe=recipe).sum())(state)
+
+
+def test_state_gradients_must_match_the_state():
+  """A gradient of another state (rings swapped, other history length) or none is refused by
+  name, instead of advancing the rings with the wrong amax."""
+  state, g = _grads()
+  swapped = jax_fp8.LinearState(g.grad, g.kernel, g.x)  # e5m2 ring where an e4m3 one goes
+  with pytest.raises(ValueError, match="state_grads must have the structure of state"):
+    jax_fp8.update_state(state, swapped)
+  with pytest.raises(ValueError, match=r"state_grads must have the leaf shapes of state, got "
+                                       r"\(4,\) against \(16,\)"):
+    jax_fp8.update_state(state, _grads(4)[1])
+  with pytest.raises(ValueError, match="state_grads must have the structure of state"):
+    jax_fp8.update_state(state, None)
+  with pytest.raises(ValueError, match="b must have the leaf shapes of a"):
+    jax_fp8.combine_updates(g, _grads(4)[1])

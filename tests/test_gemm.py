@@ -213,7 +213,7 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match=r"bias must be \[32\] bfloat16"):
     jax_fp8.gemm(e4, e4, one, one, bias=jnp.ones(32, jnp.float16), out_dtype=jnp.float8_e4m3fn,
                  out_scale=one)
-  with pytest.raises(TypeError, match="out_dtype must be bfloat16, float16, float32 or "
+  with pytest.raises(TypeError, match="out_dtype must be one of float32, bfloat16, float16, "
                                       "float8_e4m3fn, got float8_e5m2"):
     jax_fp8.gemm(e4, e4, one, one, out_dtype=jnp.float8_e5m2)
 

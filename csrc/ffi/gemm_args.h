@@ -32,7 +32,7 @@ inline bool scale_sizes_ok(ScaleMode mode, int64_t M, int64_t N, int64_t K, size
   return int64_t(na) == M * kb && int64_t(nb) == want_b;
 }
 
-// dtype -> rank -> attributes -> shape relations, as validated first in jax_fp8/ops.py. The
+// dtype -> rank -> attributes -> shape relations, as validated first in jax_fp8/ops/gemm.py. The
 // alignment cuBLASLt needs is K % 16 and N % 16 (a shape relation); the pointers' own alignment
 // goes to its heuristic (gemm_cuda.cc).
 inline ffi::Error DecodeGemm(Platform, GemmArgs& g, ffi::AnyBuffer a, ffi::AnyBuffer b,

@@ -18,17 +18,19 @@ SCRATCH = jax.ShapeDtypeStruct((_ffi.CONSTANTS["quantize_scratch_words"],), jnp.
 _ALGO_IDS = {algo: _ffi.CONSTANTS[f"algo_{algo}"] for algo in ALGOS}
 
 
-def check_ring(ring) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The ring's leaves (history [L], scale [], steps []), checked."""
+def check_ring(ring, name: str = "ring") -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The ring's leaves (history [L], scale [], steps []), checked (``name``: how errors call
+  the ring)."""
   if not isinstance(ring, ScaleRing):
-    raise TypeError(f"ring must be a jax_fp8.ScaleRing, got {type(ring).__name__}")
-  hist = checks.array(ring.amax_history, "ring.amax_history")
+    raise TypeError(f"{name} must be a jax_fp8.ScaleRing, got {type(ring).__name__}")
+  hist = checks.array(ring.amax_history, f"{name}.amax_history")
   max_len = _ffi.CONSTANTS["max_history"]
   if hist.ndim != 1 or not 1 <= hist.shape[0] <= max_len or hist.dtype != jnp.float32:
-    raise ValueError(f"ring.amax_history must be float32 [L] with 1 <= L <= {max_len}, "
-                     f"got {hist.dtype}{list(hist.shape)}")
-  return (hist, checks.scalar_f32(ring.scale, "ring.scale"),
-          checks.scalar_f32(ring.steps, "ring.steps"))
+    raise ValueError(f"{name}.amax_history must be float32 [L] with 1 <= L <= {max_len}, "
+                     f"got {hist.dtype}{list(hist.shape)} (a stacked state, from share or a "
+                     f"scan over layers, is indexed or scanned before it reaches an op)")
+  return (hist, checks.scalar_f32(ring.scale, f"{name}.scale"),
+          checks.scalar_f32(ring.steps, f"{name}.steps"))
 
 
 def kernel_attrs(ring: ScaleRing, observe_: bool) -> dict:

@@ -73,8 +73,7 @@ def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", ep
   qdt, eps = fp8_dtype(fmt), checks.group_eps(eps, fmt)
   ue8m0 = checks.boolean(ue8m0, "ue8m0")
   *lead, k = x.shape
-  m, groups = int(np.prod(lead, dtype=np.int64)), k // group_size
-  shape = {"row": (*lead, groups), "col": (groups, m), "col_tma": (groups, -(-m // 4) * 4)}
+  m = int(np.prod(lead, dtype=np.int64))
   row = scale_layout == "row"
 
   def impl(x):

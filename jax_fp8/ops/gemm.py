@@ -84,14 +84,9 @@ def _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum):
   if mode != PER_TENSOR and not a.dtype == b.dtype == jnp.float8_e4m3fn:
     raise TypeError(f"block-scaled GEMMs take e4m3 operands (the DeepSeek-V3 recipe), got "
                     f"{a.dtype} x {b.dtype}")
-  try:
-    out_dtype = jnp.dtype(out_dtype)
-  except TypeError:
-    raise TypeError(f"out_dtype must be a dtype, got {out_dtype!r}") from None
+  out_dtype = checks.dtype(out_dtype, "out_dtype",
+                           FLOAT_DTYPES + (jnp.dtype(jnp.float8_e4m3fn),))
   fp8_out = out_dtype == jnp.float8_e4m3fn
-  if out_dtype not in FLOAT_DTYPES and not fp8_out:
-    raise TypeError(f"out_dtype must be bfloat16, float16, float32 or float8_e4m3fn, got "
-                    f"{out_dtype}")
   if fp8_out:
     if out_scale is None:
       raise TypeError("out_dtype float8_e4m3fn needs out_scale (the output's dequantization "

@@ -158,10 +158,5 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
   """
   q = checks.fp8_array(q, "q")
   scale = checks.scalar_f32(scale, "scale")
-  try:
-    dtype = jnp.dtype(dtype)
-  except TypeError:
-    raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}") from None
-  if dtype not in FLOAT_DTYPES:
-    raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+  dtype = checks.dtype(dtype, "dtype", FLOAT_DTYPES)
   return (q.astype(jnp.float32) * scale).astype(dtype)
