@@ -27,6 +27,9 @@ constexpr int kQtRowMultiple = 16;
 // 16-element vectors, as the kernels load and store them.
 constexpr int kColMultiple = 16;
 
+// cuBLASLt's FP8 GEMMs need K and N multiples of this (16 bytes of FP8 per row of a and b).
+constexpr int kGemmDimMultiple = 16;
+
 // Longest amax history a ring may have (the CUDA epilogue reduces it in one block).
 constexpr int kMaxHistory = 1024;
 

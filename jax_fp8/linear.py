@@ -31,7 +31,7 @@ from .formats import FLOAT_DTYPES
 from .ops import blockwise
 from .ops._ring import check_ring
 from .ops.cast_transpose import cast_transpose_delayed
-from .ops.gemm import gemm
+from .ops.gemm import DIM_MULTIPLE, gemm
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing
 
@@ -269,8 +269,9 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
   fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), n, k)  # else XLA in x's dtype, any shape
   if isinstance(recipe, BlockScaling):
     return _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name, fp8)
-  if fp8 and (k % 16 or n % 16):
-    raise ValueError(f"K and N must be multiples of 16 for the FP8 GEMMs, got K={k}, N={n}")
+  if fp8 and (k % DIM_MULTIPLE or n % DIM_MULTIPLE):
+    raise ValueError(f"K and N must be multiples of {DIM_MULTIPLE} for the FP8 GEMMs, got K={k}, "
+                     f"N={n}")
   if not isinstance(state, LinearState):
     raise TypeError(f"state must be a jax_fp8.LinearState, got {type(state).__name__}")
   for name in ("x", "kernel", "grad"):

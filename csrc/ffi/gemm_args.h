@@ -61,7 +61,7 @@ inline ffi::Error DecodeGemm(Platform, GemmArgs& g, ffi::AnyBuffer a, ffi::AnyBu
     return invalid("an e4m3 output takes per-tensor scales only");
   const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = b.dimensions()[0];
   if (b.dimensions()[1] != K) return invalid("a [M, K] and b [N, K] must share K");
-  if (K % 16 || N % 16) return invalid("K and N must be multiples of 16");
+  if (K % kGemmDimMultiple || N % kGemmDimMultiple) return invalid("K and N must be multiples of 16");
   if (d->element_count() != size_t(M * N)) return invalid("d must be [M, N]");
   const size_t n_fp8 = fp8_out ? 1 : 0;  // d_scale and amax_d exist for an e4m3 output only
   if (d_scale.element_count() != n_fp8 || amax_d->element_count() != n_fp8)

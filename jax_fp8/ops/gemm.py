@@ -22,6 +22,7 @@ PER_TENSOR = _ffi.CONSTANTS["scale_mode_per_tensor"]
 BLOCK_128X128 = _ffi.CONSTANTS["scale_mode_block"]  # b in 128 x 128 blocks (weights)
 GROUP_1X128 = _ffi.CONSTANTS["scale_mode_group"]  # b in 1 x 128 groups (wgrad)
 _GROUP = _ffi.CONSTANTS["block_tile"]
+DIM_MULTIPLE = _ffi.CONSTANTS["gemm_dim_multiple"]  # K and N (cuBLASLt FP8 alignment)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +74,9 @@ def _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum):
     raise ValueError(f"a [M, K] and b [N, K] must share K (TN layout), got a {a.shape} and "
                      f"b {b.shape}")
   (m, k), n = a.shape, b.shape[0]
-  if k % 16 or n % 16:
-    raise ValueError(f"K and N must be multiples of 16 (cuBLASLt FP8 alignment), got K={k}, "
-                     f"N={n}; pad the operands")
+  if k % DIM_MULTIPLE or n % DIM_MULTIPLE:
+    raise ValueError(f"K and N must be multiples of {DIM_MULTIPLE} (cuBLASLt FP8 alignment), "
+                     f"got K={k}, N={n}; pad the operands")
   a_scale, b_scale = checks.array(a_scale, "a_scale"), checks.array(b_scale, "b_scale")
   for name, v in (("a_scale", a_scale), ("b_scale", b_scale)):
     if v.dtype != jnp.float32:
@@ -186,11 +187,11 @@ def _plan(p: Problem):
     am, ak = sharding.spec(shapes[0].sharding, 2)
     bn, bk = sharding.spec(shapes[1].sharding, 2)
     am = sharding.even(mesh, am, p.m)
-    bn = sharding.even(mesh, bn, p.n, _GROUP if p.mode == BLOCK_128X128 else 16)
+    bn = sharding.even(mesh, bn, p.n, _GROUP if p.mode == BLOCK_128X128 else DIM_MULTIPLE)
     if set(sharding.axes(bn)) & set(sharding.axes(am)):
       bn = None
     same_k = sharding.axes(ak) == sharding.axes(bk)
-    kk = (sharding.even(mesh, ak, p.k, _GROUP if p.mode != PER_TENSOR else 16)
+    kk = (sharding.even(mesh, ak, p.k, _GROUP if p.mode != PER_TENSOR else DIM_MULTIPLE)
           if same_k and not p.fp8_out else None)
     if set(sharding.axes(kk)) & set(sharding.axes(am, bn)):
       kk = None
