@@ -6,7 +6,7 @@ extra and is imported on its own: ``import jax_fp8.flax``.
 
 from ._ffi import cuda_available
 from .formats import fp8_dtype, fp8_max
-from .linear import LinearState, linear
+from .linear import LinearState, MultiLinearState, linear, multi_linear
 from .ops import (CastTransposed, DelayedQuantized, Quantized, block_quantize,
                   cast_transpose_delayed, dequantize, gemm, group_cast_transpose, group_quantize,
                   quantize, quantize_delayed)
@@ -17,7 +17,8 @@ __version__ = "0.2.0"
 
 __all__ = [
     "BlockScaling", "CastTransposed", "DelayedQuantized", "DelayedScaling", "LinearState",
-    "Quantized", "ScaleRing", "block_quantize", "cast_transpose_delayed", "combine_updates",
-    "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm", "group_cast_transpose",
-    "group_quantize", "linear", "quantize", "quantize_delayed", "share", "update_state",
+    "MultiLinearState", "Quantized", "ScaleRing", "block_quantize", "cast_transpose_delayed",
+    "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
+    "group_cast_transpose", "group_quantize", "linear", "multi_linear", "quantize",
+    "quantize_delayed", "share", "update_state",
 ]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import serialization
 
 from . import checks
-from .linear import LinearState, linear
+from .linear import LinearState, MultiLinearState, linear, multi_linear
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing
 
@@ -34,16 +34,74 @@ def _register(cls, fields):
 
 _register(ScaleRing, ("amax_history", "scale", "steps"))
 _register(LinearState, ("x", "kernel", "grad"))
+_register(MultiLinearState, ("x", "kernels", "grads"))
 
 
-class Dense(nn.Module):
+class _Layer(nn.Module):
+  """The fields and body shared by ``Dense`` and ``MultiDense`` (which set ``features``)."""
+
+  features: Any
+  use_bias: bool = True
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.lecun_normal()
+  bias_init: Callable = nn.initializers.zeros_init()
+  recipe: DelayedScaling | BlockScaling = DelayedScaling()
+  amax_axis_name: str | None = None
+
+  def outputs(self, inputs: jax.Array, multi: bool) -> tuple[jax.Array, ...]:
+    """The layer's checks, parameters, state and op call (``multi`` False: ``linear`` on the
+    one kernel), inside the subclass's compact ``__call__``."""
+    name = type(self).__name__
+    if not isinstance(self.recipe, (DelayedScaling, BlockScaling)):
+      raise TypeError(f"{name}.recipe must be a DelayedScaling or a BlockScaling, got "
+                      f"{type(self.recipe).__name__}")
+    if not multi:
+      features = (checks.integer(self.features, "Dense.features", lo=1),)
+    elif isinstance(self.features, (tuple, list)) and self.features:
+      features = tuple(checks.integer(f, f"MultiDense.features[{i}]", lo=1)
+                       for i, f in enumerate(self.features))
+    else:
+      raise TypeError(f"MultiDense.features must be a non-empty tuple of ints, got "
+                      f"{self.features!r}")
+    use_bias = checks.boolean(self.use_bias, f"{name}.use_bias")
+    if jnp.ndim(inputs) < 1:
+      raise ValueError(f"{name} inputs must be [..., K], got a scalar")
+    suffix = (lambda i: f"_{i}") if multi else (lambda i: "")
+    kernels = tuple(self.param(f"kernel{suffix(i)}", self.kernel_init,
+                               (jnp.shape(inputs)[-1], f), self.param_dtype)
+                    for i, f in enumerate(features))
+    biases = tuple(self.param(f"bias{suffix(i)}", self.bias_init, (f,), self.param_dtype)
+                   if use_bias else None for i, f in enumerate(features))
+    state = None
+    if isinstance(self.recipe, DelayedScaling):
+      create = ((lambda: MultiLinearState.create(len(features), self.recipe)) if multi else
+                (lambda: LinearState.create(self.recipe)))
+      state = self.variable(STATE_COLLECTION, "linear", create).value
+    # The kernels go to the FP8 quantization in their parameter dtype: f32 master weights are
+    # quantized straight from f32 (one rounding, no bf16 copy) and get f32 gradients from the
+    # wgrad GEMMs; the GEMMs compute in ``dtype``.
+    dtype = nn.dtypes.canonicalize_dtype(inputs, *kernels, *biases, dtype=self.dtype)
+    inputs, *biases = nn.dtypes.promote_dtype(inputs, *biases, dtype=dtype)
+    # init usually runs outside the pmap / shard_map whose axis is named; the axis serves the
+    # backward only, and init takes no gradient.
+    kw = dict(state=state, recipe=self.recipe,
+              amax_axis_name=None if self.is_initializing() else self.amax_axis_name)
+    if multi:
+      return multi_linear(inputs, kernels, tuple(biases), **kw)
+    return (linear(inputs, kernels[0], biases[0], **kw),)
+
+
+class Dense(_Layer):
   """Drop-in for ``flax.linen.Dense`` whose matmuls run in FP8 (``jax_fp8.linear``).
 
   Same parameters as ``nn.Dense`` ("kernel" [K, N], "bias" [N]) with the same default
-  initializers. Under ``DelayedScaling`` the layer's scale rings live in the "fp8_state"
-  variable collection as a ``LinearState`` named "linear": pass that collection to ``apply``,
-  differentiate with respect to it, and pass that gradient to ``jax_fp8.update_state`` for the
-  next rings. Under ``BlockScaling`` the layer has no state.
+  initializers. The kernel is quantized from its parameter dtype (f32 master weights straight
+  to FP8, with no copy in ``dtype``); inputs and output are in ``dtype``. Under
+  ``DelayedScaling`` the layer's scale rings live in the "fp8_state" variable collection as a
+  ``LinearState`` named "linear": pass that collection to ``apply``, differentiate with
+  respect to it, and pass that gradient to ``jax_fp8.update_state`` for the next rings. Under
+  ``BlockScaling`` the layer has no state.
 
   Attributes:
     features: N, a multiple of 16 (128 under BlockScaling).
@@ -55,31 +113,31 @@ class Dense(nn.Module):
   """
 
   features: int
-  use_bias: bool = True
-  dtype: Any = None
-  param_dtype: Any = jnp.float32
-  kernel_init: Callable = nn.initializers.lecun_normal()
-  bias_init: Callable = nn.initializers.zeros_init()
-  recipe: DelayedScaling | BlockScaling = DelayedScaling()
-  amax_axis_name: str | None = None
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    if not isinstance(self.recipe, (DelayedScaling, BlockScaling)):
-      raise TypeError(f"Dense.recipe must be a DelayedScaling or a BlockScaling, got "
-                      f"{type(self.recipe).__name__}")
-    features = checks.integer(self.features, "Dense.features", lo=1)
-    use_bias = checks.boolean(self.use_bias, "Dense.use_bias")
-    if jnp.ndim(inputs) < 1:
-      raise ValueError("Dense inputs must be [..., K], got a scalar")
-    kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], features),
-                        self.param_dtype)
-    bias = (self.param("bias", self.bias_init, (features,), self.param_dtype)
-            if use_bias else None)
-    state = (None if isinstance(self.recipe, BlockScaling) else
-             self.variable(STATE_COLLECTION, "linear", LinearState.create, self.recipe).value)
-    inputs, kernel, bias = nn.dtypes.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
-    # init usually runs outside the pmap / shard_map whose axis is named; the axis serves the
-    # backward only, and init takes no gradient.
-    axis = None if self.is_initializing() else self.amax_axis_name
-    return linear(inputs, kernel, bias, state=state, recipe=self.recipe, amax_axis_name=axis)
+    return self.outputs(inputs, multi=False)[0]
+
+
+class MultiDense(_Layer):
+  """Several dense layers on one input, their FP8 quantization of the input shared
+  (``jax_fp8.multi_linear``): q / k / v projections, or an MLP's gate and up projections, with
+  one quantization of x for all, where separate ``Dense`` layers quantize it once each.
+
+  Parameters "kernel_i" [K, N_i] and "bias_i" [N_i], i = 0 .. n-1, with ``nn.Dense``'s
+  initializers; under ``DelayedScaling`` a ``MultiLinearState`` named "linear" in the
+  "fp8_state" collection (handled as ``Dense``'s state is).
+
+  Attributes:
+    features: (N_0, ..., N_{n-1}), each a multiple of 16 (128 under BlockScaling).
+    use_bias, dtype, param_dtype, kernel_init, bias_init, recipe, amax_axis_name: as in
+      ``Dense``.
+
+  Input ``[..., K]``; output a tuple of n arrays ``[..., N_i]``.
+  """
+
+  features: tuple[int, ...]
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> tuple[jax.Array, ...]:
+    return self.outputs(inputs, multi=True)

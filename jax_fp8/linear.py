@@ -36,6 +36,12 @@ from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing
 
 
+def _check_delayed(recipe, cls) -> None:
+  if not isinstance(recipe, DelayedScaling):
+    raise TypeError(f"{cls.__name__}.create takes a DelayedScaling recipe, got "
+                    f"{type(recipe).__name__} (BlockScaling is stateless: pass state=None)")
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "kernel", "grad"],
                    meta_fields=[])
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +57,48 @@ class LinearState:
     """Fresh rings for x and the kernel (the recipe's forward format) and for the gradient
     (its backward format). Raises TypeError for a recipe other than DelayedScaling
     (BlockScaling is stateless: its linear takes no state)."""
-    if not isinstance(recipe, DelayedScaling):
-      raise TypeError(f"LinearState.create takes a DelayedScaling recipe, got "
-                      f"{type(recipe).__name__} (BlockScaling is stateless: pass state=None)")
+    _check_delayed(recipe, cls)
     return cls(recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.fwd_fmt),
                recipe.ring(recipe.bwd_fmt))
+
+  def named_rings(self):
+    """(x's, the kernels', the gradients') (name, ring) pairs, as ``multi_linear`` orders
+    them."""
+    return ("state.x", self.x), (("state.kernel", self.kernel),), (("state.grad", self.grad),)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "kernels", "grads"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class MultiLinearState:
+  """The scale rings of ``multi_linear``: its shared input x's, and per kernel the kernel's
+  and its output gradient's (tuples in the kernels' order)."""
+
+  x: ScaleRing
+  kernels: tuple[ScaleRing, ...]
+  grads: tuple[ScaleRing, ...]
+
+  @classmethod
+  def create(cls, outputs: int,
+             recipe: DelayedScaling = DelayedScaling()) -> "MultiLinearState":
+    """Fresh rings for x and ``outputs`` kernels and gradients (formats as in
+    ``LinearState.create``). Raises TypeError / ValueError for outputs not an int >= 1 or a
+    recipe other than DelayedScaling."""
+    outputs = checks.integer(outputs, "outputs", lo=1)
+    _check_delayed(recipe, cls)
+    return cls(recipe.ring(recipe.fwd_fmt),
+               tuple(recipe.ring(recipe.fwd_fmt) for _ in range(outputs)),
+               tuple(recipe.ring(recipe.bwd_fmt) for _ in range(outputs)))
+
+  def named_rings(self):
+    """(x's, the kernels', the gradients') (name, ring) pairs."""
+    for name in ("kernels", "grads"):
+      if not isinstance(getattr(self, name), tuple):
+        raise TypeError(f"state.{name} must be a tuple of jax_fp8.ScaleRing, got "
+                        f"{type(getattr(self, name)).__name__}")
+    return (("state.x", self.x),
+            tuple((f"state.kernels[{i}]", r) for i, r in enumerate(self.kernels)),
+            tuple((f"state.grads[{i}]", r) for i, r in enumerate(self.grads)))
 
 
 def _axis_names(amax_axis_name) -> set:
@@ -120,14 +163,16 @@ def _gemm_dtype(dtype):
 def _shared(observations, states, axis_name):
   """Observations of rings that the devices of ``axis_name`` share, combined over them by an
   elementwise max (exact for observations: they differ only in the front amax, +inf for NaN or
-  inf), in one collective, so every device records the same step; typed like their rings."""
+  inf), in one collective, so every device records the same step; typed like their rings
+  (``states``: the rings, in the observations' structure)."""
   if axis_name is None:
     return observations
   leaves, tree = jax.tree.flatten(observations)
   flat = jax.lax.pmax(jnp.concatenate([jnp.ravel(v) for v in leaves]), axis_name)
   parts = jnp.split(flat, list(itertools.accumulate(v.size for v in leaves))[:-1])
   shared = jax.tree.unflatten(tree, [p.reshape(v.shape) for p, v in zip(parts, leaves)])
-  return tuple(sharding.vary_like(o, r) for o, r in zip(shared, states))
+  return jax.tree.map(sharding.vary_like, shared, states,
+                      is_leaf=lambda v: isinstance(v, ScaleRing))
 
 
 def _gemm_bias(a, b, a_scale, b_scale, bias, dtype, fast_accum=False):
@@ -136,93 +181,103 @@ def _gemm_bias(a, b, a_scale, b_scale, bias, dtype, fast_accum=False):
   out = _gemm_dtype(dtype)
   fused_bias = bias is not None and out != jnp.float32
   y = gemm(a, b, a_scale, b_scale, bias=bias.astype(out) if fused_bias else None,
-               out_dtype=out, fast_accum=fast_accum)
+           out_dtype=out, fast_accum=fast_accum)
   if bias is not None and not fused_bias:
     y = y + bias.astype(out)
   return y.astype(dtype)
 
 
-def _forward(x, kernel, bias, state, fast_accum):
-  """y = x @ kernel + bias in FP8, what the backward needs, and the rings' observations."""
+# The delayed-scaling core, for one or several kernels sharing the input x: x [M, K] is
+# cast-transposed once for all of them. ``rings`` = (x's ring, the kernels' rings, the output
+# gradients' rings), the last two tuples in the kernels' order.
+
+def _forward(x, kernels, biases, rings, fast_accum):
+  """ys = x @ kernel_i + bias_i in FP8, what the backward needs, and the x and kernel rings'
+  observations."""
+  rx, rks, _ = rings
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
-  cx = cast_transpose_delayed(x, state.x, observe=True)  # q [M, K], qt [K, M16] e4m3
-  ck = cast_transpose_delayed(kernel, state.kernel, observe=True)  # q [K, N], qt [N, K]
-  y = _gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, bias, x.dtype, "fprop" in fast_accum)
-  return y, (cx.qt, cx.scale, ck.q, ck.scale), (cx.ring, ck.ring)
+  cx = cast_transpose_delayed(x, rx, observe=True)  # q [M, K], qt [K, M16] e4m3
+  cks = [cast_transpose_delayed(k, r, observe=True) for k, r in zip(kernels, rks)]  # [K, N]
+  ys = tuple(_gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, x.dtype, "fprop" in fast_accum)
+             for ck, b in zip(cks, biases))
+  saved = (cx.qt, cx.scale, tuple(ck.q for ck in cks), tuple(ck.scale for ck in cks))
+  return ys, saved, (cx.ring, tuple(ck.ring for ck in cks))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _linear(x, kernel, bias, state, axis_name, dtypes, fast_accum):
+def _linear(x, kernels, biases, rings, axis_name, dtypes, fast_accum):
   del axis_name, dtypes  # used by the backward only
-  return _forward(x, kernel, bias, state, fast_accum)[0]
+  return _forward(x, kernels, biases, rings, fast_accum)[0]
 
 
-def _linear_fwd(x, kernel, bias, state, axis_name, dtypes, fast_accum):
-  del dtypes  # the backward's output dtypes (x, kernel, bias), static
-  y, saved, observations = _forward(x, kernel, bias, state, fast_accum)
-  return y, saved + (state.grad,) + _shared(observations, (state.x, state.kernel), axis_name)
+def _linear_fwd(x, kernels, biases, rings, axis_name, dtypes, fast_accum):
+  del dtypes  # the backward's output dtypes (x, kernels, biases), static
+  ys, saved, observations = _forward(x, kernels, biases, rings, fast_accum)
+  return ys, saved + (rings[2],) + _shared(observations, rings[:2], axis_name)
 
 
-def _linear_bwd(axis_name, dtypes, fast_accum, res, g):
-  qxt, sx, qk, sk, grad_ring, rx, rk = res
-  x_dtype, k_dtype, b_dtype = dtypes
-  # One quantization of g feeds both GEMMs; the same read gives dbias.
-  cg = cast_transpose_delayed(g, grad_ring, with_dbias=b_dtype is not None, observe=True)
-  dx = gemm(cg.q, qk, cg.scale, sk, out_dtype=_gemm_dtype(x_dtype),
-            fast_accum="dgrad" in fast_accum)  # dgrad [M, K]
-  dk = gemm(qxt, cg.qt, sx, cg.scale, out_dtype=_gemm_dtype(k_dtype),
-            fast_accum="wgrad" in fast_accum)  # wgrad [K, N], over M16
-  db = None if b_dtype is None else cg.dbias.astype(b_dtype)
-  rg, = _shared((cg.ring,), (grad_ring,), axis_name)
-  return dx.astype(x_dtype), dk.astype(k_dtype), db, LinearState(rx, rk, rg)
+def _linear_bwd(axis_name, dtypes, fast_accum, res, gs):
+  qxt, sx, qks, sks, grad_rings, rx, rks = res
+  x_dtype, k_dtypes, b_dtypes = dtypes
+  dx, dks, dbs, rgs = None, [], [], []
+  for g, qk, sk, ring, k_dtype, b_dtype in zip(gs, qks, sks, grad_rings, k_dtypes, b_dtypes):
+    # One quantization of g feeds both GEMMs; the same read gives dbias.
+    cg = cast_transpose_delayed(g, ring, with_dbias=b_dtype is not None, observe=True)
+    dxi = gemm(cg.q, qk, cg.scale, sk, out_dtype=_gemm_dtype(x_dtype),
+               fast_accum="dgrad" in fast_accum)  # dgrad [M, K]
+    dx = dxi if dx is None else dx + dxi  # summed as autodiff sums a shared input's gradients
+    dks.append(gemm(qxt, cg.qt, sx, cg.scale, out_dtype=_gemm_dtype(k_dtype),
+                    fast_accum="wgrad" in fast_accum).astype(k_dtype))  # wgrad [K, N], over M16
+    dbs.append(None if b_dtype is None else cg.dbias.astype(b_dtype))
+    rgs.append(cg.ring)
+  rgs = _shared(tuple(rgs), grad_rings, axis_name)
+  return dx.astype(x_dtype), tuple(dks), tuple(dbs), (rx, rks, rgs)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _block_linear(x, kernel, bias, recipe, dtypes):
+def _block_linear(x, kernels, biases, recipe, dtypes):
   del dtypes  # used by the backward only
   # Without a gradient no transposed copy is needed: the scales in cuBLASLt's layout.
   qx, sx_col = blockwise.group_quantize(x, scale_layout="col", **recipe.kwargs())
-  qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())
-  return _gemm_bias(qx, qk.T, sx_col.T, sk.T, bias, x.dtype)
+  out = []
+  for kernel, bias in zip(kernels, biases):
+    qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())
+    out.append(_gemm_bias(qx, qk.T, sx_col.T, sk.T, bias, x.dtype))
+  return tuple(out)
 
 
-def _block_linear_fwd(x, kernel, bias, recipe, dtypes):
+def _block_linear_fwd(x, kernels, biases, recipe, dtypes):
   del dtypes
   qx, sx, qxt, sxt = blockwise.group_cast_transpose(x, **recipe.kwargs())  # [M,K], [K,M128]
-  qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
-  return _gemm_bias(qx, qk.T, sx, sk.T, bias, x.dtype), (qxt, sxt, qk, sk)
+  ys, saved = [], []
+  for kernel, bias in zip(kernels, biases):
+    qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
+    ys.append(_gemm_bias(qx, qk.T, sx, sk.T, bias, x.dtype))
+    saved.append((qk, sk))
+  return tuple(ys), (qxt, sxt, tuple(saved))
 
 
-def _block_linear_bwd(recipe, dtypes, res, g):
-  qxt, sxt, qk, sk = res
-  x_dtype, k_dtype, b_dtype = dtypes
-  qg, sg, qgt, sgt = blockwise.group_cast_transpose(g, **recipe.kwargs())  # [M,N], [N,M128]
-  dx = gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype))  # dgrad: 1x128 . 128x128
-  dk = gemm(qxt, qgt, sxt, sgt, out_dtype=_gemm_dtype(k_dtype))  # wgrad: 1x128 . 1x128
-  db = None if b_dtype is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype)
-  return dx.astype(x_dtype), dk.astype(k_dtype), db
+def _block_linear_bwd(recipe, dtypes, res, gs):
+  qxt, sxt, saved = res
+  x_dtype, k_dtypes, b_dtypes = dtypes
+  dx, dks, dbs = None, [], []
+  for g, (qk, sk), k_dtype, b_dtype in zip(gs, saved, k_dtypes, b_dtypes):
+    qg, sg, qgt, sgt = blockwise.group_cast_transpose(g, **recipe.kwargs())  # [M,N], [N,M128]
+    dxi = gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype))  # dgrad: 1x128 . 128x128
+    dx = dxi if dx is None else dx + dxi
+    dks.append(gemm(qxt, qgt, sxt, sgt, out_dtype=_gemm_dtype(k_dtype)).astype(k_dtype))
+    dbs.append(None if b_dtype is None else
+               jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype))
+  return dx.astype(x_dtype), tuple(dks), tuple(dbs)
 
 
 _block_linear.defvjp(_block_linear_fwd, _block_linear_bwd)
 
 
-def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
-           state: LinearState | None = None,
-           recipe: DelayedScaling | BlockScaling = DelayedScaling(),
-           amax_axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
-  """``y = x @ kernel + bias`` with FP8 GEMMs forward and backward (delayed or block scaling).
-
-  Args:
-    x: [..., K] float32 / bfloat16 / float16.
-    kernel: [K, N] (Flax layout), float32 / bfloat16 / float16.
-    bias: optional [N].
-    state: under ``DelayedScaling``, the layer's ``LinearState`` (create with
-      ``LinearState.create(recipe)``); differentiate with respect to it and pass that gradient
-      to ``jax_fp8.update_state`` for the next rings. Under ``BlockScaling``: None.
-    recipe: a ``DelayedScaling`` (the state's rings must have been made by it) or a
+_ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have been made by it) or a
       ``BlockScaling`` (stateless; K and N multiples of 128). Either may set
       ``fp8_min_intensity``: a linear below it runs in x's dtype (BF16 GEMMs through XLA),
       its rings untouched, where the FP8 path would be slower (``check_fp8_min_intensity``).
@@ -234,77 +289,157 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
       the state is replicated. The default None means, where the types tell nothing (pmap,
       ``check_vma=False``), every manual axis; ``()`` means none (independent replicas, as in
       an ensemble under pmap). See ``_amax_axes``. Gradients of replicated inputs are summed
-      over the axes they are replicated on, as JAX does for any op.
+      over the axes they are replicated on, as JAX does for any op."""
+
+_RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under
+    BlockScaling), mismatched shapes, unsupported dtypes, rings that do not match the recipe,
+    amax_axis_name not a str or tuple of str or naming an axis that is not bound, axes missing
+    from amax_axis_name under shard_map, a state or amax axis given to BlockScaling."""
+
+
+def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
+           state: LinearState | None = None,
+           recipe: DelayedScaling | BlockScaling = DelayedScaling(),
+           amax_axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
+  return _apply(x, (kernel,), (bias,), ("kernel",), ("bias",), state, LinearState, recipe,
+                amax_axis_name)[0]
+
+
+linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backward (delayed or
+  block scaling).
+
+  Args:
+    x: [..., K] float32 / bfloat16 / float16.
+    kernel: [K, N] (Flax layout), float32 / bfloat16 / float16, quantized from its own dtype.
+    bias: optional [N].
+    state: under ``DelayedScaling``, the layer's ``LinearState`` (create with
+      ``LinearState.create(recipe)``); differentiate with respect to it and pass that gradient
+      to ``jax_fp8.update_state`` for the next rings. Under ``BlockScaling``: None.
+{_ARGS_DOC}
   Returns:
     [..., N] in x's dtype.
   Raises:
-    ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under
-    BlockScaling), mismatched shapes, unsupported dtypes, rings that do not match the recipe,
-    amax_axis_name not a str or tuple of str or naming an axis that is not bound, axes missing
-    from amax_axis_name under shard_map, a state or amax axis given to BlockScaling.
+{_RAISES_DOC}
 
   Method: per-tensor delayed scaling with the HYBRID format (Micikevicius et al. 2022;
   NVIDIA TransformerEngine); block scaling after the DeepSeek-V3 technical report
   (arXiv 2412.19437, section 3.3).
   """
-  x, kernel = checks.array(x, "x"), checks.array(kernel, "kernel")
-  for name, v in (("x", x), ("kernel", kernel)):
+
+
+def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState | None = None,
+                 recipe: DelayedScaling | BlockScaling = DelayedScaling(),
+                 amax_axis_name: str | tuple[str, ...] | None = None) -> tuple[jax.Array, ...]:
+  if not isinstance(kernels, (tuple, list)) or not kernels:
+    raise TypeError(f"kernels must be a non-empty tuple or list of [K, N_i] arrays, got "
+                    f"{type(kernels).__name__}")
+  if biases is None:
+    biases = (None,) * len(kernels)
+  if not isinstance(biases, (tuple, list)) or len(biases) != len(kernels):
+    raise TypeError(f"biases must be None or a tuple / list of {len(kernels)} biases (None for "
+                    f"none), one per kernel, got {biases!r:.80}")
+  return _apply(x, tuple(kernels), tuple(biases),
+                tuple(f"kernels[{i}]" for i in range(len(kernels))),
+                tuple(f"biases[{i}]" for i in range(len(kernels))), state, MultiLinearState,
+                recipe, amax_axis_name)
+
+
+multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kernels sharing one
+  input (q / k / v projections; an MLP's gate and up), with one FP8 quantization of x for all
+  of them: ``linear`` applied to each kernel, less the repeated quantizations of x. The backward
+  sums the kernels' dgrads into one dx (in x's dtype, as autodiff sums a shared input's
+  gradients) and runs each wgrad on the one transposed FP8 copy of x.
+
+  Args:
+    x: [..., K] float32 / bfloat16 / float16.
+    kernels: tuple / list of n [K, N_i] arrays, float32 / bfloat16 / float16.
+    biases: None, or n entries each None or [N_i].
+    state: under ``DelayedScaling``, a ``MultiLinearState`` (``MultiLinearState.create(n,
+      recipe)``), used as ``linear``'s state is. Under ``BlockScaling``: None.
+{_ARGS_DOC}
+      ``fp8_min_intensity`` applies to the GEMM of all kernels side by side, [M, sum N_i, K].
+  Returns:
+    tuple of n arrays [..., N_i] in x's dtype.
+  Raises:
+{_RAISES_DOC}
+    Also: kernels not a non-empty tuple / list, biases of another count, a state whose ring
+    tuples do not hold one ring per kernel.
+
+  Method: as ``linear``; one quantization of a shared input as TransformerEngine's fused
+  q / k / v and gate / up layers do.
+  """
+
+
+def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recipe,
+           amax_axis_name):
+  """``linear`` and ``multi_linear``: the arguments checked (``*_names``: how errors call the
+  kernels and biases), then the FP8 (or, below ``fp8_min_intensity``, the plain) path."""
+  x = checks.array(x, "x")
+  kernels = tuple(checks.array(k, name) for k, name in zip(kernels, kernel_names))
+  for name, v in (("x", x),) + tuple(zip(kernel_names, kernels)):
     if v.dtype not in FLOAT_DTYPES:
       raise TypeError(f"{name} must be float32, bfloat16 or float16, got {v.dtype}")
-  if kernel.ndim != 2:
-    raise ValueError(f"kernel must be [K, N], got shape {kernel.shape}")
-  if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
-    raise ValueError(f"x [..., K] and kernel [K, N] must share K, got x {x.shape} and kernel "
-                     f"{kernel.shape}")
-  k, n = kernel.shape
-  if bias is not None:
-    bias = checks.array(bias, "bias")
-    if bias.dtype not in FLOAT_DTYPES:
-      raise TypeError(f"bias must be float32, bfloat16 or float16, got {bias.dtype}")
-    if bias.shape != (n,):
-      raise ValueError(f"bias must be [{n}], got {list(bias.shape)}")
+  for name, kernel in zip(kernel_names, kernels):
+    if kernel.ndim != 2:
+      raise ValueError(f"{name} must be [K, N], got shape {kernel.shape}")
+    if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+      raise ValueError(f"x [..., K] and {name} [K, N] must share K, got x {x.shape} and "
+                       f"{name} {kernel.shape}")
+  k, ns = kernels[0].shape[0], tuple(kernel.shape[1] for kernel in kernels)
+  biases = list(biases)
+  for i, (name, n) in enumerate(zip(bias_names, ns)):
+    if biases[i] is None:
+      continue
+    biases[i] = checks.array(biases[i], name)
+    if biases[i].dtype not in FLOAT_DTYPES:
+      raise TypeError(f"{name} must be float32, bfloat16 or float16, got {biases[i].dtype}")
+    if biases[i].shape != (n,):
+      raise ValueError(f"{name} must be [{n}], got {list(biases[i].shape)}")
+  biases = tuple(biases)
   if not isinstance(recipe, (DelayedScaling, BlockScaling)):
     raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
                     f"{type(recipe).__name__}")
-  fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), n, k)  # else XLA in x's dtype, any shape
+  # else XLA in x's dtype, any shape
+  fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), sum(ns), k)
+  multiple = blockwise.BLOCK if isinstance(recipe, BlockScaling) else DIM_MULTIPLE
+  if fp8 and (k % multiple or any(n % multiple for n in ns)):
+    raise ValueError(
+        f"BlockScaling needs K and N multiples of {multiple} (the groups of x along K and of "
+        f"the gradient along N), got K={k}, N={', '.join(map(str, ns))}"
+        if isinstance(recipe, BlockScaling) else
+        f"K and N must be multiples of {multiple} for the FP8 GEMMs, got K={k}, "
+        f"N={', '.join(map(str, ns))}")
   if isinstance(recipe, BlockScaling):
-    return _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name, fp8)
-  if fp8 and (k % DIM_MULTIPLE or n % DIM_MULTIPLE):
-    raise ValueError(f"K and N must be multiples of {DIM_MULTIPLE} for the FP8 GEMMs, got K={k}, "
-                     f"N={n}")
-  if not isinstance(state, LinearState):
-    raise TypeError(f"state must be a jax_fp8.LinearState, got {type(state).__name__}")
-  for name in ("x", "kernel", "grad"):
-    check_ring(getattr(state, name), f"state.{name}")
-  want = tuple((f, recipe.history_len, recipe.margin, recipe.algo)
-               for f in (recipe.fwd_fmt, recipe.fwd_fmt, recipe.bwd_fmt))
-  have = tuple((r.fmt, jnp.shape(r.amax_history)[0], r.margin, r.algo)
-               for r in (state.x, state.kernel, state.grad))
-  if want != have:
-    raise ValueError(f"state rings (fmt, history_len, margin, algo) for (x, kernel, grad) = "
-                     f"{have} do not match the recipe's {want}")
-  amax_axis_name = _amax_axes(x, kernel, bias, state, amax_axis_name)
+    if state is not None or amax_axis_name not in (None, ()):
+      raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
+                       "scales come from each device's own tensors)")
+    rings = None
+  else:
+    if not isinstance(state, state_cls):
+      raise TypeError(f"state must be a jax_fp8.{state_cls.__name__}, got "
+                      f"{type(state).__name__}")
+    named_x, named_k, named_g = state.named_rings()
+    if len(named_k) != len(kernels) or len(named_g) != len(kernels):
+      raise ValueError(f"state holds {len(named_k)} kernel and {len(named_g)} gradient rings "
+                       f"for {len(kernels)} kernels")
+    named = (named_x,) + named_k + named_g
+    for name, ring in named:
+      check_ring(ring, name)
+    fmts = (recipe.fwd_fmt,) * (1 + len(kernels)) + (recipe.bwd_fmt,) * len(kernels)
+    want = tuple((f, recipe.history_len, recipe.margin, recipe.algo) for f in fmts)
+    have = tuple((r.fmt, jnp.shape(r.amax_history)[0], r.margin, r.algo) for _, r in named)
+    if want != have:
+      raise ValueError(f"state rings (fmt, history_len, margin, algo) for "
+                       f"({', '.join(name for name, _ in named)}) = {have} do not match the "
+                       f"recipe's {want}")
+    amax_axis_name = _amax_axes(x, kernels, biases, state, amax_axis_name)
+    rings = (named_x[1], tuple(r for _, r in named_k), tuple(r for _, r in named_g))
   if not fp8:
-    return _linear_in_dtype(x, kernel, bias)
-  x, kernel, bias = sharding.vary_like((x, kernel, bias), x, kernel, bias)
-  dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
-  y = _linear(x.reshape(math.prod(x.shape[:-1]), k), kernel, bias, state, amax_axis_name, dtypes,
-              recipe.fast_accum_gemms)
-  return y.reshape(*x.shape[:-1], n)
-
-
-def _linear_block_scaled(x, kernel, bias, state, recipe, amax_axis_name, fp8):
-  """``linear`` under BlockScaling (arguments checked by ``linear`` up to the recipe)."""
-  k, n = kernel.shape
-  if fp8 and (k % blockwise.BLOCK or n % blockwise.BLOCK):
-    raise ValueError(f"BlockScaling needs K and N multiples of {blockwise.BLOCK} (the groups "
-                     f"of x along K and of the gradient along N), got K={k}, N={n}")
-  if state is not None or amax_axis_name not in (None, ()):
-    raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
-                     "scales come from each device's own tensors)")
-  if not fp8:
-    return _linear_in_dtype(x, kernel, bias)
-  x, kernel, bias = sharding.vary_like((x, kernel, bias), x, kernel, bias)
-  dtypes = (x.dtype, kernel.dtype, None if bias is None else bias.dtype)
-  y = _block_linear(x.reshape(math.prod(x.shape[:-1]), k), kernel, bias, recipe, dtypes)
-  return y.reshape(*x.shape[:-1], n)
+    return tuple(_linear_in_dtype(x, kernel, bias) for kernel, bias in zip(kernels, biases))
+  x, kernels, biases = sharding.vary_like((x, kernels, biases), x, kernels, biases)
+  dtypes = (x.dtype, tuple(kernel.dtype for kernel in kernels),
+            tuple(None if b is None else b.dtype for b in biases))
+  x2 = x.reshape(math.prod(x.shape[:-1]), k)
+  ys = (_block_linear(x2, kernels, biases, recipe, dtypes) if rings is None else
+        _linear(x2, kernels, biases, rings, amax_axis_name, dtypes, recipe.fast_accum_gemms))
+  return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))

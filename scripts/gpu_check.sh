@@ -2,7 +2,7 @@
 # The one script for a GPU machine: build, GPU tests, benchmarks, sanitizers, demo. Logs go to
 # $OUT (one log per step; at most a few files, so they are easy to bring back). Usage:
 #   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [sanitize] [graphs] [demo]
-#     [demo-block] [dp] [step-profile] [profile]
+#     [demo-block] [dp] [model-step] [step-profile] [profile]
 # (default: tests bench demo; sanitize runs compute-sanitizer's memcheck, racecheck, initcheck
 # and synccheck over every variant of our kernels; step-profile traces the block train step
 # with the JAX profiler; profile runs Nsight Compute over our kernels). Optional environment:
@@ -52,6 +52,11 @@ for s in $steps; do
     dp)    NCCL_NVLS_ENABLE=0 python3 -m benchmarks.data_parallel --out "$OUT/dp.json" \
              > "$OUT/dp.log" 2>&1
            echo "dp exit $?"; tail -8 "$OUT/dp.log" ;;
+    # The headline: the Llama-style decoder's train step, every variant in one process
+    # (MODEL_STEP_ARGS: more flags, e.g. --profile delayed bf16).
+    model-step) python3 -m benchmarks.model_step --out "$OUT/model_step.json" ${MODEL_STEP_ARGS:-} \
+             > "$OUT/model_step.log" 2>&1
+           echo "model-step exit $?"; tail -40 "$OUT/model_step.log" ;;
     demo-block) python3 -m jax_fp8.demo --preset gpu --recipe block --out "$OUT/demo-block" \
              > "$OUT/demo-block.log" 2>&1
            echo "demo-block exit $?"; tail -15 "$OUT/demo-block.log" ;;

@@ -1,5 +1,7 @@
 """jax_fp8.flax.Dense: a drop-in for flax.linen.Dense."""
 
+import re
+
 import flax.linen as nn
 import flax.serialization
 import jax
@@ -7,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as orbax
+import pytest
 from conftest import roundoff
 
 import jax_fp8
@@ -30,6 +33,29 @@ def test_init_matches_nn_dense(rng):
   y16 = Dense(48, dtype=jnp.bfloat16, use_bias=False).apply(
       {"params": {"kernel": ours["params"]["kernel"]}, "fp8_state": ours["fp8_state"]}, x)
   assert y16.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("recipe", [jax_fp8.DelayedScaling(), jax_fp8.BlockScaling()],
+                         ids=["delayed", "block"])
+def test_kernel_quantized_from_its_param_dtype(rng, recipe):
+  """bf16 compute with f32 master weights: the kernel goes to the FP8 quantization as f32 (no
+  bf16 copy of it in the step) and its gradient leaves the wgrad GEMM as f32; the output is
+  the same as jax_fp8.linear's on the f32 kernel."""
+  x = jnp.asarray(rng.standard_normal((256, 128)), jnp.bfloat16)
+  layer = Dense(128, dtype=jnp.bfloat16, use_bias=False, recipe=recipe)
+  variables = layer.init(jax.random.PRNGKey(0), x)
+  kernel = variables["params"]["kernel"]
+  assert kernel.dtype == jnp.float32
+  loss = lambda p: jnp.sum(layer.apply({**variables, "params": p}, x).astype(jnp.float32))
+  step = jax.jit(jax.grad(loss))
+  assert not re.search(r"bf16\[128,128\]\{[0-9,]*\} convert\(", step.lower(
+      variables["params"]).compile().as_text())
+  assert step(variables["params"])["kernel"].dtype == jnp.float32
+  state = variables.get("fp8_state", {}).get("linear")
+  y = layer.apply(variables, x)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(
+      jax_fp8.linear(x, kernel, state=state, recipe=recipe)))
 
 
 class MLP(nn.Module):

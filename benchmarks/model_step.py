@@ -1,0 +1,333 @@
+"""The headline benchmark: a Llama-style decoder's whole train step, BF16 against Flax's FP8 and
+jax_fp8's recipes, all in one process.
+
+The model: token embedding, ``layers`` pre-RMSNorm decoder layers under ``nn.scan`` (separate
+q, k, v, o projections, rotary position embedding, causal attention through
+``jax.nn.dot_product_attention``, a SwiGLU MLP of gate, up and down projections), a final
+RMSNorm and a bf16 LM head (a plain ``nn.Dense`` in every variant, as FP8 recipes keep it).
+Compute in bf16, master weights in ``--param-dtype`` (f32 by default), AdamW (optax),
+cross-entropy in f32 on random tokens. The variants differ only in the layers of the seven
+projections of each layer:
+
+- ``bf16``: ``flax.linen.Dense``;
+- ``flax_fp8``: ``flax.linen.Dense(dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)`` (Flax's
+  delayed scaling in jnp, which XLA fuses into the neighbouring ops; its state collection is
+  overwritten by its gradient, as Flax prescribes);
+- ``delayed`` and ``block``: ``jax_fp8.flax.Dense`` under ``DelayedScaling()`` (its state
+  advanced by ``jax_fp8.update_state``) and ``BlockScaling()``; each kernel quantized straight
+  from the f32 master weights;
+- ``delayed_bf16_kernel_copy``: each kernel cast to bf16 before its quantization (the layer's
+  behaviour before it quantized f32 weights directly: the gain of that fusion);
+- ``delayed_shared_input``, ``block_shared_input``: q / k / v and gate / up each one
+  ``jax_fp8.flax.MultiDense``, so each normalized input is quantized once;
+- ``delayed_shared_input_fast_all``: the same with fast accumulation in all three GEMMs.
+
+Each step is one jitted call with its buffers donated. Time: the median of ``--windows``
+windows of ``--steps`` back-to-back steps (dispatch is asynchronous and a step lasts far longer
+than its dispatch, so the device never waits for the host); compile seconds and temp bytes
+from the compiled step. ``--profile`` also traces ``--profile-steps`` steps of the named
+variants (of every variant run if none is named) with the JAX profiler, compiled again with
+XLA's command buffers off (the profiler does not see the kernels inside CUDA graphs), and sums
+the device's work by kind (GEMMs, attention, our kernels, XLA's fusions) and its idle time
+(``benchmarks.step_profile``).
+
+    python -m benchmarks.model_step [--d-model 4096] [--heads 32] [--ffn 14336] [--layers 4]
+        [--seq 2048] [--batch 8] [--vocab 32000] [--param-dtype float32|bfloat16]
+        [--attention cudnn|xla|default] [--variants NAME ...] [--profile [NAME ...]]
+        [--steps 8] [--windows 3] [--profile-steps 3] [--quick] [--out PATH]
+
+Writes ``benchmarks/results/<gpu>-model_step.json`` (or ``--out``): the environment, the
+configuration and a list ``rows``, one per variant, with ``variant``, ``step_ms``,
+``tokens_per_s``, ``compile_s``, ``temp_bytes``, ``peak_bytes`` (arguments, outputs and
+temporaries the compiled step plans, donated buffers counted once), ``loss`` (after the timed
+steps), ``speedup_vs_bf16`` and ``speedup_vs_flax_fp8`` (and ``profile`` with ``--profile``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import statistics
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax.linen import fp8_ops
+
+import jax_fp8
+from jax_fp8.flax import STATE_COLLECTION, Dense, MultiDense
+
+from .run import environment, write_results
+from .step_profile import summarize, trace_events
+
+COMPUTE = jnp.bfloat16
+FLAX_FP8_COLLECTION = "_overwrite_with_gradient"  # Flax's FP8 scales and amax histories
+FAST_ALL = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
+
+
+class KernelCopyDense(nn.Module):
+  """``jax_fp8.flax.Dense`` (delayed scaling, no bias) with its kernel cast to the compute
+  dtype before the quantization, as the layer did before it quantized f32 master weights
+  directly: the variant shows that fusion's gain."""
+
+  features: int
+  use_bias: bool
+  dtype: type
+  param_dtype: type
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
+                        self.param_dtype)
+    state = self.variable(STATE_COLLECTION, "linear", jax_fp8.LinearState.create).value
+    return jax_fp8.linear(x, kernel.astype(self.dtype), state=state)
+
+
+DELAYED, BLOCK = jax_fp8.DelayedScaling(), jax_fp8.BlockScaling()
+# name -> (the projections' class, the class of several projections of one input or None for
+# one layer each); each is called with features, name and the kwargs of Layer.
+VARIANTS = {
+    "bf16": (nn.Dense, None),
+    "flax_fp8": (functools.partial(nn.Dense, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp),
+                 None),
+    "delayed_bf16_kernel_copy": (KernelCopyDense, None),
+    "delayed": (functools.partial(Dense, recipe=DELAYED), None),
+    "delayed_shared_input": (functools.partial(Dense, recipe=DELAYED),
+                                      functools.partial(MultiDense, recipe=DELAYED)),
+    "delayed_shared_input_fast_all": (
+        functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL)),
+    "block": (functools.partial(Dense, recipe=BLOCK), None),
+    "block_shared_input": (functools.partial(Dense, recipe=BLOCK),
+                                    functools.partial(MultiDense, recipe=BLOCK)),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  d_model: int = 4096
+  heads: int = 32
+  ffn: int = 14336
+  layers: int = 4
+  seq: int = 2048
+  batch: int = 8
+  vocab: int = 32000
+  param_dtype: str = "float32"
+  attention: str = "cudnn"  # jax.nn.dot_product_attention's implementation; "default": None
+
+
+QUICK = Config(d_model=256, heads=4, ffn=512, layers=2, seq=128, batch=2, vocab=512,
+               attention="default")
+
+
+def rope(x, base=10000.0):
+  """Rotary position embedding (Su et al. 2021, arXiv 2104.09864), halves rotated.
+  x: [B, T, H, Dh] -> same shape and dtype; angles in f32."""
+  t, dh = x.shape[1], x.shape[-1]
+  freq = base ** (-jnp.arange(0, dh // 2, dtype=jnp.float32) * 2 / dh)
+  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq  # [T, Dh/2]
+  cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+class Layer(nn.Module):
+  """One pre-RMSNorm decoder layer, bf16 [B, T, D] -> same (a scan body: carry, None)."""
+
+  cfg: Config
+  variant: str
+
+  def project(self, h, **features):
+    """The projections of h named by ``features`` (name=N): one layer each, or one layer of
+    several outputs where the variant has one."""
+    single, multi = VARIANTS[self.variant]
+    kw = dict(use_bias=False, dtype=COMPUTE, param_dtype=jnp.dtype(self.cfg.param_dtype))
+    if multi is None or len(features) == 1:
+      return tuple(single(n, name=name, **kw)(h) for name, n in features.items())
+    return multi(tuple(features.values()), name="_".join(features), **kw)(h)
+
+  @nn.compact
+  def __call__(self, x, _):
+    cfg, (b, t, d) = self.cfg, x.shape
+    heads = lambda y: y.reshape(b, t, cfg.heads, d // cfg.heads)
+    h = nn.RMSNorm(dtype=COMPUTE, name="attention_norm")(x)
+    q, k, v = map(heads, self.project(h, q=d, k=d, v=d))
+    a = jax.nn.dot_product_attention(
+        rope(q), rope(k), v, is_causal=True,
+        implementation=None if cfg.attention == "default" else cfg.attention)
+    x = x + self.project(a.reshape(b, t, d), o=d)[0]
+    h = nn.RMSNorm(dtype=COMPUTE, name="mlp_norm")(x)
+    gate, up = self.project(h, gate=cfg.ffn, up=cfg.ffn)
+    return x + self.project(jax.nn.silu(gate) * up, down=d)[0], None
+
+
+class Decoder(nn.Module):
+  """tokens int32 [B, T] -> f32 [B, T, vocab] logits."""
+
+  cfg: Config
+  variant: str
+
+  @nn.compact
+  def __call__(self, tokens):
+    cfg, pdt = self.cfg, jnp.dtype(self.cfg.param_dtype)
+    x = nn.Embed(cfg.vocab, cfg.d_model, param_dtype=pdt, name="embed")(tokens).astype(COMPUTE)
+    layers = nn.scan(Layer, variable_axes={True: 0}, split_rngs={"params": True},
+                     length=cfg.layers)
+    x, _ = layers(cfg, self.variant, name="layers")(x, None)
+    x = nn.RMSNorm(dtype=COMPUTE, name="final_norm")(x)
+    logits = nn.Dense(cfg.vocab, use_bias=False, dtype=COMPUTE, param_dtype=pdt,
+                      name="lm_head")(x)
+    return logits.astype(jnp.float32)
+
+
+def next_collections(other, other_grads):
+  """The non-parameter collections for the next step: jax_fp8's rings advanced by their
+  observations, Flax's FP8 collection replaced by its gradient."""
+  out = dict(other)
+  if STATE_COLLECTION in other:
+    out[STATE_COLLECTION] = jax_fp8.update_state(other[STATE_COLLECTION],
+                                                 other_grads[STATE_COLLECTION])
+  if FLAX_FP8_COLLECTION in other:
+    out[FLAX_FP8_COLLECTION] = other_grads[FLAX_FP8_COLLECTION]
+  return out
+
+
+def setup(cfg: Config, variant: str, tx):
+  """The model, its jitted train step ``(params, opt_state, other, tokens) -> (params,
+  opt_state, other, loss)`` (buffers donated) and its first arguments."""
+  model = Decoder(cfg, variant)
+  tokens = jax.random.randint(jax.random.key(0), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
+
+  def loss_fn(params, other, tokens):
+    logits = model.apply({"params": params, **other}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+  def step(params, opt_state, other, tokens):
+    loss, (grads, other_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, other,
+                                                                             tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state,
+            next_collections(other, other_grads), loss)
+
+  variables = jax.jit(model.init)(jax.random.key(1), tokens[:, :-1])
+  params = variables.pop("params")
+  return step, (params, tx.init(params), dict(variables), tokens)
+
+
+def measure(cfg: Config, name: str, steps: int, windows: int, profile_steps: int):
+  """One variant's row (and its profile when ``profile_steps`` > 0: the step compiled again
+  with XLA's command buffers off, since the profiler does not see the kernels inside CUDA
+  graphs)."""
+  tx = optax.adamw(1e-4, weight_decay=0.1)
+  step, args = setup(cfg, name, tx)
+  t0 = time.perf_counter()
+  compiled = step.lower(*args).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  params, opt_state, other, tokens = args
+  params, opt_state, other, loss = compiled(params, opt_state, other, tokens)  # warm up
+  jax.block_until_ready(loss)
+  times = []
+  for _ in range(windows):
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      params, opt_state, other, loss = compiled(params, opt_state, other, tokens)
+    jax.block_until_ready(loss)
+    times.append((time.perf_counter() - t0) / steps)
+  step_s = statistics.median(times)
+  row = {"variant": name, "step_ms": step_s * 1e3,
+         "tokens_per_s": cfg.batch * cfg.seq / step_s, "compile_s": compile_s,
+         "temp_bytes": mem.temp_size_in_bytes,
+         "peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                        + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
+         "loss": float(loss), "window_ms": [t * 1e3 for t in times]}
+  if profile_steps:
+    options = ({"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu"
+               else None)
+    profiled = step.lower(params, opt_state, other, tokens).compile(compiler_options=options)
+    state = [params, opt_state, other]
+
+    def traced_step(tokens):  # donated buffers: each traced call takes the last one's outputs
+      *state[:], loss = profiled(*state, tokens)
+      return loss  # waited for: the step's last result (a variant's state may be empty)
+    row["profile"] = summarize(trace_events(traced_step, (tokens,), profile_steps),
+                               profile_steps, top=10)
+  return row
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  d = Config()
+  for f in dataclasses.fields(Config):
+    flag = "--" + f.name.replace("_", "-")
+    if f.name == "param_dtype":
+      p.add_argument(flag, choices=["float32", "bfloat16"], default=d.param_dtype)
+    elif f.name == "attention":
+      p.add_argument(flag, choices=["cudnn", "xla", "default"], default=d.attention,
+                     help="jax.nn.dot_product_attention's implementation (default: cudnn)")
+    else:
+      p.add_argument(flag, type=int, default=getattr(d, f.name),
+                     help=f"(default: {getattr(d, f.name)})")
+  p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                 help="variants to run, in this order (default: all)")
+  p.add_argument("--steps", type=int, default=8, help="steps per timing window (default: 8)")
+  p.add_argument("--windows", type=int, default=3, help="timing windows (default: 3)")
+  p.add_argument("--profile", nargs="*", choices=list(VARIANTS), metavar="VARIANT",
+                 help="also trace these variants' steps (none named: every variant run) and "
+                      "sum the device's work by kind")
+  p.add_argument("--profile-steps", type=int, default=3, help="traced steps (default: 3)")
+  p.add_argument("--quick", action="store_true", help="a tiny model (a CPU smoke run)")
+  p.add_argument("--out", help="JSON path (default: benchmarks/results/<gpu>-model_step.json)")
+  args = p.parse_args(argv)
+  for flag in ("steps", "windows", "profile_steps"):
+    if getattr(args, flag) < 1:
+      p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+  cfg = QUICK if args.quick else Config(**{f.name: getattr(args, f.name)
+                                           for f in dataclasses.fields(Config)})
+  if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
+    p.error(f"--d-model ({cfg.d_model}) must be a multiple of --heads ({cfg.heads}) with an even "
+            f"head size")
+  profiled = (set() if args.profile is None else
+              set(args.profile) if args.profile else set(args.variants))
+  if profiled - set(args.variants):
+    p.error(f"--profile names variants that --variants leaves out: {sorted(profiled - set(args.variants))}")
+  env = environment()
+  rows = []
+  results = {"env": env, "config": dataclasses.asdict(cfg), "steps": args.steps,
+             "windows": args.windows, "rows": rows}
+  name = f"{env['device'].replace(' ', '_')}-model_step"
+  for variant in args.variants:
+    rows.append(measure(cfg, variant, args.steps, args.windows,
+                        args.profile_steps if variant in profiled else 0))
+    write_results(results, args.out, name)  # after each variant: a cut run keeps its rows
+    r = rows[-1]
+    print(f"{variant:<46}{r['step_ms']:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  compile "
+          f"{r['compile_s']:6.1f} s  temp {r['temp_bytes'] / 2**30:6.2f} GiB  loss "
+          f"{r['loss']:.4f}", flush=True)
+  by_name = {r["variant"]: r["step_ms"] for r in rows}
+  for r in rows:
+    for peer, key in (("bf16", "speedup_vs_bf16"), ("flax_fp8", "speedup_vs_flax_fp8")):
+      r[key] = by_name[peer] / r["step_ms"] if peer in by_name else None
+  print(f"\n{env['device']}  jax {env['jax']}  {env['date']}  {dataclasses.asdict(cfg)}")
+  print(f"{'variant':<46}{'step ms':>9}{'vs BF16':>9}{'vs Flax FP8':>13}{'compile s':>11}"
+        f"{'temp GiB':>10}")
+  fmt = lambda v: f"{v:.3f}x" if v is not None else "-"
+  for r in rows:
+    print(f"{r['variant']:<46}{r['step_ms']:9.1f}{fmt(r['speedup_vs_bf16']):>9}"
+          f"{fmt(r['speedup_vs_flax_fp8']):>13}{r['compile_s']:11.1f}"
+          f"{r['temp_bytes'] / 2**30:10.2f}")
+  for r in rows:
+    for t in r.get("profile", ()):
+      if t["us_per_step"] > 0.05 * r["step_ms"] * 1e3:  # the streams that carry the step
+        kinds = "  ".join(f"{k} {us / 1e3:.1f}" for k, us in t["kinds_us"].items())
+        print(f"{r['variant']:<46}{t['thread'][:40]:<42}work {t['us_per_step'] / 1e3:.1f} ms, "
+              f"idle {t['idle_us_per_step'] / 1e3:.1f} ms: {kinds}")
+  write_results(results, args.out, name)
+  return results
+
+
+if __name__ == "__main__":
+  main()
