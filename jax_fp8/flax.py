@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import serialization
 
-from . import checks
-from .linear import LinearState, MultiLinearState, linear, multi_linear
+from ._layer import call_layer, check_layer, create_state
+from .linear import LinearState, MultiLinearState
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing
 
@@ -53,18 +53,7 @@ class _Layer(nn.Module):
     """The layer's checks, parameters, state and op call (``multi`` False: ``linear`` on the
     one kernel), inside the subclass's compact ``__call__``."""
     name = type(self).__name__
-    if not isinstance(self.recipe, (DelayedScaling, BlockScaling)):
-      raise TypeError(f"{name}.recipe must be a DelayedScaling or a BlockScaling, got "
-                      f"{type(self.recipe).__name__}")
-    if not multi:
-      features = (checks.integer(self.features, "Dense.features", lo=1),)
-    elif isinstance(self.features, (tuple, list)) and self.features:
-      features = tuple(checks.integer(f, f"MultiDense.features[{i}]", lo=1)
-                       for i, f in enumerate(self.features))
-    else:
-      raise TypeError(f"MultiDense.features must be a non-empty tuple of ints, got "
-                      f"{self.features!r}")
-    use_bias = checks.boolean(self.use_bias, f"{name}.use_bias")
+    features, use_bias = check_layer(name, self.features, self.use_bias, self.recipe, multi)
     if jnp.ndim(inputs) < 1:
       raise ValueError(f"{name} inputs must be [..., K], got a scalar")
     suffix = (lambda i: f"_{i}") if multi else (lambda i: "")
@@ -73,23 +62,13 @@ class _Layer(nn.Module):
                     for i, f in enumerate(features))
     biases = tuple(self.param(f"bias{suffix(i)}", self.bias_init, (f,), self.param_dtype)
                    if use_bias else None for i, f in enumerate(features))
-    state = None
-    if isinstance(self.recipe, DelayedScaling):
-      create = ((lambda: MultiLinearState.create(len(features), self.recipe)) if multi else
-                (lambda: LinearState.create(self.recipe)))
-      state = self.variable(STATE_COLLECTION, "linear", create).value
-    # The kernels go to the FP8 quantization in their parameter dtype: f32 master weights are
-    # quantized straight from f32 (one rounding, no bf16 copy) and get f32 gradients from the
-    # wgrad GEMMs; the GEMMs compute in ``dtype``.
-    dtype = nn.dtypes.canonicalize_dtype(inputs, *kernels, *biases, dtype=self.dtype)
-    inputs, *biases = nn.dtypes.promote_dtype(inputs, *biases, dtype=dtype)
+    state = (self.variable(STATE_COLLECTION, "linear", create_state, self.recipe,
+                           len(features) if multi else None).value
+             if isinstance(self.recipe, DelayedScaling) else None)
     # init usually runs outside the pmap / shard_map whose axis is named; the axis serves the
     # backward only, and init takes no gradient.
-    kw = dict(state=state, recipe=self.recipe,
-              amax_axis_name=None if self.is_initializing() else self.amax_axis_name)
-    if multi:
-      return multi_linear(inputs, kernels, tuple(biases), **kw)
-    return (linear(inputs, kernels[0], biases[0], **kw),)
+    axis = None if self.is_initializing() else self.amax_axis_name
+    return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype, axis, multi)
 
 
 class Dense(_Layer):

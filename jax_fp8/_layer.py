@@ -1,0 +1,44 @@
+"""What the Flax layers (``jax_fp8.flax``, linen, and ``jax_fp8.nnx``) share: their argument
+checks, their state, and the call of ``linear`` / ``multi_linear`` in the compute dtype."""
+
+from __future__ import annotations
+
+from flax.linen import dtypes
+
+from . import checks
+from .linear import LinearState, MultiLinearState, linear, multi_linear
+from .recipes import BlockScaling, DelayedScaling
+
+
+def check_layer(name: str, features, use_bias, recipe, multi: bool):
+  """(features as a tuple of ints, use_bias) of layer ``name``, checked; ``multi``: features is
+  a tuple (one layer of several outputs). TypeError / ValueError naming the attribute."""
+  if not isinstance(recipe, (DelayedScaling, BlockScaling)):
+    raise TypeError(f"{name}.recipe must be a DelayedScaling or a BlockScaling, got "
+                    f"{type(recipe).__name__}")
+  if not multi:
+    features = (checks.integer(features, f"{name}.features", lo=1),)
+  elif isinstance(features, (tuple, list)) and features:
+    features = tuple(checks.integer(f, f"{name}.features[{i}]", lo=1)
+                     for i, f in enumerate(features))
+  else:
+    raise TypeError(f"{name}.features must be a non-empty tuple of ints, got {features!r}")
+  return features, checks.boolean(use_bias, f"{name}.use_bias")
+
+
+def create_state(recipe: DelayedScaling, outputs: int | None):
+  """A fresh ``LinearState`` (``outputs`` None: one kernel) or ``MultiLinearState``."""
+  return LinearState.create(recipe) if outputs is None else MultiLinearState.create(outputs, recipe)
+
+
+def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, multi: bool):
+  """The layer's outputs (a tuple): inputs and biases promoted to the compute dtype (``dtype``,
+  or by Flax's rules when None), the kernels left in their parameter dtype, so f32 master
+  weights are quantized straight from f32 (one rounding, no copy in ``dtype``) and get f32
+  gradients from the wgrad GEMMs."""
+  dtype = dtypes.canonicalize_dtype(inputs, *kernels, *biases, dtype=dtype)
+  inputs, *biases = dtypes.promote_dtype(inputs, *biases, dtype=dtype)
+  kw = dict(state=state, recipe=recipe, amax_axis_name=amax_axis_name)
+  if multi:
+    return multi_linear(inputs, kernels, tuple(biases), **kw)
+  return (linear(inputs, kernels[0], biases[0], **kw),)

@@ -1,0 +1,120 @@
+"""Flax NNX layers backed by ``jax_fp8.linear`` and ``jax_fp8.multi_linear``, with the FP8 state
+in its own variable type. Needs the ``flax`` extra (``pip install jax_fp8[flax]``).
+
+A train step differentiates with respect to the parameters and the FP8 state, updates the
+parameters with the optimizer and the state with ``update_fp8_state``::
+
+    diff = nnx.DiffState(0, (nnx.Param, Fp8State))
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=diff)(model, batch)
+    optimizer.update(model, nnx.filter_state(grads, nnx.Param))
+    update_fp8_state(model, grads)
+
+The state follows ``jax_fp8.state``'s protocol: the gradient with respect to a layer's
+``Fp8State`` is its rings' observations of the step. Gradients of several microbatches of one
+step combine by ``jax_fp8.combine_updates`` (an elementwise max) where parameter gradients add.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ._layer import call_layer, check_layer, create_state
+from .checks import integer
+from .recipes import DelayedScaling
+from .state import update_state
+
+
+class Fp8State(nnx.Variable):
+  """The FP8 scale rings of one layer (its ``LinearState`` or ``MultiLinearState``) as an NNX
+  variable: ``nnx.state(model, Fp8State)`` selects every layer's, an optimizer over
+  ``nnx.Param`` leaves them alone, and ``update_fp8_state`` advances them."""
+
+
+class _Layer(nnx.Module):
+  """The constructor and body shared by ``Linear`` and ``MultiLinear`` (``_multi``: one layer
+  of several outputs)."""
+
+  _multi = False
+
+  def __init__(self, in_features: int, out_features, *, use_bias: bool = True,
+               dtype: Any = None, param_dtype: Any = jnp.float32,
+               kernel_init: Callable = nnx.initializers.lecun_normal(),
+               bias_init: Callable = nnx.initializers.zeros_init(),
+               recipe=DelayedScaling(), amax_axis_name=None, rngs: nnx.Rngs):
+    name, multi = type(self).__name__, self._multi
+    features, use_bias = check_layer(name, out_features, use_bias, recipe, multi)
+    in_features = integer(in_features, f"{name}.in_features", lo=1)
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"{name}.rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
+    self.in_features, self.out_features = in_features, out_features
+    self.use_bias, self.dtype, self.param_dtype = use_bias, dtype, param_dtype
+    self.recipe, self.amax_axis_name = recipe, amax_axis_name
+    self._names = (tuple(f"_{i}" for i in range(len(features))) if multi else ("",))
+    for sfx, f in zip(self._names, features):
+      setattr(self, f"kernel{sfx}",
+              nnx.Param(kernel_init(rngs.params(), (in_features, f), param_dtype)))
+      setattr(self, f"bias{sfx}",
+              nnx.Param(bias_init(rngs.params(), (f,), param_dtype)) if use_bias else None)
+    self.fp8_state = (Fp8State(create_state(recipe, len(features) if multi else None))
+                      if isinstance(recipe, DelayedScaling) else None)
+
+  def _outputs(self, inputs):
+    name = type(self).__name__
+    if jnp.ndim(inputs) < 1 or jnp.shape(inputs)[-1] != self.in_features:
+      raise ValueError(f"{name} inputs must be [..., {self.in_features}] (in_features), got "
+                       f"shape {jnp.shape(inputs)}")
+    kernels = tuple(getattr(self, f"kernel{sfx}")[...] for sfx in self._names)
+    biases = tuple(None if getattr(self, f"bias{sfx}") is None else getattr(self, f"bias{sfx}")[...]
+                   for sfx in self._names)
+    state = None if self.fp8_state is None else self.fp8_state.get_value()
+    return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype,
+                      self.amax_axis_name, self._multi)
+
+
+class Linear(_Layer):
+  """Drop-in for ``flax.nnx.Linear`` whose matmuls run in FP8 (``jax_fp8.linear``).
+
+  Same constructor arguments as ``nnx.Linear`` less ``precision``, ``dot_general``,
+  ``promote_dtype`` and ``preferred_element_type`` (the FP8 GEMMs decide them), plus
+  ``recipe`` (``DelayedScaling``, default, or ``BlockScaling``) and ``amax_axis_name`` (as in
+  ``jax_fp8.linear``). Same parameters ("kernel" [in, out], "bias" [out]) and initializers.
+  Under ``DelayedScaling`` the rings are the ``Fp8State`` "fp8_state" (a ``LinearState``);
+  under ``BlockScaling`` it is None. The kernel is quantized from its parameter dtype (f32
+  master weights straight to FP8); inputs and outputs are in ``dtype``.
+
+  Input ``[..., in_features]``; output ``[..., out_features]``; in and out multiples of 16
+  (128 under BlockScaling). Raises TypeError / ValueError for bad arguments, at construction
+  or at the call.
+  """
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    return self._outputs(inputs)[0]
+
+
+class MultiLinear(_Layer):
+  """Several linear layers on one input, the FP8 quantization of the input shared
+  (``jax_fp8.multi_linear``): q / k / v, or an MLP's gate and up projections.
+
+  ``out_features`` is a tuple (N_0, ..., N_{n-1}); parameters "kernel_i" [in, N_i] and
+  "bias_i" [N_i]; under ``DelayedScaling`` the ``Fp8State`` "fp8_state" holds a
+  ``MultiLinearState``. Other arguments as ``Linear``'s. Input ``[..., in_features]``; output
+  a tuple of n arrays ``[..., N_i]``.
+  """
+
+  _multi = True
+
+  def __call__(self, inputs: jax.Array) -> tuple[jax.Array, ...]:
+    return self._outputs(inputs)
+
+
+def update_fp8_state(model: nnx.Module, grads: nnx.State) -> None:
+  """Advance every ``Fp8State`` of ``model`` in place by its gradient in ``grads`` (what
+  ``nnx.grad`` returns for a ``DiffState`` that includes ``Fp8State``): ``jax_fp8.update_state``
+  applied to the model's FP8 state. Raises ValueError when ``grads`` holds no FP8 state of the
+  model's structure (e.g. ``Fp8State`` left out of the ``DiffState``)."""
+  state = nnx.state(model, Fp8State)
+  nnx.update(model, update_state(state, nnx.filter_state(grads, Fp8State)))
