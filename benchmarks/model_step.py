@@ -6,7 +6,9 @@ q, k, v, o projections, rotary position embedding, causal attention through
 ``jax.nn.dot_product_attention``, a SwiGLU MLP of gate, up and down projections), a final
 RMSNorm and a bf16 LM head (a plain ``nn.Dense`` in every variant, as FP8 recipes keep it).
 Compute in bf16, master weights in ``--param-dtype`` (f32 by default), AdamW (optax),
-cross-entropy in f32 on random tokens. The variants differ only in the layers of the seven
+cross-entropy in f32 on one batch of random tokens, the same every step (its loss after the
+timed steps, memorized by then, shows that every variant trains; the demo compares
+convergence). The variants differ only in the layers of the seven
 projections of each layer:
 
 - ``bf16``: ``flax.linen.Dense``;
@@ -36,11 +38,13 @@ the device's work by kind (GEMMs, attention, our kernels, XLA's fusions) and its
         [--attention cudnn|xla|default] [--variants NAME ...] [--profile [NAME ...]]
         [--steps 8] [--windows 3] [--profile-steps 3] [--quick] [--out PATH]
 
-Writes ``benchmarks/results/<gpu>-model_step.json`` (or ``--out``): the environment, the
-configuration and a list ``rows``, one per variant, with ``variant``, ``step_ms``,
-``tokens_per_s``, ``compile_s``, ``temp_bytes``, ``peak_bytes`` (arguments, outputs and
-temporaries the compiled step plans, donated buffers counted once), ``loss`` (after the timed
-steps), ``speedup_vs_bf16`` and ``speedup_vs_flax_fp8`` (and ``profile`` with ``--profile``).
+Writes ``benchmarks/results/<gpu>-model_step.json`` (or ``--out``): ``env`` (GPU, versions,
+date, git commit), ``config``, ``steps``, ``windows`` and a list ``rows``, one per variant, with
+``variant``, ``step_ms``, ``window_ms`` (each window's), ``tokens_per_s``, ``compile_s``,
+``temp_bytes``, ``peak_bytes`` (arguments, outputs and temporaries the compiled step plans,
+donated buffers counted once), ``loss`` (after the timed steps), ``speedup_vs_bf16`` and
+``speedup_vs_flax_fp8`` (None without that peer), and with ``--profile`` ``profile``
+(``benchmarks.step_profile.summarize``'s rows).
 """
 
 from __future__ import annotations
@@ -69,9 +73,9 @@ FAST_ALL = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
 
 
 class KernelCopyDense(nn.Module):
-  """``jax_fp8.flax.Dense`` (delayed scaling, no bias) with its kernel cast to the compute
-  dtype before the quantization, as the layer did before it quantized f32 master weights
-  directly: the variant shows that fusion's gain."""
+  """``jax_fp8.flax.Dense`` (delayed scaling) with its kernel cast to the compute dtype before
+  the quantization, as the layer did before it quantized f32 master weights directly: the
+  variant shows that fusion's gain."""
 
   features: int
   use_bias: bool
@@ -82,8 +86,11 @@ class KernelCopyDense(nn.Module):
   def __call__(self, x):
     kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
                         self.param_dtype)
+    bias = (self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+            if self.use_bias else None)
     state = self.variable(STATE_COLLECTION, "linear", jax_fp8.LinearState.create).value
-    return jax_fp8.linear(x, kernel.astype(self.dtype), state=state)
+    return jax_fp8.linear(x, kernel.astype(self.dtype),
+                          None if bias is None else bias.astype(self.dtype), state=state)
 
 
 DELAYED, BLOCK = jax_fp8.DelayedScaling(), jax_fp8.BlockScaling()
@@ -285,8 +292,11 @@ def main(argv=None):
   for flag in ("steps", "windows", "profile_steps"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-  cfg = QUICK if args.quick else Config(**{f.name: getattr(args, f.name)
-                                           for f in dataclasses.fields(Config)})
+  cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+  if args.quick:
+    if cfg != Config():
+      p.error("--quick runs its own tiny model: give no model flags with it")
+    cfg = QUICK
   if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
     p.error(f"--d-model ({cfg.d_model}) must be a multiple of --heads ({cfg.heads}) with an even "
             f"head size")

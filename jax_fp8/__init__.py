@@ -13,7 +13,7 @@ from .ops import (CastTransposed, DelayedQuantized, Quantized, block_quantize,
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing, combine_updates, share, update_state
 
-__version__ = "0.2.0"
+__version__ = "0.3.0.dev0"
 
 __all__ = [
     "BlockScaling", "CastTransposed", "DelayedQuantized", "DelayedScaling", "LinearState",

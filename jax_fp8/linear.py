@@ -332,12 +332,15 @@ def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState 
                  amax_axis_name: str | tuple[str, ...] | None = None) -> tuple[jax.Array, ...]:
   if not isinstance(kernels, (tuple, list)) or not kernels:
     raise TypeError(f"kernels must be a non-empty tuple or list of [K, N_i] arrays, got "
+                    f"{'an empty ' if isinstance(kernels, (tuple, list)) else ''}"
                     f"{type(kernels).__name__}")
   if biases is None:
     biases = (None,) * len(kernels)
   if not isinstance(biases, (tuple, list)) or len(biases) != len(kernels):
+    got = (f"{len(biases)} of them" if isinstance(biases, (tuple, list)) else
+           type(biases).__name__)
     raise TypeError(f"biases must be None or a tuple / list of {len(kernels)} biases (None for "
-                    f"none), one per kernel, got {biases!r:.80}")
+                    f"none), one per kernel, got {got}")
   return _apply(x, tuple(kernels), tuple(biases),
                 tuple(f"kernels[{i}]" for i in range(len(kernels))),
                 tuple(f"biases[{i}]" for i in range(len(kernels))), state, MultiLinearState,
@@ -346,24 +349,25 @@ def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState 
 
 multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kernels sharing one
   input (q / k / v projections; an MLP's gate and up), with one FP8 quantization of x for all
-  of them: ``linear`` applied to each kernel, less the repeated quantizations of x. The backward
+  of them: each output, kernel gradient and ring is what ``linear`` with that kernel and x's
+  ring computes, less the repeated quantizations of x (``fp8_min_intensity`` aside: it is
+  decided once, for the GEMM of all kernels side by side, [M, sum N_i, K]). The backward
   sums the kernels' dgrads into one dx (in x's dtype, as autodiff sums a shared input's
   gradients) and runs each wgrad on the one transposed FP8 copy of x.
 
   Args:
     x: [..., K] float32 / bfloat16 / float16.
     kernels: tuple / list of n [K, N_i] arrays, float32 / bfloat16 / float16.
-    biases: None, or n entries each None or [N_i].
+    biases: None, or n entries each None or [N_i] float32 / bfloat16 / float16.
     state: under ``DelayedScaling``, a ``MultiLinearState`` (``MultiLinearState.create(n,
       recipe)``), used as ``linear``'s state is. Under ``BlockScaling``: None.
 {_ARGS_DOC}
-      ``fp8_min_intensity`` applies to the GEMM of all kernels side by side, [M, sum N_i, K].
   Returns:
     tuple of n arrays [..., N_i] in x's dtype.
   Raises:
 {_RAISES_DOC}
-    Also: kernels not a non-empty tuple / list, biases of another count, a state whose ring
-    tuples do not hold one ring per kernel.
+    Also: kernels not a non-empty tuple / list, a kernel with N = 0 beside others, biases of
+    another count, a state whose ring tuples do not hold one ring per kernel.
 
   Method: as ``linear``; one quantization of a shared input as TransformerEngine's fused
   q / k / v and gate / up layers do.
@@ -401,6 +405,8 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
                     f"{type(recipe).__name__}")
   # else XLA in x's dtype, any shape
   fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), sum(ns), k)
+  if fp8 and 0 in ns:
+    raise ValueError(f"{kernel_names[ns.index(0)]} has N = 0 beside other kernels: leave it out")
   multiple = blockwise.BLOCK if isinstance(recipe, BlockScaling) else DIM_MULTIPLE
   if fp8 and (k % multiple or any(n % multiple for n in ns)):
     raise ValueError(

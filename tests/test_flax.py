@@ -58,6 +58,19 @@ def test_kernel_quantized_from_its_param_dtype(rng, recipe):
       jax_fp8.linear(x, kernel, state=state, recipe=recipe)))
 
 
+def test_float64_params_compute_in_dtype():
+  """float64 master weights (under x64), which the FP8 kernels do not read, go through the
+  compute dtype; their gradient is float64 again."""
+  with jax.enable_x64(True):
+    layer = Dense(128, dtype=jnp.float32, param_dtype=jnp.float64)
+    x = jnp.ones((4, 128), jnp.float32)
+    y, variables = layer.init_with_output(jax.random.PRNGKey(0), x)
+    assert y.dtype == jnp.float32 and variables["params"]["kernel"].dtype == jnp.float64
+    grads = jax.grad(lambda p: jnp.sum(layer.apply({**variables, "params": p}, x)))(
+        variables["params"])
+    assert grads["kernel"].dtype == jnp.float64
+
+
 class MLP(nn.Module):
   dense: type
 

@@ -33,8 +33,8 @@ inline bool scale_sizes_ok(ScaleMode mode, int64_t M, int64_t N, int64_t K, size
 }
 
 // dtype -> rank -> attributes -> shape relations, as validated first in jax_fp8/ops/gemm.py. The
-// alignment cuBLASLt needs is K % 16 and N % 16 (a shape relation); the pointers' own alignment
-// goes to its heuristic (gemm_cuda.cc).
+// alignment cuBLASLt needs is K and N multiples of kGemmDimMultiple (a shape relation); the
+// pointers' own alignment goes to its heuristic (gemm_cuda.cc).
 inline ffi::Error DecodeGemm(Platform, GemmArgs& g, ffi::AnyBuffer a, ffi::AnyBuffer b,
                              ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
                              ffi::AnyBuffer bias, ffi::Buffer<ffi::F32> d_scale,
@@ -61,7 +61,8 @@ inline ffi::Error DecodeGemm(Platform, GemmArgs& g, ffi::AnyBuffer a, ffi::AnyBu
     return invalid("an e4m3 output takes per-tensor scales only");
   const int64_t M = a.dimensions()[0], K = a.dimensions()[1], N = b.dimensions()[0];
   if (b.dimensions()[1] != K) return invalid("a [M, K] and b [N, K] must share K");
-  if (K % kGemmDimMultiple || N % kGemmDimMultiple) return invalid("K and N must be multiples of 16");
+  if (K % kGemmDimMultiple || N % kGemmDimMultiple)
+    return invalid("K and N must be multiples of " + std::to_string(kGemmDimMultiple));
   if (d->element_count() != size_t(M * N)) return invalid("d must be [M, N]");
   const size_t n_fp8 = fp8_out ? 1 : 0;  // d_scale and amax_d exist for an e4m3 output only
   if (d_scale.element_count() != n_fp8 || amax_d->element_count() != n_fp8)

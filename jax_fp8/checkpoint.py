@@ -1,0 +1,103 @@
+"""Checkpoints of a whole train state that carry their FP8 recipe: ``save`` and ``restore``
+through orbax (``orbax-checkpoint``, which the ``flax`` extra installs).
+
+A checkpoint directory holds orbax's checkpoint of the state in ``state/`` and ``jax_fp8.json``,
+the schema (``SCHEMA_VERSION`` 1)::
+
+    {"schema_version": 1, "jax_fp8_version": "0.3.0",
+     "recipe": {"type": "DelayedScaling", "fp8_format": "hybrid", "history_len": 16, ...},
+     "rings": {"<path of a ScaleRing in the state>": {"fmt": "e4m3", "margin": 0,
+                                                      "algo": "max", "shape": [16]}, ...}}
+
+The state is any pytree (a linen train state with its "fp8_state" collection, an NNX
+``nnx.state(model)``, optimizer state included). Orbax stores the arrays; a ring's format,
+margin and algo are static pytree fields, so they come back from the restore target, which
+``restore`` checks against the saved ones: a checkpoint never lands in rings of another
+recipe. A restored state is bit for bit the saved one, so a restored run continues as the
+uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax
+import orbax.checkpoint as ocp
+
+from . import __version__
+from .recipes import BlockScaling, DelayedScaling
+from .state import ScaleRing
+
+SCHEMA_VERSION = 1
+METADATA = "jax_fp8.json"
+_RECIPES = {cls.__name__: cls for cls in (DelayedScaling, BlockScaling)}
+
+
+def _recipe_dict(recipe) -> dict:
+  if not isinstance(recipe, tuple(_RECIPES.values())):
+    raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
+                    f"{type(recipe).__name__}")
+  fields = {k: list(v) if isinstance(v, tuple) else v
+            for k, v in dataclasses.asdict(recipe).items()}
+  return {"type": type(recipe).__name__, **fields}
+
+
+def _rings(state) -> dict:
+  """{path: the ring's static fields and history shape} of every ScaleRing in ``state``."""
+  leaves = jax.tree_util.tree_flatten_with_path(
+      state, is_leaf=lambda v: isinstance(v, ScaleRing))[0]
+  return {jax.tree_util.keystr(path): {"fmt": r.fmt, "margin": r.margin, "algo": r.algo,
+                                       "shape": list(jax.numpy.shape(r.amax_history))}
+          for path, r in leaves if isinstance(r, ScaleRing)}
+
+
+def save(directory, state, recipe) -> None:
+  """Save ``state`` (any pytree) and ``recipe`` (its layers' ``DelayedScaling`` or
+  ``BlockScaling``) into ``directory``, which must not exist yet. Raises TypeError for another
+  recipe type, FileExistsError for an existing directory."""
+  directory = pathlib.Path(directory).absolute()
+  meta = {"schema_version": SCHEMA_VERSION, "jax_fp8_version": __version__,
+          "recipe": _recipe_dict(recipe), "rings": _rings(state)}
+  if directory.exists():
+    raise FileExistsError(f"checkpoint directory {directory} exists already")
+  directory.mkdir(parents=True)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(directory / "state", state)
+  (directory / METADATA).write_text(json.dumps(meta, indent=1))
+
+
+def restore(directory, target, recipe):
+  """The state saved in ``directory``, restored against ``target`` (a state of the same
+  structure, e.g. a freshly initialized one, whose rings carry the static fields).
+
+  Raises:
+    ValueError when the checkpoint's schema version is not ``SCHEMA_VERSION``, when
+    ``recipe`` differs from the saved one (the differing fields are named: restore with the
+    recipe the run was saved with, or start the FP8 state afresh from ``LinearState.create``
+    under the new recipe and restore the rest with orbax), or when the target's rings differ
+    from the saved ones (paths, formats, margins, algos, history lengths).
+    FileNotFoundError when ``directory`` holds no jax_fp8 checkpoint.
+  """
+  directory = pathlib.Path(directory).absolute()
+  if not (directory / METADATA).is_file():
+    raise FileNotFoundError(f"{directory} holds no jax_fp8 checkpoint (no {METADATA})")
+  meta = json.loads((directory / METADATA).read_text())
+  if meta.get("schema_version") != SCHEMA_VERSION:
+    raise ValueError(f"checkpoint schema version {meta.get('schema_version')!r}; this jax_fp8 "
+                     f"reads version {SCHEMA_VERSION}")
+  saved, wanted = meta["recipe"], _recipe_dict(recipe)
+  if saved != wanted:
+    diff = {k: (saved.get(k), wanted.get(k)) for k in sorted(set(saved) | set(wanted))
+            if saved.get(k) != wanted.get(k)}
+    raise ValueError(f"the checkpoint was saved under another recipe; (saved, given) per field: "
+                     f"{diff}")
+  rings = _rings(target)
+  if rings != meta["rings"]:
+    diff = {k: (meta["rings"].get(k), rings.get(k))
+            for k in sorted(set(rings) | set(meta["rings"])) if rings.get(k) != meta["rings"].get(k)}
+    raise ValueError(f"the target's scale rings differ from the checkpoint's; (saved, target) per "
+                     f"ring: {diff}")
+  with ocp.StandardCheckpointer() as ckpt:
+    return ckpt.restore(directory / "state", target=target)

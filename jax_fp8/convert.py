@@ -1,0 +1,166 @@
+"""``jax_fp8.convert.convert``: an existing Flax model's dense layers to FP8 in one line, the
+model's own code unchanged. Needs the ``flax`` extra.
+
+- Linen: ``convert(model, ...)`` returns a module that runs ``model`` with every ``nn.Dense``
+  and ``nn.DenseGeneral`` call the filter selects intercepted (``flax.linen.intercept_methods``)
+  and computed by ``jax_fp8.linear`` with the layer's own parameters (same names, shapes,
+  initializers and paths: the converted model's "params" are the original's), its rings in the
+  "fp8_state" collection under the layer's path (none under ``BlockScaling``). Only
+  ``__call__`` of the model is converted.
+- NNX: ``convert(model, ...)`` replaces every ``nnx.Linear`` the filter selects, in place, by a
+  ``jax_fp8.nnx.Linear`` holding the same parameter variables, and returns the model.
+
+Selection: a layer is converted when its path (its module names joined by "/", e.g.
+"layers_0/mlp/up") matches ``include`` (``re.search``; None: every path) and does not match
+``exclude`` (default ``HEAD_PATTERN``: the usual names of an LM head, which FP8 recipes keep in
+higher precision), when K and N (the contracted and output sizes) are multiples of 16 (128
+under ``BlockScaling``), and, for ``nn.DenseGeneral``, when it contracts the trailing axes of
+its input with no batch dims and no custom ``dot_general``. Other layers, and embeddings, run as
+before. The default recipe sets ``fp8_min_intensity`` to ``CROSSOVER_INTENSITY``, so layers too
+small for FP8 to pay (decode-like M) run in BF16 at call time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from . import nnx as fp8_nnx
+from ._layer import call_layer, create_state
+from .flax import STATE_COLLECTION
+from .ops.blockwise import BLOCK
+from .ops.gemm import DIM_MULTIPLE
+from .recipes import BlockScaling, DelayedScaling
+
+# The GEMM intensity M*N*K / (M*K + K*N + M*N) below which an FP8 linear was slower than BF16
+# on the H200 (docs/performance.md, "Where FP8 pays").
+CROSSOVER_INTENSITY = 900.0
+HEAD_PATTERN = r"(^|/)(lm_head|head|logits|unembed|unembedding|output_projection)$"
+
+
+def convert(model, recipe: DelayedScaling | BlockScaling | None = None, *,
+            include: str | None = None, exclude: str | None = HEAD_PATTERN):
+  """The model with its selected dense layers in FP8 (see the module docstring).
+
+  Args:
+    model: a ``flax.linen.Module`` (unbound) or a ``flax.nnx.Module``.
+    recipe: the layers' recipe; None: ``DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY)``.
+    include, exclude: regular expressions over a layer's path, or None.
+  Returns:
+    linen: a new module (apply it as the original; variables gain "fp8_state" under
+    ``DelayedScaling``). NNX: ``model`` itself, converted in place.
+  Raises:
+    TypeError for a model that is neither, a bad recipe or patterns that are not str / None;
+    ValueError for a pattern that does not compile.
+  """
+  recipe = DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY) if recipe is None else recipe
+  if not isinstance(recipe, (DelayedScaling, BlockScaling)):
+    raise TypeError(f"recipe must be None, a DelayedScaling or a BlockScaling, got "
+                    f"{type(recipe).__name__}")
+  for name, pattern in (("include", include), ("exclude", exclude)):
+    if pattern is not None and not isinstance(pattern, str):
+      raise TypeError(f"{name} must be a regular expression (str) or None, got {pattern!r}")
+    try:
+      re.compile(pattern or "")
+    except re.error as e:
+      raise ValueError(f"{name} is not a valid regular expression: {pattern!r} ({e})") from None
+  if isinstance(model, nnx.Module):
+    return _convert_nnx(model, recipe, include, exclude)
+  if isinstance(model, nn.Module):
+    return Converted(model, recipe, include, exclude)
+  raise TypeError(f"model must be a flax.linen.Module or a flax.nnx.Module, got "
+                  f"{type(model).__name__}")
+
+
+def _selects(path: str, k: int, n: int, recipe, include, exclude) -> bool:
+  multiple = BLOCK if isinstance(recipe, BlockScaling) else DIM_MULTIPLE
+  return (k % multiple == 0 and n % multiple == 0 and k > 0 and n > 0
+          and (include is None or re.search(include, path) is not None)
+          and (exclude is None or re.search(exclude, path) is None))
+
+
+class Converted(nn.Module):
+  """A linen model run with its selected dense layers through jax_fp8 (``convert``). It shares
+  the model's scope, so the variables keep the model's paths."""
+
+  module: nn.Module
+  recipe: DelayedScaling | BlockScaling
+  include: str | None
+  exclude: str | None
+
+  def setup(self):
+    nn.share_scope(self, self.module)
+
+  def __call__(self, *args, **kwargs):
+    intercept = functools.partial(_intercept, self.recipe, self.include, self.exclude)
+    with nn.intercept_methods(intercept):
+      return self.module(*args, **kwargs)
+
+
+def _dense_plan(m, x):
+  """(kernel shape, flat K, flat N, features) of a dense call jax_fp8 can run, else None."""
+  if isinstance(m, nn.Dense):  # exact type checked by the caller
+    if m.dot_general is not None or m.dot_general_cls is not None:
+      return None
+    return (x.shape[-1], m.features), x.shape[-1], m.features, (m.features,)
+  features = tuple(np.atleast_1d(m.features).tolist())
+  axis = sorted(a % x.ndim for a in np.atleast_1d(m.axis).tolist())
+  if (m.batch_dims not in ((), None) or m.dot_general is not None
+      or m.dot_general_cls is not None or axis != list(range(x.ndim - len(axis), x.ndim))):
+    return None
+  k_shape = tuple(x.shape[a] for a in axis)
+  return k_shape + features, math.prod(k_shape), math.prod(features), features
+
+
+def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
+  m = context.module
+  if (context.method_name != "__call__" or type(m) not in (nn.Dense, nn.DenseGeneral)
+      or kwargs or len(args) != 1 or jnp.ndim(args[0]) < 1):
+    return next_fun(*args, **kwargs)
+  x = args[0]
+  plan = _dense_plan(m, x)
+  if plan is None or not _selects("/".join(map(str, m.scope.path)), plan[1], plan[2], recipe,
+                                  include, exclude):
+    return next_fun(*args, **kwargs)
+  kernel_shape, k, n, features = plan
+
+  def flat_init(init, flat_shape):  # as the layer initializes: flat, then reshaped
+    return lambda key, shape, dtype: jnp.reshape(init(key, flat_shape, dtype), shape)
+  kernel = m.param("kernel", flat_init(m.kernel_init, (k, n)), kernel_shape, m.param_dtype)
+  bias = (m.param("bias", flat_init(m.bias_init, (n,)), features, m.param_dtype)
+          if m.use_bias else None)
+  state = (m.variable(STATE_COLLECTION, "linear", create_state, recipe, None).value
+           if isinstance(recipe, DelayedScaling) else None)
+  lead = x.shape[:x.ndim - (len(kernel_shape) - len(features))]
+  y, = call_layer(x.reshape(*lead, k), (kernel.reshape(k, n),),
+                  (None if bias is None else bias.reshape(n),), state, recipe, m.dtype, None,
+                  False)
+  return y.reshape(*lead, *features)
+
+
+def _convert_nnx(model, recipe, include, exclude):
+  for path, node in list(nnx.iter_graph(model)):
+    if type(node) is not nnx.Linear or not path:
+      continue
+    if not _selects("/".join(map(str, path)), node.in_features, node.out_features, recipe,
+                    include, exclude):
+      continue
+    new = fp8_nnx.Linear(node.in_features, node.out_features, use_bias=node.bias is not None,
+                         dtype=node.dtype, param_dtype=node.param_dtype,
+                         kernel_init=nnx.initializers.zeros_init(), recipe=recipe,
+                         rngs=nnx.Rngs(0))
+    new.kernel, new.bias = node.kernel, node.bias  # the same variables
+    parent = model
+    for key in path[:-1]:
+      parent = getattr(parent, key) if isinstance(key, str) else parent[key]
+    if isinstance(path[-1], str) and not isinstance(parent, nnx.Dict):
+      setattr(parent, path[-1], new)
+    else:
+      parent[path[-1]] = new
+  return model

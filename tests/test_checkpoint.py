@@ -1,0 +1,119 @@
+"""jax_fp8.checkpoint: the whole train state (params, optimizer, FP8 state) saved with its
+recipe; a restored run continues bit for bit; another recipe, other rings or another schema
+version are refused by name."""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jax_fp8
+import jax_fp8.flax
+import jax_fp8.nnx
+from jax_fp8 import checkpoint
+
+RECIPE = jax_fp8.DelayedScaling(history_len=8, fast_accum_gemms=("fprop",))
+
+
+class MLP(nn.Module):
+  recipe: jax_fp8.DelayedScaling
+
+  @nn.compact
+  def __call__(self, x):
+    h = jax.nn.gelu(jax_fp8.flax.Dense(64, recipe=self.recipe)(x))
+    return jax_fp8.flax.Dense(16, recipe=self.recipe)(h)
+
+
+def linen_run(recipe, x, y):
+  """(initial train state, a jitted step on it)."""
+  model, tx = MLP(recipe), optax.adam(1e-2)
+  v = model.init(jax.random.key(0), x)
+  state = {"params": v["params"], "opt": tx.init(v["params"]), "fp8_state": v["fp8_state"]}
+
+  @jax.jit
+  def step(state):
+    def loss(params, fp8_state):
+      return jnp.mean((model.apply({"params": params, "fp8_state": fp8_state}, x) - y) ** 2)
+    g, sg = jax.grad(loss, argnums=(0, 1))(state["params"], state["fp8_state"])
+    updates, opt = tx.update(g, state["opt"], state["params"])
+    return {"params": optax.apply_updates(state["params"], updates), "opt": opt,
+            "fp8_state": jax_fp8.update_state(state["fp8_state"], sg)}
+  return state, step
+
+
+def data(rng):
+  x = jnp.asarray(rng.standard_normal((32, 32)), jnp.float32)
+  return x, jnp.tanh(x[:, :16])
+
+
+def assert_same(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+def test_restored_run_continues_bit_identically(rng, tmp_path):
+  x, y = data(rng)
+  state, step = linen_run(RECIPE, x, y)
+  for _ in range(5):
+    state = step(state)
+  checkpoint.save(tmp_path / "ckpt", state, RECIPE)
+  meta = json.loads((tmp_path / "ckpt" / checkpoint.METADATA).read_text())
+  assert meta["schema_version"] == checkpoint.SCHEMA_VERSION
+  assert meta["recipe"]["history_len"] == 8 and meta["recipe"]["fast_accum_gemms"] == ["fprop"]
+  assert len(meta["rings"]) == 6 and {r["fmt"] for r in meta["rings"].values()} == {"e4m3", "e5m2"}
+  uninterrupted = state
+  for _ in range(5):
+    uninterrupted = step(uninterrupted)
+
+  fresh, step2 = linen_run(RECIPE, x, y)
+  restored = checkpoint.restore(tmp_path / "ckpt", fresh, RECIPE)
+  assert_same(restored, state)
+  for _ in range(5):
+    restored = step2(restored)
+  assert_same(restored, uninterrupted)
+
+
+def test_refuses_another_recipe_or_other_rings(rng, tmp_path):
+  x, y = data(rng)
+  state, _ = linen_run(RECIPE, x, y)
+  checkpoint.save(tmp_path / "ckpt", state, RECIPE)
+  other = jax_fp8.DelayedScaling(history_len=16)
+  with pytest.raises(ValueError, match=r"saved under another recipe.*'history_len': \(8, 16\)"):
+    checkpoint.restore(tmp_path / "ckpt", state, other)
+  with pytest.raises(ValueError, match=r"'type': \('DelayedScaling', 'BlockScaling'\)"):
+    checkpoint.restore(tmp_path / "ckpt", state, jax_fp8.BlockScaling())
+  target, _ = linen_run(other, x, y)  # rings of 16 where the checkpoint has 8
+  with pytest.raises(ValueError, match=r"target's scale rings differ .*\[8\].*\[16\]"):
+    checkpoint.restore(tmp_path / "ckpt", target, RECIPE)
+  with pytest.raises(FileExistsError):
+    checkpoint.save(tmp_path / "ckpt", state, RECIPE)
+  with pytest.raises(TypeError, match="recipe must be a DelayedScaling or a BlockScaling"):
+    checkpoint.save(tmp_path / "other", state, "hybrid")
+  with pytest.raises(FileNotFoundError, match="holds no jax_fp8 checkpoint"):
+    checkpoint.restore(tmp_path, state, RECIPE)
+  meta_path = tmp_path / "ckpt" / checkpoint.METADATA
+  meta = json.loads(meta_path.read_text())
+  meta_path.write_text(json.dumps({**meta, "schema_version": 99}))
+  with pytest.raises(ValueError, match="schema version 99; this jax_fp8 reads version 1"):
+    checkpoint.restore(tmp_path / "ckpt", state, RECIPE)
+
+
+def test_nnx_state(rng, tmp_path):
+  x, _ = data(rng)
+  model = jax_fp8.nnx.Linear(32, 16, recipe=RECIPE, rngs=nnx.Rngs(0))
+  grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2),
+                   argnums=nnx.DiffState(0, (nnx.Param, jax_fp8.nnx.Fp8State)))(model)
+  jax_fp8.nnx.update_fp8_state(model, grads)
+  state = nnx.state(model)
+  checkpoint.save(tmp_path / "ckpt", state, RECIPE)
+  fresh = jax_fp8.nnx.Linear(32, 16, recipe=RECIPE, rngs=nnx.Rngs(1))
+  restored = checkpoint.restore(tmp_path / "ckpt", nnx.state(fresh), RECIPE)
+  nnx.update(fresh, restored)
+  assert_same(nnx.state(fresh), state)
+  np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(model(x)))
