@@ -39,7 +39,7 @@ the device's work by kind (GEMMs, attention, our kernels, XLA's fusions) and its
         [--steps 8] [--windows 3] [--profile-steps 3] [--quick] [--out PATH]
 
 Writes ``benchmarks/results/<gpu>-model_step.json`` (or ``--out``): ``env`` (GPU, versions,
-date, git commit), ``config``, ``steps``, ``windows`` and a list ``rows``, one per variant, with
+date), ``config``, ``steps``, ``windows`` and a list ``rows``, one per variant, with
 ``variant``, ``step_ms``, ``window_ms`` (each window's), ``tokens_per_s``, ``compile_s``,
 ``temp_bytes``, ``peak_bytes`` (arguments, outputs and temporaries the compiled step plans,
 donated buffers counted once), ``loss`` (after the timed steps), ``speedup_vs_bf16`` and

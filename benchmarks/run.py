@@ -13,7 +13,6 @@ import argparse
 import datetime
 import json
 import pathlib
-import subprocess
 import platform as pyplatform
 
 import jax
@@ -266,19 +265,7 @@ def environment(device=None):
   dev = device or jax.devices()[0]
   return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
           "python": pyplatform.python_version(), "date": datetime.date.today().isoformat(),
-          "jax_fp8_cuda": jax_fp8.cuda_available(), "commit": commit()}
-
-
-def commit() -> str | None:
-  """The source tree's git commit ("<hash>-dirty" with uncommitted changes), or None outside a
-  git checkout."""
-  root = pathlib.Path(__file__).resolve().parent.parent
-  try:
-    out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
-                         capture_output=True, text=True, timeout=10)
-  except (OSError, subprocess.TimeoutExpired):
-    return None
-  return (out.stdout.strip() or None) if out.returncode == 0 else None
+          "jax_fp8_cuda": jax_fp8.cuda_available()}
 
 
 def write_results(results: dict, out: str | None, name: str) -> None:

@@ -6,6 +6,7 @@ extra and is imported on its own: ``import jax_fp8.flax``.
 
 from ._ffi import cuda_available
 from .formats import fp8_dtype, fp8_max
+from .inference import Fp8Weight, quantize_weight, quantize_weights
 from .linear import LinearState, MultiLinearState, linear, multi_linear
 from .ops import (CastTransposed, DelayedQuantized, Quantized, block_quantize,
                   cast_transpose_delayed, dequantize, gemm, group_cast_transpose, group_quantize,
@@ -16,9 +17,10 @@ from .state import ScaleRing, combine_updates, share, update_state
 __version__ = "0.3.0.dev0"
 
 __all__ = [
-    "BlockScaling", "CastTransposed", "DelayedQuantized", "DelayedScaling", "LinearState",
-    "MultiLinearState", "Quantized", "ScaleRing", "block_quantize", "cast_transpose_delayed",
+    "BlockScaling", "CastTransposed", "DelayedQuantized", "DelayedScaling", "Fp8Weight",
+    "LinearState", "MultiLinearState", "Quantized", "ScaleRing", "block_quantize",
+    "cast_transpose_delayed",
     "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
     "group_cast_transpose", "group_quantize", "linear", "multi_linear", "quantize",
-    "quantize_delayed", "share", "update_state",
+    "quantize_delayed", "quantize_weight", "quantize_weights", "share", "update_state",
 ]

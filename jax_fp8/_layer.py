@@ -7,6 +7,7 @@ from flax.linen import dtypes
 
 from . import checks
 from .formats import FLOAT_DTYPES
+from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState, linear, multi_linear
 from .recipes import BlockScaling, DelayedScaling
 
@@ -34,13 +35,16 @@ def create_state(recipe: DelayedScaling, outputs: int | None):
 
 def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, multi: bool):
   """The layer's outputs (a tuple): inputs and biases promoted to the compute dtype (``dtype``,
-  or by Flax's rules when None), the kernels left in their parameter dtype (f32, bf16 or f16),
+  or by Flax's rules when None), the kernels left in their parameter dtype (f32, bf16 or f16;
+  or ``Fp8Weight``s, for inference),
   so f32 master weights are quantized straight from f32 (one rounding, no copy in ``dtype``)
   and get f32 gradients from the wgrad GEMMs."""
-  dtype = dtypes.canonicalize_dtype(inputs, *kernels, *biases, dtype=dtype)
+  arrays = tuple(k for k in kernels if not isinstance(k, Fp8Weight))  # Fp8Weight: inference
+  dtype = dtypes.canonicalize_dtype(inputs, *arrays, *biases, dtype=dtype)
   inputs, *biases = dtypes.promote_dtype(inputs, *biases, dtype=dtype)
   # Kernels in a dtype the kernels do not read (float64 under x64) go through ``dtype``.
-  kernels = tuple(k if k.dtype in FLOAT_DTYPES else k.astype(dtype) for k in kernels)
+  kernels = tuple(k if isinstance(k, Fp8Weight) or k.dtype in FLOAT_DTYPES else k.astype(dtype)
+                  for k in kernels)
   kw = dict(state=state, recipe=recipe, amax_axis_name=amax_axis_name)
   if multi:
     return multi_linear(inputs, kernels, tuple(biases), **kw)

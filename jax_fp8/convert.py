@@ -36,11 +36,8 @@ from ._layer import call_layer, create_state
 from .flax import STATE_COLLECTION
 from .ops.blockwise import BLOCK
 from .ops.gemm import DIM_MULTIPLE
-from .recipes import BlockScaling, DelayedScaling
+from .recipes import CROSSOVER_INTENSITY, BlockScaling, DelayedScaling
 
-# The GEMM intensity M*N*K / (M*K + K*N + M*N) below which an FP8 linear was slower than BF16
-# on the H200 (docs/performance.md, "Where FP8 pays").
-CROSSOVER_INTENSITY = 900.0
 HEAD_PATTERN = r"(^|/)(lm_head|head|logits|unembed|unembedding|output_projection)$"
 
 

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import serialization
 
 from ._layer import call_layer, check_layer, create_state
+from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing
@@ -57,9 +58,14 @@ class _Layer(nn.Module):
     if jnp.ndim(inputs) < 1:
       raise ValueError(f"{name} inputs must be [..., K], got a scalar")
     suffix = (lambda i: f"_{i}") if multi else (lambda i: "")
-    kernels = tuple(self.param(f"kernel{suffix(i)}", self.kernel_init,
-                               (jnp.shape(inputs)[-1], f), self.param_dtype)
-                    for i, f in enumerate(features))
+    def kernel(i, f):  # an Fp8Weight (inference) is taken as stored: it has its own shapes
+      name = f"kernel{suffix(i)}"
+      if self.has_variable("params", name):
+        stored = self.get_variable("params", name)
+        if isinstance(stored, Fp8Weight):
+          return stored
+      return self.param(name, self.kernel_init, (jnp.shape(inputs)[-1], f), self.param_dtype)
+    kernels = tuple(kernel(i, f) for i, f in enumerate(features))
     biases = tuple(self.param(f"bias{suffix(i)}", self.bias_init, (f,), self.param_dtype)
                    if use_bias else None for i, f in enumerate(features))
     state = (self.variable(STATE_COLLECTION, "linear", create_state, self.recipe,

@@ -28,10 +28,11 @@ import jax.numpy as jnp
 
 from . import checks, sharding
 from .formats import FLOAT_DTYPES
+from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
 from .ops._ring import check_ring
 from .ops.cast_transpose import cast_transpose_delayed
-from .ops.gemm import DIM_MULTIPLE, gemm
+from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing
 
@@ -155,11 +156,6 @@ def _linear_in_dtype(x, kernel, bias):
   return y if bias is None else y + bias.astype(x.dtype)
 
 
-def _gemm_dtype(dtype):
-  """cuBLASLt writes bf16 / f16 directly; f32 inputs get an f32 GEMM output."""
-  return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
-
-
 def _shared(observations, states, axis_name):
   """Observations of rings that the devices of ``axis_name`` share, combined over them by an
   elementwise max (exact for observations: they differ only in the front amax, +inf for NaN or
@@ -175,18 +171,6 @@ def _shared(observations, states, axis_name):
                       is_leaf=lambda v: isinstance(v, ScaleRing))
 
 
-def _gemm_bias(a, b, a_scale, b_scale, bias, dtype, fast_accum=False):
-  """``a @ b.T + bias`` in ``dtype``, the bias fused into the GEMM's epilogue where cuBLASLt
-  can (bf16 / f16 outputs)."""
-  out = _gemm_dtype(dtype)
-  fused_bias = bias is not None and out != jnp.float32
-  y = gemm(a, b, a_scale, b_scale, bias=bias.astype(out) if fused_bias else None,
-           out_dtype=out, fast_accum=fast_accum)
-  if bias is not None and not fused_bias:
-    y = y + bias.astype(out)
-  return y.astype(dtype)
-
-
 # The delayed-scaling core, for one or several kernels sharing the input x: x [M, K] is
 # cast-transposed once for all of them. ``rings`` = (x's ring, the kernels' rings, the output
 # gradients' rings), the last two tuples in the kernels' order.
@@ -198,7 +182,7 @@ def _forward(x, kernels, biases, rings, fast_accum):
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
   cx = cast_transpose_delayed(x, rx, observe=True)  # q [M, K], qt [K, M16] e4m3
   cks = [cast_transpose_delayed(k, r, observe=True) for k, r in zip(kernels, rks)]  # [K, N]
-  ys = tuple(_gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, x.dtype, "fprop" in fast_accum)
+  ys = tuple(gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, x.dtype, "fprop" in fast_accum)
              for ck, b in zip(cks, biases))
   saved = (cx.qt, cx.scale, tuple(ck.q for ck in cks), tuple(ck.scale for ck in cks))
   return ys, saved, (cx.ring, tuple(ck.ring for ck in cks))
@@ -223,10 +207,10 @@ def _linear_bwd(axis_name, dtypes, fast_accum, res, gs):
   for g, qk, sk, ring, k_dtype, b_dtype in zip(gs, qks, sks, grad_rings, k_dtypes, b_dtypes):
     # One quantization of g feeds both GEMMs; the same read gives dbias.
     cg = cast_transpose_delayed(g, ring, with_dbias=b_dtype is not None, observe=True)
-    dxi = gemm(cg.q, qk, cg.scale, sk, out_dtype=_gemm_dtype(x_dtype),
+    dxi = gemm(cg.q, qk, cg.scale, sk, out_dtype=gemm_dtype(x_dtype),
                fast_accum="dgrad" in fast_accum)  # dgrad [M, K]
     dx = dxi if dx is None else dx + dxi  # summed as autodiff sums a shared input's gradients
-    dks.append(gemm(qxt, cg.qt, sx, cg.scale, out_dtype=_gemm_dtype(k_dtype),
+    dks.append(gemm(qxt, cg.qt, sx, cg.scale, out_dtype=gemm_dtype(k_dtype),
                     fast_accum="wgrad" in fast_accum).astype(k_dtype))  # wgrad [K, N], over M16
     dbs.append(None if b_dtype is None else cg.dbias.astype(b_dtype))
     rgs.append(cg.ring)
@@ -245,7 +229,7 @@ def _block_linear(x, kernels, biases, recipe, dtypes):
   out = []
   for kernel, bias in zip(kernels, biases):
     qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())
-    out.append(_gemm_bias(qx, qk.T, sx_col.T, sk.T, bias, x.dtype))
+    out.append(gemm_bias(qx, qk.T, sx_col.T, sk.T, bias, x.dtype))
   return tuple(out)
 
 
@@ -255,7 +239,7 @@ def _block_linear_fwd(x, kernels, biases, recipe, dtypes):
   ys, saved = [], []
   for kernel, bias in zip(kernels, biases):
     qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
-    ys.append(_gemm_bias(qx, qk.T, sx, sk.T, bias, x.dtype))
+    ys.append(gemm_bias(qx, qk.T, sx, sk.T, bias, x.dtype))
     saved.append((qk, sk))
   return tuple(ys), (qxt, sxt, tuple(saved))
 
@@ -266,9 +250,9 @@ def _block_linear_bwd(recipe, dtypes, res, gs):
   dx, dks, dbs = None, [], []
   for g, (qk, sk), k_dtype, b_dtype in zip(gs, saved, k_dtypes, b_dtypes):
     qg, sg, qgt, sgt = blockwise.group_cast_transpose(g, **recipe.kwargs())  # [M,N], [N,M128]
-    dxi = gemm(qg, qk, sg, sk, out_dtype=_gemm_dtype(x_dtype))  # dgrad: 1x128 . 128x128
+    dxi = gemm(qg, qk, sg, sk, out_dtype=gemm_dtype(x_dtype))  # dgrad: 1x128 . 128x128
     dx = dxi if dx is None else dx + dxi
-    dks.append(gemm(qxt, qgt, sxt, sgt, out_dtype=_gemm_dtype(k_dtype)).astype(k_dtype))
+    dks.append(gemm(qxt, qgt, sxt, sgt, out_dtype=gemm_dtype(k_dtype)).astype(k_dtype))
     dbs.append(None if b_dtype is None else
                jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype))
   return dx.astype(x_dtype), tuple(dks), tuple(dbs)
@@ -374,22 +358,38 @@ multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kern
   """
 
 
+def _check_recipe(recipe) -> None:
+  if not isinstance(recipe, (DelayedScaling, BlockScaling)):
+    raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
+                    f"{type(recipe).__name__}")
+
+
 def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recipe,
            amax_axis_name):
   """``linear`` and ``multi_linear``: the arguments checked (``*_names``: how errors call the
   kernels and biases), then the FP8 (or, below ``fp8_min_intensity``, the plain) path."""
   x = checks.array(x, "x")
-  kernels = tuple(checks.array(k, name) for k, name in zip(kernels, kernel_names))
-  for name, v in (("x", x),) + tuple(zip(kernel_names, kernels)):
-    if v.dtype not in FLOAT_DTYPES:
-      raise TypeError(f"{name} must be float32, bfloat16 or float16, got {v.dtype}")
-  for name, kernel in zip(kernel_names, kernels):
-    if kernel.ndim != 2:
-      raise ValueError(f"{name} must be [K, N], got shape {kernel.shape}")
-    if x.ndim < 1 or x.shape[-1] != kernel.shape[0]:
+  if x.dtype not in FLOAT_DTYPES:
+    raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+  weights = [isinstance(k, Fp8Weight) for k in kernels]
+  if any(weights) and not all(weights):
+    raise TypeError("kernels must be all arrays or all Fp8Weight (inference), not a mix")
+  if all(weights):
+    _check_recipe(recipe)
+    shapes = tuple(check_weight(w, name, recipe) for w, name in zip(kernels, kernel_names))
+  else:
+    kernels = tuple(checks.array(k, name) for k, name in zip(kernels, kernel_names))
+    for name, kernel in zip(kernel_names, kernels):
+      if kernel.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {kernel.dtype}")
+      if kernel.ndim != 2:
+        raise ValueError(f"{name} must be [K, N], got shape {kernel.shape}")
+    shapes = tuple(kernel.shape for kernel in kernels)
+  for name, (kk, _) in zip(kernel_names, shapes):
+    if x.ndim < 1 or x.shape[-1] != kk:
       raise ValueError(f"x [..., K] and {name} [K, N] must share K, got x {x.shape} and "
-                       f"{name} {kernel.shape}")
-  k, ns = kernels[0].shape[0], tuple(kernel.shape[1] for kernel in kernels)
+                       f"{name} with K={kk}")
+  k, ns = shapes[0][0], tuple(n for _, n in shapes)
   biases = list(biases)
   for i, (name, n) in enumerate(zip(bias_names, ns)):
     if biases[i] is None:
@@ -400,9 +400,7 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     if biases[i].shape != (n,):
       raise ValueError(f"{name} must be [{n}], got {list(biases[i].shape)}")
   biases = tuple(biases)
-  if not isinstance(recipe, (DelayedScaling, BlockScaling)):
-    raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
-                    f"{type(recipe).__name__}")
+  _check_recipe(recipe)
   # else XLA in x's dtype, any shape
   fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), sum(ns), k)
   if fp8 and 0 in ns:
@@ -440,6 +438,10 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
                        f"recipe's {want}")
     amax_axis_name = _amax_axes(x, kernels, biases, state, amax_axis_name)
     rings = (named_x[1], tuple(r for _, r in named_k), tuple(r for _, r in named_g))
+  if all(weights):
+    ys = forward(x.reshape(math.prod(x.shape[:-1]), k), kernels, biases,
+                 None if rings is None else rings[0], recipe, fp8, x.dtype)
+    return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))
   if not fp8:
     return tuple(_linear_in_dtype(x, kernel, bias) for kernel, bias in zip(kernels, biases))
   x, kernels, biases = sharding.vary_like((x, kernels, biases), x, kernels, biases)

@@ -67,9 +67,10 @@ class _Layer(nnx.Module):
     if jnp.ndim(inputs) < 1 or jnp.shape(inputs)[-1] != self.in_features:
       raise ValueError(f"{name} inputs must be [..., {self.in_features}] (in_features), got "
                        f"shape {jnp.shape(inputs)}")
-    kernels = tuple(getattr(self, f"kernel{sfx}")[...] for sfx in self._names)
-    biases = tuple(None if getattr(self, f"bias{sfx}") is None else getattr(self, f"bias{sfx}")[...]
-                   for sfx in self._names)
+    # get_value(): a kernel may hold an Fp8Weight (inference), which [...] cannot index.
+    kernels = tuple(getattr(self, f"kernel{sfx}").get_value() for sfx in self._names)
+    biases = tuple(None if getattr(self, f"bias{sfx}") is None else
+                   getattr(self, f"bias{sfx}").get_value() for sfx in self._names)
     state = None if self.fp8_state is None else self.fp8_state.get_value()
     return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype,
                       self.amax_axis_name, self._multi)

@@ -10,6 +10,9 @@ from . import checks
 from .state import ScaleRing, check_history_len, check_ring_params
 
 LINEAR_GEMMS = ("fprop", "dgrad", "wgrad")  # a linear's three GEMMs
+# The GEMM intensity M*N*K / (M*K + K*N + M*N) below which an FP8 linear was slower than BF16
+# on the H200 (docs/performance.md, "Where FP8 pays"): a value for fp8_min_intensity.
+CROSSOVER_INTENSITY = 900.0
 
 
 def check_fp8_min_intensity(recipe) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import data_parallel, model_step, run, timing  # noqa: E402
+from benchmarks import data_parallel, inference, model_step, run, timing  # noqa: E402
 
 
 def test_quick_suite(tmp_path):
@@ -123,3 +123,15 @@ def test_model_step_benchmark(tmp_path):
     assert r["speedup_vs_flax_fp8"] == res["rows"][1]["step_ms"] / r["step_ms"]
     assert ("profile" in r) == (r["variant"] == "delayed_shared_input")
   assert res["rows"][2]["profile"][0]["us_per_step"] > 0
+
+
+def test_inference_benchmark(tmp_path):
+  """The FP8-weights inference benchmark end to end at its quick shapes."""
+  out = tmp_path / "inference.json"
+  res = inference.main(["--quick", "--out", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+  assert [r["shape"][0] for r in res["rows"]] == inference.QUICK_TOKENS
+  for r in res["rows"]:
+    for name in inference.variants():
+      assert r[f"{name}_us"] > 0 and r[f"{name}_vs_bf16"] == r["bf16_us"] / r[f"{name}_us"]
+      assert 0.5 < r[f"{name}_weight_bytes_vs_bf16"] < 0.51

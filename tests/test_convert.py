@@ -13,7 +13,8 @@ from flax import nnx
 
 import jax_fp8
 import jax_fp8.nnx
-from jax_fp8.convert import CROSSOVER_INTENSITY, convert
+from jax_fp8.convert import convert
+from jax_fp8.recipes import CROSSOVER_INTENSITY
 
 VOCAB, D, HEADS, LEN = 64, 64, 4, 16
 RECIPE = jax_fp8.DelayedScaling()  # always FP8: the test shapes are far below the crossover

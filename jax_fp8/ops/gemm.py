@@ -278,3 +278,20 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
   rule, sizes, reduction = _rule(p)
   return sharding.call("gemm", _kernel(p, p.out_dtype), _plan(p), rule, *args,
                        reduction_factors=reduction, **sizes)
+
+
+def gemm_dtype(dtype):
+  """cuBLASLt writes bf16 / f16 directly; f32 inputs get an f32 GEMM output."""
+  return dtype if dtype in (jnp.bfloat16, jnp.float16) else jnp.float32
+
+
+def gemm_bias(a, b, a_scale, b_scale, bias, dtype, fast_accum=False):
+  """``a @ b.T + bias`` in ``dtype``, the bias fused into the GEMM's epilogue where cuBLASLt
+  can (bf16 / f16 outputs)."""
+  out = gemm_dtype(dtype)
+  fused_bias = bias is not None and out != jnp.float32
+  y = gemm(a, b, a_scale, b_scale, bias=bias.astype(out) if fused_bias else None,
+           out_dtype=out, fast_accum=fast_accum)
+  if bias is not None and not fused_bias:
+    y = y + bias.astype(out)
+  return y.astype(dtype)

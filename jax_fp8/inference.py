@@ -1,0 +1,129 @@
+"""FP8 weights for inference: a trained kernel quantized once into an ``Fp8Weight``, which
+``linear`` / ``multi_linear`` and the Flax layers take in place of the kernel and use without
+requantizing (forward only), at about half the memory of bf16 weights.
+
+Under ``DelayedScaling`` the weight has one E4M3 scale (current scaling of the trained kernel:
+its amax onto 448 with the recipe's margin), and x is quantized with the layer's x ring (one
+pass: the scale the training run last set). Under ``BlockScaling`` the weight has 128 x 128
+block scales and x 1 x 128 group scales, as in training. Below the recipe's
+``fp8_min_intensity`` the weight is dequantized to x's dtype for XLA's GEMM instead; on the
+H200 that was slower than the FP8 GEMM at every shape measured, decode-like M included (XLA
+writes the dequantized weight before its GEMM; docs/performance.md, ``benchmarks.inference``):
+for inference, keep ``fp8_min_intensity`` at 0.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import checks
+from .formats import FLOAT_DTYPES, amax
+from .ops.blockwise import BLOCK, block_quantize, group_quantize
+from .ops.gemm import DIM_MULTIPLE, expand_scales, gemm_bias
+from .ops.quantize import quantize, quantize_delayed
+from .recipes import BlockScaling, DelayedScaling
+from .state import scale_from_amax
+
+
+class Fp8Weight(NamedTuple):
+  """A kernel [K, N] quantized for the forward GEMM (TN: stored transposed).
+
+  Attributes:
+    q: float8_e4m3fn [N, K], the kernel transposed.
+    scale: float32, the dequantization step: [] (DelayedScaling) or [ceil(N/128), K/128]
+      (BlockScaling's 128 x 128 blocks).
+  """
+
+  q: jax.Array
+  scale: jax.Array
+
+
+def quantize_weight(kernel: jax.Array, recipe: DelayedScaling | BlockScaling) -> Fp8Weight:
+  """``kernel`` [K, N] (float32 / bfloat16 / float16) as an ``Fp8Weight`` for ``recipe``.
+
+  Raises TypeError / ValueError for another dtype or rank, a recipe of another type, or K, N
+  not multiples of 128 under BlockScaling (16 under DelayedScaling). Method: per-tensor current
+  scaling of the weight (DelayedScaling) or DeepSeek-V3's 128 x 128 blocks (BlockScaling)."""
+  kernel = checks.array(kernel, "kernel")
+  if kernel.dtype not in FLOAT_DTYPES or kernel.ndim != 2:
+    raise TypeError(f"kernel must be a float32 / bfloat16 / float16 [K, N] array, got "
+                    f"{kernel.dtype}{list(kernel.shape)}")
+  if isinstance(recipe, BlockScaling):
+    qk, sk = block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
+    return Fp8Weight(qk.T, sk.T)
+  if not isinstance(recipe, DelayedScaling):
+    raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
+                    f"{type(recipe).__name__}")
+  k, n = kernel.shape
+  if k % DIM_MULTIPLE or n % DIM_MULTIPLE:
+    raise ValueError(f"kernel's K and N must be multiples of {DIM_MULTIPLE} for the FP8 GEMMs, got "
+                     f"{list(kernel.shape)}")
+  scale = scale_from_amax(amax(kernel), jnp.float32(1), "e4m3", recipe.margin)
+  return Fp8Weight(quantize(kernel.T, scale, "e4m3").q, scale)
+
+
+def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
+  """``params`` (a pytree: a linen "params" collection, or ``nnx.state(model, nnx.Param)`` to
+  pass to ``nnx.update``) with every 2-D leaf named "kernel" or "kernel_<i>" (the kernels of
+  jax_fp8's layers) that ``select(path, kernel)`` accepts (path: the keys joined by "/")
+  replaced by its ``Fp8Weight`` for ``recipe``; other leaves as they are. Quantize only the
+  kernels of layers that run through jax_fp8 (after ``jax_fp8.convert``: those its filter
+  chose; e.g. ``select=lambda path, kernel: "lm_head" not in path``)."""
+  def one(path, leaf):
+    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    if keys and keys[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
+      keys = keys[:-1]  # the array inside an NNX Variable (nnx.state(model, nnx.Param))
+    name = keys[-1] if keys else ""
+    kernel = name == "kernel" or (name.startswith("kernel_") and name[7:].isdigit())
+    if kernel and jnp.ndim(leaf) == 2 and select("/".join(keys), leaf):
+      return quantize_weight(leaf, recipe)
+    return leaf
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def dequantized(w: Fp8Weight, dtype) -> jax.Array:
+  """The kernel [K, N] in ``dtype`` (plain XLA: fuses into the GEMM that reads it)."""
+  n, k = w.q.shape
+  scale = w.scale if w.scale.ndim == 0 else expand_scales(w.scale, n, k, BLOCK)
+  return (w.q.astype(jnp.float32) * scale).astype(dtype).T
+
+
+def check_weight(w: Fp8Weight, name: str, recipe) -> tuple[int, int]:
+  """(K, N) of an Fp8Weight quantized for ``recipe``; TypeError / ValueError naming it."""
+  q, scale = checks.array(w.q, f"{name}.q"), checks.array(w.scale, f"{name}.scale")
+  if q.dtype != jnp.float8_e4m3fn or q.ndim != 2 or scale.dtype != jnp.float32:
+    raise TypeError(f"{name} must hold float8_e4m3fn q [N, K] and a float32 scale, got "
+                    f"{q.dtype}{list(q.shape)} and {scale.dtype}")
+  n, k = q.shape
+  want = (() if isinstance(recipe, DelayedScaling) else (-(-n // BLOCK), k // BLOCK))
+  if scale.shape != want:
+    raise ValueError(f"{name}.scale must be {list(want)} for a {type(recipe).__name__} "
+                     f"recipe (quantize_weight with the recipe the layer runs), got "
+                     f"{list(scale.shape)}")
+  return k, n
+
+
+def forward(x2, weights, biases, x_ring, recipe, fp8: bool, dtype):
+  """The outputs [M, N_i] in ``dtype`` of x2 [M, K] against ``weights``: FP8 GEMMs with x
+  quantized once (by ``x_ring`` under DelayedScaling), or below ``fp8_min_intensity``
+  (``fp8`` False) XLA's GEMMs on the dequantized weights. Not differentiable."""
+  @jax.custom_jvp
+  def run(x2, weights, biases):
+    if not fp8:
+      return tuple(x2 @ dequantized(w, dtype) + (0 if b is None else b.astype(dtype))
+                   for w, b in zip(weights, biases))
+    if isinstance(recipe, BlockScaling):
+      qx, sx = group_quantize(x2, scale_layout="col", **recipe.kwargs())
+      sx = sx.T
+    else:
+      qx, _, _, sx = quantize_delayed(x2, x_ring)
+    return tuple(gemm_bias(qx, w.q, sx, w.scale, b, dtype) for w, b in zip(weights, biases))
+
+  @run.defjvp
+  def _(primals, tangents):
+    raise TypeError("a linear on Fp8Weight kernels is inference-only: differentiate the layer "
+                    "with its float kernels")
+  return run(x2, weights, biases)
