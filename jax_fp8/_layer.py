@@ -12,19 +12,21 @@ from .linear import LinearState, MultiLinearState, linear, multi_linear
 from .recipes import BlockScaling, DelayedScaling
 
 
-def check_layer(name: str, features, use_bias, recipe, multi: bool):
+def check_layer(name: str, features, use_bias, recipe, multi: bool, features_name="features"):
   """(features as a tuple of ints, use_bias) of layer ``name``, checked; ``multi``: features is
-  a tuple (one layer of several outputs). TypeError / ValueError naming the attribute."""
+  a tuple (one layer of several outputs); ``features_name``: what the layer calls it.
+  TypeError / ValueError naming the attribute."""
   if not isinstance(recipe, (DelayedScaling, BlockScaling)):
     raise TypeError(f"{name}.recipe must be a DelayedScaling or a BlockScaling, got "
                     f"{type(recipe).__name__}")
   if not multi:
-    features = (checks.integer(features, f"{name}.features", lo=1),)
+    features = (checks.integer(features, f"{name}.{features_name}", lo=1),)
   elif isinstance(features, (tuple, list)) and features:
-    features = tuple(checks.integer(f, f"{name}.features[{i}]", lo=1)
+    features = tuple(checks.integer(f, f"{name}.{features_name}[{i}]", lo=1)
                      for i, f in enumerate(features))
   else:
-    raise TypeError(f"{name}.features must be a non-empty tuple of ints, got {features!r}")
+    raise TypeError(f"{name}.{features_name} must be a non-empty tuple of ints, got "
+                    f"{features!r}")
   return features, checks.boolean(use_bias, f"{name}.use_bias")
 
 

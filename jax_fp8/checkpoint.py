@@ -13,7 +13,7 @@ The state is any pytree (a linen train state with its "fp8_state" collection, an
 ``nnx.state(model)``, optimizer state included). Orbax stores the arrays; a ring's format,
 margin and algo are static pytree fields, so they come back from the restore target, which
 ``restore`` checks against the saved ones: a checkpoint never lands in rings of another
-recipe. A restored state is bit for bit the saved one, so a restored run continues as the
+recipe. Changing a recipe field that defines the state is refused, not migrated. A restored state is bit for bit the saved one, so a restored run continues as the
 uninterrupted one would.
 """
 
@@ -35,6 +35,11 @@ METADATA = "jax_fp8.json"
 _RECIPES = {cls.__name__: cls for cls in (DelayedScaling, BlockScaling)}
 
 
+# The recipe fields that define the FP8 state (the rest, e.g. fast_accum_gemms or
+# fp8_min_intensity, may change between a save and a restore).
+STATE_FIELDS = ("type", "fp8_format", "history_len", "margin", "algo")
+
+
 def _recipe_dict(recipe) -> dict:
   if not isinstance(recipe, tuple(_RECIPES.values())):
     raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
@@ -53,13 +58,31 @@ def _rings(state) -> dict:
           for path, r in leaves if isinstance(r, ScaleRing)}
 
 
+def _check_rings(rings: dict, recipe) -> None:
+  """Every ring was made by ``recipe`` (none under BlockScaling, which is stateless)."""
+  if isinstance(recipe, BlockScaling):
+    if rings:
+      raise ValueError(f"the state holds scale rings ({sorted(rings)[:3]} ...) but BlockScaling "
+                       f"is stateless: pass the recipe the layers ran with")
+    return
+  want = {"margin": recipe.margin, "algo": recipe.algo, "shape": [recipe.history_len]}
+  for path, ring in rings.items():
+    got = {k: ring[k] for k in want}
+    if got != want or ring["fmt"] not in (recipe.fwd_fmt, recipe.bwd_fmt):
+      raise ValueError(f"ring {path} ({ring}) was not made by the recipe {recipe}: pass the "
+                       f"recipe the layers ran with")
+
+
 def save(directory, state, recipe) -> None:
   """Save ``state`` (any pytree) and ``recipe`` (its layers' ``DelayedScaling`` or
   ``BlockScaling``) into ``directory``, which must not exist yet. Raises TypeError for another
-  recipe type, FileExistsError for an existing directory."""
+  recipe type, ValueError when the state's rings were not made by ``recipe``,
+  FileExistsError for an existing directory."""
   directory = pathlib.Path(directory).absolute()
+  recipe_dict, rings = _recipe_dict(recipe), _rings(state)
+  _check_rings(rings, recipe)
   meta = {"schema_version": SCHEMA_VERSION, "jax_fp8_version": __version__,
-          "recipe": _recipe_dict(recipe), "rings": _rings(state)}
+          "recipe": recipe_dict, "rings": rings}
   if directory.exists():
     raise FileExistsError(f"checkpoint directory {directory} exists already")
   directory.mkdir(parents=True)
@@ -74,10 +97,11 @@ def restore(directory, target, recipe):
 
   Raises:
     ValueError when the checkpoint's schema version is not ``SCHEMA_VERSION``, when
-    ``recipe`` differs from the saved one (the differing fields are named: restore with the
-    recipe the run was saved with, or start the FP8 state afresh from ``LinearState.create``
-    under the new recipe and restore the rest with orbax), or when the target's rings differ
-    from the saved ones (paths, formats, margins, algos, history lengths).
+    ``recipe`` differs from the saved one in a field that defines the state
+    (``STATE_FIELDS``: the recipe type, format, history length, margin, algo; the differing
+    ones are named), or when the target's rings differ from the saved ones (paths, formats,
+    margins, algos, history lengths). Other fields (``fast_accum_gemms``,
+    ``fp8_min_intensity``, BlockScaling's ``ue8m0`` and ``eps``) may change.
     FileNotFoundError when ``directory`` holds no jax_fp8 checkpoint.
   """
   directory = pathlib.Path(directory).absolute()
@@ -87,7 +111,8 @@ def restore(directory, target, recipe):
   if meta.get("schema_version") != SCHEMA_VERSION:
     raise ValueError(f"checkpoint schema version {meta.get('schema_version')!r}; this jax_fp8 "
                      f"reads version {SCHEMA_VERSION}")
-  saved, wanted = meta["recipe"], _recipe_dict(recipe)
+  saved, wanted = ({k: v for k, v in d.items() if k in STATE_FIELDS}
+                   for d in (meta["recipe"], _recipe_dict(recipe)))
   if saved != wanted:
     diff = {k: (saved.get(k), wanted.get(k)) for k in sorted(set(saved) | set(wanted))
             if saved.get(k) != wanted.get(k)}

@@ -8,7 +8,13 @@ model's own code unchanged. Needs the ``flax`` extra.
   "fp8_state" collection under the layer's path (none under ``BlockScaling``). Only
   ``__call__`` of the model is converted.
 - NNX: ``convert(model, ...)`` replaces every ``nnx.Linear`` the filter selects, in place, by a
-  ``jax_fp8.nnx.Linear`` holding the same parameter variables, and returns the model.
+  ``jax_fp8.nnx.Linear`` holding the same parameter variables (a layer shared by several
+  attributes stays shared), and returns the model (a new layer if ``model`` is itself an
+  ``nnx.Linear``). ``nnx.LinearGeneral`` (e.g. inside ``nnx.MultiHeadAttention``) is not
+  converted.
+
+Linen under ``nn.scan`` / ``nn.vmap``: the FP8 rings are a variable collection like the
+parameters, so the transform needs ``"fp8_state"`` in ``variable_axes`` (as ``"params"``).
 
 Selection: a layer is converted when its path (its module names joined by "/", e.g.
 "layers_0/mlp/up") matches ``include`` (``re.search``; None: every path) and does not match
@@ -16,8 +22,11 @@ Selection: a layer is converted when its path (its module names joined by "/", e
 higher precision), when K and N (the contracted and output sizes) are multiples of 16 (128
 under ``BlockScaling``), and, for ``nn.DenseGeneral``, when it contracts the trailing axes of
 its input with no batch dims and no custom ``dot_general``. Other layers, and embeddings, run as
-before. The default recipe sets ``fp8_min_intensity`` to ``CROSSOVER_INTENSITY``, so layers too
-small for FP8 to pay (decode-like M) run in BF16 at call time.
+before. The default recipe sets ``fp8_min_intensity`` to ``CROSSOVER_INTENSITY`` (measured on
+the H200 for training), so at call time layers too small for FP8 to pay run in their input's
+dtype: a small model converted with the default recipe may run no FP8 GEMM at all (pass a
+recipe with ``fp8_min_intensity=0`` to force FP8). ``jax_fp8.quantize_weights`` applies to a
+converted model's parameters for inference (2-D kernels: ``nn.Dense``, ``nnx.Linear``).
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import math
 import re
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -34,6 +44,7 @@ from flax import nnx
 from . import nnx as fp8_nnx
 from ._layer import call_layer, create_state
 from .flax import STATE_COLLECTION
+from .inference import Fp8Weight
 from .ops.blockwise import BLOCK
 from .ops.gemm import DIM_MULTIPLE
 from .recipes import CROSSOVER_INTENSITY, BlockScaling, DelayedScaling
@@ -50,8 +61,9 @@ def convert(model, recipe: DelayedScaling | BlockScaling | None = None, *,
     recipe: the layers' recipe; None: ``DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY)``.
     include, exclude: regular expressions over a layer's path, or None.
   Returns:
-    linen: a new module (apply it as the original; variables gain "fp8_state" under
-    ``DelayedScaling``). NNX: ``model`` itself, converted in place.
+    linen: a new module (apply it as the original, ``__call__`` only; variables gain
+    "fp8_state" under ``DelayedScaling``). NNX: ``model`` itself, converted in place (or the
+    replacement of a top-level ``nnx.Linear``).
   Raises:
     TypeError for a model that is neither, a bad recipe or patterns that are not str / None;
     ValueError for a pattern that does not compile.
@@ -129,35 +141,56 @@ def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
 
   def flat_init(init, flat_shape):  # as the layer initializes: flat, then reshaped
     return lambda key, shape, dtype: jnp.reshape(init(key, flat_shape, dtype), shape)
-  kernel = m.param("kernel", flat_init(m.kernel_init, (k, n)), kernel_shape, m.param_dtype)
+  stored = m.get_variable("params", "kernel") if m.has_variable("params", "kernel") else None
+  kernel = (stored if isinstance(stored, Fp8Weight) else  # quantize_weights: inference
+            m.param("kernel", flat_init(m.kernel_init, (k, n)), kernel_shape,
+                    m.param_dtype).reshape(k, n))
   bias = (m.param("bias", flat_init(m.bias_init, (n,)), features, m.param_dtype)
           if m.use_bias else None)
   state = (m.variable(STATE_COLLECTION, "linear", create_state, recipe, None).value
            if isinstance(recipe, DelayedScaling) else None)
   lead = x.shape[:x.ndim - (len(kernel_shape) - len(features))]
-  y, = call_layer(x.reshape(*lead, k), (kernel.reshape(k, n),),
+  y, = call_layer(x.reshape(*lead, k), (kernel,),
                   (None if bias is None else bias.reshape(n),), state, recipe, m.dtype, None,
                   False)
   return y.reshape(*lead, *features)
 
 
 def _convert_nnx(model, recipe, include, exclude):
-  for path, node in list(nnx.iter_graph(model)):
-    if type(node) is not nnx.Linear or not path:
-      continue
-    if not _selects("/".join(map(str, path)), node.in_features, node.out_features, recipe,
-                    include, exclude):
-      continue
-    new = fp8_nnx.Linear(node.in_features, node.out_features, use_bias=node.bias is not None,
-                         dtype=node.dtype, param_dtype=node.param_dtype,
-                         kernel_init=nnx.initializers.zeros_init(), recipe=recipe,
-                         rngs=nnx.Rngs(0))
-    new.kernel, new.bias = node.kernel, node.bias  # the same variables
-    parent = model
-    for key in path[:-1]:
-      parent = getattr(parent, key) if isinstance(key, str) else parent[key]
-    if isinstance(path[-1], str) and not isinstance(parent, nnx.Dict):
-      setattr(parent, path[-1], new)
-    else:
-      parent[path[-1]] = new
+  new = {}  # id of a converted nnx.Linear -> its replacement (a module shared stays shared)
+
+  def replacement(path, node):
+    if type(node) is not nnx.Linear or node.dot_general is not jax.lax.dot_general:
+      return None
+    if id(node) not in new:
+      if not _selects("/".join(map(str, path)), node.in_features, node.out_features, recipe,
+                      include, exclude):
+        return None
+      layer = fp8_nnx.Linear(node.in_features, node.out_features,
+                             use_bias=node.bias is not None, dtype=node.dtype,
+                             param_dtype=node.param_dtype,
+                             kernel_init=nnx.initializers.zeros_init(), recipe=recipe,
+                             rngs=nnx.Rngs(0))
+      layer.kernel, layer.bias = node.kernel, node.bias  # the same variables
+      new[id(node)] = layer
+    return new[id(node)]
+
+  top = replacement((), model)
+  if top is not None:
+    return top
+  graph = list(nnx.iter_graph(model))
+  for path, node in graph:  # each layer chosen once, by its first path
+    if path:
+      replacement(path, node)
+  # Replace every reference (iter_graph visits a shared layer once): attributes of modules,
+  # items of NNX lists and dicts.
+  for _, node in graph:
+    if isinstance(node, (nnx.List, nnx.Dict)):
+      for key in (range(len(node)) if isinstance(node, nnx.List) else list(node.keys())):
+        if id(node[key]) in new:
+          node[key] = new[id(node[key])]
+    elif isinstance(node, nnx.Module):
+      for key, value in list(vars(node).items()):
+        if id(value) in new:
+          setattr(node, key, new[id(value)])
   return model

@@ -52,6 +52,9 @@ def quantize_weight(kernel: jax.Array, recipe: DelayedScaling | BlockScaling) ->
     raise TypeError(f"kernel must be a float32 / bfloat16 / float16 [K, N] array, got "
                     f"{kernel.dtype}{list(kernel.shape)}")
   if isinstance(recipe, BlockScaling):
+    if kernel.shape[0] % BLOCK or kernel.shape[1] % BLOCK:
+      raise ValueError(f"kernel's K and N must be multiples of {BLOCK} under BlockScaling, got "
+                       f"{list(kernel.shape)}")
     qk, sk = block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
     return Fp8Weight(qk.T, sk.T)
   if not isinstance(recipe, DelayedScaling):
@@ -72,6 +75,9 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
   replaced by its ``Fp8Weight`` for ``recipe``; other leaves as they are. Quantize only the
   kernels of layers that run through jax_fp8 (after ``jax_fp8.convert``: those its filter
   chose; e.g. ``select=lambda path, kernel: "lm_head" not in path``)."""
+  if not callable(select):
+    raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
+
   def one(path, leaf):
     keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
     if keys and keys[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):

@@ -46,7 +46,8 @@ class _Layer(nnx.Module):
                bias_init: Callable = nnx.initializers.zeros_init(),
                recipe=DelayedScaling(), amax_axis_name=None, rngs: nnx.Rngs):
     name, multi = type(self).__name__, self._multi
-    features, use_bias = check_layer(name, out_features, use_bias, recipe, multi)
+    features, use_bias = check_layer(name, out_features, use_bias, recipe, multi,
+                                     "out_features")
     in_features = integer(in_features, f"{name}.in_features", lo=1)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"{name}.rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
@@ -118,4 +119,9 @@ def update_fp8_state(model: nnx.Module, grads: nnx.State) -> None:
   applied to the model's FP8 state. Raises ValueError when ``grads`` holds no FP8 state of the
   model's structure (e.g. ``Fp8State`` left out of the ``DiffState``)."""
   state = nnx.state(model, Fp8State)
-  nnx.update(model, update_state(state, nnx.filter_state(grads, Fp8State)))
+  state_grads = nnx.filter_state(grads, Fp8State)
+  if jax.tree.structure(state_grads) != jax.tree.structure(state):
+    raise ValueError("grads holds no gradient for the model's Fp8State variables (or not all "
+                     "of them): differentiate with argnums=nnx.DiffState(0, (nnx.Param, "
+                     "Fp8State))")
+  nnx.update(model, update_state(state, state_grads))

@@ -91,6 +91,13 @@ def test_refuses_another_recipe_or_other_rings(rng, tmp_path):
   target, _ = linen_run(other, x, y)  # rings of 16 where the checkpoint has 8
   with pytest.raises(ValueError, match=r"target's scale rings differ .*\[8\].*\[16\]"):
     checkpoint.restore(tmp_path / "ckpt", target, RECIPE)
+  # Fields that do not define the state may change.
+  fresh, _ = linen_run(RECIPE, x, y)
+  assert_same(checkpoint.restore(tmp_path / "ckpt", fresh, jax_fp8.DelayedScaling(
+      history_len=8, fp8_min_intensity=900.0)), state)
+  for wrong in (other, jax_fp8.BlockScaling()):  # save checks the rings against the recipe
+    with pytest.raises(ValueError, match="pass the recipe the layers ran with"):
+      checkpoint.save(tmp_path / "wrong", state, wrong)
   with pytest.raises(FileExistsError):
     checkpoint.save(tmp_path / "ckpt", state, RECIPE)
   with pytest.raises(TypeError, match="recipe must be a DelayedScaling or a BlockScaling"):

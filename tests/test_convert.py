@@ -168,3 +168,33 @@ def test_bad_arguments():
   for fn, exc, match in cases:
     with pytest.raises(exc, match=match):
       fn()
+
+
+def test_fp8_weights_on_a_converted_model(rng):
+  """quantize_weights on a converted model's parameters (the layers it converted): on a fresh
+  state the forward is the same bits as with the float kernels (both quantize the kernel
+  with its current amax)."""
+  inputs, _ = data(rng)
+  fp8 = convert(LinenLM(), RECIPE)
+  v = fp8.init(jax.random.key(0), inputs)
+  select = lambda path, kernel: "lm_head" not in path and "MultiHead" not in path
+  q = jax_fp8.quantize_weights(v["params"], RECIPE, select=select)
+  assert isinstance(q["block_0"]["Dense_0"]["kernel"], jax_fp8.Fp8Weight)
+  np.testing.assert_array_equal(np.asarray(fp8.apply({**v, "params": q}, inputs)),
+                                np.asarray(fp8.apply(v, inputs)))
+
+
+def test_nnx_shared_top_level_and_custom_layers():
+  class Shared(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(D, D, rngs=rngs)
+      self.b = self.a
+      self.custom = nnx.Linear(D, D, dot_general=lambda *a, **k: jax.lax.dot_general(*a, **k),
+                               rngs=rngs)
+
+  m = convert(Shared(nnx.Rngs(0)), RECIPE)
+  assert isinstance(m.a, jax_fp8.nnx.Linear) and m.a is m.b  # shared stays shared
+  assert type(m.custom) is nnx.Linear  # its own dot_general: left as it is
+  top = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+  converted = convert(top, RECIPE)
+  assert isinstance(converted, jax_fp8.nnx.Linear) and converted.kernel is top.kernel

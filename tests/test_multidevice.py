@@ -1,5 +1,6 @@
-"""Multi-device training: data parallel, FSDP and tensor parallel (column and row) linears under
-shard_map give the single-device results, and every device ends the step with the same rings.
+"""Multi-device training: data parallel, FSDP and tensor parallel (column and row) linears (and a
+data-parallel jax_fp8.nnx model) under shard_map give the single-device results, and every
+device ends the step with the same rings.
 
 The meshes use the CUDA GPUs where there are two or more (their collectives run over NCCL),
 else eight virtual CPU devices (conftest). The single-device reference runs on the first of
@@ -12,9 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8
+import jax_fp8.nnx
 from jax_fp8.state import next_ring
 from conftest import HAS_CUDA, roundoff, summation_error
 
@@ -363,3 +366,37 @@ def test_explicit_axes_rejected():
   x = jax.device_put(jnp.ones((M, K)), jax.sharding.NamedSharding(mesh, P("data")))
   with pytest.raises(ValueError, match="meshes with Auto axes; got a mesh with Explicit axes"):
     jax.jit(lambda x: jax_fp8.quantize(x, jnp.float32(1)))(x)
+
+
+def test_nnx_data_parallel(problem):
+  """A jax_fp8.nnx model under shard_map (split / merge around the step): its rings end the
+  step identical on every device and equal to one device's over the whole batch, and the
+  kernel gradient is the single-device one within summation order."""
+  x, w, b, g, state = problem
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  model = jax_fp8.nnx.Linear(K, N, amax_axis_name="data", rngs=nnx.Rngs(0))
+  model.kernel[...], model.bias[...] = w, b
+  model.fp8_state.set_value(state)
+  graphdef, params, fp8 = nnx.split(model, nnx.Param, jax_fp8.nnx.Fp8State)
+  diff = nnx.DiffState(0, (nnx.Param, jax_fp8.nnx.Fp8State))
+  loss = lambda m, x, g: jnp.sum(m(x) * g)  # dL/dy = g
+
+  def step(params, fp8, x, g):
+    m = nnx.merge(graphdef, params, fp8)
+    grads = nnx.grad(loss, argnums=diff)(m, x, g)
+    jax_fp8.nnx.update_fp8_state(m, grads)
+    rings = nnx.state(m, jax_fp8.nnx.Fp8State)
+    return nnx.filter_state(grads, nnx.Param), per_device_rings(rings, ("data",))
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+                              out_specs=(P(), P("data"))))
+  grads, copies = run(params, fp8, x, g)
+  for leaf in jax.tree.leaves(copies):  # every device holds the same rings, bit for bit
+    assert np.all(np.asarray(leaf) == np.asarray(leaf)[:1])
+  *_, dw, db, new = single_device(x, w, b, g, state)
+  ring = jax.tree.map(lambda v: v[0], copies["fp8_state"].get_value())
+  for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(new)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  bound = order_bounds(x, w, b, g)
+  assert np.all(np.abs(np.asarray(grads["kernel"].get_value()) - np.asarray(dw)) <= bound[2])
+  assert np.all(np.abs(np.asarray(grads["bias"].get_value()) - np.asarray(db)) <= bound[3])

@@ -169,7 +169,10 @@ def test_scan_over_layers(rng):
 def test_bad_arguments(rng):
   x = jnp.ones((4, 64), jnp.float32)
   cases = [
-      (lambda: Linear(64, 0, rngs=nnx.Rngs(0)), ValueError, "Linear.features must be an int"),
+      (lambda: Linear(64, 0, rngs=nnx.Rngs(0)), ValueError, "Linear.out_features must be an int"),
+      (lambda: update_fp8_state(Linear(64, 32, rngs=nnx.Rngs(0)), nnx.grad(
+          lambda m: jnp.sum(m(x)))(Linear(64, 32, rngs=nnx.Rngs(0)))), ValueError,
+       r"no gradient for the model's Fp8State .*nnx.DiffState"),
       (lambda: Linear(64.0, 32, rngs=nnx.Rngs(0)), TypeError, "Linear.in_features"),
       (lambda: Linear(64, 32, use_bias=1, rngs=nnx.Rngs(0)), TypeError, "Linear.use_bias"),
       (lambda: Linear(64, 32, recipe="hybrid", rngs=nnx.Rngs(0)), TypeError, "Linear.recipe"),
@@ -178,9 +181,9 @@ def test_bad_arguments(rng):
        r"Linear inputs must be \[..., 32\] \(in_features\), got shape \(4, 64\)"),
       (lambda: Linear(64, 24, rngs=nnx.Rngs(0))(x), ValueError, "multiples of 16"),
       (lambda: MultiLinear(64, 32, rngs=nnx.Rngs(0)), TypeError,
-       "MultiLinear.features must be a non-empty tuple of ints, got 32"),
+       "MultiLinear.out_features must be a non-empty tuple of ints, got 32"),
       (lambda: MultiLinear(64, (32, -1), rngs=nnx.Rngs(0)), ValueError,
-       r"MultiLinear.features\[1\]"),
+       r"MultiLinear.out_features\[1\]"),
   ]
   for fn, exc, match in cases:
     with pytest.raises(exc, match=match):
