@@ -66,3 +66,36 @@ def apply_scales(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.
   ma, ea = jnp.frexp(jnp.asarray(a_scale, jnp.float32))
   mb, eb = jnp.frexp(jnp.asarray(b_scale, jnp.float32))
   return jnp.ldexp(acc * (ma * mb), ea + eb)
+
+
+# MXFP8 (OCP Microscaling Formats v1.0): one E8M0 scale per MX_BLOCK consecutive elements. An
+# E8M0 byte e means 2**(e - E8M0_BIAS); 0xFF (E8M0_NAN) is NaN; there is no zero.
+MX_BLOCK = 32
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+
+
+def e8m0_rceil(block_amax: jax.Array, fmt: str) -> jax.Array:
+  """The E8M0 scale byte of blocks with max |x| ``block_amax`` (f32, any shape), rounded up
+  ("RCEIL", as cuBLAS and TransformerEngine do): the smallest power of two ``2**k`` with
+  ``block_amax / 2**k <= fmt_max``, so the block never saturates, clamped to the E8M0 range
+  (k in [-127, 127]); an all-zero block gets the smallest scale (byte 0), a block holding a
+  NaN or an infinity the NaN byte 0xFF. uint8, ``block_amax``'s shape."""
+  fmax = fp8_max(fmt)
+  a = jnp.asarray(block_amax, jnp.float32)
+  positive = jnp.where(a > 0, a, fmax)
+  k = jnp.ceil(jnp.log2(positive / fmax)).astype(jnp.int32)  # within 1 of the answer
+  k = k + (positive > jnp.ldexp(jnp.float32(fmax), k))  # exact: fmax * 2**k is an f32
+  k = k - (positive <= jnp.ldexp(jnp.float32(fmax), k - 1))
+  k = jnp.clip(jnp.where(a > 0, k, -E8M0_BIAS), -E8M0_BIAS, E8M0_BIAS)
+  return jnp.where(jnp.isfinite(a), k + E8M0_BIAS, E8M0_NAN).astype(jnp.uint8)
+
+
+def e8m0_apply(values: jax.Array, scale: jax.Array) -> jax.Array:
+  """``values * 2**(scale - 127)`` in f32 (``scale``: E8M0 bytes broadcasting against
+  ``values``), NaN where the scale is 0xFF. Applied as an exponent (ldexp), not as a factor:
+  the scales below 2**-126 are f32 subnormals, which XLA's CPU runtime flushes to zero, while
+  the products are normal f32s down to 2**-126."""
+  e = jnp.asarray(scale).astype(jnp.int32)
+  y = jnp.ldexp(jnp.asarray(values, jnp.float32), e - E8M0_BIAS)
+  return jnp.where(e == E8M0_NAN, jnp.nan, y)

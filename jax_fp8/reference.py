@@ -1,4 +1,5 @@
-"""Plain-jnp twins of every jax_fp8 op: the specification and the test oracle.
+"""Plain-jnp twins of every jax_fp8 op: the specification and the test oracle (also of MXFP8
+quantization, ahead of its kernels).
 
 Same signatures and results as the fast ops; unfused and written to be read. Quantize results
 must match the CUDA and CPU kernels bit for bit; GEMM and linear results within stated
@@ -13,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import amax, apply_scales, as_f32, fp8_dtype, fp8_max
+from .formats import (MX_BLOCK, E8M0_BIAS, amax, apply_scales, as_f32, e8m0_apply, e8m0_rceil,
+                      fp8_dtype, fp8_max)
 from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.gemm import expand_scales
 from .state import ScaleRing, next_ring, observe as observe_ring, scale_for_step
@@ -163,3 +165,35 @@ def block_linear(x, kernel, bias=None, *, recipe) -> jax.Array:
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   return y.astype(x.dtype).reshape(*x.shape[:-1], kernel.shape[-1])
+
+
+def _mxfp8_rowwise(x, fmt):
+  """x [R, C] -> (data FP8 [R, C], scales E8M0 [R, C/32]), blocks along the rows."""
+  r, c = x.shape
+  xb = as_f32(x).reshape(r, c // MX_BLOCK, MX_BLOCK)
+  scales = e8m0_rceil(amax(xb, axis=-1), fmt)
+  k = scales.astype(jnp.int32) - E8M0_BIAS
+  q = _cast(jnp.ldexp(xb, -k[..., None]), fmt)  # exact: a power of two
+  q = jnp.where((scales == 0xFF)[..., None], _cast(jnp.float32(jnp.nan), fmt), q)
+  return q.reshape(r, c), scales
+
+
+def mxfp8_quantize(x, *, rowwise=True, columnwise=False, fmt="e4m3") -> dict:
+  """MXFP8 (OCP MX v1.0): E4M3 (or E5M2) elements with one E8M0 scale per 32 consecutive
+  elements, rounded up (``formats.e8m0_rceil``): ``x ~= data * 2**(scale - 127)``. A block
+  holding a NaN or an infinity gets the NaN scale 0xFF and NaN data.
+
+  x [R, C] (f32 / bf16 / f16; C a multiple of 32, and R too with ``columnwise``) -> a dict
+  with ``data`` [R, C] and ``scales`` uint8 [R, C/32] (``rowwise``), ``data_t`` [C, R] and
+  ``scales_t`` [C, R/32] (``columnwise``: x.T quantized the same way, from x itself)."""
+  out = {}
+  if rowwise:
+    out["data"], out["scales"] = _mxfp8_rowwise(x, fmt)
+  if columnwise:
+    out["data_t"], out["scales_t"] = _mxfp8_rowwise(x.T, fmt)
+  return out
+
+
+def mxfp8_dequantize(data, scales, dtype=jnp.float32):
+  """``data * 2**(scales - 127)`` in ``dtype``; data [R, C], scales [R, C/32]."""
+  return e8m0_apply(data.astype(jnp.float32), jnp.repeat(scales, MX_BLOCK, axis=1)).astype(dtype)
