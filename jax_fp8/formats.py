@@ -99,3 +99,19 @@ def e8m0_apply(values: jax.Array, scale: jax.Array) -> jax.Array:
   e = jnp.asarray(scale).astype(jnp.int32)
   y = jnp.ldexp(jnp.asarray(values, jnp.float32), e - E8M0_BIAS)
   return jnp.where(e == E8M0_NAN, jnp.nan, y)
+
+
+# NVFP4 (NVIDIA's NVFP4 pretraining report, arXiv 2509.25149): E2M1 elements
+# (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}), one E4M3 scale per NVFP4_BLOCK consecutive elements (or per
+# NVFP4_BLOCK x NVFP4_BLOCK tile), one f32 per-tensor scale.
+NVFP4_BLOCK = 16
+E2M1_MAX = 6.0
+
+
+def nvfp4_global_scale(tensor_amax: jax.Array) -> jax.Array:
+  """The per-tensor scale ``amax / (448 * 6)`` (jax_fp8's convention: a dequantization step),
+  so the block scales span E4M3's range; 1 for an all-zero tensor, NaN for a tensor holding a
+  NaN or an infinity. f32 []."""
+  a = jnp.asarray(tensor_amax, jnp.float32)
+  s = jnp.where(a > 0, a / jnp.float32(fp8_max("e4m3") * E2M1_MAX), jnp.float32(1))
+  return jnp.where(jnp.isfinite(a), s, jnp.nan)

@@ -1,5 +1,5 @@
-"""Plain-jnp twins of every jax_fp8 op: the specification and the test oracle (also of MXFP8
-quantization, ahead of its kernels).
+"""Plain-jnp twins of every jax_fp8 op: the specification and the test oracle (also of MXFP8 and
+NVFP4 quantization with round-to-nearest, ahead of their kernels).
 
 Same signatures and results as the fast ops; unfused and written to be read. Quantize results
 must match the CUDA and CPU kernels bit for bit; GEMM and linear results within stated
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import (MX_BLOCK, E8M0_BIAS, amax, apply_scales, as_f32, e8m0_apply, e8m0_rceil,
-                      fp8_dtype, fp8_max)
+from .formats import (E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax, apply_scales, as_f32,
+                      e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max, nvfp4_global_scale)
 from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.gemm import expand_scales
 from .state import ScaleRing, next_ring, observe as observe_ring, scale_for_step
@@ -197,3 +197,54 @@ def mxfp8_quantize(x, *, rowwise=True, columnwise=False, fmt="e4m3") -> dict:
 def mxfp8_dequantize(data, scales, dtype=jnp.float32):
   """``data * 2**(scales - 127)`` in ``dtype``; data [R, C], scales [R, C/32]."""
   return e8m0_apply(data.astype(jnp.float32), jnp.repeat(scales, MX_BLOCK, axis=1)).astype(dtype)
+
+
+def _nvfp4_rowwise(x, global_scale, block_2d):
+  """x [R, C] f32 -> (data uint8 [R, C/2], scales E4M3 [R, C/16]); with ``block_2d`` one scale
+  per 16 x 16 tile, repeated on each of its 16 rows."""
+  r, c = x.shape
+  xb = x.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK)
+  block_amax = amax(xb, axis=-1)  # [R, C/16]
+  if block_2d:  # the max over each tile's 16 rows, for every row of the tile
+    tiles = block_amax.reshape(r // NVFP4_BLOCK, NVFP4_BLOCK, -1)
+    nan = jnp.any(jnp.isnan(tiles), axis=1, keepdims=True)
+    tile = jnp.where(nan, jnp.nan, jnp.max(jnp.where(jnp.isnan(tiles), 0, tiles), axis=1,
+                                             keepdims=True))
+    block_amax = jnp.broadcast_to(tile, tiles.shape).reshape(r, -1)
+  scales = _cast(block_amax / E2M1_MAX / global_scale, "e4m3")  # RNE, saturating, NaN kept
+  step = scales.astype(jnp.float32) * global_scale  # an element's dequantization step
+  y = jnp.where(step[..., None] > 0, xb / step[..., None], 0.0)
+  y = jnp.where(jnp.isnan(y), 0.0, jnp.clip(y, -E2M1_MAX, E2M1_MAX))  # NaN: its scale says so
+  codes = jax.lax.bitcast_convert_type(y.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
+  codes = codes.reshape(r, c // 2, 2)
+  return codes[..., 0] | (codes[..., 1] << 4), scales
+
+
+def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False) -> dict:
+  """NVFP4 with round-to-nearest-even: ``x ~= e2m1 * scale * global_scale``, the global scale
+  ``formats.nvfp4_global_scale(amax(x))``, each block's scale ``e4m3(block_amax / 6 /
+  global_scale)``, each element ``e2m1(x / (scale * global_scale))`` saturating at +-6 (an
+  all-zero block: scale 0, elements 0). A NaN or infinity makes its block's scale NaN (and the
+  global scale NaN).
+
+  x [R, C] (f32 / bf16 / f16; C a multiple of 16, and R too with ``columnwise`` or
+  ``block_2d``) -> a dict with ``global_scale`` f32 [], and ``data`` uint8 [R, C/2] (element
+  2i in the low nibble) with ``scales`` float8_e4m3fn [R, C/16] (``rowwise``), ``data_t`` /
+  ``scales_t`` the same for x.T (``columnwise``). ``block_2d``: 16 x 16 tiles, one scale each
+  (repeated on the tile's rows), so the two directions hold the same numbers."""
+  x = as_f32(x)
+  out = {"global_scale": nvfp4_global_scale(amax(x))}
+  if rowwise:
+    out["data"], out["scales"] = _nvfp4_rowwise(x, out["global_scale"], block_2d)
+  if columnwise:
+    out["data_t"], out["scales_t"] = _nvfp4_rowwise(x.T, out["global_scale"], block_2d)
+  return out
+
+
+def nvfp4_dequantize(data, scales, global_scale, dtype=jnp.float32):
+  """``e2m1 * scale * global_scale`` in ``dtype``; data uint8 [R, C/2], scales [R, C/16]."""
+  r, half = data.shape
+  codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(r, 2 * half).astype(jnp.uint4)
+  values = jax.lax.bitcast_convert_type(codes, jnp.float4_e2m1fn).astype(jnp.float32)
+  step = jnp.repeat(scales.astype(jnp.float32), NVFP4_BLOCK, axis=1) * global_scale
+  return (values * step).astype(dtype)
