@@ -12,6 +12,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -107,3 +108,12 @@ def poison_allocator(nbytes: int):
 def bits(a) -> np.ndarray:
   """The raw bytes of an FP8 array, for bitwise comparison."""
   return np.asarray(a).view(np.uint8)
+
+
+def block_scaled_data(rng, shape, block: int, decades: float, dtype):
+  """Gaussian [R, C] data whose consecutive blocks of ``block`` elements along a row each have
+  their own magnitude, 10**u with u uniform in [-decades, decades]: for block formats."""
+  r, c = shape
+  x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-decades, decades, (r, c // block)).repeat(
+      block, 1)
+  return jnp.asarray(x, dtype)

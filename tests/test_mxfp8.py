@@ -5,6 +5,7 @@ the NVFP4 / MXFP8 issue are to match byte for byte."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import block_scaled_data
 
 from jax_fp8 import reference
 from jax_fp8.formats import MX_BLOCK, e8m0_apply, e8m0_rceil, fp8_max
@@ -40,8 +41,7 @@ def test_special_blocks(fmt):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
                          ids=lambda d: jnp.dtype(d).name)
 def test_round_trip_within_the_format_bound(rng, fmt, dtype):
-  x = rng.standard_normal((64, 128)) * 10.0 ** rng.uniform(-3, 3, (64, 4)).repeat(MX_BLOCK, 1)
-  x = jnp.asarray(x, dtype)
+  x = block_scaled_data(rng, (64, 128), MX_BLOCK, 3, dtype)
   t = reference.mxfp8_quantize(x, rowwise=True, columnwise=True, fmt=fmt)
   assert t["data"].dtype == jnp.dtype({"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[fmt])
   assert t["scales"].shape == (64, 4) and t["scales"].dtype == jnp.uint8

@@ -5,6 +5,7 @@ specification the kernels of the NVFP4 / MXFP8 issue are to match byte for byte.
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import block_scaled_data
 
 from jax_fp8 import reference
 from jax_fp8.formats import NVFP4_BLOCK, nvfp4_global_scale
@@ -17,8 +18,7 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # the codes 0..7; code | 8 is t
                          ids=lambda d: jnp.dtype(d).name)
 def test_round_trip_within_the_format_bound(rng, dtype, block_2d):
   # Blocks of magnitudes within 10^+-1 of each other: their E4M3 scales are normal numbers.
-  x = rng.standard_normal((64, 128)) * 10.0 ** rng.uniform(-1, 1, (64, 8)).repeat(NVFP4_BLOCK, 1)
-  x = jnp.asarray(x, dtype)
+  x = block_scaled_data(rng, (64, 128), NVFP4_BLOCK, 1, dtype)
   t = reference.nvfp4_quantize(x, rowwise=True, columnwise=True, block_2d=block_2d)
   assert t["data"].shape == (64, 64) and t["data"].dtype == jnp.uint8
   assert t["scales"].shape == (64, 8) and t["scales"].dtype == jnp.float8_e4m3fn
