@@ -1,13 +1,47 @@
-// The CUDA extension: exports the CUDA FFI handlers and the shared constants (constants_py.h).
+// The CUDA extension: exports the CUDA FFI handlers, the shared constants (constants_py.h) and
+// the GEMM algorithm choice (gemm_lt.h) that jax_fp8/ops/gemm_algorithms.py drives.
 // Built when nvcc and cuBLASLt are found; cudart is linked statically, cuBLASLt dynamically, so
 // importing it fails cleanly (and jax_fp8 carries on with the CPU targets) where those
 // libraries are missing.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+#include <map>
 
 #include "constants_py.h"
+#include "ffi/gemm_lt.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace nb = nanobind;
+
+namespace {
+
+// A GEMM problem from Python: dtypes by their numpy names; ValueError for others.
+jax_fp8::GemmProblem gemm_problem(int64_t m, int64_t n, int64_t k, const std::string& a,
+                                  const std::string& b, const std::string& d, bool has_bias,
+                                  bool fast_accum, int64_t scale_mode) {
+  using xla::ffi::DataType;
+  static const std::map<std::string, DataType> types = {
+      {"float8_e4m3fn", DataType::F8E4M3FN}, {"float8_e5m2", DataType::F8E5M2},
+      {"bfloat16", DataType::BF16}, {"float16", DataType::F16}, {"float32", DataType::F32}};
+  auto type = [&](const std::string& name) {
+    auto it = types.find(name);
+    if (it == types.end()) throw nb::value_error(("no GEMM dtype " + name).c_str());
+    return it->second;
+  };
+  if (scale_mode < 0 || scale_mode > int64_t(jax_fp8::ScaleMode::kGroup1x128))
+    throw nb::value_error("scale_mode must be 0, 1 or 2");
+  return {m, n, k, type(a), type(b), type(d), has_bias, fast_accum,
+          static_cast<jax_fp8::ScaleMode>(scale_mode)};
+}
+
+nb::bytes algo_bytes(const cublasLtMatmulAlgo_t& algo) {
+  return nb::bytes(reinterpret_cast<const char*>(&algo), sizeof(algo));
+}
+
+}  // namespace
 
 extern "C" {
 XLA_FFI_Error* QuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
@@ -33,5 +67,34 @@ NB_MODULE(_jax_fp8_cuda, m) {
     d["jax_fp8_group_cast_transpose"] =
         nb::capsule(reinterpret_cast<void*>(GroupCastTransposeCudaHandler));
     return d;
+  });
+  // One identity per visible CUDA device (its kind: name, compute capability, cuBLASLt).
+  m.def("gemm_devices", []() {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    std::vector<std::string> ids;
+    for (int i = 0; i < count; ++i) ids.push_back(jax_fp8::device_identity(i));
+    return ids;
+  });
+  // (candidate algorithms as bytes, microseconds per run or -1, index of the fastest).
+  m.def("gemm_tune", [](int device, int64_t m_, int64_t n, int64_t k, const std::string& a,
+                        const std::string& b, const std::string& d, bool has_bias,
+                        bool fast_accum, int64_t scale_mode) {
+    const auto t = jax_fp8::tune_gemm(
+        device, gemm_problem(m_, n, k, a, b, d, has_bias, fast_accum, scale_mode));
+    nb::list algos;
+    for (const auto& algo : t.candidates) algos.append(algo_bytes(algo));
+    return nb::make_tuple(algos, t.us, t.best);
+  });
+  m.def("gemm_choose", [](const std::string& device, int64_t m_, int64_t n, int64_t k,
+                          const std::string& a, const std::string& b, const std::string& d,
+                          bool has_bias, bool fast_accum, int64_t scale_mode, nb::bytes algo) {
+    cublasLtMatmulAlgo_t chosen;
+    if (algo.size() != sizeof(chosen))
+      throw nb::value_error(
+          ("a cuBLASLt algorithm is " + std::to_string(sizeof(chosen)) + " bytes").c_str());
+    std::memcpy(&chosen, algo.c_str(), sizeof(chosen));
+    jax_fp8::choose_algorithm(device, gemm_problem(m_, n, k, a, b, d, has_bias, fast_accum,
+                                                   scale_mode), chosen);
   });
 }

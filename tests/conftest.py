@@ -10,6 +10,8 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
+# GEMM algorithm choices are timed in each test process and not written to the user's file.
+os.environ.setdefault("JAX_FP8_GEMM_CACHE", "")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

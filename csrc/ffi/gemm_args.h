@@ -2,39 +2,61 @@
 // dot), kept apart from the cuBLASLt calls in gemm_cuda.cc.
 #pragma once
 
+#include <tuple>
+#include <utility>
+
 #include "common.h"
 
 namespace jax_fp8 {
 
-struct GemmArgs {
+// An e4m3 d comes with d_scale and amax_d; the bias (and cuBLASLt's C) is then bf16, else in
+// d's dtype.
+inline bool fp8_output(ffi::DataType d) { return d == ffi::DataType::F8E4M3FN; }
+inline ffi::DataType epilogue_type(ffi::DataType d) {
+  return fp8_output(d) ? ffi::DataType::BF16 : d;
+}
+
+// What fixes a GEMM's algorithm choice: sizes, dtypes and options, no pointers.
+struct GemmProblem {
   int64_t M, N, K;
   ffi::DataType a_type, b_type, d_type;
-  ffi::DataType epilogue_type;  // the bias's (and cuBLASLt's C's): bf16 beside an e4m3 d
-  bool fp8_out;                 // d in e4m3, with d_scale and amax_d
-  const void *a, *b, *bias;     // bias null when absent
+  bool has_bias, fast_accum;
+  ScaleMode scale_mode;
+
+  bool fp8_out() const { return fp8_output(d_type); }
+  auto tie() const {
+    return std::tie(M, N, K, a_type, b_type, d_type, has_bias, fast_accum, scale_mode);
+  }
+  bool operator<(const GemmProblem& o) const { return tie() < o.tie(); }
+};
+
+struct GemmArgs {
+  GemmProblem p;
+  const void *a, *b, *bias;  // bias null when absent
   const float *a_scale, *b_scale, *d_scale;
   void* d;
   float* amax_d;
   void* workspace;  // kGemmWorkspaceBytes
-  bool fast_accum;
-  ScaleMode scale_mode;
 };
 
-// Element counts the scales must have for a scale mode (block scaling: the layouts cuBLASLt
-// reads, gemm_cuda.cc).
-inline bool scale_sizes_ok(ScaleMode mode, int64_t M, int64_t N, int64_t K, size_t na, size_t nb) {
-  if (mode == ScaleMode::kPerTensor) return na == 1 && nb == 1;
-  if (K % kBlockTile || M % 4) return false;
+// Element counts of a_scale and b_scale for a scale mode (block scaling: the layouts cuBLASLt
+// reads, gemm_lt.cc, for K a multiple of kBlockTile and M of 4).
+inline std::pair<int64_t, int64_t> scale_sizes(ScaleMode mode, int64_t M, int64_t N, int64_t K) {
+  if (mode == ScaleMode::kPerTensor) return {1, 1};
   const int64_t kb = K / kBlockTile;
-  const int64_t want_b = mode == ScaleMode::kBlock128x128
-                             ? (N + kBlockTile - 1) / kBlockTile * ((kb + 3) / 4 * 4)
-                             : N * kb;
-  return int64_t(na) == M * kb && int64_t(nb) == want_b;
+  return {M * kb, mode == ScaleMode::kBlock128x128
+                      ? (N + kBlockTile - 1) / kBlockTile * ((kb + 3) / 4 * 4)
+                      : N * kb};
+}
+
+inline bool scale_sizes_ok(ScaleMode mode, int64_t M, int64_t N, int64_t K, size_t na, size_t nb) {
+  if (mode != ScaleMode::kPerTensor && (K % kBlockTile || M % 4)) return false;
+  return scale_sizes(mode, M, N, K) == std::make_pair(int64_t(na), int64_t(nb));
 }
 
 // dtype -> rank -> attributes -> shape relations, as validated first in jax_fp8/ops/gemm.py. The
 // alignment cuBLASLt needs is K and N multiples of kGemmDimMultiple (a shape relation); the
-// pointers' own alignment goes to its heuristic (gemm_cuda.cc).
+// pointers' own alignment decides which algorithms may run (gemm_cuda.cc).
 inline ffi::Error DecodeGemm(Platform, GemmArgs& g, ffi::AnyBuffer a, ffi::AnyBuffer b,
                              ffi::Buffer<ffi::F32> a_scale, ffi::Buffer<ffi::F32> b_scale,
                              ffi::AnyBuffer bias, ffi::Buffer<ffi::F32> d_scale,
@@ -47,11 +69,10 @@ inline ffi::Error DecodeGemm(Platform, GemmArgs& g, ffi::AnyBuffer a, ffi::AnyBu
   if (a.element_type() == ffi::DataType::F8E5M2 && b.element_type() == ffi::DataType::F8E5M2)
     return invalid("e5m2 x e5m2 is not supported by cuBLASLt");
   const auto dt = d->element_type();
-  const bool fp8_out = dt == ffi::DataType::F8E4M3FN;
+  const bool fp8_out = fp8_output(dt);
   if (dt != ffi::DataType::BF16 && dt != ffi::DataType::F16 && dt != ffi::DataType::F32 && !fp8_out)
     return invalid("out must be bfloat16, float16, float32 or float8_e4m3fn");
-  const auto epi_t = fp8_out ? ffi::DataType::BF16 : dt;
-  if (has_bias && bias.element_type() != epi_t)
+  if (has_bias && bias.element_type() != epilogue_type(dt))
     return invalid("bias must be in the output dtype (bfloat16 for an e4m3 output)");
   if (a.dimensions().size() != 2 || b.dimensions().size() != 2) return invalid("a, b must be 2-D");
   if (scale_mode < int64_t(ScaleMode::kPerTensor) || scale_mode > int64_t(ScaleMode::kGroup1x128))
@@ -72,11 +93,10 @@ inline ffi::Error DecodeGemm(Platform, GemmArgs& g, ffi::AnyBuffer a, ffi::AnyBu
   if (!scale_sizes_ok(mode, M, N, K, a_scale.element_count(), b_scale.element_count()))
     return invalid("scales do not match the scale mode (block scaling also needs K % 128 == 0 "
                    "and M % 4 == 0)");
-  g = GemmArgs{M, N, K, a.element_type(), b.element_type(), dt, epi_t, fp8_out,
+  g = GemmArgs{{M, N, K, a.element_type(), b.element_type(), dt, has_bias, fast_accum, mode},
                a.untyped_data(), b.untyped_data(), has_bias ? bias.untyped_data() : nullptr,
                a_scale.typed_data(), b_scale.typed_data(), d_scale.typed_data(),
-               d->untyped_data(), amax_d->typed_data(), workspace->untyped_data(), fast_accum,
-               mode};
+               d->untyped_data(), amax_d->typed_data(), workspace->untyped_data()};
   return ffi::Error::Success();
 }
 

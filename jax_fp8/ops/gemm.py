@@ -1,6 +1,7 @@
 """FP8 GEMM (TN layout) with per-tensor or block scales: cuBLASLt on CUDA, XLA's f32 dot on CPU.
 
-FFI handler: ``csrc/ffi/gemm_cuda.cc``; jnp twins: ``jax_fp8.reference.gemm`` and
+FFI handler: ``csrc/ffi/gemm_cuda.cc`` (cuBLASLt calls in ``gemm_lt.cc``; algorithm choice:
+``jax_fp8.ops.gemm_algorithms``); jnp twins: ``jax_fp8.reference.gemm`` and
 ``block_gemm``; tests: ``tests/test_gemm.py``.
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from .. import _ffi, checks, sharding
 from ..formats import FLOAT_DTYPES, apply_scales
+from . import gemm_algorithms
 from .quantize import quantize_kernel
 
 _WORKSPACE = jax.ShapeDtypeStruct((_ffi.CONSTANTS["gemm_workspace_bytes"],), jnp.uint8)
@@ -137,6 +139,8 @@ def _on_cuda(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
       b_scale = jnp.pad(b_scale, ((0, 0), (0, -b_scale.shape[1] % 4)))
     else:  # [K/128, N], N contiguous
       b_scale = b_scale.T
+  gemm_algorithms.select((rows, n, a.shape[1], a.dtype.name, b.dtype.name,
+                          jnp.dtype(out_dtype).name, p.has_bias, p.fast_accum, int(p.mode)))
   d, amax_d, _ = jax.ffi.ffi_call(
       "jax_fp8_gemm",
       (jax.ShapeDtypeStruct((rows, n), out_dtype),
@@ -236,9 +240,10 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
   """FP8 GEMM in TN layout with f32 accumulation: ``(a_scale * b_scale) * a @ b.T + bias``,
   with per-tensor or block scales, into a 16/32-bit output or into e4m3 with its amax.
 
-  CUDA: cuBLASLt (scales read on the device, bias in the epilogue, heuristic algorithm chosen
-  once per shape; block scales through its VEC128 / BLK128x128 modes, cuBLASLt >= 12.9, the
-  DeepSeek-V3 recipe; an e4m3 output through its D scale and amax-D epilogue, as
+  CUDA: cuBLASLt (scales read on the device, bias in the epilogue, its candidate algorithms
+  timed once per problem while tracing and the choice recorded for later runs:
+  ``jax_fp8.ops.gemm_algorithms``; block scales through its VEC128 / BLK128x128 modes, cuBLASLt
+  >= 12.9, the DeepSeek-V3 recipe; an e4m3 output through its D scale and amax-D epilogue, as
   TransformerEngine's FP8-output GEMMs). CPU: XLA's f32 dot on the upcast (for block scales:
   dequantized) operands, the per-tensor scales applied so that their product cannot underflow
   (``jax_fp8.formats.apply_scales``).

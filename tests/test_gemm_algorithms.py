@@ -1,0 +1,214 @@
+"""jax_fp8.ops.gemm_algorithms: each GEMM problem timed once per kind of device, the choice
+recorded and read back by later runs (CPU: a stand-in for the CUDA extension's three
+functions); on a GPU, two processes give the same bits from the recorded choice."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import HAS_CUDA, on_cpu
+
+import jax_fp8
+from jax_fp8 import _ffi, reference
+from jax_fp8.ops import gemm_algorithms
+from jax_fp8.ops.gemm_algorithms import AUTOTUNE_ENV, CACHE_ENV
+
+PROBLEM = (256, 512, 1024, "float8_e4m3fn", "float8_e4m3fn", "bfloat16", False, True, 0)
+OTHER = (256, 512, 2048, "float8_e4m3fn", "float8_e5m2", "float32", False, False, 0)
+
+
+def algorithm(ordinal: int, candidate: int) -> bytes:
+  return bytes([ordinal, candidate] * 32)
+
+
+class FakeCuda:
+  """The CUDA extension's GEMM-choice functions: two devices of kind A and one of kind B; the
+  second of three candidates is the fastest."""
+
+  def __init__(self, fail=False):
+    self.tuned, self.chosen, self.fail = [], {}, fail
+
+  def gemm_devices(self):
+    return ["A (sm_90, cuBLASLt 1)", "A (sm_90, cuBLASLt 1)", "B (sm_100, cuBLASLt 1)"]
+
+  def gemm_tune(self, ordinal, *problem):
+    if self.fail:
+      raise RuntimeError("cudaMalloc of the GEMM timing buffers: out of memory")
+    self.tuned.append((ordinal, problem))
+    return [algorithm(ordinal, c) for c in range(3)], [3.0, 1.0, 2.0], 1
+
+  def gemm_choose(self, device, *args):
+    self.chosen[(device, args[:-1])] = args[-1]
+
+
+@pytest.fixture
+def cuda(monkeypatch, tmp_path):
+  """A fresh process's state with the stand-in extension and a cache file in tmp_path."""
+  def new_process(fail=False):
+    ext = FakeCuda(fail)
+    monkeypatch.setattr(_ffi, "_jax_fp8_cuda", ext)
+    monkeypatch.setattr(_ffi, "cuda_available", lambda: True)
+    monkeypatch.setattr(gemm_algorithms, "_installed", set())
+    monkeypatch.setattr(gemm_algorithms, "_recorded", {})
+    return ext
+  monkeypatch.setenv(CACHE_ENV, str(tmp_path / "gemm.jsonl"))
+  monkeypatch.delenv(AUTOTUNE_ENV, raising=False)
+  return new_process
+
+
+def records(path):
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_timed_once_per_kind_of_device_and_recorded(cuda, tmp_path):
+  ext = cuda()
+  gemm_algorithms.select(PROBLEM)
+  gemm_algorithms.select(PROBLEM)
+  assert [o for o, _ in ext.tuned] == [0, 2]  # one device of each kind, once
+  assert ext.chosen == {("A (sm_90, cuBLASLt 1)", PROBLEM): algorithm(0, 1),
+                        ("B (sm_100, cuBLASLt 1)", PROBLEM): algorithm(2, 1)}
+  got = records(tmp_path / "gemm.jsonl")
+  assert [(r["device"], tuple(r["problem"]), r["algorithm"], r["candidates_us"]) for r in got] == [
+      ("A (sm_90, cuBLASLt 1)", PROBLEM, algorithm(0, 1).hex(), [3.0, 1.0, 2.0]),
+      ("B (sm_100, cuBLASLt 1)", PROBLEM, algorithm(2, 1).hex(), [3.0, 1.0, 2.0])]
+
+
+def test_a_later_run_takes_the_recorded_choice(cuda, tmp_path):
+  first = cuda()
+  gemm_algorithms.select(PROBLEM)
+  later = cuda()
+  gemm_algorithms.select(PROBLEM)
+  assert later.tuned == [] and later.chosen == first.chosen
+  gemm_algorithms.select(OTHER)  # a new problem is timed and appended
+  assert [p for _, p in later.tuned] == [OTHER, OTHER]
+  assert len(records(tmp_path / "gemm.jsonl")) == 4
+
+
+def test_first_record_wins_and_bad_lines_are_skipped(cuda, tmp_path):
+  path = tmp_path / "gemm.jsonl"
+  device = "A (sm_90, cuBLASLt 1)"
+  line = {"device": device, "problem": list(PROBLEM), "candidates_us": []}
+  path.write_text("not json\n" + json.dumps({**line, "algorithm": algorithm(7, 7).hex()}) + "\n"
+                  + json.dumps({**line, "algorithm": algorithm(8, 8).hex()}) + "\n"
+                  + json.dumps({"device": device}) + "\n")
+  ext = cuda()
+  with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    gemm_algorithms.select(PROBLEM)
+  assert [str(x.message).split(" is not")[0].split("/")[-1] for x in w] == [
+      "gemm.jsonl:1", "gemm.jsonl:4"]
+  assert ext.chosen[(device, PROBLEM)] == algorithm(7, 7)
+  assert [o for o, _ in ext.tuned] == [2]  # only the kind with no record
+
+
+def test_autotune_off_leaves_the_heuristic(cuda, tmp_path, monkeypatch):
+  monkeypatch.setenv(AUTOTUNE_ENV, "0")
+  ext = cuda()
+  gemm_algorithms.select(PROBLEM)
+  assert ext.tuned == [] and ext.chosen == {} and not (tmp_path / "gemm.jsonl").exists()
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "", "2"])
+def test_autotune_takes_only_0_or_1(cuda, monkeypatch, value):
+  monkeypatch.setenv(AUTOTUNE_ENV, value)
+  cuda()
+  with pytest.raises(ValueError, match=f"{AUTOTUNE_ENV} must be 0 or 1, got {value!r}"):
+    gemm_algorithms.select(PROBLEM)
+
+
+def test_no_file_times_again_in_each_process(cuda, tmp_path, monkeypatch):
+  monkeypatch.setenv(CACHE_ENV, "")
+  assert gemm_algorithms.cache_path() is None
+  for _ in range(2):
+    ext = cuda()
+    gemm_algorithms.select(PROBLEM)
+    assert len(ext.tuned) == 2 and len(ext.chosen) == 2
+  assert list(tmp_path.iterdir()) == []
+
+
+def test_default_file_is_under_the_cache_home(monkeypatch, tmp_path):
+  monkeypatch.delenv(CACHE_ENV, raising=False)
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+  assert gemm_algorithms.cache_path() == tmp_path / "jax_fp8" / "gemm_algorithms.jsonl"
+
+
+def test_a_timing_failure_warns_once_and_records_nothing(cuda, tmp_path):
+  ext = cuda(fail=True)
+  with pytest.warns(UserWarning, match="out of memory.*first heuristic choice"):
+    gemm_algorithms.select(PROBLEM)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    gemm_algorithms.select(PROBLEM)  # not retried, no second warning
+  assert ext.chosen == {} and not (tmp_path / "gemm.jsonl").exists()
+
+
+def test_without_cuda_nothing_is_asked(monkeypatch):
+  monkeypatch.setattr(_ffi, "cuda_available", lambda: False)
+  monkeypatch.setattr(_ffi, "_jax_fp8_cuda", None)  # any call would fail
+  gemm_algorithms.select(PROBLEM)
+
+
+RUN = """
+import hashlib, jax, jax.numpy as jnp, numpy as np, jax_fp8
+k = jax.random.split(jax.random.PRNGKey(0))
+a = (jax.random.normal(k[0], (2048, 4096)) * 3).astype(jnp.float8_e4m3fn)
+b = (jax.random.normal(k[1], (1024, 4096)) * 3).astype(jnp.float8_e4m3fn)
+one = jnp.float32(1)
+outs = [jax_fp8.gemm(a, b, one, one, fast_accum=f, out_dtype=d)
+        for f in (False, True) for d in (jnp.bfloat16, jnp.float32)]
+print(hashlib.sha256(b"".join(np.asarray(o).tobytes() for o in outs)).hexdigest())
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU with the jax_fp8 CUDA targets")
+def test_recorded_choice_gives_the_same_bits_in_a_new_process(tmp_path):
+  path = tmp_path / "gemm.jsonl"
+  env = {**os.environ, CACHE_ENV: str(path), AUTOTUNE_ENV: "1"}
+  run = lambda: subprocess.run([sys.executable, "-c", RUN], env=env, check=True,  # noqa: E731
+                               capture_output=True, text=True).stdout.strip()
+  first = run()
+  timed = records(path)
+  assert sorted(tuple(r["problem"]) for r in timed) == sorted(
+      (2048, 1024, 4096, "float8_e4m3fn", "float8_e4m3fn", d, False, f, 0)
+      for f in (False, True) for d in ("bfloat16", "float32"))
+  for r in timed:
+    us = [t for t in r["candidates_us"] if t >= 0]
+    assert us and min(us) > 0
+  assert run() == first
+  assert records(path) == timed  # nothing timed the second time
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU with the jax_fp8 CUDA targets")
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_every_candidate_is_within_the_bound(rng, monkeypatch, fast_accum):
+  """Whichever candidate wins the timing runs: each one cuBLASLt offers, made the choice in
+  turn (and compiled afresh, since a CUDA graph keeps what it captured), gives a product within
+  the accumulation bound (test_gemm's) of the f32 reference."""
+  from test_gemm import accumulation_error
+  m, n, k = 512, 1024, 4096
+  a = jnp.asarray(rng.standard_normal((m, k)) * 4).astype(jnp.float8_e4m3fn)
+  b = jnp.asarray(rng.standard_normal((n, k)) * 4).astype(jnp.float8_e4m3fn)
+  one = jnp.float32(1)
+  problem = (m, n, k, "float8_e4m3fn", "float8_e4m3fn", "float32", False, fast_accum, 0)
+  ext, device = _ffi._jax_fp8_cuda, _ffi._jax_fp8_cuda.gemm_devices()[0]
+  candidates, us, best = ext.gemm_tune(0, *problem)
+  want = on_cpu(lambda *v: reference.gemm(*v, out_dtype=jnp.float32), a, b, one, one)
+  bound = accumulation_error(reference.gemm, a, b, one, one,
+                             rel=2.0**-8 if fast_accum else 2.0**-12)
+  monkeypatch.setenv(AUTOTUNE_ENV, "0")  # tracing must not choose again
+  try:
+    for i, algorithm in enumerate(candidates):
+      ext.gemm_choose(device, *problem, algorithm)
+      got = np.asarray(jax.jit(lambda a, b: jax_fp8.gemm(
+          a, b, one, one, out_dtype=jnp.float32, fast_accum=fast_accum))(a, b))
+      assert np.all(np.abs(got - want) <= bound), f"candidate {i} of {len(candidates)}"
+  finally:
+    ext.gemm_choose(device, *problem, candidates[best])
