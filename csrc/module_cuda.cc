@@ -68,20 +68,18 @@ NB_MODULE(_jax_fp8_cuda, m) {
         nb::capsule(reinterpret_cast<void*>(GroupCastTransposeCudaHandler));
     return d;
   });
-  // One identity per visible CUDA device (its kind: name, compute capability, cuBLASLt).
-  m.def("gemm_devices", []() {
-    int count = 0;
-    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
-    std::vector<std::string> ids;
-    for (int i = 0; i < count; ++i) ids.push_back(jax_fp8::device_identity(i));
-    return ids;
-  });
+  // The identity of CUDA device `ordinal`'s kind (gemm_lt.h: device_identity).
+  m.def("gemm_device", [](int ordinal) { return jax_fp8::device_identity(ordinal); });
   // (candidate algorithms as bytes, microseconds per run or -1, index of the fastest).
   m.def("gemm_tune", [](int device, int64_t m_, int64_t n, int64_t k, const std::string& a,
                         const std::string& b, const std::string& d, bool has_bias,
                         bool fast_accum, int64_t scale_mode) {
-    const auto t = jax_fp8::tune_gemm(
-        device, gemm_problem(m_, n, k, a, b, d, has_bias, fast_accum, scale_mode));
+    const auto problem = gemm_problem(m_, n, k, a, b, d, has_bias, fast_accum, scale_mode);
+    jax_fp8::TunedGemm t;
+    {
+      nb::gil_scoped_release release;  // the timing takes up to a second
+      t = jax_fp8::tune_gemm(device, problem);
+    }
     nb::list algos;
     for (const auto& algo : t.candidates) algos.append(algo_bytes(algo));
     return nb::make_tuple(algos, t.us, t.best);

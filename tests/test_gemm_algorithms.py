@@ -34,8 +34,8 @@ class FakeCuda:
   def __init__(self, fail=False):
     self.tuned, self.chosen, self.fail = [], {}, fail
 
-  def gemm_devices(self):
-    return ["A (sm_90, cuBLASLt 1)", "A (sm_90, cuBLASLt 1)", "B (sm_100, cuBLASLt 1)"]
+  def gemm_device(self, ordinal):
+    return ["A (sm_90, cuBLASLt 1)", "A (sm_90, cuBLASLt 1)", "B (sm_100, cuBLASLt 1)"][ordinal]
 
   def gemm_tune(self, ordinal, *problem):
     if self.fail:
@@ -54,6 +54,7 @@ def cuda(monkeypatch, tmp_path):
     ext = FakeCuda(fail)
     monkeypatch.setattr(_ffi, "_jax_fp8_cuda", ext)
     monkeypatch.setattr(_ffi, "cuda_available", lambda: True)
+    monkeypatch.setattr(gemm_algorithms, "_gpu_ordinals", lambda: [0, 1, 2])
     monkeypatch.setattr(gemm_algorithms, "_installed", set())
     monkeypatch.setattr(gemm_algorithms, "_recorded", {})
     return ext
@@ -112,6 +113,49 @@ def test_autotune_off_leaves_the_heuristic(cuda, tmp_path, monkeypatch):
   ext = cuda()
   gemm_algorithms.select(PROBLEM)
   assert ext.tuned == [] and ext.chosen == {} and not (tmp_path / "gemm.jsonl").exists()
+
+
+def test_a_record_another_process_wrote_meanwhile_wins(cuda, tmp_path, monkeypatch):
+  """Two processes time the same problem at once: the one that records second adopts the
+  first one's record, so both run what later runs will read."""
+  ext = cuda()
+  path = tmp_path / "gemm.jsonl"
+  device = "A (sm_90, cuBLASLt 1)"
+  gemm_algorithms._read(path)  # this process read the file while it was still empty
+  path.write_text(json.dumps({"device": device, "problem": list(PROBLEM), "candidates_us": [],
+                              "algorithm": algorithm(9, 9).hex()}) + "\n")
+  gemm_algorithms.select(PROBLEM)
+  assert ext.chosen[(device, PROBLEM)] == algorithm(9, 9)
+  assert [r["device"] for r in records(path)] == [device, "B (sm_100, cuBLASLt 1)"]
+
+
+@pytest.mark.parametrize("content", [b"\xff\xfe binary", None])
+def test_a_file_that_cannot_be_read_or_written_is_skipped(cuda, tmp_path, monkeypatch, content):
+  """Undecodable bytes, or a path whose parent is a file: warnings, and the GEMM still gets
+  the timed choice."""
+  path = tmp_path / "gemm.jsonl"
+  if content is None:
+    path.write_text("")
+    path = path / "inside"  # its parent is a file: neither readable nor writable
+    monkeypatch.setenv(CACHE_ENV, str(path))
+  else:
+    path.write_bytes(content)
+  ext = cuda()
+  with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    gemm_algorithms.select(PROBLEM)
+  assert any("cannot record a GEMM algorithm" in str(x.message) for x in w)
+  assert ext.chosen[("A (sm_90, cuBLASLt 1)", PROBLEM)] == algorithm(0, 1)
+
+
+def test_a_record_of_the_wrong_size_is_skipped(cuda, tmp_path):
+  path = tmp_path / "gemm.jsonl"
+  path.write_text(json.dumps({"device": "A (sm_90, cuBLASLt 1)", "problem": list(PROBLEM),
+                              "candidates_us": [], "algorithm": "00"}) + "\n")
+  ext = cuda()
+  with pytest.warns(UserWarning, match="an algorithm of 1 bytes, not 64"):
+    gemm_algorithms.select(PROBLEM)
+  assert ext.chosen[("A (sm_90, cuBLASLt 1)", PROBLEM)] == algorithm(0, 1)
 
 
 @pytest.mark.parametrize("value", ["yes", "true", "", "2"])
@@ -198,8 +242,9 @@ def test_every_candidate_is_within_the_bound(rng, monkeypatch, fast_accum):
   b = jnp.asarray(rng.standard_normal((n, k)) * 4).astype(jnp.float8_e4m3fn)
   one = jnp.float32(1)
   problem = (m, n, k, "float8_e4m3fn", "float8_e4m3fn", "float32", False, fast_accum, 0)
-  ext, device = _ffi._jax_fp8_cuda, _ffi._jax_fp8_cuda.gemm_devices()[0]
-  candidates, us, best = ext.gemm_tune(0, *problem)
+  ext = _ffi._jax_fp8_cuda
+  device = ext.gemm_device(jax.devices("cuda")[0].local_hardware_id)
+  candidates, us, best = ext.gemm_tune(jax.devices("cuda")[0].local_hardware_id, *problem)
   want = on_cpu(lambda *v: reference.gemm(*v, out_dtype=jnp.float32), a, b, one, one)
   bound = accumulation_error(reference.gemm, a, b, one, one,
                              rel=2.0**-8 if fast_accum else 2.0**-12)

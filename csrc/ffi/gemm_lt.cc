@@ -65,10 +65,15 @@ const std::string& device_identity(int dev) {
   auto it = names->find(dev);
   if (it != names->end()) return it->second;
   cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, dev);
+  if (cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
+    cudaGetLastError();
+    return (*names)[dev] = "CUDA device " + std::to_string(dev) + " (unknown)";
+  }
   return (*names)[dev] = std::string(prop.name) + " (sm_" + std::to_string(prop.major) +
-                         std::to_string(prop.minor) + ", cuBLASLt " +
-                         std::to_string(cublasLtGetVersion()) + ")";
+                         std::to_string(prop.minor) + ", " +
+                         std::to_string(prop.multiProcessorCount) + " SMs, cuBLASLt " +
+                         std::to_string(cublasLtGetVersion()) + ", workspace " +
+                         std::to_string(kGemmWorkspaceBytes >> 20) + " MiB)";
 }
 
 LtGemm::~LtGemm() {

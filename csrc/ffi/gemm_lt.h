@@ -24,8 +24,9 @@ std::string lt_status(cublasStatus_t s, const char* call);
 // One cuBLASLt handle per device, created on first use and never destroyed.
 cublasLtHandle_t lt_handle(int dev);
 
-// What identifies a kind of device to an algorithm choice: its name, compute capability and
-// cuBLASLt's version, e.g. "NVIDIA H200 (sm_90, cuBLASLt 130100)".
+// What identifies a kind of device to an algorithm choice: its name, compute capability, SM
+// count, cuBLASLt's version and the workspace the algorithms may use, e.g.
+// "NVIDIA H200 (sm_90, 132 SMs, cuBLASLt 130100, workspace 32 MiB)".
 const std::string& device_identity(int dev);
 
 // The matmul description of one GEMM (its pointers included: scales, bias, D scale, amax-D).

@@ -1,7 +1,8 @@
 // Timing of cuBLASLt's candidate algorithms for one GEMM problem (gemm_lt.h: tune_gemm), as XLA
 // autotunes its own GEMMs: jax_fp8.ops.gemm_algorithms calls it once per problem and kind of
-// device while tracing, outside any XLA computation, and keeps the fastest for the process and
-// in a file for later runs. It runs on its own stream, on buffers of its own that hold random
+// device while tracing, outside any XLA computation (usually before the first step runs: work
+// already queued on the device is not waited for), and keeps the fastest for the process and in
+// a file for later runs. It runs on its own stream, on buffers of its own that hold random
 // finite data (sign and magnitude bits vary, as in training; unit scales), so nothing XLA owns
 // is read or written.
 #include <algorithm>
@@ -128,10 +129,6 @@ TunedGemm tune_gemm(int dev, const GemmProblem& p) {
   check(cudaStreamCreateWithFlags(&scope.stream, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaEventCreate(&scope.start), "cudaEventCreate");
   check(cudaEventCreate(&scope.stop), "cudaEventCreate");
-  // Let work already queued on the device finish, so that it does not share the timed windows
-  // (best effort: this fails while another thread captures a CUDA graph, which only costs
-  // accuracy).
-  if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
   // Microseconds per run over `reps` back-to-back runs; negative when a run fails.
   auto time = [&](const cublasLtMatmulAlgo_t& algo, int reps) {
     cudaEventRecord(scope.start, scope.stream);
