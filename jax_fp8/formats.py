@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .philox import philox4x32
+
 FORMATS: dict[str, jnp.dtype] = {
     "e4m3": jnp.dtype(jnp.float8_e4m3fn),
     "e5m2": jnp.dtype(jnp.float8_e5m2),
@@ -115,3 +117,77 @@ def nvfp4_global_scale(tensor_amax: jax.Array) -> jax.Array:
   a = jnp.asarray(tensor_amax, jnp.float32)
   s = jnp.where(a > 0, a / jnp.float32(fp8_max("e4m3") * E2M1_MAX), jnp.float32(1))
   return jnp.where(jnp.isfinite(a), s, jnp.nan)
+
+
+# Stochastic rounding to E2M1 (the NVFP4 report's rounding of gradients): 16 random bits per
+# element, drawn with Philox4x32-10 (jax_fp8.philox) from a counter made of the element's block
+# coordinates, so any implementation reproduces them from the key alone.
+SR_BITS = 16
+
+
+def sr_bits(key_words: jax.Array, rows: int, blocks: int, direction: int) -> jax.Array:
+  """The random integers of stochastic rounding for rows x (blocks x 16) elements quantized in
+  1 x 16 blocks along their rows: block b of row r draws Philox4x32-10 under ``key_words`` with
+  counters (b, r, direction, 0) and (b, r, direction, 1), eight words w0..w7, and its element
+  i takes bits ``(w[i // 2] >> (16 * (i % 2))) & 0xFFFF``. ``direction``: 0 for the rowwise
+  copy, 1 for the columnwise one (rows then are x's columns). uint32 [rows, blocks * 16]."""
+  b, r, j = jnp.meshgrid(jnp.arange(blocks, dtype=jnp.uint32), jnp.arange(rows, dtype=jnp.uint32),
+                         jnp.arange(2, dtype=jnp.uint32), indexing="xy")
+  counter = jnp.stack([b, r, jnp.full_like(b, direction), j], axis=-1)  # [rows, blocks, 2, 4]
+  words = philox4x32(counter, key_words).reshape(rows, blocks, 8)
+  halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1)  # element 2w + h
+  return halves.reshape(rows, blocks * NVFP4_BLOCK)
+
+
+def e2m1_round_stochastic(y: jax.Array, bits: jax.Array) -> jax.Array:
+  """E2M1 values of f32 ``y`` in [-6, 6], each magnitude rounded up to the next E2M1 value with
+  probability (|y| - lo) / gap (lo the E2M1 value at or below |y|, gap the distance to the next:
+  0.5 below 2, 1 below 4, 2 below 6): up exactly when ``bits`` (uniform 16-bit integers) is
+  below (|y| - lo) / gap * 2^16, which is exact in f32. Unbiased to 2^-16 of a gap; the sign
+  is kept (a negative value that rounds to zero gives -0). f32, same shape."""
+  a = jnp.abs(y)
+  gap = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0)).astype(jnp.float32)
+  lo = jnp.floor(a / gap) * gap
+  up = bits.astype(jnp.float32) < (a - lo) / gap * jnp.float32(1 << SR_BITS)
+  return jnp.copysign(jnp.where(up, lo + gap, lo), y)
+
+
+# The random Hadamard transform of the NVFP4 recipe's wgrad operands: each group of RHT_SIZE
+# elements along the quantized axis is multiplied by diag(signs) . H16 / 4 (H16 the Sylvester
+# Hadamard matrix), an orthogonal matrix, before the columnwise quantization.
+RHT_SIZE = 16
+
+
+def rht_matrix(seed: int) -> jax.Array:
+  """f32 [16, 16] ``diag(s) @ H16 / 4`` for row vectors (``g @ rht_matrix(seed)``), with
+  ``H16[i, j] = (-1)^popcount(i & j)`` and ``s_i = -1`` where bit i of word 0 of
+  Philox4x32-10(counter 0, key (seed mod 2^32, seed >> 32)) is set, else 1. Orthogonal: its
+  transpose undoes it. ValueError unless ``seed`` is an int in [0, 2^64)."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
+    raise ValueError(f"the Hadamard transform's seed must be an int in [0, 2^64), got {seed!r}")
+  seed = int(seed)
+  word = np.uint32(philox4x32(jnp.zeros(4, jnp.uint32),
+                              jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32))[0])
+  signs = np.where((word >> np.arange(RHT_SIZE, dtype=np.uint32)) & 1, -1.0, 1.0)
+  i = np.arange(RHT_SIZE)
+  hadamard = np.array([[(-1.0) ** bin(a & b).count("1") for b in i] for a in i])
+  return jnp.asarray(signs[:, None] * hadamard / 4, jnp.float32)
+
+
+# The scale layout Blackwell's block-scaled GEMMs read (cuBLASLt's VEC16_UE4M3 / VEC32_UE8M0
+# modes, tcgen05 block scaling): scales [R, S] (S = K / block, R the outer dimension) padded
+# with zeros to multiples of 128 rows and 4 columns, stored as 128 x 4 tiles of 512 bytes, tile
+# (R / 128, S / 4) row-major, the scale (r, s) of a tile at byte (r % 32) * 16 + (r // 32) * 4
+# + s % 4 inside it.
+SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4
+
+
+def swizzle_scales(scales: jax.Array) -> jax.Array:
+  """Block scales [R, S] (E4M3 of NVFP4, E8M0 bytes of MXFP8; one per block of a row) in the
+  swizzled layout above: flat [ceil(R / 128) * 128 * ceil(S / 4) * 4], same dtype, zero
+  padding."""
+  r, s = scales.shape
+  padded = jnp.pad(scales, ((0, -r % SWIZZLE_ROWS), (0, -s % SWIZZLE_COLS)))
+  tiles_r, tiles_s = padded.shape[0] // SWIZZLE_ROWS, padded.shape[1] // SWIZZLE_COLS
+  t = padded.reshape(tiles_r, 4, 32, tiles_s, SWIZZLE_COLS)  # row = 128 tr + 32 q + p
+  return t.transpose(0, 3, 2, 1, 4).reshape(-1)  # [tr, ts, p, q, s % 4]

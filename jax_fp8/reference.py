@@ -1,5 +1,6 @@
 """Plain-jnp twins of every jax_fp8 op: the specification and the test oracle (also of MXFP8 and
-NVFP4 quantization with round-to-nearest, ahead of their kernels).
+NVFP4 quantization, with stochastic rounding and the random Hadamard transform, ahead of their
+kernels).
 
 Same signatures and results as the fast ops; unfused and written to be read. Quantize results
 must match the CUDA and CPU kernels bit for bit; GEMM and linear results within stated
@@ -14,10 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import (E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax, apply_scales, as_f32,
-                      e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max, nvfp4_global_scale)
+from .formats import (E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, RHT_SIZE, amax, apply_scales,
+                      as_f32, e2m1_round_stochastic, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
+                      nvfp4_global_scale, rht_matrix, sr_bits)
 from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.gemm import expand_scales
+from .philox import key_words
 from .state import ScaleRing, next_ring, observe as observe_ring, scale_for_step
 
 _CANONICAL_NAN = 0x7F  # what the hardware's cvt.rn.satfinite writes for any NaN
@@ -199,9 +202,10 @@ def mxfp8_dequantize(data, scales, dtype=jnp.float32):
   return e8m0_apply(data.astype(jnp.float32), jnp.repeat(scales, MX_BLOCK, axis=1)).astype(dtype)
 
 
-def _nvfp4_rowwise(x, global_scale, block_2d):
+def _nvfp4_rowwise(x, global_scale, block_2d, bits=None):
   """x [R, C] f32 -> (data uint8 [R, C/2], scales E4M3 [R, C/16]); with ``block_2d`` one scale
-  per 16 x 16 tile, repeated on each of its 16 rows."""
+  per 16 x 16 tile, repeated on each of its 16 rows; with ``bits`` (uint32 [R, C], 16-bit
+  integers) stochastic rounding, else round-to-nearest-even."""
   r, c = x.shape
   xb = x.reshape(r, c // NVFP4_BLOCK, NVFP4_BLOCK)
   block_amax = amax(xb, axis=-1)  # [R, C/16]
@@ -215,29 +219,61 @@ def _nvfp4_rowwise(x, global_scale, block_2d):
   step = scales.astype(jnp.float32) * global_scale  # an element's dequantization step
   y = jnp.where(step[..., None] > 0, xb / step[..., None], 0.0)
   y = jnp.where(jnp.isnan(y), 0.0, jnp.clip(y, -E2M1_MAX, E2M1_MAX))  # NaN: its scale says so
+  if bits is not None:  # exact E2M1 values, so the cast below keeps them
+    y = e2m1_round_stochastic(y, bits.reshape(y.shape))
   codes = jax.lax.bitcast_convert_type(y.astype(jnp.float4_e2m1fn), jnp.uint4).astype(jnp.uint8)
   codes = codes.reshape(r, c // 2, 2)
   return codes[..., 0] | (codes[..., 1] << 4), scales
 
 
-def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False) -> dict:
-  """NVFP4 with round-to-nearest-even: ``x ~= e2m1 * scale * global_scale``, the global scale
+def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
+                   stochastic_rounding=False, key=None, rht=False, rht_seed=0, global_amax=None,
+                   global_amax_t=None) -> dict:
+  """NVFP4: ``x ~= e2m1 * scale * global_scale``, the global scale
   ``formats.nvfp4_global_scale(amax(x))``, each block's scale ``e4m3(block_amax / 6 /
   global_scale)``, each element ``e2m1(x / (scale * global_scale))`` saturating at +-6 (an
-  all-zero block: scale 0, elements 0). A NaN or infinity makes its block's scale NaN (and the
-  global scale NaN).
+  all-zero block: scale 0, elements 0), rounded to nearest even or, with
+  ``stochastic_rounding``, by ``formats.e2m1_round_stochastic`` with the bits
+  ``formats.sr_bits`` draws under ``key`` (direction 0 for the rowwise copy, 1 for the
+  columnwise). A NaN or infinity makes its block's scale NaN (and the global scale NaN).
 
   x [R, C] (f32 / bf16 / f16; C a multiple of 16, and R too with ``columnwise`` or
   ``block_2d``) -> a dict with ``global_scale`` f32 [], and ``data`` uint8 [R, C/2] (element
   2i in the low nibble) with ``scales`` float8_e4m3fn [R, C/16] (``rowwise``), ``data_t`` /
   ``scales_t`` the same for x.T (``columnwise``). ``block_2d``: 16 x 16 tiles, one scale each
-  (repeated on the tile's rows), so the two directions hold the same numbers."""
+  (repeated on the tile's rows), so the two directions hold the same numbers. ``rht``: the
+  columnwise copy quantizes x.T with each 16-element group of its rows multiplied by
+  ``formats.rht_matrix(rht_seed)``, under its own global scale ``global_scale_t`` (from the
+  transformed tensor's amax). ``global_amax`` / ``global_amax_t``: the amax (f32 []) to take
+  the global scales from instead of this x's, e.g. the max over the devices that hold parts of
+  the tensor.
+
+  Raises ValueError: ``stochastic_rounding`` without ``key`` (or ``key`` without it), ``rht``
+  without ``columnwise`` or with ``block_2d``, ``global_amax_t`` without ``rht``."""
+  if stochastic_rounding != (key is not None):
+    raise ValueError("stochastic_rounding=True needs a key, and a key needs "
+                     "stochastic_rounding=True")
+  if rht and (not columnwise or block_2d):
+    raise ValueError("rht transforms the columnwise copy of 1 x 16 blocks: it needs "
+                     "columnwise=True and block_2d=False")
+  if global_amax_t is not None and not rht:
+    raise ValueError("global_amax_t is the amax of the Hadamard-transformed columnwise copy: "
+                     "it needs rht=True")
   x = as_f32(x)
-  out = {"global_scale": nvfp4_global_scale(amax(x))}
+  r, c = x.shape
+  words = key_words(key) if stochastic_rounding else None
+  bits = lambda rows, cols, direction: (  # noqa: E731
+      None if words is None else sr_bits(words, rows, cols // NVFP4_BLOCK, direction))
+  out = {"global_scale": nvfp4_global_scale(amax(x) if global_amax is None else global_amax)}
   if rowwise:
-    out["data"], out["scales"] = _nvfp4_rowwise(x, out["global_scale"], block_2d)
+    out["data"], out["scales"] = _nvfp4_rowwise(x, out["global_scale"], block_2d, bits(r, c, 0))
   if columnwise:
-    out["data_t"], out["scales_t"] = _nvfp4_rowwise(x.T, out["global_scale"], block_2d)
+    xt, gs = x.T, out["global_scale"]
+    if rht:
+      xt = (xt.reshape(c, r // RHT_SIZE, RHT_SIZE) @ rht_matrix(rht_seed)).reshape(c, r)
+      gs = out["global_scale_t"] = nvfp4_global_scale(
+          amax(xt) if global_amax_t is None else global_amax_t)
+    out["data_t"], out["scales_t"] = _nvfp4_rowwise(xt, gs, block_2d, bits(c, r, 1))
   return out
 
 

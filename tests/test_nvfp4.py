@@ -1,14 +1,17 @@
-"""NVFP4's numerics with round-to-nearest (NVIDIA's NVFP4 report, arXiv 2509.25149): the global
-scale in jax_fp8.formats and the reference twin of NVFP4 quantization (jax_fp8.reference), the
-specification the kernels of the NVFP4 / MXFP8 issue are to match byte for byte."""
+"""NVFP4's numerics (NVIDIA's NVFP4 report, arXiv 2509.25149): the global scale, stochastic
+rounding, the random Hadamard transform and the swizzled scale layout in jax_fp8.formats, and
+the reference twin of NVFP4 quantization (jax_fp8.reference), the specification the kernels of
+the NVFP4 / MXFP8 issue are to match byte for byte."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import block_scaled_data
 
 from jax_fp8 import reference
-from jax_fp8.formats import NVFP4_BLOCK, nvfp4_global_scale
+from jax_fp8.formats import NVFP4_BLOCK, nvfp4_global_scale, rht_matrix, swizzle_scales
+from jax_fp8.philox import philox4x32
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # the codes 0..7; code | 8 is the negative
 
@@ -65,3 +68,164 @@ def test_special_tensors():
   assert np.all(np.isnan(np.asarray(reference.nvfp4_dequantize(t["data"], t["scales"],
                                                                t["global_scale"]))))
   assert np.isnan(float(nvfp4_global_scale(jnp.float32(jnp.inf))))
+
+
+# Stochastic rounding, the random Hadamard transform, the global amax and the swizzled scale
+# layout (the NVFP4 report's training recipe; the layout Blackwell's GEMMs read).
+
+def unit_step_blocks(values, rows):
+  """f32 [rows, 16 * len(values)]: every 16-element block starts with 6 (so the global amax is
+  6 and each block's step is 448 * fl(6 / 2688), 1 to f32 rounding) followed by 15 of
+  ``values``, cycled."""
+  v = np.resize(np.asarray(values, np.float32), (rows, 15 * len(values)))
+  blocks = v.reshape(rows, len(values), 15)
+  return np.concatenate([np.full((rows, len(values), 1), 6.0, np.float32), blocks],
+                        axis=2).reshape(rows, 16 * len(values))
+
+
+def e2m1_values(t, key="data", scales="scales"):
+  return np.asarray(reference.nvfp4_dequantize(t[key], t[scales], t["global_scale"]))
+
+
+# (value, probability of rounding its magnitude up): halfway points of each gap, and quarters.
+SR_TARGETS = [(0.25, 0.5), (0.75, 0.5), (1.25, 0.5), (1.75, 0.5), (2.5, 0.5), (3.5, 0.5),
+              (5.0, 0.5), (4.5, 0.25), (0.375, 0.75), (-2.5, 0.5), (-5.5, 0.75), (-0.125, 0.25)]
+
+
+def test_stochastic_rounding_is_unbiased():
+  """1.1 million draws: each value rounds up as often as its position in its gap says (to 6
+  standard deviations of a binomial; halfway values half the time), and the mean error over
+  all of them is 0 to 6 standard deviations."""
+  values = [v for v, _ in SR_TARGETS]
+  x = unit_step_blocks(values, rows=6144)
+  t = reference.nvfp4_quantize(jnp.asarray(x), stochastic_rounding=True, key=jax.random.key(3))
+  back = e2m1_values(t)
+  body = np.arange(x.shape[1]) % 16 != 0
+  got, want = back[:, body], x[:, body]
+  assert got.size >= 10**6
+  for value, p_up in SR_TARGETS:
+    sel = want == np.float32(value)
+    lo = np.max([c for c in E2M1 if c <= abs(value)])
+    up = np.abs(got[sel]) > lo
+    assert abs(up.mean() - p_up) <= 6 * np.sqrt(p_up * (1 - p_up) / sel.sum()), value
+  err = (got - want).astype(np.float64)  # each |error| < its gap <= 2, variance <= 1
+  assert abs(err.mean()) <= 6 / np.sqrt(err.size)
+  assert np.any(got != 0)
+
+
+def test_stochastic_rounding_bits_follow_the_documented_counter():
+  """An element's rounding decided by its 16 bits of Philox4x32-10(counter (block, row,
+  direction, j)): recomputed here by hand for one element in each direction."""
+  x = unit_step_blocks([0.25, 2.5, 5.0, 1.75], rows=32)  # [32, 64]
+  key = jax.random.key(11)
+  t = reference.nvfp4_quantize(jnp.asarray(x), columnwise=True, stochastic_rounding=True,
+                               key=key)
+  words = jax.random.key_data(key)
+  for name, xs, scales, direction in (("data", x, "scales", 0), ("data_t", x.T, "scales_t", 1)):
+    back = e2m1_values(t, name, scales)
+    for row, col in ((5, 16 + 7), (17, 12), (0, 3), (30, 31)):
+      block, i = divmod(col, 16)
+      w = np.concatenate([np.asarray(philox4x32(jnp.array([block, row, direction, j], jnp.uint32),
+                                                words)) for j in (0, 1)])
+      bits = (int(w[i // 2]) >> (16 * (i % 2))) & 0xFFFF
+      step = np.float32(t[scales][row, block].astype(jnp.float32)) * np.float32(
+          t["global_scale"])  # f32, as the quantizer and nvfp4_dequantize compute it
+      y = np.float32(xs[row, col]) / step
+      lo = max(c for c in E2M1 if c <= abs(y))
+      gap = 0.5 if abs(y) < 2 else 1.0 if abs(y) < 4 else 2.0
+      up = bits < (abs(y) - lo) / gap * 65536
+      assert abs(back[row, col]) == np.float32(lo + gap if up else lo) * step, (name, row, col)
+
+
+def test_stochastic_rounding_keys():
+  x = jnp.asarray(unit_step_blocks([0.25, 2.5, 5.0], rows=16))
+  q = lambda k: np.asarray(reference.nvfp4_quantize(  # noqa: E731
+      x, stochastic_rounding=True, key=jax.random.key(k))["data"])
+  np.testing.assert_array_equal(q(1), q(1))
+  assert np.any(q(1) != q(2))
+  nearest = np.asarray(reference.nvfp4_quantize(x)["data"])
+  assert np.any(q(1) != nearest)
+
+
+def test_stochastic_rounding_keeps_nan_visible():
+  x = np.ones((1, 32), np.float32)
+  x[0, 3] = np.nan
+  t = reference.nvfp4_quantize(jnp.asarray(x), stochastic_rounding=True, key=jax.random.key(0))
+  assert np.isnan(float(t["global_scale"])) and np.all(np.isnan(e2m1_values(t)))
+
+
+def test_hadamard_matrix():
+  m = np.asarray(rht_matrix(0), np.float64)
+  np.testing.assert_array_equal(m @ m.T, np.eye(16))  # entries +-1/4: the products are exact
+  assert np.all(np.abs(m) == 0.25)
+  np.testing.assert_array_equal(np.asarray(rht_matrix(0)), np.asarray(rht_matrix(0)))
+  assert np.any(np.asarray(rht_matrix(0)) != np.asarray(rht_matrix(1)))
+  for bad in (-1, 2**64, 1.0, True, "0"):
+    with pytest.raises(ValueError, match="seed must be an int in"):
+      rht_matrix(bad)
+
+
+def test_hadamard_transform_of_the_columnwise_copy(rng):
+  """rht: the rowwise copy is untouched; the columnwise copy, dequantized and transformed back
+  by the matrix's transpose, is x.T within the format's bound carried through the orthogonal
+  matrix (each 16-element group's error norm is kept)."""
+  x = block_scaled_data(rng, (64, 128), NVFP4_BLOCK, 1, jnp.float32)
+  plain = reference.nvfp4_quantize(x, columnwise=True)
+  t = reference.nvfp4_quantize(x, columnwise=True, rht=True, rht_seed=5)
+  np.testing.assert_array_equal(t["data"], plain["data"])
+  m = np.asarray(rht_matrix(5), np.float64)
+  xt = np.asarray(x, np.float64).T
+  transformed = (xt.reshape(128, 4, 16) @ m).reshape(128, 64)
+  want_gs = np.float32(np.max(np.abs(transformed.astype(np.float32)))) / np.float32(2688)
+  assert float(t["global_scale_t"]) == pytest.approx(float(want_gs), rel=2**-22)
+  back = np.asarray(reference.nvfp4_dequantize(t["data_t"], t["scales_t"], t["global_scale_t"]),
+                    np.float64)
+  step = np.repeat(np.asarray(t["scales_t"], np.float64), 16, 1) * float(t["global_scale_t"])
+  bound = np.maximum(step / 4, np.abs(transformed) / 4) * (1 + 2.0**-20) + 1e-6 * step
+  assert np.all(np.abs(back - transformed) <= bound)
+  group_err = np.linalg.norm((back.reshape(128, 4, 16) @ m.T) - xt.reshape(128, 4, 16), axis=-1)
+  assert np.all(group_err <= np.linalg.norm(bound.reshape(128, 4, 16), axis=-1))
+
+
+def test_global_amax_sets_the_global_scales(rng):
+  x = block_scaled_data(rng, (32, 64), NVFP4_BLOCK, 1, jnp.float32)
+  own = float(np.max(np.abs(np.asarray(x))))
+  same = reference.nvfp4_quantize(x, global_amax=jnp.float32(own))
+  for k, v in reference.nvfp4_quantize(x).items():
+    np.testing.assert_array_equal(np.asarray(same[k]), np.asarray(v))
+  t = reference.nvfp4_quantize(x, columnwise=True, rht=True, global_amax=jnp.float32(2 * own),
+                               global_amax_t=jnp.float32(3 * own))
+  assert float(t["global_scale"]) == np.float32(2 * own) / np.float32(2688)
+  assert float(t["global_scale_t"]) == np.float32(3 * own) / np.float32(2688)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(stochastic_rounding=True), "needs a key"),
+    (dict(key=jax.random.key(0)), "needs a key"),
+    (dict(rht=True), "needs columnwise=True"),
+    (dict(rht=True, columnwise=True, block_2d=True), "block_2d=False"),
+    (dict(global_amax_t=jnp.float32(1)), "needs rht=True"),
+    (dict(stochastic_rounding=True, key=jnp.zeros(3, jnp.uint32)), "two uint32 words"),
+])
+def test_unsupported_combinations_raise(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    reference.nvfp4_quantize(jnp.ones((16, 32)), **kwargs)
+
+
+def test_swizzled_scale_layout():
+  """Scale (r, s) at tile (r // 128, s // 4) of 512 bytes, byte (r % 32) * 16 + (r % 128) // 32
+  * 4 + s % 4 inside it; tiles row-major; zero padding to 128 x 4."""
+  rows, cols = 200, 7
+  scales = jnp.arange(1, rows * cols + 1, dtype=jnp.int32).reshape(rows, cols)
+  flat = np.asarray(swizzle_scales(scales))
+  assert flat.shape == (256 * 8,) and flat.dtype == np.int32
+  tiles_per_row = 8 // 4
+  seen = np.zeros(flat.shape, bool)
+  for r in range(rows):
+    for s in range(cols):
+      at = ((r // 128) * tiles_per_row + s // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + s % 4
+      assert flat[at] == scales[r, s]
+      seen[at] = True
+  assert not np.any(flat[~seen])
+  e4m3 = swizzle_scales(jnp.ones((128, 4), jnp.float8_e4m3fn))
+  assert e4m3.dtype == jnp.float8_e4m3fn and e4m3.shape == (512,)
