@@ -143,9 +143,12 @@ def e2m1_round_stochastic(y: jax.Array, bits: jax.Array) -> jax.Array:
   """E2M1 values of f32 ``y`` in [-6, 6], each magnitude rounded up to the next E2M1 value with
   probability (|y| - lo) / gap (lo the E2M1 value at or below |y|, gap the distance to the next:
   0.5 below 2, 1 below 4, 2 below 6): up exactly when ``bits`` (uniform 16-bit integers) is
-  below (|y| - lo) / gap * 2^16, which is exact in f32. Unbiased to 2^-16 of a gap; the sign
-  is kept (a negative value that rounds to zero gives -0). f32, same shape."""
+  below (|y| - lo) / gap * 2^16, which is exact in f32: probability ceil(2^16 t) / 2^16 for
+  t = (|y| - lo) / gap, biased up by less than 2^-16 of a gap; an E2M1 value never moves. A
+  subnormal |y| counts as 0 (as XLA's CPU runtime flushes it), and the sign is kept (a negative
+  value that rounds to zero gives -0). f32, same shape."""
   a = jnp.abs(y)
+  a = jnp.where(a < jnp.finfo(jnp.float32).tiny, 0.0, a)  # subnormals are zero everywhere
   gap = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0)).astype(jnp.float32)
   lo = jnp.floor(a / gap) * gap
   up = bits.astype(jnp.float32) < (a - lo) / gap * jnp.float32(1 << SR_BITS)
@@ -158,27 +161,42 @@ def e2m1_round_stochastic(y: jax.Array, bits: jax.Array) -> jax.Array:
 RHT_SIZE = 16
 
 
-def rht_matrix(seed: int) -> jax.Array:
-  """f32 [16, 16] ``diag(s) @ H16 / 4`` for row vectors (``g @ rht_matrix(seed)``), with
-  ``H16[i, j] = (-1)^popcount(i & j)`` and ``s_i = -1`` where bit i of word 0 of
-  Philox4x32-10(counter 0, key (seed mod 2^32, seed >> 32)) is set, else 1. Orthogonal: its
-  transpose undoes it. ValueError unless ``seed`` is an int in [0, 2^64)."""
+def rht_signs(seed: int) -> np.ndarray:
+  """The transform's signs, f32 [16]: ``s_i = -1`` where bit i of word 0 of
+  Philox4x32-10(counter 0, key (seed mod 2^32, seed >> 32)) is set, else 1. ``seed`` is a
+  Python int in [0, 2^64) (not traced: the signs are constants of the compiled program);
+  ValueError otherwise."""
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
     raise ValueError(f"the Hadamard transform's seed must be an int in [0, 2^64), got {seed!r}")
   seed = int(seed)
   word = np.uint32(philox4x32(jnp.zeros(4, jnp.uint32),
                               jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32))[0])
-  signs = np.where((word >> np.arange(RHT_SIZE, dtype=np.uint32)) & 1, -1.0, 1.0)
-  i = np.arange(RHT_SIZE)
-  hadamard = np.array([[(-1.0) ** bin(a & b).count("1") for b in i] for a in i])
-  return jnp.asarray(signs[:, None] * hadamard / 4, jnp.float32)
+  return np.where((word >> np.arange(RHT_SIZE, dtype=np.uint32)) & 1, -1.0, 1.0).astype(np.float32)
+
+
+def hadamard_transform(x: jax.Array, seed: int) -> jax.Array:
+  """Each 16-element group along the last axis of f32 ``x`` as the row vector
+  ``g @ diag(s) @ H16 / 4`` (``s = rht_signs(seed)``, ``H16[i, j] = (-1)^popcount(i & j)``):
+  the products ``g_i * s_i / 4`` (exact), then the fast Walsh-Hadamard butterfly, stages of
+  distance 1, 2, 4, 8, each pair (a, b) becoming (a + b, a - b) in f32: the order of the sums
+  that every implementation follows, so the bytes agree. Orthogonal: the transpose of its
+  matrix undoes it. f32, x's shape (the last axis a multiple of 16)."""
+  shape = x.shape
+  v = x.reshape(-1, RHT_SIZE) * jnp.asarray(rht_signs(seed) / 4)
+  h = 1
+  while h < RHT_SIZE:
+    pairs = v.reshape(-1, RHT_SIZE // (2 * h), 2, h)
+    a, b = pairs[:, :, 0], pairs[:, :, 1]
+    v = jnp.stack([a + b, a - b], axis=2).reshape(-1, RHT_SIZE)
+    h *= 2
+  return v.reshape(shape)
 
 
 # The scale layout Blackwell's block-scaled GEMMs read (cuBLASLt's VEC16_UE4M3 / VEC32_UE8M0
 # modes, tcgen05 block scaling): scales [R, S] (S = K / block, R the outer dimension) padded
 # with zeros to multiples of 128 rows and 4 columns, stored as 128 x 4 tiles of 512 bytes, tile
-# (R / 128, S / 4) row-major, the scale (r, s) of a tile at byte (r % 32) * 16 + (r // 32) * 4
-# + s % 4 inside it.
+# (r // 128, s // 4) row-major, the scale (r, s) at byte (r % 32) * 16 + (r % 128) // 32 * 4
+# + s % 4 of its tile.
 SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4
 
 

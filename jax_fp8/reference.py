@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .formats import (E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, RHT_SIZE, amax, apply_scales,
-                      as_f32, e2m1_round_stochastic, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
-                      nvfp4_global_scale, rht_matrix, sr_bits)
+from .formats import (E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax, apply_scales, as_f32,
+                      e2m1_round_stochastic, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
+                      hadamard_transform, nvfp4_global_scale, sr_bits)
 from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.gemm import expand_scales
 from .philox import key_words
@@ -241,24 +241,32 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   ``block_2d``) -> a dict with ``global_scale`` f32 [], and ``data`` uint8 [R, C/2] (element
   2i in the low nibble) with ``scales`` float8_e4m3fn [R, C/16] (``rowwise``), ``data_t`` /
   ``scales_t`` the same for x.T (``columnwise``). ``block_2d``: 16 x 16 tiles, one scale each
-  (repeated on the tile's rows), so the two directions hold the same numbers. ``rht``: the
-  columnwise copy quantizes x.T with each 16-element group of its rows multiplied by
-  ``formats.rht_matrix(rht_seed)``, under its own global scale ``global_scale_t`` (from the
-  transformed tensor's amax). ``global_amax`` / ``global_amax_t``: the amax (f32 []) to take
-  the global scales from instead of this x's, e.g. the max over the devices that hold parts of
-  the tensor.
+  (repeated on the tile's rows), so the two directions hold the same numbers (round to
+  nearest only). ``rht``: the columnwise copy quantizes x.T with each 16-element group of its
+  rows through ``formats.hadamard_transform(., rht_seed)`` (``rht_seed`` a Python int), under
+  its own global scale ``global_scale_t`` (from the transformed tensor's amax).
+  ``global_amax`` / ``global_amax_t``: the amax (f32 []) to take the global scales from
+  instead of this x's, e.g. the max over the devices that hold parts of the tensor; a value
+  below the tensor's own amax saturates the block scales at 448 and the elements at +-6.
 
-  Raises ValueError: ``stochastic_rounding`` without ``key`` (or ``key`` without it), ``rht``
-  without ``columnwise`` or with ``block_2d``, ``global_amax_t`` without ``rht``."""
+  Raises ValueError: ``stochastic_rounding`` without ``key`` (or ``key`` without it, or with
+  ``block_2d``), ``rht`` without ``columnwise`` or with ``block_2d``, ``global_amax_t``
+  without ``rht``, a global amax that is not a scalar."""
   if stochastic_rounding != (key is not None):
     raise ValueError("stochastic_rounding=True needs a key, and a key needs "
                      "stochastic_rounding=True")
+  if stochastic_rounding and block_2d:
+    raise ValueError("stochastic rounding takes 1 x 16 blocks (gradients): block_2d=True "
+                     "(weights) rounds to nearest, so both directions hold the same numbers")
   if rht and (not columnwise or block_2d):
     raise ValueError("rht transforms the columnwise copy of 1 x 16 blocks: it needs "
                      "columnwise=True and block_2d=False")
   if global_amax_t is not None and not rht:
     raise ValueError("global_amax_t is the amax of the Hadamard-transformed columnwise copy: "
                      "it needs rht=True")
+  for name, v in (("global_amax", global_amax), ("global_amax_t", global_amax_t)):
+    if v is not None and jnp.shape(v) != ():
+      raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(v)}")
   x = as_f32(x)
   r, c = x.shape
   words = key_words(key) if stochastic_rounding else None
@@ -270,7 +278,7 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   if columnwise:
     xt, gs = x.T, out["global_scale"]
     if rht:
-      xt = (xt.reshape(c, r // RHT_SIZE, RHT_SIZE) @ rht_matrix(rht_seed)).reshape(c, r)
+      xt = hadamard_transform(xt, rht_seed)
       gs = out["global_scale_t"] = nvfp4_global_scale(
           amax(xt) if global_amax_t is None else global_amax_t)
     out["data_t"], out["scales_t"] = _nvfp4_rowwise(xt, gs, block_2d, bits(c, r, 1))
