@@ -21,16 +21,6 @@ constexpr double kTuneWindowUs = 5000.0;  // each candidate runs back to back ab
 constexpr int kTuneMaxReps = 100;
 constexpr size_t kBufferAlign = 256;
 
-size_t dtype_bytes(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F8E4M3FN:
-    case ffi::DataType::F8E5M2: return 1;
-    case ffi::DataType::BF16:
-    case ffi::DataType::F16: return 2;
-    default: return 4;
-  }
-}
-
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
     cudaGetLastError();
@@ -93,14 +83,14 @@ TunedGemm tune_gemm(int dev, const GemmProblem& p) {
   TuneScope scope(dev);
   const auto [na, nb] = scale_sizes(p.scale_mode, p.M, p.N, p.K);
   Layout at;
-  const size_t a = at.take(p.M * p.K * dtype_bytes(p.a_type));
-  const size_t b = at.take(p.N * p.K * dtype_bytes(p.b_type));
-  const size_t bias = at.take(p.has_bias ? p.N * dtype_bytes(epilogue_type(p.d_type)) : 0);
+  const size_t a = at.take(p.M * p.K * ffi::ByteWidth(p.a_type));
+  const size_t b = at.take(p.N * p.K * ffi::ByteWidth(p.b_type));
+  const size_t bias = at.take(p.has_bias ? p.N * ffi::ByteWidth(epilogue_type(p.d_type)) : 0);
   const size_t a_scale = at.take(na * sizeof(float));
   const size_t b_scale = at.take(nb * sizeof(float));
   const size_t d_scale = at.take(sizeof(float));
   const size_t inputs = at.total;
-  const size_t d = at.take(p.M * p.N * dtype_bytes(p.d_type));
+  const size_t d = at.take(p.M * p.N * ffi::ByteWidth(p.d_type));
   const size_t amax_d = at.take(sizeof(float));
   const size_t workspace = at.take(kGemmWorkspaceBytes);
   check(cudaMalloc(&scope.base, at.total), "cudaMalloc of the GEMM timing buffers");
