@@ -9,7 +9,7 @@ Compute in bf16, master weights in ``--param-dtype`` (f32 by default), AdamW (op
 cross-entropy in f32 on one batch of random tokens, the same every step (its loss after the
 timed steps, memorized by then, shows that every variant trains; the demo compares
 convergence). The variants differ only in the layers of the seven
-projections of each layer:
+projections of each layer (and, in the fused variants, the SwiGLU between them):
 
 - ``bf16``: ``flax.linen.Dense``;
 - ``flax_fp8``: ``flax.linen.Dense(dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp)`` (Flax's
@@ -22,7 +22,11 @@ projections of each layer:
   behaviour before it quantized f32 weights directly: the gain of that fusion);
 - ``delayed_shared_input``, ``block_shared_input``: q / k / v and gate / up each one
   ``jax_fp8.flax.MultiDense``, so each normalized input is quantized once;
-- ``delayed_shared_input_fast_all``: the same with fast accumulation in all three GEMMs.
+- ``delayed_shared_input_fast_all``: the same with fast accumulation in all three GEMMs;
+- ``delayed_fused_mlp`` (and ``_fast_all``): as ``delayed_shared_input`` (and its fast
+  variant), the MLP one ``jax_fp8.flax.Mlp``: gate and up in one GEMM, SwiGLU computed inside
+  the cast-transpose of the down projection's input, its gradient inside the cast-transpose of
+  the up projection's output gradient.
 
 Each step is one jitted call with its buffers donated. Time: the median of ``--windows``
 windows of ``--steps`` back-to-back steps (dispatch is asynchronous and a step lasts far longer
@@ -62,7 +66,7 @@ import optax
 from flax.linen import fp8_ops
 
 import jax_fp8
-from jax_fp8.flax import STATE_COLLECTION, Dense, MultiDense
+from jax_fp8.flax import STATE_COLLECTION, Dense, Mlp, MultiDense
 
 from .run import environment, write_results
 from .step_profile import summarize, trace_events
@@ -95,20 +99,28 @@ class KernelCopyDense(nn.Module):
 
 DELAYED, BLOCK = jax_fp8.DelayedScaling(), jax_fp8.BlockScaling()
 # name -> (the projections' class, the class of several projections of one input or None for
-# one layer each); each is called with features, name and the kwargs of Layer.
+# one layer each, the recipe of a fused jax_fp8.flax.Mlp or None for gate / up / down
+# projections around jax.nn.silu); the classes are called with features, name and the kwargs of
+# Layer.
 VARIANTS = {
-    "bf16": (nn.Dense, None),
+    "bf16": (nn.Dense, None, None),
     "flax_fp8": (functools.partial(nn.Dense, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp),
-                 None),
-    "delayed_bf16_kernel_copy": (KernelCopyDense, None),
-    "delayed": (functools.partial(Dense, recipe=DELAYED), None),
+                 None, None),
+    "delayed_bf16_kernel_copy": (KernelCopyDense, None, None),
+    "delayed": (functools.partial(Dense, recipe=DELAYED), None, None),
     "delayed_shared_input": (functools.partial(Dense, recipe=DELAYED),
-                                      functools.partial(MultiDense, recipe=DELAYED)),
+                             functools.partial(MultiDense, recipe=DELAYED), None),
     "delayed_shared_input_fast_all": (
-        functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL)),
-    "block": (functools.partial(Dense, recipe=BLOCK), None),
+        functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
+        None),
+    "delayed_fused_mlp": (functools.partial(Dense, recipe=DELAYED),
+                          functools.partial(MultiDense, recipe=DELAYED), DELAYED),
+    "delayed_fused_mlp_fast_all": (
+        functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
+        FAST_ALL),
+    "block": (functools.partial(Dense, recipe=BLOCK), None, None),
     "block_shared_input": (functools.partial(Dense, recipe=BLOCK),
-                                    functools.partial(MultiDense, recipe=BLOCK)),
+                           functools.partial(MultiDense, recipe=BLOCK), None),
 }
 
 
@@ -149,7 +161,7 @@ class Layer(nn.Module):
   def project(self, h, **features):
     """The projections of h named by ``features`` (name=N): one layer each, or one layer of
     several outputs where the variant has one."""
-    single, multi = VARIANTS[self.variant]
+    single, multi, _ = VARIANTS[self.variant]
     kw = dict(use_bias=False, dtype=COMPUTE, param_dtype=jnp.dtype(self.cfg.param_dtype))
     if multi is None or len(features) == 1:
       return tuple(single(n, name=name, **kw)(h) for name, n in features.items())
@@ -166,6 +178,10 @@ class Layer(nn.Module):
         implementation=None if cfg.attention == "default" else cfg.attention)
     x = x + self.project(a.reshape(b, t, d), o=d)[0]
     h = nn.RMSNorm(dtype=COMPUTE, name="mlp_norm")(x)
+    mlp_recipe = VARIANTS[self.variant][2]
+    if mlp_recipe is not None:
+      return x + Mlp(cfg.ffn, activation="swiglu", use_bias=False, dtype=COMPUTE,
+                     param_dtype=jnp.dtype(cfg.param_dtype), recipe=mlp_recipe, name="mlp")(h), None
     gate, up = self.project(h, gate=cfg.ffn, up=cfg.ffn)
     return x + self.project(jax.nn.silu(gate) * up, down=d)[0], None
 

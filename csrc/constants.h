@@ -51,6 +51,10 @@ enum class ScaleMode : int64_t { kPerTensor = 0, kBlock128x128 = 1, kGroup1x128 
 // Group sizes jax_fp8_group_quantize takes (one instantiation each).
 constexpr int kGroupSizes[] = {16, 32, 64, 128};
 
+// What jax_fp8_cast_transpose_ring quantizes (the `activation` attribute; csrc/activation.h):
+// x itself, or its image through an activation (or, with `grad`, the gradient through it).
+enum class ActivationId : int64_t { kNone = 0, kSilu = 1, kGelu = 2 };
+
 // Most row tiles of 128 a block-scaling kernel takes: CUDA's limit on gridDim.y.
 constexpr int64_t kMaxTileRows = 65535;
 

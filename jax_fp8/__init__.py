@@ -8,8 +8,10 @@ from ._ffi import cuda_available
 from .formats import fp8_dtype, fp8_max
 from .inference import Fp8Weight, quantize_weight, quantize_weights
 from .linear import LinearState, MultiLinearState, linear, multi_linear
-from .ops import (CastTransposed, DelayedQuantized, Quantized, block_quantize,
-                  cast_transpose_delayed, dequantize, gemm, group_cast_transpose, group_quantize,
+from .mlp import MlpState, mlp
+from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_transpose,
+                  activation_grad_cast_transpose, block_quantize, cast_transpose_delayed,
+                  dequantize, gemm, group_cast_transpose, group_quantize,
                   quantize, quantize_delayed)
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing, combine_updates, share, update_state
@@ -18,9 +20,10 @@ __version__ = "0.3.0.dev0"
 
 __all__ = [
     "BlockScaling", "CastTransposed", "DelayedQuantized", "DelayedScaling", "Fp8Weight",
-    "LinearState", "MultiLinearState", "Quantized", "ScaleRing", "block_quantize",
+    "LinearState", "MlpState", "MultiLinearState", "Quantized", "ScaleRing",
+    "activation_cast_transpose", "activation_grad_cast_transpose", "block_quantize",
     "cast_transpose_delayed",
     "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
     "group_cast_transpose", "group_quantize", "linear", "multi_linear", "quantize",
-    "quantize_delayed", "quantize_weight", "quantize_weights", "share", "update_state",
+    "mlp", "quantize_delayed", "quantize_weight", "quantize_weights", "share", "update_state",
 ]

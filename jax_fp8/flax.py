@@ -14,9 +14,11 @@ import jax
 import jax.numpy as jnp
 from flax import serialization
 
+from . import activations, checks
 from ._layer import call_layer, check_layer, create_state
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState
+from .mlp import MlpState, mlp
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing
 
@@ -36,6 +38,7 @@ def _register(cls, fields):
 _register(ScaleRing, ("amax_history", "scale", "steps"))
 _register(LinearState, ("x", "kernel", "grad"))
 _register(MultiLinearState, ("x", "kernels", "grads"))
+_register(MlpState, tuple(f.name for f in dataclasses.fields(MlpState)))
 
 
 class _Layer(nn.Module):
@@ -126,3 +129,62 @@ class MultiDense(_Layer):
   @nn.compact
   def __call__(self, inputs: jax.Array) -> tuple[jax.Array, ...]:
     return self.outputs(inputs, multi=True)
+
+
+class Mlp(nn.Module):
+  """An MLP block, up projection, activation, down projection, in FP8 with the activation and
+  its gradient fused into the cast-transposes (``jax_fp8.mlp``): where ``Dense`` layers around
+  a jnp activation write the activation (and, in the backward, its gradient) in ``dtype`` and
+  quantize it again, this layer never stores either.
+
+  Parameters "kernel_in" [K, N] (N = hidden_features, or 2 * hidden_features for a gated
+  activation: gate and up side by side, one GEMM), "kernel_out" [hidden_features, D],
+  "bias_in" [N] and "bias_out" [D] with ``use_bias``, each with ``nn.Dense``'s initializers;
+  under ``DelayedScaling`` an ``MlpState`` named "mlp" in the "fp8_state" collection (handled
+  as ``Dense``'s state is).
+
+  Attributes:
+    hidden_features: F, a multiple of 16 (128 under BlockScaling).
+    activation: "swiglu" (default), "geglu", "silu" or "gelu" (``jax_fp8.activations``).
+    out_features: D; None (default) gives the input's K.
+    use_bias, dtype, param_dtype, kernel_init, bias_init, recipe, amax_axis_name: as in
+      ``Dense``.
+
+  Input ``[..., K]``; output ``[..., D]`` in ``dtype``.
+  """
+
+  hidden_features: int
+  activation: str = "swiglu"
+  out_features: int | None = None
+  use_bias: bool = True
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.lecun_normal()
+  bias_init: Callable = nn.initializers.zeros_init()
+  recipe: DelayedScaling | BlockScaling = DelayedScaling()
+  amax_axis_name: str | None = None
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    (f,), use_bias = check_layer("Mlp", self.hidden_features, self.use_bias, self.recipe, False,
+                                 "hidden_features")
+    _, gated = activations.check(self.activation, "Mlp.activation")
+    if jnp.ndim(inputs) < 1:
+      raise ValueError("Mlp inputs must be [..., K], got a scalar")
+    k = jnp.shape(inputs)[-1]
+    d = k if self.out_features is None else checks.integer(self.out_features,
+                                                           "Mlp.out_features", lo=1)
+    n = 2 * f if gated else f
+    kernel_in = self.param("kernel_in", self.kernel_init, (k, n), self.param_dtype)
+    kernel_out = self.param("kernel_out", self.kernel_init, (f, d), self.param_dtype)
+    biases = ((self.param("bias_in", self.bias_init, (n,), self.param_dtype),
+               self.param("bias_out", self.bias_init, (d,), self.param_dtype))
+              if use_bias else (None, None))
+    state = (self.variable(STATE_COLLECTION, "mlp", MlpState.create, self.recipe).value
+             if isinstance(self.recipe, DelayedScaling) else None)
+    dtype = nn.dtypes.canonicalize_dtype(inputs, kernel_in, kernel_out,
+                                         *(b for b in biases if b is not None), dtype=self.dtype)
+    inputs, *biases = nn.dtypes.promote_dtype(inputs, *biases, dtype=dtype)
+    axis = None if self.is_initializing() else self.amax_axis_name
+    return mlp(inputs, kernel_in, kernel_out, *biases, activation=self.activation, state=state,
+               recipe=self.recipe, amax_axis_name=axis)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import activations
 from .formats import (E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax, apply_scales, as_f32,
                       e2m1_round_stochastic, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
                       hadamard_transform, nvfp4_global_scale, sr_bits)
@@ -49,6 +50,21 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
   qt = jnp.pad(q.T, ((0, 0), (0, -x.shape[0] % 16)))  # [C, ceil16(R)]
   dbias = jnp.sum(as_f32(x), axis=0) if with_dbias else None  # [C]
   return CastTransposed(q, qt, a, moved, dbias, s)
+
+
+def activation_cast_transpose(y, ring: ScaleRing, *, activation: str,
+                              observe: bool = False) -> CastTransposed:
+  """cast_transpose_delayed of the f32 activation of y (``jax_fp8.activations.apply``)."""
+  return cast_transpose_delayed(activations.apply(y, activation), ring, observe=observe)
+
+
+def activation_grad_cast_transpose(dh, y, ring: ScaleRing, *, activation: str,
+                                   with_dbias: bool = False,
+                                   observe: bool = False) -> CastTransposed:
+  """cast_transpose_delayed of the f32 gradient through the activation
+  (``jax_fp8.activations.grad``)."""
+  return cast_transpose_delayed(activations.grad(dh, y, activation), ring,
+                                with_dbias=with_dbias, observe=observe)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:

@@ -31,9 +31,13 @@ def profile():
   group = jax.jit(lambda x: jax_fp8.group_quantize(x, scale_layout="col"))
   block = jax.jit(jax_fp8.block_quantize)
   group_t = jax.jit(jax_fp8.group_cast_transpose)
+  y = jnp.concatenate([x, x], axis=1)  # a SwiGLU pre-activation [gate | up]
+  act = jax.jit(lambda y, r: jax_fp8.activation_cast_transpose(y, r, activation="swiglu"))
+  act_grad = jax.jit(lambda dh, y, r: jax_fp8.activation_grad_cast_transpose(
+      dh, y, r, activation="swiglu"))
   for _ in range(3):
     jax.block_until_ready((quantize(x), delayed(x, ring), cast_t(x, ring), cast_t_dbias(x, ring),
-                           group(x), block(x), group_t(x)))
+                           group(x), block(x), group_t(x), act(y, ring), act_grad(x, y, ring)))
 
 
 def coverage():
@@ -52,6 +56,14 @@ def coverage():
           q = jax_fp8.quantize_delayed(x, ring, observe=observe)
           c = jax_fp8.cast_transpose_delayed(x, ring, with_dbias=dbias, observe=observe)
           jax.block_until_ready((q, c))
+          for activation in ("silu", "gelu", "swiglu", "geglu") if observe == dbias else ():
+            gated = activation.endswith("glu")
+            y = normal((shape[0], shape[1] * 2 if gated else shape[1]), dtype)
+            a = jax_fp8.activation_cast_transpose(y, ring, activation=activation,
+                                                  observe=observe)
+            g = jax_fp8.activation_grad_cast_transpose(x, y, ring, activation=activation,
+                                                       with_dbias=dbias, observe=observe)
+            jax.block_until_ready((a, g))
           ring = jax_fp8.quantize_delayed(x, ring).ring
     for shape in ((3, 128), (257, 384)):
       x = normal(shape, dtype)

@@ -109,7 +109,8 @@ def test_model_step_benchmark(tmp_path):
   figures the issue asks for, the ratios against both peers, a profile where asked, and the
   JSON as returned."""
   out = tmp_path / "model_step.json"
-  variants = ["bf16", "flax_fp8", "delayed_shared_input", "block_shared_input"]
+  variants = ["bf16", "flax_fp8", "delayed_shared_input", "block_shared_input",
+              "delayed_fused_mlp"]
   res = model_step.main(["--quick", "--steps", "1", "--windows", "1", "--variants", *variants,
                          "--profile", "delayed_shared_input", "--profile-steps", "1",
                          "--out", str(out)])

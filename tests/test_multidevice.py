@@ -344,6 +344,34 @@ def test_sharded_jit_fresh_rings(rng):
   assert np.isnan(float(a_nan))
 
 
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_sharded_jit_activation_cast_transposes(rng, activation):
+  """The activation ops under a sharded jit (rows split; a gated activation's columns kept
+  whole, its gate and up halves being far apart) equal one device's, fresh ring included."""
+  gated = activation == "swiglu"
+  y = jnp.asarray(rng.standard_normal((M, 2 * K if gated else K)) * 3, jnp.float32)
+  dh = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  put = lambda v: jax.device_put(v, jax.sharding.NamedSharding(mesh, P("data")))  # noqa: E731
+  fwd = lambda y, r: jax_fp8.activation_cast_transpose(y, r, activation=activation)  # noqa: E731
+  bwd = lambda dh, y, r: jax_fp8.activation_grad_cast_transpose(  # noqa: E731
+      dh, y, r, activation=activation, with_dbias=True)
+  ring = jax_fp8.ScaleRing.create(4)
+  got = jax.jit(fwd)(put(y), ring), jax.jit(bwd)(put(dh), put(y), ring)
+  with jax.default_device(DEVICES[0]):
+    want = fwd(y, ring), bwd(dh, y, ring)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g.q).view(np.uint8), np.asarray(w.q).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(g.qt).view(np.uint8),
+                                  np.asarray(w.qt).view(np.uint8))
+    assert float(g.amax) == float(w.amax)
+    for u, v in zip(jax.tree.leaves(g.ring), jax.tree.leaves(w.ring)):
+      np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+  v = np.abs(np.asarray(jax_fp8.activations.grad(dh, y, activation), np.float64)).sum(axis=0)
+  assert np.all(np.abs(np.asarray(got[1].dbias) - np.asarray(want[1].dbias))
+                <= 2 * summation_error(M) * v)
+
+
 def test_sharded_jit_gemm_sums_in_f32():
   """A K split over the devices sums the local products in f32 and casts once: float16
   partials of +-448 * 448 * 128 would overflow although the total is 0."""

@@ -8,8 +8,12 @@ namespace jax_fp8 {
 
 struct CastTransposeArgs {
   const void* x;
+  const void* y;  // the pre-activation with `grad`, else unused
   ffi::DataType x_type;
-  int64_t rows, cols, rows16;  // rows16: rows rounded up to kQtRowMultiple, qt's row length
+  ActivationId activation;  // kNone: q is x quantized
+  bool gated, grad;
+  int64_t rows, cols, rows16;  // of q; rows16: rows rounded up to kQtRowMultiple, qt's rows
+  int64_t x_cols;
   Fp8Format fmt;
   uint8_t *q, *qt;
   float* amax;
@@ -20,21 +24,39 @@ struct CastTransposeArgs {
   RingArgs ring;
 };
 
+// What is quantized, [R, C] (csrc/activation.h): with activation kNone, x [R, C] itself; else
+// without grad, act(x) with x [R, C] (gated: act(gate) * up, x = [gate | up] [R, 2C]); with
+// grad, the gradient through the activation from x = dh [R, Ch] and y = the pre-activation
+// ([R, Ch]; gated [R, 2Ch], and C = 2Ch). y is empty unless grad.
 inline ffi::Error DecodeCastTransposeRing(
-    Platform platform, CastTransposeArgs& a, ffi::AnyBuffer x, F32Buffer history,
+    Platform platform, CastTransposeArgs& a, ffi::AnyBuffer x, ffi::AnyBuffer y,
+    F32Buffer history,
     F32Buffer scale, F32Buffer steps, ffi::Result<ffi::AnyBuffer> q,
     ffi::Result<ffi::AnyBuffer> qt, F32Result scale_used, F32Result amax, F32Result history_out,
     F32Result scale_out, F32Result steps_out, F32Result dbias_partial, F32Result dbias,
     ffi::Result<ffi::AnyBuffer> scratch, int64_t margin, int64_t algo, bool observe,
-    bool with_dbias) {
+    bool with_dbias, int64_t activation, bool gated, bool grad) {
   if (!supported_input(x.element_type())) return invalid("x must be float32, bfloat16 or float16");
+  if (grad && y.element_type() != x.element_type()) return invalid("y must have x's dtype");
   if (!is_fp8(q->element_type()) || qt->element_type() != q->element_type())
     return invalid("q and qt must share an FP8 dtype");
   if (x.dimensions().size() != 2) return invalid("x must be 2-D");
-  const int64_t rows = x.dimensions()[0], cols = x.dimensions()[1];
+  if (grad && y.dimensions().size() != 2) return invalid("y must be 2-D");
+  if (activation != int64_t(ActivationId::kNone) && activation != int64_t(ActivationId::kSilu) &&
+      activation != int64_t(ActivationId::kGelu))
+    return invalid("activation must be 0 (none), 1 (silu) or 2 (gelu)");
+  const bool act = activation != int64_t(ActivationId::kNone);
+  if (!act && (gated || grad)) return invalid("gated and grad need an activation");
+  if (act && !grad && with_dbias) return invalid("with_dbias needs grad under an activation");
+  if (!grad && y.element_count() != 0) return invalid("y must be empty without grad");
+  const int64_t rows = x.dimensions()[0], x_cols = x.dimensions()[1];
   const int64_t rows16 = (rows + kQtRowMultiple - 1) / kQtRowMultiple * kQtRowMultiple;
-  if (cols <= 0 || cols % kColMultiple)
-    return invalid("x's columns must be a positive multiple of 16");
+  if (x_cols <= 0 || x_cols % (act && gated && !grad ? 2 * kColMultiple : kColMultiple))
+    return invalid("x's columns must be a positive multiple of 16 (32 for a gated activation)");
+  const int64_t cols = !act ? x_cols : !grad ? (gated ? x_cols / 2 : x_cols)
+                                             : (gated ? 2 * x_cols : x_cols);
+  if (grad && (y.dimensions()[0] != rows || y.dimensions()[1] != cols))
+    return invalid("y must be [R, Ch] ([R, 2 Ch] gated) for dh = x [R, Ch]");
   if (q->element_count() != size_t(rows * cols) || qt->element_count() != size_t(cols * rows16))
     return invalid("q must be [R, C] and qt [C, ceil16(R)]");
   if (amax->element_count() != 1) return invalid("amax must be f32[]");
@@ -50,8 +72,11 @@ inline ffi::Error DecodeCastTransposeRing(
       e.failure())
     return e;
   a.x = x.untyped_data();
+  a.y = y.untyped_data();
   a.x_type = x.element_type();
-  a.rows = rows, a.cols = cols, a.rows16 = rows16;
+  a.activation = static_cast<ActivationId>(activation);
+  a.gated = gated, a.grad = grad;
+  a.rows = rows, a.cols = cols, a.rows16 = rows16, a.x_cols = x_cols;
   a.fmt = fp8_format(q->element_type());
   a.q = static_cast<uint8_t*>(q->untyped_data());
   a.qt = static_cast<uint8_t*>(qt->untyped_data());
@@ -60,13 +85,14 @@ inline ffi::Error DecodeCastTransposeRing(
   a.dbias_partial = dbias_partial->typed_data();
   a.dbias = dbias->typed_data();
   a.scratch = scratch->untyped_data();
-  return check_aligned16(platform, {a.x, a.q, a.qt}, "x, q and qt");
+  return check_aligned16(platform, {a.x, grad ? a.y : a.x, a.q, a.qt}, "x, y, q and qt");
 }
 
 template <typename B>
 auto BindCastTransposeRing(B binding) {
   return std::move(binding)
-      .template Arg<ffi::AnyBuffer>()  // x [R, C]
+      .template Arg<ffi::AnyBuffer>()  // x [R, C] (see DecodeCastTransposeRing)
+      .template Arg<ffi::AnyBuffer>()  // y: the pre-activation with grad, else [0]
       .template Arg<F32Buffer>()       // history [L]
       .template Arg<F32Buffer>()       // scale []
       .template Arg<F32Buffer>()       // steps []
@@ -83,7 +109,10 @@ auto BindCastTransposeRing(B binding) {
       .template Attr<int64_t>("margin")
       .template Attr<int64_t>("algo")
       .template Attr<bool>("observe")
-      .template Attr<bool>("with_dbias");
+      .template Attr<bool>("with_dbias")
+      .template Attr<int64_t>("activation")
+      .template Attr<bool>("gated")
+      .template Attr<bool>("grad");
 }
 
 }  // namespace jax_fp8

@@ -2,6 +2,7 @@
 // thread. Arguments: cast_transpose_args.h.
 #include <cstring>
 
+#include "../activation.h"
 #include "cast_transpose_args.h"
 #include "cpu_io.h"
 
@@ -9,9 +10,27 @@ namespace jax_fp8 {
 namespace {
 
 ffi::Error CastTransposeRingImpl(const CastTransposeArgs& a) {
-  const int64_t rows = a.rows, cols = a.cols, rows16 = a.rows16;
-  auto x = [&](int64_t r, int64_t c) { return load_f32(a.x, a.x_type, r * cols + c); };
-  const float amax = amax_of(a.x, a.x_type, size_t(rows * cols));
+  const int64_t rows = a.rows, cols = a.cols, rows16 = a.rows16, xc = a.x_cols;
+  // Element (r, c) of what is quantized: the sources of cast_transpose.cuh, in their order of
+  // operations.
+  auto in = [&](const void* p, int64_t i) { return load_f32(p, a.x_type, i); };
+  const ActivationId act = a.activation;
+  auto x = [&](int64_t r, int64_t c) -> float {
+    if (act == ActivationId::kNone) return in(a.x, r * cols + c);
+    if (!a.grad) {
+      const float g = in(a.x, r * xc + c);
+      return a.gated ? activation(act, g) * in(a.x, r * xc + cols + c) : activation(act, g);
+    }
+    const int64_t ch = c % xc, y_cols = a.gated ? 2 * xc : xc;
+    const float d = in(a.x, r * xc + ch), g = in(a.y, r * y_cols + ch);
+    if (!a.gated) return d * activation_grad(act, g);
+    if (c >= xc) return d * activation(act, g);
+    return d * in(a.y, r * y_cols + xc + ch) * activation_grad(act, g);
+  };
+  uint32_t amax_bits = 0;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) amax_bits = std::max(amax_bits, abs_bits(x(r, c)));
+  const float amax = bits_float(amax_bits);
   const float s = ring_scale_for_step(*a.ring.scale, *a.ring.steps, amax, a.fmt, a.ring.margin);
   const float inv = 1.0f / flush_subnormal(s);
   std::memset(a.qt, 0, size_t(cols * rows16));  // the padding columns of qt are zero

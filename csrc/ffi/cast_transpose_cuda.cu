@@ -9,24 +9,25 @@
 namespace jax_fp8 {
 namespace {
 
-template <typename T, bool kDbias>
-ffi::Error Launch(cudaStream_t stream, const CastTransposeArgs& a) {
+template <bool kDbias, typename Src>
+ffi::Error Launch(cudaStream_t stream, const CastTransposeArgs& a, Src src) {
   auto* scratch = static_cast<QuantizeScratch*>(a.scratch);
   if (cudaMemsetAsync(scratch, 0, sizeof(QuantizeScratch), stream) != cudaSuccess)
     return ffi::Error::Internal("cudaMemsetAsync failed");
-  const T* x = static_cast<const T*>(a.x);
   const size_t n = size_t(a.rows) * a.cols;
-  launch_pdl(first_step_amax_kernel<T>, grid_size(n, kQuantizeThreads * kElemsPerThread, 8),
-             kQuantizeThreads, stream, x, n, a.ring.steps, scratch);
+  launch_pdl(first_step_source_amax_kernel<Src>,
+             grid_size(n, kQuantizeThreads * kElemsPerThread, 8), kQuantizeThreads, stream, src,
+             a.rows, a.cols, a.ring.steps, scratch);
   // At least one row of tiles, so an empty x still records its (zero) amax; a persistent grid
   // over them of as many blocks as fit on the SMs at once (one wave: the kernel's registers
   // decide how many, so the count is queried rather than assumed).
   const size_t tiles = size_t((a.cols + kTile - 1) / kTile) *
                        size_t(std::max<int64_t>(1, (a.rows + kTile - 1) / kTile));
-  static const int per_sm = resident_blocks_per_sm(cast_transpose_kernel<T, true, kDbias>, kTileThreads);
-  launch_pdl(cast_transpose_kernel<T, true, kDbias>, grid_size(tiles, 1, per_sm), kTileThreads, stream,
-             x, a.rows, a.cols, a.rows16, a.ring.scale, a.fmt, a.q, a.qt, a.amax, a.dbias_partial,
-             scratch, a.ring);
+  static const int per_sm =
+      resident_blocks_per_sm(cast_transpose_kernel<Src, true, kDbias>, kTileThreads);
+  launch_pdl(cast_transpose_kernel<Src, true, kDbias>, grid_size(tiles, 1, per_sm), kTileThreads,
+             stream, src, a.rows, a.cols, a.rows16, a.ring.scale, a.fmt, a.q, a.qt, a.amax,
+             a.dbias_partial, scratch, a.ring);
   if constexpr (kDbias) {
     const int64_t row_tiles = (a.rows + kTile - 1) / kTile;
     launch_pdl(dbias_reduce_kernel, int((a.cols + kDbiasCols - 1) / kDbiasCols), kTileThreads,
@@ -38,7 +39,15 @@ ffi::Error Launch(cudaStream_t stream, const CastTransposeArgs& a) {
 ffi::Error CastTransposeRingImpl(cudaStream_t stream, const CastTransposeArgs& a) {
   return dispatch_input(a.x_type, [&](auto t) {
     using T = typename decltype(t)::type;
-    return a.with_dbias ? Launch<T, true>(stream, a) : Launch<T, false>(stream, a);
+    const T* x = static_cast<const T*>(a.x);
+    if (a.activation == ActivationId::kNone) {
+      const PlainSource<T> src{x, a.cols};
+      return a.with_dbias ? Launch<true>(stream, a, src) : Launch<false>(stream, a, src);
+    }
+    if (!a.grad) return Launch<false>(stream, a, ActivationSource<T>{x, a.cols, a.activation, a.gated});
+    const ActivationGradSource<T> src{x, static_cast<const T*>(a.y), a.x_cols, a.activation,
+                                      a.gated};
+    return a.with_dbias ? Launch<true>(stream, a, src) : Launch<false>(stream, a, src);
   });
 }
 

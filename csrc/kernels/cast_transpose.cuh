@@ -1,11 +1,14 @@
-// Cast-transpose: one read of x [R, C] writes the row-major FP8 copy q [R, C] and the
+// Cast-transpose: one read of the input writes the row-major FP8 copy q [R, C] and the
 // transposed copy qt [C, R16] (R16 = R rounded up to 16, padding columns zero), with the amax
-// fused, optionally the column sums of x (the bias gradient: per-tile partials here, summed by
-// dbias_reduce_kernel), and optionally the scale ring's outputs written by the last block, as
-// in quantize.cuh. These are the layouts Hopper's TN-only FP8 GEMMs need: q feeds the forward
-// / dgrad, qt the wgrad (docs/design.md, "Linear layout").
+// fused, optionally the column sums of what was quantized (the bias gradient: per-tile partials
+// here, summed by dbias_reduce_kernel), and optionally the scale ring's outputs written by the
+// last block, as in quantize.cuh. These are the layouts Hopper's TN-only FP8 GEMMs need: q feeds
+// the forward / dgrad, qt the wgrad (docs/design.md, "Linear layout"). What is quantized comes
+// from a source: x itself, an activation of x, or the gradient through an activation
+// (csrc/activation.h), so an MLP's activation and its gradient cost no pass of their own.
 #pragma once
 
+#include "../activation.h"
 #include "quantize.cuh"
 
 namespace jax_fp8 {
@@ -15,6 +18,124 @@ constexpr int kTileThreads = 256;      // 4 threads a row, 16 elements each
 static_assert(kQtRowMultiple == kElemsPerThread, "a thread stores 16 bytes of a qt row");
 static_assert(kTileThreads == kQuantizeThreads, "block_max assumes kQuantizeThreads");
 static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a row");
+
+// Sources: element (r, c) of the [R, C] tensor to quantize, 16 consecutive columns at a time
+// (C % 16 == 0), loaded as raw vectors first (`load`, so the next tile's loads can be in
+// flight) and turned into f32 values later (`values`). Every value of an all-zero Raw is 0.
+
+// x [R, C] itself.
+template <typename T>
+struct PlainSource {
+  using Input = T;
+  static constexpr bool kOneInput = true;
+  const T* x;
+  int64_t cols;
+  struct Raw {
+    Raw16<T> x;
+  };
+  __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
+    return {load_raw16(x + r * cols + c)};
+  }
+  __device__ __forceinline__ void values(const Raw& raw, int64_t,
+                                         float (&f)[kElemsPerThread]) const {
+    unpack16(raw.x, f);
+  }
+};
+
+// act(y), y [R, C]; gated: act(gate) * up, y = [gate | up] [R, 2C].
+template <typename T>
+struct ActivationSource {
+  using Input = T;
+  static constexpr bool kOneInput = false;
+  const T* y;
+  int64_t cols;  // C
+  ActivationId act;
+  bool gated;
+  struct Raw {
+    Raw16<T> a, b;
+  };
+  __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
+    Raw raw = {};
+    const T* row = y + r * (gated ? 2 * cols : cols);
+    raw.a = load_raw16(row + c);
+    if (gated) raw.b = load_raw16(row + cols + c);
+    return raw;
+  }
+  __device__ __forceinline__ void values(const Raw& raw, int64_t,
+                                         float (&f)[kElemsPerThread]) const {
+    float a[kElemsPerThread], b[kElemsPerThread];
+    unpack16(raw.a, a);
+    unpack16(raw.b, b);
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k)
+      f[k] = gated ? activation(act, a[k]) * b[k] : activation(act, a[k]);
+  }
+};
+
+// The gradient through the activation, from dh [R, Ch] and the pre-activation y: dh * act'(y)
+// [R, Ch]; gated, [dgate | dup] = [dh * up * act'(gate) | dh * act(gate)] [R, 2 Ch].
+template <typename T>
+struct ActivationGradSource {
+  using Input = T;
+  static constexpr bool kOneInput = false;
+  const T* dh;
+  const T* y;
+  int64_t cols_h;  // Ch
+  ActivationId act;
+  bool gated;
+  struct Raw {
+    Raw16<T> dh, a, b;
+  };
+  __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
+    Raw raw = {};
+    const bool up_half = gated && c >= cols_h;
+    const int64_t ch = up_half ? c - cols_h : c;
+    const T* row = y + r * (gated ? 2 * cols_h : cols_h);
+    raw.dh = load_raw16(dh + r * cols_h + ch);
+    raw.a = load_raw16(row + ch);
+    if (gated && !up_half) raw.b = load_raw16(row + cols_h + ch);
+    return raw;
+  }
+  __device__ __forceinline__ void values(const Raw& raw, int64_t c,
+                                         float (&f)[kElemsPerThread]) const {
+    float d[kElemsPerThread], a[kElemsPerThread], b[kElemsPerThread];
+    unpack16(raw.dh, d);
+    unpack16(raw.a, a);
+    unpack16(raw.b, b);
+    const bool up_half = gated && c >= cols_h;
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k)
+      f[k] = !gated  ? d[k] * activation_grad(act, a[k])
+             : up_half ? d[k] * activation(act, a[k])
+                       : d[k] * b[k] * activation_grad(act, a[k]);
+  }
+};
+
+// The amax of a source's values [R, C] when the ring is on its first step (the cast-transpose
+// then quantizes with the scale from it); otherwise every block returns at once.
+template <typename Src>
+__global__ void __launch_bounds__(kQuantizeThreads)
+    first_step_source_amax_kernel(Src src, int64_t rows, int64_t cols, const float* steps,
+                                  QuantizeScratch* scratch) {
+  pdl_wait();
+  if (*steps != 0.0f) {
+    pdl_trigger();
+    return;
+  }
+  unsigned m = 0;
+  const int64_t row_vecs = cols / kElemsPerThread, n = rows * row_vecs;
+  for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < n;
+       v += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = v / row_vecs, c = v % row_vecs * kElemsPerThread;
+    float f[kElemsPerThread];
+    src.values(src.load(r, c), c, f);
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) m = max(m, abs_bits(f[k]));
+  }
+  m = block_max(m);
+  if (threadIdx.x == 0) atomicMax(&scratch->first_amax_bits, m);
+  pdl_trigger();
+}
 
 // A persistent grid: each block walks tiles t = blockIdx.x, + gridDim.x, ... (row-major over
 // the [ceil(R/64), ceil(C/64)] tiles), keeping its amax in registers, so the amax atomics and
@@ -27,13 +148,14 @@ static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a
 // sums them). Inside a tile the order is fixed, so the kernel is deterministic: a warp holds
 // 8 rows and sums them pairwise by shuffles, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)),
 // then the 8 warps' sums are added in warp order onto 0 (the CPU handler follows the order).
-// With the dbias sums, 16-bit inputs are held by the launch bound to 6 blocks an SM (fewer
-// registers a thread, one more resident block; ptxas spills nothing). Without the dbias sums
-// the same bound makes ptxas spill, so those instantiations keep their registers; f32 inputs
-// would spill.
-template <typename T, bool kRing, bool kDbias>
-__global__ void __launch_bounds__(kTileThreads, kDbias && sizeof(T) == 2 ? 6 : 1)
-    cast_transpose_kernel(const T* x, int64_t rows, int64_t cols, int64_t rows16,
+// With the dbias sums, 16-bit inputs of a plain source are held by the launch bound to 6
+// blocks an SM (fewer registers a thread, one more resident block; ptxas spills nothing).
+// Without the dbias sums the same bound makes ptxas spill, so those instantiations keep their
+// registers; f32 inputs and the activation sources (more loads in flight) would spill.
+template <typename Src, bool kRing, bool kDbias>
+__global__ void __launch_bounds__(
+    kTileThreads, kDbias && Src::kOneInput && sizeof(typename Src::Input) == 2 ? 6 : 1)
+    cast_transpose_kernel(Src src, int64_t rows, int64_t cols, int64_t rows16,
                           const float* scale_in, Fp8Format fmt, uint8_t* __restrict__ q,
                           uint8_t* __restrict__ qt, float* amax_out, float* dbias_partial,
                           QuantizeScratch* scratch, RingArgs ring) {
@@ -47,25 +169,26 @@ __global__ void __launch_bounds__(kTileThreads, kDbias && sizeof(T) == 2 ? 6 : 1
   const int64_t tiles = tiles_x * (rows > 0 ? (rows + kTile - 1) / kTile : 1);
   const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
   // This thread's 16 elements of tile t: row r0 + tr, columns c0 + tc.. (C % 16 == 0), zeros
-  // outside x.
+  // outside the tensor.
+  using Raw = typename Src::Raw;
   auto load = [&](int64_t t) {
-    Raw16<T> raw = {};
+    Raw raw = {};
     const int64_t r = t / tiles_x * kTile + tr, c = t % tiles_x * kTile + tc;
-    if (t < tiles && r < rows && c < cols) raw = load_raw16(x + r * cols + c);
+    if (t < tiles && r < rows && c < cols) raw = src.load(r, c);
     return raw;
   };
   unsigned m = 0;
 
-  Raw16<T> next = load(blockIdx.x);
+  Raw next = load(blockIdx.x);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Raw16<T> cur = next;
+    const Raw cur = next;
     next = load(t + gridDim.x);
     const int64_t r0 = t / tiles_x * kTile, c0 = t % tiles_x * kTile;
     // Row-major pass: 16 consecutive elements of one row per thread.
     const int64_t r = r0 + tr, c = c0 + tc;
     const bool in = r < rows && c < cols;
     float f[kElemsPerThread];
-    unpack16(cur, f);
+    src.values(cur, c, f);
 #pragma unroll
     for (int k = 0; k < kElemsPerThread; ++k) m = max(m, abs_bits(f[k]));
     const uint4 packed = in ? quantize16(f, inv, fmt) : make_uint4(0, 0, 0, 0);

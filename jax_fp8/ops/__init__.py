@@ -3,10 +3,12 @@ the FFI target (``csrc/ffi``), with a sharding rule for a plain sharded jit. Eac
 plain-jnp twin of the same name in ``jax_fp8.reference``."""
 
 from .blockwise import block_quantize, group_cast_transpose, group_quantize
-from .cast_transpose import CastTransposed, cast_transpose_delayed
+from .cast_transpose import (CastTransposed, activation_cast_transpose,
+                             activation_grad_cast_transpose, cast_transpose_delayed)
 from .gemm import gemm
 from .quantize import DelayedQuantized, Quantized, dequantize, quantize, quantize_delayed
 
-__all__ = ["CastTransposed", "DelayedQuantized", "Quantized", "block_quantize",
+__all__ = ["CastTransposed", "DelayedQuantized", "Quantized", "activation_cast_transpose",
+           "activation_grad_cast_transpose", "block_quantize",
            "cast_transpose_delayed", "dequantize", "gemm", "group_cast_transpose",
            "group_quantize", "quantize", "quantize_delayed"]

@@ -1,9 +1,14 @@
 """Cast-transpose: one read of x [R, C] writes both FP8 layouts that Hopper's TN-only FP8 GEMMs
 need (the row-major copy for fprop / dgrad, the transposed one for wgrad), with the amax fused,
-the scale ring moved by the kernel's last block, and optionally the bias gradient.
+the scale ring moved by the kernel's last block, and optionally the bias gradient. The same
+kernel can quantize an MLP's activation of x (``activation_cast_transpose``) or the gradient
+through it (``activation_grad_cast_transpose``), so neither costs a pass of its own.
 
 CUDA kernel: ``csrc/kernels/cast_transpose.cuh``; FFI handlers: ``csrc/ffi/cast_transpose_*``;
-jnp twin: ``jax_fp8.reference.cast_transpose_delayed``; tests: ``tests/test_cast_transpose.py``.
+activations: ``csrc/activation.h`` and ``jax_fp8.activations``; jnp twins:
+``jax_fp8.reference.cast_transpose_delayed`` / ``activation_cast_transpose`` /
+``activation_grad_cast_transpose``; tests: ``tests/test_cast_transpose.py``,
+``tests/test_activation.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from .. import _ffi, checks, sharding
+from .. import _ffi, activations, checks, sharding
 from ..formats import fp8_dtype
 from ..state import ScaleRing
 from . import _ring
@@ -30,7 +36,7 @@ class CastTransposed(NamedTuple):
     q: [R, C] FP8 in the ring's format.
     qt: [C, ceil16(R)] FP8, q.T with zero columns appended up to a multiple of 16 rows of x
       (so it feeds a GEMM contracting over R directly).
-    amax: f32 [], max |x| (NaN if x has a NaN).
+    amax: f32 [], max |x| (NaN if x has a NaN), of what was quantized.
     ring: the next ring, or with ``observe=True`` the ring's observation (state gradient).
     dbias: f32 [C], the column sums of x (the bias gradient when x is the output gradient),
       or None without ``with_dbias``.
@@ -62,51 +68,150 @@ def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = 
     not a valid ScaleRing, with_dbias or observe not a bool.
   """
   x = checks.float_input(x)
-  if x.ndim != 2 or x.shape[1] <= 0 or x.shape[1] % _COLS:
-    raise ValueError(f"x must be [R, C] with C a positive multiple of {_COLS}, got shape "
-                     f"{x.shape}")
+  _check_2d(x, "x", _COLS)
+  return _cast_transpose("cast_transpose_delayed", x, None, ring, with_dbias, observe, None)
+
+
+def activation_cast_transpose(y: jax.Array, ring: ScaleRing, *, activation: str,
+                              observe: bool = False) -> CastTransposed:
+  """``cast_transpose_delayed`` of ``activation(y)`` (``jax_fp8.activations``), computed in f32
+  inside the kernel from one read of the pre-activation y: an MLP's hidden activation written
+  straight into the down projection's FP8 inputs, never stored in y's dtype.
+
+  Args:
+    y: [R, C] float32 / bfloat16 / float16 (gated activations: [R, 2C] = [gate | up]), C a
+      positive multiple of 16.
+    ring: a ``ScaleRing``; its ``fmt`` is the output format.
+    activation: "silu", "gelu", "swiglu" or "geglu".
+    observe: as in ``cast_transpose_delayed``.
+  Returns:
+    ``CastTransposed`` of the [R, C] activation (dbias None).
+  Raises:
+    TypeError / ValueError at trace time: dtype, rank, shape, unknown activation, ring,
+    observe not a bool.
+
+  The kernel's expf / tanhf are the platform's: outputs match
+  ``jax_fp8.reference.activation_cast_transpose`` within the bound of docs/design.md, not
+  byte for byte.
+  """
+  y = checks.float_input(y, "y")
+  act = activations.check(activation)
+  _check_2d(y, "y", 2 * _COLS if act[1] else _COLS, " (a gated activation's [gate | up])")
+  return _cast_transpose("activation_cast_transpose", y, None, ring, False, observe, act)
+
+
+def activation_grad_cast_transpose(dh: jax.Array, y: jax.Array, ring: ScaleRing, *,
+                                   activation: str, with_dbias: bool = False,
+                                   observe: bool = False) -> CastTransposed:
+  """``cast_transpose_delayed`` of the gradient through ``activation`` (``jax_fp8.activations
+  .grad``), computed in f32 inside the kernel from ``dh`` and the pre-activation ``y``: the
+  up projection's FP8 output gradient in both layouts from one read of each, with its amax and
+  optionally its column sums (the up projection's bias gradient).
+
+  Args:
+    dh: [R, C] float32 / bfloat16 / float16, the activation output's gradient; C a positive
+      multiple of 16.
+    y: the pre-activation, dh's dtype: [R, C], or [R, 2C] ([gate | up]) for a gated
+      activation.
+    ring: a ``ScaleRing``; its ``fmt`` is the output format (E5M2 under HYBRID).
+    activation: "silu", "gelu", "swiglu" or "geglu".
+    with_dbias, observe: as in ``cast_transpose_delayed``.
+  Returns:
+    ``CastTransposed`` of the gradient, y's shape ([R, 2C] = [dgate | dup] when gated).
+  Raises:
+    TypeError / ValueError at trace time: dtypes, ranks, shapes, unknown activation, ring,
+    with_dbias or observe not a bool.
+
+  Matches ``jax_fp8.reference.activation_grad_cast_transpose`` within the bound of
+  docs/design.md (the platform's expf / tanhf).
+  """
+  dh = checks.float_input(dh, "dh")
+  y = checks.float_input(y, "y")
+  act = activations.check(activation)
+  _check_2d(dh, "dh", _COLS)
+  want = (dh.shape[0], dh.shape[1] * (2 if act[1] else 1))
+  if y.dtype != dh.dtype or y.shape != want:
+    raise ValueError(f"y must be {dh.dtype}{list(want)} for dh {dh.dtype}{list(dh.shape)} under "
+                     f"{activation!r}, got {y.dtype}{list(y.shape)}")
+  return _cast_transpose("activation_grad_cast_transpose", dh, y, ring, with_dbias, observe,
+                         act)
+
+
+def _check_2d(x, name: str, multiple: int, what: str = "") -> None:
+  if x.ndim != 2 or x.shape[1] <= 0 or x.shape[1] % multiple:
+    raise ValueError(f"{name} must be [R, C]{what} with C a positive multiple of {multiple}, "
+                     f"got shape {x.shape}")
+
+
+def _cast_transpose(op, x, y, ring, with_dbias, observe, act) -> CastTransposed:
+  """The three ops' kernel call: x quantized (act None), or act = (id, gated) of x, or with y
+  the gradient through it (x = dh)."""
   leaves = _ring.check_ring(ring)
   with_dbias = checks.boolean(with_dbias, "with_dbias")
   observe = checks.boolean(observe, "observe")
   qdt = fp8_dtype(ring.fmt)
+  act_id, gated = act if act is not None else (_ffi.CONSTANTS["activation_none"], False)
+  grad = y is not None
+  out_cols = lambda x, y: (x.shape[1] if act is None else y.shape[1] if grad else  # noqa: E731
+                           x.shape[1] // 2 if gated else x.shape[1])
+  rows, cols = x.shape[0], out_cols(x, y)
+  name = None if act is None else next(n for n, a in activations.ACTIVATIONS.items() if a == act)
 
-  def impl(x, *leaves):
-    rows, cols = x.shape
+  def values(x, *y):
+    """What the kernel quantizes, in jnp (the sharded path's first-step amax)."""
+    return (x if name is None else activations.grad(x, y[0], name) if y else
+            activations.apply(x, name))
+
+  def impl(x, *args):
+    y, leaves = (args[0], args[1:]) if grad else (jnp.zeros((0,), x.dtype), args)
+    rows, cols = x.shape[0], out_cols(x, y)  # of this piece, under a sharded jit
     partial_rows, dbias_cols = (-(-rows // _TILE_ROWS), cols) if with_dbias else (0, 0)
     padded = -(-rows // _QT_ROWS) * _QT_ROWS
     q, qt, s, a, *moved, _, dbias, _ = jax.ffi.ffi_call(
         "jax_fp8_cast_transpose_ring",
-        (jax.ShapeDtypeStruct(x.shape, qdt), jax.ShapeDtypeStruct((cols, padded), qdt))
+        (jax.ShapeDtypeStruct((rows, cols), qdt), jax.ShapeDtypeStruct((cols, padded), qdt))
         + _ring.kernel_results(leaves[0].shape[0])
         + (jax.ShapeDtypeStruct((partial_rows, dbias_cols), jnp.float32),  # dbias partials
            jax.ShapeDtypeStruct((dbias_cols,), jnp.float32), _ring.SCRATCH),
         vmap_method="sequential",
-    )(x, *leaves, **_ring.kernel_attrs(ring, observe), with_dbias=with_dbias)
+    )(x, y, *leaves, **_ring.kernel_attrs(ring, observe), with_dbias=with_dbias,
+      activation=np.int64(act_id), gated=gated, grad=grad)
     return (q, qt, a, *moved, s) + ((dbias,) if with_dbias else ())
 
   def plan(mesh, shapes):
     # Rows split in multiples of 16 (qt's padding is then the global one), columns in
-    # multiples of 16 (the kernel's); qt split as x transposed; the ring replicated.
+    # multiples of 16 (the kernel's) where each output column needs only its own input
+    # columns (not across a gated activation's [gate | up] halves); qt split as the output
+    # transposed; the ring replicated.
     r, c = sharding.spec(shapes[0].sharding, 2)
-    r, c = sharding.even(mesh, r, x.shape[0], _QT_ROWS), sharding.even(mesh, c, x.shape[1], _COLS)
+    r = sharding.even(mesh, r, rows, _QT_ROWS)
+    c = None if gated else sharding.even(mesh, c, cols, _COLS)
     over = sharding.axes(r, c)
+    inputs = (x, y) if grad else (x,)
 
-    def lower(x, *leaves):
-      s, ring_in = _ring.sharded_scale(x, ring, leaves, over)
+    def lower(*args):
+      xs, leaves = args[:len(inputs)], args[len(inputs):]
+      s, ring_in = _ring.sharded_scale(xs, ring, leaves, over, values)
       # The kernel at scale s: a one-entry ring past its first step, whose update is dropped.
-      outs = impl(x, jnp.zeros((1,), jnp.float32), s, jnp.ones((), jnp.float32))
+      outs = impl(*xs, jnp.zeros((1,), jnp.float32), s, jnp.ones((), jnp.float32))
       q, qt, a = outs[0], outs[1], sharding.pmax_keep_nan(outs[2], over)
       dbias = (jax.lax.psum(outs[7], sharding.axes(r)),) if with_dbias else ()
       return (q, qt, a) + _ring.moved(ring_in, a, observe) + (s,) + dbias
     rep = sharding.named(mesh)
     outs = (sharding.named(mesh, r, c), sharding.named(mesh, c, r)) + (rep,) * 5 + (
         (sharding.named(mesh, c),) if with_dbias else ())
-    return lower, (sharding.named(mesh, r, c), rep, rep, rep), outs
+    return lower, (sharding.named(mesh, r, c),) * len(inputs) + (rep, rep, rep), outs
 
-  padded = x.shape[0] % _QT_ROWS != 0
-  rule = f"r c, l, , -> r c, c {'p' if padded else 'r'}, , l, , , " + (", c" if with_dbias else "")
-  outs = sharding.call("cast_transpose_delayed", impl, plan, rule, x, *leaves)
-  q, qt, a, *moved = sharding.vary_like(outs, x, ring)
+  padded = rows % _QT_ROWS != 0
+  p = "p" if padded else "r"
+  if act is None or not gated:  # elementwise: the columns of x (and y) are the output's
+    ins, out = "r c" + (", r c" if grad else ""), "c"
+  else:  # gated: output columns come from both halves of the input's
+    ins, out = ("r h, r c" if grad else "r c2"), "c"
+  rule = (f"{ins}, l, , -> r {out}, {out} {p}, , l, , , " + (f", {out}" if with_dbias else ""))
+  args = (x, y) if grad else (x,)
+  outs = sharding.call(op, impl, plan, rule, *args, *leaves)
+  q, qt, a, *moved = sharding.vary_like(outs, *args, ring)
   dbias = moved.pop() if with_dbias else None
   s = moved.pop()
   return CastTransposed(q, qt, a, _ring.rebuild(ring, moved), dbias, s)

@@ -1,0 +1,218 @@
+"""The FP8 MLP: up projection, activation, down projection, with the activation and its
+gradient computed inside the cast-transposes that quantize them, so neither is ever stored in
+the compute dtype (TransformerEngine's LayerNormMLP fuses the same steps).
+
+Forward: x and both kernels are cast-transposed with their delayed-scaling rings (as in
+``jax_fp8.linear``); ``y = x @ kernel_in + bias_in`` in one FP8 GEMM (a gated activation's gate
+and up projections side by side in one kernel, one GEMM); ``activation_cast_transpose`` reads y
+once and writes ``act(y)`` in both FP8 layouts; ``out = act(y) @ kernel_out + bias_out``.
+Saved: x's and act(y)'s transposed FP8 copies, the kernels' FP8 copies, and y.
+Backward: the output gradient g is cast-transposed (``dbias_out`` from the same read);
+``dh = g @ kernel_out.T`` (dgrad), ``dkernel_out = act(y).T @ g`` (wgrad);
+``activation_grad_cast_transpose`` reads dh and y once and writes the up projection's output
+gradient dy in both FP8 layouts (``dbias_in`` from the same read); ``dx = dy @ kernel_in.T``,
+``dkernel_in = x.T @ dy``.
+
+Under ``BlockScaling`` the MLP is the composition ``linear``, ``jax_fp8.activations.apply``,
+``linear`` (block-scaled GEMMs; the activation is XLA's, not fused).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+
+from . import activations, checks, sharding
+from .formats import FLOAT_DTYPES
+from .linear import _amax_axes, _check_delayed, _check_recipe, _fp8_pays, _shared, linear
+from .ops import blockwise
+from .ops._ring import check_ring
+from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
+                                 cast_transpose_delayed)
+from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
+from .recipes import BlockScaling, DelayedScaling
+from .state import ScaleRing
+
+_RINGS = ("x", "kernel_in", "grad_in", "hidden", "kernel_out", "grad_out")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=list(_RINGS), meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class MlpState:
+  """The scale rings of ``mlp``: its input x, kernel_in, the up projection's output gradient
+  (grad_in), the activation (hidden), kernel_out, and the output gradient (grad_out)."""
+
+  x: ScaleRing
+  kernel_in: ScaleRing
+  grad_in: ScaleRing
+  hidden: ScaleRing
+  kernel_out: ScaleRing
+  grad_out: ScaleRing
+
+  @classmethod
+  def create(cls, recipe: DelayedScaling = DelayedScaling()) -> "MlpState":
+    """Fresh rings: the recipe's forward format for x, the kernels and the activation, its
+    backward format for the two gradients. Raises TypeError for a recipe other than
+    DelayedScaling (BlockScaling is stateless: pass state=None)."""
+    _check_delayed(recipe, cls)
+    fwd, bwd = recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.bwd_fmt)
+    return cls(fwd, fwd, bwd, fwd, fwd, bwd)
+
+
+def _forward(x, k_in, k_out, b_in, b_out, rings, activation, fast_accum):
+  """out, what the backward needs, and the forward rings' observations (x, kernel_in, hidden,
+  kernel_out)."""
+  rx, rk_in, _, rh, rk_out, _ = rings
+  fast = "fprop" in fast_accum
+  cx = cast_transpose_delayed(x, rx, observe=True)  # [M, K], [K, M16]
+  ck_in = cast_transpose_delayed(k_in, rk_in, observe=True)  # [K, N], [N, K]
+  y = gemm_bias(cx.q, ck_in.qt, cx.scale, ck_in.scale, b_in, x.dtype, fast)  # [M, N]
+  ch = activation_cast_transpose(y, rh, activation=activation, observe=True)  # [M, F], [F, M16]
+  ck_out = cast_transpose_delayed(k_out, rk_out, observe=True)  # [F, D], [D, F]
+  out = gemm_bias(ch.q, ck_out.qt, ch.scale, ck_out.scale, b_out, x.dtype, fast)  # [M, D]
+  saved = (cx.qt, cx.scale, ck_in.q, ck_in.scale, y, ch.qt, ch.scale, ck_out.q, ck_out.scale)
+  return out, saved, (cx.ring, ck_in.ring, ch.ring, ck_out.ring)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _mlp(x, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes, fast_accum):
+  del axis_name, dtypes  # used by the backward only
+  return _forward(x, k_in, k_out, b_in, b_out, rings, activation, fast_accum)[0]
+
+
+def _mlp_fwd(x, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes, fast_accum):
+  del dtypes
+  out, saved, observed = _forward(x, k_in, k_out, b_in, b_out, rings, activation, fast_accum)
+  forward_rings = tuple(rings[i] for i in (0, 1, 3, 4))
+  return out, (saved, (rings[2], rings[5]), _shared(observed, forward_rings, axis_name))
+
+
+def _mlp_bwd(activation, axis_name, dtypes, fast_accum, res, g):
+  (qxt, sx, qk_in, sk_in, y, qht, sh, qk_out, sk_out), (rg_in, rg_out), observed = res
+  x_dtype, k_in_dtype, k_out_dtype, b_in_dtype, b_out_dtype = dtypes
+  cg = cast_transpose_delayed(g, rg_out, with_dbias=b_out_dtype is not None, observe=True)
+  dh = gemm(cg.q, qk_out, cg.scale, sk_out, out_dtype=gemm_dtype(x_dtype),
+            fast_accum="dgrad" in fast_accum).astype(y.dtype)  # [M, F]
+  dk_out = gemm(qht, cg.qt, sh, cg.scale, out_dtype=gemm_dtype(k_out_dtype),
+                fast_accum="wgrad" in fast_accum).astype(k_out_dtype)  # [F, D]
+  cdy = activation_grad_cast_transpose(dh, y, rg_in, activation=activation,
+                                       with_dbias=b_in_dtype is not None, observe=True)
+  dx = gemm(cdy.q, qk_in, cdy.scale, sk_in, out_dtype=gemm_dtype(x_dtype),
+            fast_accum="dgrad" in fast_accum)  # [M, K]
+  dk_in = gemm(qxt, cdy.qt, sx, cdy.scale, out_dtype=gemm_dtype(k_in_dtype),
+               fast_accum="wgrad" in fast_accum).astype(k_in_dtype)  # [K, N]
+  db_in = None if b_in_dtype is None else cdy.dbias.astype(b_in_dtype)
+  db_out = None if b_out_dtype is None else cg.dbias.astype(b_out_dtype)
+  rg = _shared((cdy.ring, cg.ring), (rg_in, rg_out), axis_name)
+  ox, ok_in, oh, ok_out = observed
+  return (dx.astype(x_dtype), dk_in, dk_out, db_in, db_out,
+          (ox, ok_in, rg[0], oh, ok_out, rg[1]))
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
+        bias_in: jax.Array | None = None, bias_out: jax.Array | None = None, *,
+        activation: str = "swiglu", state: MlpState | None = None,
+        recipe: DelayedScaling | BlockScaling = DelayedScaling(),
+        amax_axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
+  """``act(x @ kernel_in + bias_in) @ kernel_out + bias_out`` with FP8 GEMMs forward and
+  backward, the activation and its gradient fused into the cast-transposes (see the module
+  docstring).
+
+  Args:
+    x: [..., K] float32 / bfloat16 / float16.
+    kernel_in: [K, N] float32 / bfloat16 / float16; N = F, or 2F for a gated activation
+      (columns [gate | up]).
+    kernel_out: [F, D] float32 / bfloat16 / float16.
+    bias_in: optional [N]; bias_out: optional [D].
+    activation: "silu", "gelu" (tanh approximation), "swiglu" or "geglu"
+      (``jax_fp8.activations``).
+    state: under ``DelayedScaling``, an ``MlpState`` (``MlpState.create(recipe)``), used as
+      ``linear``'s state is (differentiate with respect to it, pass that gradient to
+      ``jax_fp8.update_state``). Under ``BlockScaling``: None.
+    recipe: ``DelayedScaling`` or ``BlockScaling`` (K, N, F and D multiples of 128). The FP8
+      path runs where both GEMMs reach the recipe's ``fp8_min_intensity``; otherwise the MLP
+      runs in x's dtype through XLA and the rings are untouched.
+    amax_axis_name: as in ``linear``.
+  Returns:
+    [..., D] in x's dtype.
+  Raises:
+    TypeError / ValueError at trace time: dtypes, shapes (K, N, F, D multiples of 16, or 128
+    under BlockScaling; N = 2F for a gated activation), unknown activation, a state that is
+    not an MlpState of the recipe's rings, a state or amax axis given to BlockScaling, and the
+    amax_axis_name errors of ``linear``.
+
+  Method: per-tensor delayed scaling as in ``linear`` (Micikevicius et al. 2022, NVIDIA
+  TransformerEngine); gated activations after Shazeer 2020 (arXiv 2002.05202).
+  """
+  x = checks.array(x, "x")
+  _, gated = activations.check(activation)
+  named = {"x": x, "kernel_in": checks.array(kernel_in, "kernel_in"),
+           "kernel_out": checks.array(kernel_out, "kernel_out")}
+  for name in ("bias_in", "bias_out"):
+    v = locals()[name]
+    if v is not None:
+      named[name] = checks.array(v, name)
+  for name, v in named.items():
+    if v.dtype not in FLOAT_DTYPES:
+      raise TypeError(f"{name} must be float32, bfloat16 or float16, got {v.dtype}")
+  x, kernel_in, kernel_out = named["x"], named["kernel_in"], named["kernel_out"]
+  bias_in, bias_out = named.get("bias_in"), named.get("bias_out")
+  if x.ndim < 1 or kernel_in.ndim != 2 or kernel_out.ndim != 2:
+    raise ValueError(f"x must be [..., K], kernel_in [K, N] and kernel_out [F, D], got x "
+                     f"{x.shape}, kernel_in {kernel_in.shape}, kernel_out {kernel_out.shape}")
+  k, n = kernel_in.shape
+  f, d = kernel_out.shape
+  if x.shape[-1] != k or n != (2 * f if gated else f):
+    raise ValueError(f"x [..., K], kernel_in [K, N] and kernel_out [F, D] need x's K = "
+                     f"kernel_in's K and N = {'2F (gate and up side by side)' if gated else 'F'}"
+                     f" under {activation!r}, got x {x.shape}, kernel_in {kernel_in.shape}, "
+                     f"kernel_out {kernel_out.shape}")
+  for name, b, size in (("bias_in", bias_in, n), ("bias_out", bias_out, d)):
+    if b is not None and b.shape != (size,):
+      raise ValueError(f"{name} must be [{size}], got {list(b.shape)}")
+  _check_recipe(recipe)
+  m = math.prod(x.shape[:-1])
+  fp8 = _fp8_pays(recipe, m, n, k) and _fp8_pays(recipe, m, d, f)
+  block = isinstance(recipe, BlockScaling)
+  if block:
+    if state is not None or amax_axis_name not in (None, ()):
+      raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
+                       "scales come from each device's own tensors)")
+  elif not isinstance(state, MlpState):
+    raise TypeError(f"state must be a jax_fp8.MlpState, got {type(state).__name__}")
+  else:
+    for name in _RINGS:
+      check_ring(getattr(state, name), f"state.{name}")
+    want = tuple((fmt, recipe.history_len, recipe.margin, recipe.algo) for fmt in
+                 (recipe.fwd_fmt, recipe.fwd_fmt, recipe.bwd_fmt, recipe.fwd_fmt,
+                  recipe.fwd_fmt, recipe.bwd_fmt))
+    have = tuple((r.fmt, r.amax_history.shape[0], r.margin, r.algo)
+                 for r in (getattr(state, name) for name in _RINGS))
+    if want != have:
+      raise ValueError(f"state rings (fmt, history_len, margin, algo) for {_RINGS} = {have} do "
+                       f"not match the recipe's {want}")
+  multiple = blockwise.BLOCK if block else DIM_MULTIPLE
+  if fp8 and any(v % multiple for v in (k, f, d)):
+    raise ValueError(f"K, F and D must be multiples of {multiple} for the FP8 GEMMs"
+                     f"{' under BlockScaling' if block else ''}, got K={k}, F={f}, D={d}")
+  if not fp8 or block:
+    lin = (functools.partial(linear, recipe=recipe) if fp8 else
+           lambda v, w, b: v @ w.astype(v.dtype) + (0 if b is None else b.astype(v.dtype)))
+    h = activations.apply(lin(x, kernel_in, bias_in), activation).astype(x.dtype)
+    return lin(h, kernel_out, bias_out)
+  axis = _amax_axes(x, (kernel_in, kernel_out), (bias_in, bias_out), state, amax_axis_name)
+  x, kernel_in, kernel_out, bias_in, bias_out = sharding.vary_like(
+      (x, kernel_in, kernel_out, bias_in, bias_out), x, kernel_in, kernel_out, bias_in, bias_out)
+  dtypes = (x.dtype, kernel_in.dtype, kernel_out.dtype,
+            None if bias_in is None else bias_in.dtype,
+            None if bias_out is None else bias_out.dtype)
+  rings = tuple(getattr(state, name) for name in _RINGS)
+  out = _mlp(x.reshape(m, k), kernel_in, kernel_out, bias_in, bias_out, rings, activation, axis,
+             dtypes, recipe.fast_accum_gemms)
+  return out.reshape(*x.shape[:-1], d)

@@ -1,0 +1,187 @@
+"""jax_fp8.mlp and jax_fp8.flax.Mlp: the up projection, the activation fused into the
+cast-transposes, the down projection. Against f32 (within the sum of the quantized operands'
+roundoffs on each path) and against the unfused composition linear, jnp activation, linear
+(the same quantizations except the activation's, computed by the other platform's expf /
+tanhf: within one e4m3 roundoff); gradients against central differences; the rings move as
+linear's do."""
+
+import flax.serialization
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import roundoff
+
+import jax_fp8
+from jax_fp8 import activations
+from jax_fp8.flax import Dense, Mlp
+
+ACTS = ["swiglu", "gelu"]
+# Forward: x, kernel_in, the activation and kernel_out each rounded to e4m3. Backward (dx):
+# also the two e5m2 gradients.
+FWD_TOL = 4 * roundoff("e4m3")
+BWD_TOL = FWD_TOL + 2 * roundoff("e5m2")
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def problem(rng, activation, k=64, f=48, d=32, dtype=jnp.float32):
+  n = 2 * f if activations.ACTIVATIONS[activation][1] else f
+  x = jnp.asarray(rng.standard_normal((3, 20, k)), dtype)
+  k_in = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+  k_out = jnp.asarray(rng.standard_normal((f, d)) / np.sqrt(f), jnp.float32)
+  b_in = jnp.asarray(rng.standard_normal(n) * 0.1, jnp.float32)
+  b_out = jnp.asarray(rng.standard_normal(d) * 0.1, jnp.float32)
+  t = jnp.asarray(rng.standard_normal((3, 20, d)), jnp.float32)
+  return x, k_in, k_out, b_in, b_out, t
+
+
+def mlp_f32(x, k_in, k_out, b_in, b_out, activation):
+  h = activations.apply(x.astype(jnp.float32) @ k_in + b_in, activation)
+  return h @ k_out + b_out
+
+
+def warmed(rng, activation, recipe=jax_fp8.DelayedScaling()):
+  """A state whose rings have seen three steps of this problem's tensors (delayed scales)."""
+  state = jax_fp8.MlpState.create(recipe)
+  grad = jax.jit(jax.grad(lambda s, *a: jnp.sum(jax_fp8.mlp(*a, activation=activation, state=s,
+                                                            recipe=recipe)), argnums=0))
+  args = problem(rng, activation)[:5]
+  for _ in range(3):
+    state = jax_fp8.update_state(state, grad(state, *args))
+  return state
+
+
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_against_f32_and_unfused(platform, rng, activation, dtype):
+  x, k_in, k_out, b_in, b_out, t = problem(rng, activation, dtype=dtype)
+  state = warmed(rng, activation)
+
+  def fused(x, k_in, k_out, b_in, b_out, state):
+    y = jax_fp8.mlp(x, k_in, k_out, b_in, b_out, activation=activation, state=state)
+    return jnp.sum(y.astype(jnp.float32) * t), y
+
+  def unfused(x, k_in, k_out, b_in, b_out, state):
+    # linear's rings: x, kernel_in, grad_in; then hidden, kernel_out, grad_out.
+    y = jax_fp8.linear(x, k_in, b_in, state=jax_fp8.LinearState(state.x, state.kernel_in,
+                                                                state.grad_in))
+    h = activations.apply(y, activation).astype(x.dtype)
+    y = jax_fp8.linear(h, k_out, b_out, state=jax_fp8.LinearState(state.hidden,
+                                                                  state.kernel_out,
+                                                                  state.grad_out))
+    return jnp.sum(y.astype(jnp.float32) * t), y
+
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
+  (_, y), g = grad(fused)(x, k_in, k_out, b_in, b_out, state)
+  (_, y_u), g_u = grad(unfused)(x, k_in, k_out, b_in, b_out, state)
+  assert y.shape == (3, 20, 32) and y.dtype == dtype
+  out = roundoff(dtype)  # the activation's rounding to x's dtype in the unfused composition
+  y32 = mlp_f32(x, k_in, k_out, b_in, b_out, activation)
+  assert rel(y.astype(jnp.float32), y32) < FWD_TOL + out
+  assert rel(y.astype(jnp.float32), y_u.astype(jnp.float32)) < roundoff("e4m3") + 2 * out
+  want = jax.grad(lambda *a: jnp.sum(mlp_f32(*a, activation) * t), argnums=(0, 1, 2, 3, 4))(
+      x, k_in, k_out, b_in, b_out)
+  for name, got, unf, w in zip(("dx", "dkernel_in", "dkernel_out", "dbias_in", "dbias_out"),
+                               g[:5], g_u[:5], want):
+    assert got.dtype == (dtype if name == "dx" else jnp.float32), name
+    assert rel(got.astype(jnp.float32), w) < BWD_TOL + out, name
+    assert rel(got.astype(jnp.float32), unf.astype(jnp.float32)) < (
+        roundoff("e4m3") + roundoff("e5m2") + 2 * out), name
+  # The rings' observations: the same tensors' amaxes as the unfused composition's (the
+  # hidden one from the activation in f32 here, in x's dtype there).
+  for name in ("x", "kernel_in", "grad_in", "hidden", "kernel_out", "grad_out"):
+    got, unf = getattr(g[5], name), getattr(g_u[5], name)
+    np.testing.assert_allclose(np.asarray(got.amax_history), np.asarray(unf.amax_history),
+                               rtol=2 * out + roundoff("e5m2"), err_msg=name)
+    assert float(got.steps) == float(unf.steps) == float(getattr(state, name).steps) + 1
+
+
+def test_numerical_gradient(platform, rng):
+  """dx against central differences of the f32 MLP (as linear's test: the FP8 gradient is the
+  f32 one within the tolerance, here of the whole MLP)."""
+  x, k_in, k_out, b_in, b_out, t = problem(rng, "swiglu")
+  state = warmed(rng, "swiglu")
+  dx = jax.jit(jax.grad(lambda x: jnp.sum(jax_fp8.mlp(x, k_in, k_out, b_in, b_out,
+                                                       state=state) * t)))(x)
+  f = lambda x: jnp.sum(mlp_f32(x, k_in, k_out, b_in, b_out, "swiglu") * t)  # noqa: E731
+  eps = 1e-2
+  v = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+  v = v / jnp.linalg.norm(v)
+  numeric = (f(x + eps * v) - f(x - eps * v)) / (2 * eps)
+  exact = jnp.vdot(jax.grad(f)(x), v)
+  assert abs(float(numeric - exact)) <= 1e-3 * float(jnp.linalg.norm(jax.grad(f)(x)))
+  assert abs(float(jnp.vdot(dx, v) - exact)) <= BWD_TOL * float(jnp.linalg.norm(dx))
+
+
+def test_block_scaling_and_below_min_intensity(rng):
+  """BlockScaling: the composition linear, activation, linear (stateless). Below
+  fp8_min_intensity: XLA in x's dtype, the rings untouched."""
+  x, k_in, k_out, _, _, _ = problem(rng, "swiglu", k=128, f=128, d=128)
+  block = jax_fp8.BlockScaling()
+  y = jax.jit(lambda *a: jax_fp8.mlp(*a, recipe=block))(x, k_in, k_out)
+  y_c = jax.jit(lambda x, k_in, k_out: jax_fp8.linear(
+      activations.apply(jax_fp8.linear(x, k_in, recipe=block), "swiglu"), k_out,
+      recipe=block))(x, k_in, k_out)
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_c))
+  high = jax_fp8.DelayedScaling(fp8_min_intensity=1e9)
+  state = jax_fp8.MlpState.create(high)
+  y, ds = jax.value_and_grad(lambda s: jnp.sum(jax_fp8.mlp(x, k_in, k_out, state=s,
+                                                           recipe=high)))(state)
+  np.testing.assert_allclose(float(y), float(jnp.sum(mlp_f32(x, k_in, k_out, 0, 0, "swiglu"))),
+                             rtol=1e-5)
+  assert all(not np.asarray(v).any() for v in jax.tree.leaves(ds))  # no observation
+
+
+def test_flax_layer(rng):
+  """Mlp's parameters, state and output are mlp's; the state round-trips through Flax
+  serialization; a train step moves it."""
+  x = jnp.asarray(rng.standard_normal((2, 8, 64)), jnp.bfloat16)
+  layer = Mlp(48, activation="geglu", out_features=32, dtype=jnp.bfloat16)
+  v = layer.init(jax.random.PRNGKey(0), x)
+  p = v["params"]
+  assert {k: p[k].shape for k in p} == {"kernel_in": (64, 96), "kernel_out": (48, 32),
+                                        "bias_in": (96,), "bias_out": (32,)}
+  state = v["fp8_state"]["mlp"]
+  assert isinstance(state, jax_fp8.MlpState)
+  y = layer.apply(v, x)
+  want = jax_fp8.mlp(x, p["kernel_in"], p["kernel_out"], p["bias_in"].astype(jnp.bfloat16),
+                     p["bias_out"].astype(jnp.bfloat16), activation="geglu", state=state)
+  assert y.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+  grads = jax.grad(lambda v: jnp.sum(layer.apply(v, x).astype(jnp.float32)))(v)
+  moved = jax_fp8.update_state(v["fp8_state"], grads["fp8_state"])
+  assert float(moved["mlp"].hidden.steps) == 1.0
+  restored = flax.serialization.from_bytes(v["fp8_state"], flax.serialization.to_bytes(moved))
+  for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(moved)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bad_arguments(rng):
+  x, k_in, k_out, b_in, b_out, _ = problem(rng, "swiglu")
+  state = jax_fp8.MlpState.create()
+  with pytest.raises(ValueError, match="activation must be one of"):
+    jax_fp8.mlp(x, k_in, k_out, state=state, activation="relu")
+  with pytest.raises(ValueError, match=r"N = 2F"):
+    jax_fp8.mlp(x, k_in[:, :48], k_out, state=state)
+  with pytest.raises(ValueError, match=r"bias_in must be \[96\]"):
+    jax_fp8.mlp(x, k_in, k_out, b_out, state=state)
+  with pytest.raises(TypeError, match="state must be a jax_fp8.MlpState"):
+    jax_fp8.mlp(x, k_in, k_out, state=jax_fp8.LinearState.create())
+  with pytest.raises(TypeError, match="kernel_out must be float32"):
+    jax_fp8.mlp(x, k_in, k_out.astype(jnp.int32), state=state)
+  with pytest.raises(ValueError, match="do not match the recipe"):
+    jax_fp8.mlp(x, k_in, k_out, state=jax_fp8.MlpState.create(jax_fp8.DelayedScaling(
+        history_len=4)))
+  with pytest.raises(ValueError, match="BlockScaling is stateless"):
+    jax_fp8.mlp(x, k_in, k_out, state=state, recipe=jax_fp8.BlockScaling())
+  with pytest.raises(ValueError, match="multiples of 16"):
+    jax_fp8.mlp(x[..., :40], k_in[:40], k_out, state=state,
+                recipe=jax_fp8.DelayedScaling(fp8_min_intensity=0))
+  with pytest.raises(ValueError, match="Mlp.activation must be one of"):
+    Mlp(48, activation="tanh").init(jax.random.PRNGKey(0), x)
+  with pytest.raises(TypeError, match="MlpState.create takes a DelayedScaling"):
+    jax_fp8.MlpState.create(jax_fp8.BlockScaling())
