@@ -5,6 +5,8 @@ roundoffs on each path) and against the unfused composition linear, jnp activati
 tanhf: within one e4m3 roundoff); gradients against central differences; the rings move as
 linear's do."""
 
+import functools
+
 import flax.serialization
 import jax
 import jax.numpy as jnp
@@ -40,8 +42,10 @@ def problem(rng, activation, k=64, f=48, d=32, dtype=jnp.float32):
 
 
 def mlp_f32(x, k_in, k_out, b_in, b_out, activation):
-  h = activations.apply(x.astype(jnp.float32) @ k_in + b_in, activation)
-  return h @ k_out + b_out
+  """The MLP in f32 (full-precision matmuls on every platform: GPUs default to TF32)."""
+  dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
+  h = activations.apply(dot(x.astype(jnp.float32), k_in) + b_in, activation)
+  return dot(h, k_out) + b_out
 
 
 def warmed(rng, activation, recipe=jax_fp8.DelayedScaling()):
