@@ -36,7 +36,7 @@ def check(activation, name: str = "activation") -> tuple[int, bool]:
 def _act(x, gelu: bool):
   if gelu:
     return 0.5 * x * (1.0 + jnp.tanh(_GELU_K0 * (x + _GELU_K1 * x * x * x)))
-  return x / (1.0 + jnp.exp(-x))
+  return x * (1.0 / (1.0 + jnp.exp(-x)))
 
 
 def _act_grad(x, gelu: bool):

@@ -151,10 +151,12 @@ __global__ void __launch_bounds__(kQuantizeThreads)
 // With the dbias sums, 16-bit inputs of a plain source are held by the launch bound to 6
 // blocks an SM (fewer registers a thread, one more resident block; ptxas spills nothing).
 // Without the dbias sums the same bound makes ptxas spill, so those instantiations keep their
-// registers; f32 inputs and the activation sources (more loads in flight) would spill.
+// registers, as do f32 inputs. The activation sources of 16-bit inputs would take about 100
+// registers a thread (two resident blocks, too few loads in flight): they are held to three
+// blocks an SM (80 registers; ptxas spills at most 16 bytes).
 template <typename Src, bool kRing, bool kDbias>
 __global__ void __launch_bounds__(
-    kTileThreads, kDbias && Src::kOneInput && sizeof(typename Src::Input) == 2 ? 6 : 1)
+    kTileThreads, sizeof(typename Src::Input) != 2 ? 1 : !Src::kOneInput ? 3 : kDbias ? 6 : 1)
     cast_transpose_kernel(Src src, int64_t rows, int64_t cols, int64_t rows16,
                           const float* scale_in, Fp8Format fmt, uint8_t* __restrict__ q,
                           uint8_t* __restrict__ qt, float* amax_out, float* dbias_partial,
