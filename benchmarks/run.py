@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
-from jax_fp8 import reference
+from jax_fp8 import activations, reference
 from jax_fp8.recipes import LINEAR_GEMMS
 
 from . import block, block_scaled, peers
@@ -96,6 +96,38 @@ def bench_quantize(quick, ceil):
       rows.append({"case": name, "shape": list(shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
                    "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"], "jnp_us": tj * 1e6,
                    "vs_jnp": tj / t})
+    rows += bench_swiglu(x, ring, ceil)
+  return rows
+
+
+def bench_swiglu(x, ring, ceil):
+  """The fused SwiGLU cast-transposes (the MLP's hidden activation, forward and gradient, x's
+  shape [R, C] for the activation) against the unfused path jax_fp8 takes without them (XLA's
+  fusion writes the activation or the gradient in bf16, our cast-transpose reads it) and the
+  pure-jnp one. Bytes: forward reads [gate | up] and writes two FP8 copies (6 bytes an element
+  of x); gradient reads dh and [gate | up] and writes two FP8 copies of [dgate | dup] (10)."""
+  y = jnp.concatenate([x, x[::-1]], axis=1)
+  swiglu = lambda y: activations.apply(y, "swiglu").astype(y.dtype)  # noqa: E731
+  grad = lambda dh, y: activations.grad(dh, y, "swiglu").astype(y.dtype)  # noqa: E731
+  cases = (
+      ("swiglu_cast_transpose", 6, (y,),
+       lambda y, r: jax_fp8.activation_cast_transpose(y, r, activation="swiglu")[:3],
+       lambda y, r: jax_fp8.cast_transpose_delayed(swiglu(y), r)[:3],
+       lambda y, r: reference.activation_cast_transpose(y, r, activation="swiglu")[:3]),
+      ("swiglu_grad_cast_transpose", 10, (x, y),
+       lambda dh, y, r: jax_fp8.activation_grad_cast_transpose(dh, y, r,
+                                                               activation="swiglu")[:3],
+       lambda dh, y, r: jax_fp8.cast_transpose_delayed(grad(dh, y), r)[:3],
+       lambda dh, y, r: reference.activation_grad_cast_transpose(dh, y, r,
+                                                                 activation="swiglu")[:3]))
+  rows = []
+  for name, per_elem, args, fused, unfused, jnp_path in cases:
+    t, tu, tj = (device_time(fn, *args, ring) for fn in (fused, unfused, jnp_path))
+    nbytes = per_elem * x.size
+    rows.append({"case": name, "shape": list(x.shape), "us": t * 1e6,
+                 "TBps": nbytes / t / 1e12, "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"],
+                 "unfused_us": tu * 1e6, "vs_unfused": tu / t, "jnp_us": tj * 1e6,
+                 "vs_jnp": tj / t})
   return rows
 
 
@@ -281,12 +313,12 @@ def print_table(results):
   print(f"\n{results['env']['device']}  jax {results['env']['jax']}  {results['env']['date']}")
   print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 GEMM {c['bf16_gemm_TFLOPs']:.0f} TFLOP/s"
         f" (timing loop control {c['timing_loop_overhead_us']:.1f} us/iteration, cancelled)")
-  print(f"{'case':<22}{'shape':<20}{'us':>10}  figures")
+  print(f"{'case':<28}{'shape':<20}{'us':>10}  figures")
   for r in results["rows"]:
     figs = "  ".join(f"{k}={v:.3g}" for k, v in r.items()
                      if k not in ("case", "shape", "us") and isinstance(v, float))
     us = f"{r['us']:>10.1f}" if "us" in r else f"{'-':>10}"
-    print(f"{r['case']:<22}{'x'.join(map(str, r['shape'])):<20}{us}  {figs}")
+    print(f"{r['case']:<28}{'x'.join(map(str, r['shape'])):<20}{us}  {figs}")
 
 
 def main(argv=None):

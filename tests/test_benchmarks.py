@@ -18,7 +18,8 @@ def test_quick_suite(tmp_path):
   res = json.loads(out.read_text())
   cases = {r["case"] for r in res["rows"]}
   assert cases == {"quantize", "quantize_delayed", "jnp quantize", "cast_transpose",
-                   "cast_transpose+dbias", "gemm", "linear fwd+bwd", "block train step",
+                   "cast_transpose+dbias", "swiglu_cast_transpose", "swiglu_grad_cast_transpose",
+                   "gemm", "linear fwd+bwd", "block train step",
                    "group_quantize", "block_quantize", "group_cast_transpose", "block gemm",
                    "block linear fwd+bwd", "pdl chain", "linear stack peak memory",
                    "linear crossover"}

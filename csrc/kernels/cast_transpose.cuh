@@ -22,6 +22,8 @@ static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a
 // Sources: element (r, c) of the [R, C] tensor to quantize, 16 consecutive columns at a time
 // (C % 16 == 0), loaded as raw vectors first (`load`, so the next tile's loads can be in
 // flight) and turned into f32 values later (`values`). Every value of an all-zero Raw is 0.
+// `tile_col` orders a row of tiles (a permutation of 0 .. tiles_x - 1): the kernel's blocks
+// take consecutive tiles at about the same time.
 
 // x [R, C] itself.
 template <typename T>
@@ -33,6 +35,7 @@ struct PlainSource {
   struct Raw {
     Raw16<T> x;
   };
+  __device__ __forceinline__ int64_t tile_col(int64_t j, int64_t) const { return j; }
   __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
     return {load_raw16(x + r * cols + c)};
   }
@@ -54,6 +57,7 @@ struct ActivationSource {
   struct Raw {
     Raw16<T> a, b;
   };
+  __device__ __forceinline__ int64_t tile_col(int64_t j, int64_t) const { return j; }
   __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
     Raw raw = {};
     const T* row = y + r * (gated ? 2 * cols : cols);
@@ -86,6 +90,11 @@ struct ActivationGradSource {
   struct Raw {
     Raw16<T> dh, a, b;
   };
+  // Gated: the dgate and dup tiles of the same columns one after the other (tiles 0, h, 1,
+  // h + 1, ... for h = ceil(tiles_x / 2)), so the second of them finds dh and gate in L2.
+  __device__ __forceinline__ int64_t tile_col(int64_t j, int64_t tiles_x) const {
+    return !gated ? j : j % 2 == 0 ? j / 2 : (tiles_x + 1) / 2 + j / 2;
+  }
   __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
     Raw raw = {};
     const bool up_half = gated && c >= cols_h;
@@ -175,7 +184,7 @@ __global__ void __launch_bounds__(
   using Raw = typename Src::Raw;
   auto load = [&](int64_t t) {
     Raw raw = {};
-    const int64_t r = t / tiles_x * kTile + tr, c = t % tiles_x * kTile + tc;
+    const int64_t r = t / tiles_x * kTile + tr, c = src.tile_col(t % tiles_x, tiles_x) * kTile + tc;
     if (t < tiles && r < rows && c < cols) raw = src.load(r, c);
     return raw;
   };
@@ -185,7 +194,7 @@ __global__ void __launch_bounds__(
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Raw cur = next;
     next = load(t + gridDim.x);
-    const int64_t r0 = t / tiles_x * kTile, c0 = t % tiles_x * kTile;
+    const int64_t r0 = t / tiles_x * kTile, c0 = src.tile_col(t % tiles_x, tiles_x) * kTile;
     // Row-major pass: 16 consecutive elements of one row per thread.
     const int64_t r = r0 + tr, c = c0 + tc;
     const bool in = r < rows && c < cols;
