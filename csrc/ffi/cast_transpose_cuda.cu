@@ -14,19 +14,20 @@ ffi::Error Launch(cudaStream_t stream, const CastTransposeArgs& a, Src src) {
   auto* scratch = static_cast<QuantizeScratch*>(a.scratch);
   if (cudaMemsetAsync(scratch, 0, sizeof(QuantizeScratch), stream) != cudaSuccess)
     return ffi::Error::Internal("cudaMemsetAsync failed");
-  const size_t n = size_t(a.rows) * a.cols;
+  const int64_t cols = a.cols / Src::kOutputs;  // the source's columns, per output
+  const size_t n = size_t(a.rows) * cols;
   launch_pdl(first_step_source_amax_kernel<Src>,
              grid_size(n, kQuantizeThreads * kElemsPerThread, 8), kQuantizeThreads, stream, src,
-             a.rows, a.cols, a.ring.steps, scratch);
+             a.rows, cols, a.ring.steps, scratch);
   // At least one row of tiles, so an empty x still records its (zero) amax; a persistent grid
   // over them of as many blocks as fit on the SMs at once (one wave: the kernel's registers
   // decide how many, so the count is queried rather than assumed).
-  const size_t tiles = size_t((a.cols + kTile - 1) / kTile) *
+  const size_t tiles = size_t((cols + kTile - 1) / kTile) *
                        size_t(std::max<int64_t>(1, (a.rows + kTile - 1) / kTile));
   static const int per_sm =
       resident_blocks_per_sm(cast_transpose_kernel<Src, true, kDbias>, kTileThreads);
   launch_pdl(cast_transpose_kernel<Src, true, kDbias>, grid_size(tiles, 1, per_sm), kTileThreads,
-             stream, src, a.rows, a.cols, a.rows16, a.ring.scale, a.fmt, a.q, a.qt, a.amax,
+             stream, src, a.rows, cols, a.rows16, a.ring.scale, a.fmt, a.q, a.qt, a.amax,
              a.dbias_partial, scratch, a.ring);
   if constexpr (kDbias) {
     const int64_t row_tiles = (a.rows + kTile - 1) / kTile;
@@ -45,8 +46,12 @@ ffi::Error CastTransposeRingImpl(cudaStream_t stream, const CastTransposeArgs& a
       return a.with_dbias ? Launch<true>(stream, a, src) : Launch<false>(stream, a, src);
     }
     if (!a.grad) return Launch<false>(stream, a, ActivationSource<T>{x, a.cols, a.activation, a.gated});
-    const ActivationGradSource<T> src{x, static_cast<const T*>(a.y), a.x_cols, a.activation,
-                                      a.gated};
+    const T* y = static_cast<const T*>(a.y);
+    if (a.gated) {
+      const GatedActivationGradSource<T> src{x, y, a.x_cols, a.activation};
+      return a.with_dbias ? Launch<true>(stream, a, src) : Launch<false>(stream, a, src);
+    }
+    const ActivationGradSource<T> src{x, y, a.x_cols, a.activation};
     return a.with_dbias ? Launch<true>(stream, a, src) : Launch<false>(stream, a, src);
   });
 }

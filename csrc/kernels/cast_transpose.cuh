@@ -22,26 +22,25 @@ static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a
 // Sources: element (r, c) of the [R, C] tensor to quantize, 16 consecutive columns at a time
 // (C % 16 == 0), loaded as raw vectors first (`load`, so the next tile's loads can be in
 // flight) and turned into f32 values later (`values`). Every value of an all-zero Raw is 0.
-// `tile_col` orders a row of tiles (a permutation of 0 .. tiles_x - 1): the kernel's blocks
-// take consecutive tiles at about the same time.
+// A source of kOutputs = 2 gives two tensors [R, C] from one read, quantized side by side as
+// [R, 2C] (one scale, one amax).
 
 // x [R, C] itself.
 template <typename T>
 struct PlainSource {
   using Input = T;
   static constexpr bool kOneInput = true;
+  static constexpr int kOutputs = 1;
   const T* x;
   int64_t cols;
   struct Raw {
     Raw16<T> x;
   };
-  __device__ __forceinline__ int64_t tile_col(int64_t j, int64_t) const { return j; }
   __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
     return {load_raw16(x + r * cols + c)};
   }
-  __device__ __forceinline__ void values(const Raw& raw, int64_t,
-                                         float (&f)[kElemsPerThread]) const {
-    unpack16(raw.x, f);
+  __device__ __forceinline__ void values(const Raw& raw, float (&f)[1][kElemsPerThread]) const {
+    unpack16(raw.x, f[0]);
   }
 };
 
@@ -50,6 +49,7 @@ template <typename T>
 struct ActivationSource {
   using Input = T;
   static constexpr bool kOneInput = false;
+  static constexpr int kOutputs = 1;
   const T* y;
   int64_t cols;  // C
   ActivationId act;
@@ -57,7 +57,6 @@ struct ActivationSource {
   struct Raw {
     Raw16<T> a, b;
   };
-  __device__ __forceinline__ int64_t tile_col(int64_t j, int64_t) const { return j; }
   __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
     Raw raw = {};
     const T* row = y + r * (gated ? 2 * cols : cols);
@@ -65,62 +64,74 @@ struct ActivationSource {
     if (gated) raw.b = load_raw16(row + cols + c);
     return raw;
   }
-  __device__ __forceinline__ void values(const Raw& raw, int64_t,
-                                         float (&f)[kElemsPerThread]) const {
+  __device__ __forceinline__ void values(const Raw& raw, float (&f)[1][kElemsPerThread]) const {
     float a[kElemsPerThread], b[kElemsPerThread];
     unpack16(raw.a, a);
     unpack16(raw.b, b);
 #pragma unroll
     for (int k = 0; k < kElemsPerThread; ++k)
-      f[k] = gated ? activation(act, a[k]) * b[k] : activation(act, a[k]);
+      f[0][k] = gated ? activation(act, a[k]) * b[k] : activation(act, a[k]);
   }
 };
 
-// The gradient through the activation, from dh [R, Ch] and the pre-activation y: dh * act'(y)
-// [R, Ch]; gated, [dgate | dup] = [dh * up * act'(gate) | dh * act(gate)] [R, 2 Ch].
+// The gradient through the activation, from dh [R, C] and the pre-activation y [R, C]:
+// dh * act'(y).
 template <typename T>
 struct ActivationGradSource {
   using Input = T;
   static constexpr bool kOneInput = false;
+  static constexpr int kOutputs = 1;
   const T* dh;
   const T* y;
-  int64_t cols_h;  // Ch
+  int64_t cols;
   ActivationId act;
-  bool gated;
   struct Raw {
-    Raw16<T> dh, a, b;
+    Raw16<T> dh, y;
   };
-  // Gated: the dgate and dup tiles of the same columns one after the other (tiles 0, h, 1,
-  // h + 1, ... for h = ceil(tiles_x / 2)), so the second of them finds dh and gate in L2.
-  __device__ __forceinline__ int64_t tile_col(int64_t j, int64_t tiles_x) const {
-    return !gated ? j : j % 2 == 0 ? j / 2 : (tiles_x + 1) / 2 + j / 2;
-  }
   __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
-    Raw raw = {};
-    const bool up_half = gated && c >= cols_h;
-    const int64_t ch = up_half ? c - cols_h : c;
-    const T* row = y + r * (gated ? 2 * cols_h : cols_h);
-    raw.dh = load_raw16(dh + r * cols_h + ch);
-    raw.a = load_raw16(row + ch);
-    if (gated && !up_half) raw.b = load_raw16(row + cols_h + ch);
-    return raw;
+    return {load_raw16(dh + r * cols + c), load_raw16(y + r * cols + c)};
   }
-  __device__ __forceinline__ void values(const Raw& raw, int64_t c,
-                                         float (&f)[kElemsPerThread]) const {
-    float d[kElemsPerThread], a[kElemsPerThread], b[kElemsPerThread];
+  __device__ __forceinline__ void values(const Raw& raw, float (&f)[1][kElemsPerThread]) const {
+    float d[kElemsPerThread], a[kElemsPerThread];
     unpack16(raw.dh, d);
-    unpack16(raw.a, a);
-    unpack16(raw.b, b);
-    const bool up_half = gated && c >= cols_h;
+    unpack16(raw.y, a);
 #pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k)
-      f[k] = !gated  ? d[k] * activation_grad(act, a[k])
-             : up_half ? d[k] * activation(act, a[k])
-                       : d[k] * b[k] * activation_grad(act, a[k]);
+    for (int k = 0; k < kElemsPerThread; ++k) f[0][k] = d[k] * activation_grad(act, a[k]);
   }
 };
 
-// The amax of a source's values [R, C] when the ring is on its first step (the cast-transpose
+// The gradient through a gated activation, from dh [R, C] and y = [gate | up] [R, 2C]: the two
+// outputs [dgate | dup] = [dh * up * act'(gate) | dh * act(gate)], from one read of each input.
+template <typename T>
+struct GatedActivationGradSource {
+  using Input = T;
+  static constexpr bool kOneInput = false;
+  static constexpr int kOutputs = 2;
+  const T* dh;
+  const T* y;
+  int64_t cols;  // C
+  ActivationId act;
+  struct Raw {
+    Raw16<T> dh, gate, up;
+  };
+  __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
+    const T* row = y + r * 2 * cols;
+    return {load_raw16(dh + r * cols + c), load_raw16(row + c), load_raw16(row + cols + c)};
+  }
+  __device__ __forceinline__ void values(const Raw& raw, float (&f)[2][kElemsPerThread]) const {
+    float d[kElemsPerThread], g[kElemsPerThread], u[kElemsPerThread];
+    unpack16(raw.dh, d);
+    unpack16(raw.gate, g);
+    unpack16(raw.up, u);
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) {
+      f[0][k] = d[k] * u[k] * activation_grad(act, g[k]);
+      f[1][k] = d[k] * activation(act, g[k]);
+    }
+  }
+};
+
+// The amax of a source's values (all its outputs) when the ring is on its first step (the cast-transpose
 // then quantizes with the scale from it); otherwise every block returns at once.
 template <typename Src>
 __global__ void __launch_bounds__(kQuantizeThreads)
@@ -136,10 +147,12 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   for (int64_t v = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; v < n;
        v += int64_t(gridDim.x) * blockDim.x) {
     const int64_t r = v / row_vecs, c = v % row_vecs * kElemsPerThread;
-    float f[kElemsPerThread];
-    src.values(src.load(r, c), c, f);
+    float f[Src::kOutputs][kElemsPerThread];
+    src.values(src.load(r, c), f);
 #pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k) m = max(m, abs_bits(f[k]));
+    for (int j = 0; j < Src::kOutputs; ++j)
+#pragma unroll
+      for (int k = 0; k < kElemsPerThread; ++k) m = max(m, abs_bits(f[j][k]));
   }
   m = block_max(m);
   if (threadIdx.x == 0) atomicMax(&scratch->first_amax_bits, m);
@@ -153,7 +166,9 @@ __global__ void __launch_bounds__(kQuantizeThreads)
 // shared-memory stage and the stores, rather than the memory system idling while a block
 // transposes.
 //
-// dbias_partial: f32 [ceil(R / 64), C], the column sums of each row-tile (dbias_reduce_kernel
+// cols: the source's columns (of each output); q is [R, kOutputs * cols], its outputs side by
+// side, and qt [kOutputs * cols, R16].
+// dbias_partial: f32 [ceil(R / 64), kOutputs * cols], the column sums of each row-tile (dbias_reduce_kernel
 // sums them). Inside a tile the order is fixed, so the kernel is deterministic: a warp holds
 // 8 rows and sums them pairwise by shuffles, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)),
 // then the 8 warps' sums are added in warp order onto 0 (the CPU handler follows the order).
@@ -162,7 +177,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
 // Without the dbias sums the same bound makes ptxas spill, so those instantiations keep their
 // registers, as do f32 inputs. The activation sources of 16-bit inputs would take about 100
 // registers a thread (two resident blocks, too few loads in flight): they are held to three
-// blocks an SM (80 registers; ptxas spills at most 16 bytes).
+// blocks an SM (80 registers; ptxas spills at most 52 bytes a thread, in the gated gradient).
 template <typename Src, bool kRing, bool kDbias>
 __global__ void __launch_bounds__(
     kTileThreads, sizeof(typename Src::Input) != 2 ? 1 : !Src::kOneInput ? 3 : kDbias ? 6 : 1)
@@ -170,12 +185,14 @@ __global__ void __launch_bounds__(
                           const float* scale_in, Fp8Format fmt, uint8_t* __restrict__ q,
                           uint8_t* __restrict__ qt, float* amax_out, float* dbias_partial,
                           QuantizeScratch* scratch, RingArgs ring) {
-  __shared__ __align__(16) uint8_t tile_q[kTile][kTile + 4];
+  constexpr int kOut = Src::kOutputs;
+  __shared__ __align__(16) uint8_t tile_q[kOut][kTile][kTile + 4];
   constexpr int kWarps = kTileThreads / 32;
-  __shared__ __align__(8) float warp_sums[kDbias ? kWarps : 1][kDbias ? kTile : 1];
+  __shared__ __align__(8) float warp_sums[kOut][kDbias ? kWarps : 1][kDbias ? kTile : 1];
   pdl_wait();
   const float scale = kRing ? ring_scale(ring, scratch, fmt) : *scale_in;
   const float inv = 1.0f / flush_subnormal(scale);
+  const int64_t q_cols = kOut * cols;  // output j's column c is q's column c + j * cols
   const int64_t tiles_x = (cols + kTile - 1) / kTile;
   const int64_t tiles = tiles_x * (rows > 0 ? (rows + kTile - 1) / kTile : 1);
   const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
@@ -184,7 +201,7 @@ __global__ void __launch_bounds__(
   using Raw = typename Src::Raw;
   auto load = [&](int64_t t) {
     Raw raw = {};
-    const int64_t r = t / tiles_x * kTile + tr, c = src.tile_col(t % tiles_x, tiles_x) * kTile + tc;
+    const int64_t r = t / tiles_x * kTile + tr, c = t % tiles_x * kTile + tc;
     if (t < tiles && r < rows && c < cols) raw = src.load(r, c);
     return raw;
   };
@@ -194,55 +211,64 @@ __global__ void __launch_bounds__(
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const Raw cur = next;
     next = load(t + gridDim.x);
-    const int64_t r0 = t / tiles_x * kTile, c0 = src.tile_col(t % tiles_x, tiles_x) * kTile;
+    const int64_t r0 = t / tiles_x * kTile, c0 = t % tiles_x * kTile;
     // Row-major pass: 16 consecutive elements of one row per thread.
     const int64_t r = r0 + tr, c = c0 + tc;
     const bool in = r < rows && c < cols;
-    float f[kElemsPerThread];
-    src.values(cur, c, f);
+    float f[kOut][kElemsPerThread];
+    src.values(cur, f);
 #pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k) m = max(m, abs_bits(f[k]));
-    const uint4 packed = in ? quantize16(f, inv, fmt) : make_uint4(0, 0, 0, 0);
-    if constexpr (kDbias) {
-      // A reduce-scatter over the 8 lanes of a column group (lanes 4, 8, 16 apart hold the
-      // same columns of other rows): at each step a lane keeps half of its columns, sends the
-      // other half to its partner and adds the partner's half, so 8 + 4 + 2 shuffles leave it
-      // 2 columns summed over the warp's 8 rows (all 16 columns to every lane took 48).
-      int col = tc;
+    for (int j = 0; j < kOut; ++j) {
 #pragma unroll
-      for (int step = 0; step < 3; ++step) {
-        const int lanes = 4 << step, half = kElemsPerThread / 2 >> step;
-        const bool upper = threadIdx.x & lanes;
+      for (int k = 0; k < kElemsPerThread; ++k) m = max(m, abs_bits(f[j][k]));
+      const uint4 packed = in ? quantize16(f[j], inv, fmt) : make_uint4(0, 0, 0, 0);
+      if constexpr (kDbias) {
+        // A reduce-scatter over the 8 lanes of a column group (lanes 4, 8, 16 apart hold the
+        // same columns of other rows): at each step a lane keeps half of its columns, sends
+        // the other half to its partner and adds the partner's half, so 8 + 4 + 2 shuffles
+        // leave it 2 columns summed over the warp's 8 rows (all 16 columns to every lane took
+        // 48).
+        float* v = f[j];
+        int col = tc;
 #pragma unroll
-        for (int k = 0; k < kElemsPerThread / 2; ++k) {  // constant bounds: f stays in registers
-          if (k >= half) break;
-          const float lo = f[k], hi = f[k + half];
-          f[k] = (upper ? hi : lo) + __shfl_xor_sync(~0u, upper ? lo : hi, lanes);
+        for (int step = 0; step < 3; ++step) {
+          const int lanes = 4 << step, half = kElemsPerThread / 2 >> step;
+          const bool upper = threadIdx.x & lanes;
+#pragma unroll
+          for (int k = 0; k < kElemsPerThread / 2; ++k) {  // constant bounds: v stays in registers
+            if (k >= half) break;
+            const float lo = v[k], hi = v[k + half];
+            v[k] = (upper ? hi : lo) + __shfl_xor_sync(~0u, upper ? lo : hi, lanes);
+          }
+          col += upper ? half : 0;
         }
-        col += upper ? half : 0;
+        *reinterpret_cast<float2*>(&warp_sums[j][threadIdx.x / 32][col]) = make_float2(v[0], v[1]);
       }
-      *reinterpret_cast<float2*>(&warp_sums[threadIdx.x / 32][col]) = make_float2(f[0], f[1]);
+      if (in) *reinterpret_cast<uint4*>(q + r * q_cols + j * cols + c) = packed;
+      // Rows of tile_q are 68 bytes: 4-byte aligned, so the 16 bytes go in as four words.
+      uint32_t* row = reinterpret_cast<uint32_t*>(&tile_q[j][tr][tc]);
+      row[0] = packed.x, row[1] = packed.y, row[2] = packed.z, row[3] = packed.w;
     }
-    if (in) *reinterpret_cast<uint4*>(q + r * cols + c) = packed;
-    // Rows of tile_q are 68 bytes: 4-byte aligned, so the 16 bytes go in as four words.
-    uint32_t* row = reinterpret_cast<uint32_t*>(&tile_q[tr][tc]);
-    row[0] = packed.x, row[1] = packed.y, row[2] = packed.z, row[3] = packed.w;
     __syncthreads();
 
     // Transposed pass: qt row (c0 + tr), 16 consecutive r of it per thread (R16 % 16 == 0).
     const int64_t qt_row = c0 + tr, qt_col = r0 + tc;
-    if (qt_row < cols && qt_col < rows16) {
-      alignas(16) uint8_t tq[kElemsPerThread];
 #pragma unroll
-      for (int k = 0; k < kElemsPerThread; ++k) tq[k] = tile_q[tc + k][tr];
-      *reinterpret_cast<uint4*>(qt + qt_row * rows16 + qt_col) = *reinterpret_cast<const uint4*>(tq);
-    }
-    if constexpr (kDbias) {
-      if (threadIdx.x < kTile && c0 + threadIdx.x < cols && r0 < rows) {
-        float sum = 0.0f;
+    for (int j = 0; j < kOut; ++j) {
+      if (qt_row < cols && qt_col < rows16) {
+        alignas(16) uint8_t tq[kElemsPerThread];
 #pragma unroll
-        for (int w = 0; w < kWarps; ++w) sum += warp_sums[w][threadIdx.x];
-        dbias_partial[r0 / kTile * cols + c0 + threadIdx.x] = sum;
+        for (int k = 0; k < kElemsPerThread; ++k) tq[k] = tile_q[j][tc + k][tr];
+        *reinterpret_cast<uint4*>(qt + (j * cols + qt_row) * rows16 + qt_col) =
+            *reinterpret_cast<const uint4*>(tq);
+      }
+      if constexpr (kDbias) {
+        if (threadIdx.x < kTile && c0 + threadIdx.x < cols && r0 < rows) {
+          float sum = 0.0f;
+#pragma unroll
+          for (int w = 0; w < kWarps; ++w) sum += warp_sums[j][w][threadIdx.x];
+          dbias_partial[r0 / kTile * q_cols + j * cols + c0 + threadIdx.x] = sum;
+        }
       }
     }
     __syncthreads();  // the next tile reuses tile_q and warp_sums
