@@ -1,10 +1,11 @@
 """The model: a byte-level decoder-only transformer (GPT style, pre-LayerNorm) in Flax linen.
 
-With ``fp8=True`` every matmul inside the blocks (the fused q/k/v projection, the attention
-output projection and both MLP matmuls) is a ``jax_fp8.flax.Dense`` under ``recipe``
-("delayed": per-tensor delayed scaling, HYBRID; "block": DeepSeek-style block scaling); with ``fp8=False`` the
-same layers are ``flax.linen.Dense`` computing in bf16. Both variants name their layers the
-same, so one seed gives both exactly the same initial parameters.
+With ``fp8=True`` every matmul inside the blocks is FP8 under ``recipe`` ("delayed": per-tensor
+delayed scaling, HYBRID; "block": DeepSeek-style block scaling): the fused q/k/v projection and
+the attention output projection are ``jax_fp8.flax.Dense``, the MLP a ``jax_fp8.flax.Mlp``
+(GELU fused into its cast-transposes under the delayed recipe). With ``fp8=False`` the same
+layers compute in bf16 (``flax.linen.Dense``; ``Bf16Mlp``). Both variants name their
+parameters the same, so one seed gives both exactly the same initial parameters.
 
 Dtypes: parameters f32; the residual stream f32; LayerNorm outputs, matmuls and attention in
 bf16 (softmax in f32); logits f32.
@@ -61,6 +62,33 @@ def dense(cfg: Config, features: int, name: str) -> nn.Module:
   return nn.Dense(features, **kw)
 
 
+class Bf16Mlp(nn.Module):
+  """The MLP ``gelu(h @ kernel_in + bias_in) @ kernel_out + bias_out`` in bf16 with f32
+  parameters, named and created in the order of ``jax_fp8.flax.Mlp``'s. h: bf16 [B, T, D]."""
+
+  d_ff: int
+
+  @nn.compact
+  def __call__(self, h):
+    d = h.shape[-1]
+    k_in = self.param("kernel_in", INIT, (d, self.d_ff), jnp.float32)
+    k_out = self.param("kernel_out", INIT, (self.d_ff, d), jnp.float32)
+    b_in = self.param("bias_in", nn.initializers.zeros_init(), (self.d_ff,), jnp.float32)
+    b_out = self.param("bias_out", nn.initializers.zeros_init(), (d,), jnp.float32)
+    h = nn.gelu(h @ k_in.astype(COMPUTE) + b_in.astype(COMPUTE))
+    return h @ k_out.astype(COMPUTE) + b_out.astype(COMPUTE)
+
+
+def mlp(cfg: Config, name: str) -> nn.Module:
+  """The block's MLP, d_model -> d_ff -> d_model with GELU: FP8 (jax_fp8) or plain."""
+  if cfg.fp8:
+    axis = cfg.amax_axis_name if cfg.recipe == "delayed" else None
+    return jax_fp8.flax.Mlp(cfg.d_ff, activation="gelu", dtype=COMPUTE,
+                            param_dtype=jnp.float32, kernel_init=INIT,
+                            recipe=RECIPES[cfg.recipe], amax_axis_name=axis, name=name)
+  return Bf16Mlp(cfg.d_ff, name=name)
+
+
 def causal_attention(q, k, v):
   """Softmax attention with a causal mask.
 
@@ -91,8 +119,7 @@ class Block(nn.Module):
     a = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(b, t, d)
     x = x + dense(cfg, d, "attn_out")(a).astype(x.dtype)
     h = nn.LayerNorm(dtype=COMPUTE, name="ln_mlp")(x)
-    h = nn.gelu(dense(cfg, cfg.d_ff, "mlp_in")(h))
-    return x + dense(cfg, d, "mlp_out")(h).astype(x.dtype)
+    return x + mlp(cfg, "mlp")(h).astype(x.dtype)
 
 
 class Transformer(nn.Module):
