@@ -1,5 +1,6 @@
 """What the Flax layers (``jax_fp8.flax``, linen, and ``jax_fp8.nnx``) share: their argument
-checks, their state, and the call of ``linear`` / ``multi_linear`` in the compute dtype."""
+checks, their state, and the call of ``linear`` / ``multi_linear`` / ``mlp`` in the compute
+dtype."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from . import checks
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState, linear, multi_linear
+from .mlp import mlp
 from .recipes import BlockScaling, DelayedScaling
 
 
@@ -51,3 +53,14 @@ def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, mu
   if multi:
     return multi_linear(inputs, kernels, tuple(biases), **kw)
   return (linear(inputs, kernels[0], biases[0], **kw),)
+
+
+def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axis_name):
+  """An ``Mlp`` layer's output: ``mlp`` with inputs and biases (``biases``: (bias_in,
+  bias_out), None without bias) promoted to the compute dtype as in ``call_layer``, the
+  kernels (kernel_in, kernel_out) in their parameter dtype."""
+  present = tuple(b for b in biases if b is not None)
+  dtype = dtypes.canonicalize_dtype(inputs, *kernels, *present, dtype=dtype)
+  inputs, *biases = dtypes.promote_dtype(inputs, *biases, dtype=dtype)
+  return mlp(inputs, *kernels, *biases, activation=activation, state=state, recipe=recipe,
+             amax_axis_name=amax_axis_name)

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from flax import serialization
 
 from . import activations, checks
-from ._layer import call_layer, check_layer, create_state
+from ._layer import call_layer, call_mlp, check_layer, create_state
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState
-from .mlp import MlpState, mlp
+from .mlp import MlpState
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing
 
@@ -182,9 +182,6 @@ class Mlp(nn.Module):
               if use_bias else (None, None))
     state = (self.variable(STATE_COLLECTION, "mlp", MlpState.create, self.recipe).value
              if isinstance(self.recipe, DelayedScaling) else None)
-    dtype = nn.dtypes.canonicalize_dtype(inputs, kernel_in, kernel_out,
-                                         *(b for b in biases if b is not None), dtype=self.dtype)
-    inputs, *biases = nn.dtypes.promote_dtype(inputs, *biases, dtype=dtype)
     axis = None if self.is_initializing() else self.amax_axis_name
-    return mlp(inputs, kernel_in, kernel_out, *biases, activation=self.activation, state=state,
-               recipe=self.recipe, amax_axis_name=axis)
+    return call_mlp(inputs, (kernel_in, kernel_out), biases, state, self.recipe, self.dtype,
+                    self.activation, axis)

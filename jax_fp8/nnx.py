@@ -1,5 +1,5 @@
-"""Flax NNX layers backed by ``jax_fp8.linear`` and ``jax_fp8.multi_linear``, with the FP8 state
-in its own variable type. Needs the ``flax`` extra (``pip install jax_fp8[flax]``).
+"""Flax NNX layers backed by ``jax_fp8.linear``, ``jax_fp8.multi_linear`` and ``jax_fp8.mlp``,
+with the FP8 state in its own variable type. Needs the ``flax`` extra (``pip install jax_fp8[flax]``).
 
 A train step differentiates with respect to the parameters and the FP8 state, updates the
 parameters with the optimizer and the state with ``update_fp8_state``::
@@ -22,16 +22,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ._layer import call_layer, check_layer, create_state
+from . import activations
+from ._layer import call_layer, call_mlp, check_layer, create_state
 from .checks import integer
+from .mlp import MlpState
 from .recipes import DelayedScaling
 from .state import update_state
 
 
 class Fp8State(nnx.Variable):
-  """The FP8 scale rings of one layer (its ``LinearState`` or ``MultiLinearState``) as an NNX
-  variable: ``nnx.state(model, Fp8State)`` selects every layer's, an optimizer over
-  ``nnx.Param`` leaves them alone, and ``update_fp8_state`` advances them."""
+  """The FP8 scale rings of one layer (its ``LinearState``, ``MultiLinearState`` or
+  ``MlpState``) as an NNX variable: ``nnx.state(model, Fp8State)`` selects every layer's, an
+  optimizer over ``nnx.Param`` leaves them alone, and ``update_fp8_state`` advances them."""
 
 
 class _Layer(nnx.Module):
@@ -111,6 +113,57 @@ class MultiLinear(_Layer):
 
   def __call__(self, inputs: jax.Array) -> tuple[jax.Array, ...]:
     return self._outputs(inputs)
+
+
+class Mlp(nnx.Module):
+  """An MLP block in FP8 with the activation and its gradient fused into the cast-transposes
+  (``jax_fp8.mlp``; the linen twin is ``jax_fp8.flax.Mlp``).
+
+  Parameters "kernel_in" [in_features, N] (N = hidden_features, or twice it for a gated
+  activation: gate and up side by side), "kernel_out" [hidden_features, out_features],
+  "bias_in" [N] and "bias_out" [out_features] with ``use_bias`` (else None), with
+  ``nnx.Linear``'s initializers; under ``DelayedScaling`` the ``Fp8State`` "fp8_state" holds
+  an ``MlpState`` (None under ``BlockScaling``).
+
+  Args: in_features (K), hidden_features (F), out_features (D; None: K), activation ("swiglu",
+  default, "geglu", "silu" or "gelu"), and ``Linear``'s use_bias, dtype, param_dtype,
+  kernel_init, bias_init, recipe, amax_axis_name, rngs. Input ``[..., in_features]``; output
+  ``[..., out_features]`` in ``dtype``. Raises TypeError / ValueError for bad arguments, at
+  construction or at the call.
+  """
+
+  def __init__(self, in_features: int, hidden_features: int, out_features: int | None = None,
+               *, activation: str = "swiglu", use_bias: bool = True, dtype: Any = None,
+               param_dtype: Any = jnp.float32,
+               kernel_init: Callable = nnx.initializers.lecun_normal(),
+               bias_init: Callable = nnx.initializers.zeros_init(),
+               recipe=DelayedScaling(), amax_axis_name=None, rngs: nnx.Rngs):
+    (f,), use_bias = check_layer("Mlp", hidden_features, use_bias, recipe, False,
+                                 "hidden_features")
+    _, gated = activations.check(activation, "Mlp.activation")
+    k = integer(in_features, "Mlp.in_features", lo=1)
+    d = k if out_features is None else integer(out_features, "Mlp.out_features", lo=1)
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"Mlp.rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
+    n = 2 * f if gated else f
+    self.in_features, self.hidden_features, self.out_features = k, f, d
+    self.activation, self.dtype, self.recipe = activation, dtype, recipe
+    self.amax_axis_name = amax_axis_name
+    self.kernel_in = nnx.Param(kernel_init(rngs.params(), (k, n), param_dtype))
+    self.kernel_out = nnx.Param(kernel_init(rngs.params(), (f, d), param_dtype))
+    self.bias_in = nnx.Param(bias_init(rngs.params(), (n,), param_dtype)) if use_bias else None
+    self.bias_out = nnx.Param(bias_init(rngs.params(), (d,), param_dtype)) if use_bias else None
+    self.fp8_state = (Fp8State(MlpState.create(recipe)) if isinstance(recipe, DelayedScaling)
+                      else None)
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if jnp.ndim(inputs) < 1 or jnp.shape(inputs)[-1] != self.in_features:
+      raise ValueError(f"Mlp inputs must be [..., {self.in_features}] (in_features), got "
+                       f"shape {jnp.shape(inputs)}")
+    biases = tuple(None if b is None else b.get_value() for b in (self.bias_in, self.bias_out))
+    state = None if self.fp8_state is None else self.fp8_state.get_value()
+    return call_mlp(inputs, (self.kernel_in.get_value(), self.kernel_out.get_value()), biases,
+                    state, self.recipe, self.dtype, self.activation, self.amax_axis_name)
 
 
 def update_fp8_state(model: nnx.Module, grads: nnx.State) -> None:

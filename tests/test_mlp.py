@@ -9,14 +9,17 @@ import functools
 
 import flax.serialization
 import jax
+import optax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import roundoff
 
 import jax_fp8
+import jax_fp8.nnx
+from flax import nnx
 from jax_fp8 import activations
-from jax_fp8.flax import Dense, Mlp
+from jax_fp8.flax import Mlp
 
 ACTS = ["swiglu", "gelu"]
 # Forward: x, kernel_in, the activation and kernel_out each rounded to e4m3. Backward (dx):
@@ -163,6 +166,43 @@ def test_flax_layer(rng):
   restored = flax.serialization.from_bytes(v["fp8_state"], flax.serialization.to_bytes(moved))
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(moved)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_nnx_layer(rng):
+  """jax_fp8.nnx.Mlp: its output is mlp's on its parameters and state; a train step with
+  nnx.value_and_grad and update_fp8_state moves the rings and the parameters."""
+  x = jnp.asarray(rng.standard_normal((2, 8, 64)), jnp.bfloat16)
+  layer = jax_fp8.nnx.Mlp(64, 48, 32, activation="swiglu", dtype=jnp.bfloat16,
+                          rngs=nnx.Rngs(0))
+  assert layer.kernel_in.get_value().shape == (64, 96)
+  assert layer.kernel_out.get_value().shape == (48, 32) and layer.bias_out.get_value().shape == (32,)
+  state = layer.fp8_state.get_value()
+  assert isinstance(state, jax_fp8.MlpState)
+  want = jax_fp8.mlp(x, layer.kernel_in.get_value(), layer.kernel_out.get_value(),
+                     layer.bias_in.get_value().astype(jnp.bfloat16),
+                     layer.bias_out.get_value().astype(jnp.bfloat16), state=state)
+  np.testing.assert_array_equal(np.asarray(layer(x), np.float32), np.asarray(want, np.float32))
+  optimizer = nnx.Optimizer(layer, optax.sgd(1e-2), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    diff = nnx.DiffState(0, (nnx.Param, jax_fp8.nnx.Fp8State))
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x).astype(jnp.float32) ** 2),
+                                     argnums=diff)(model)
+    optimizer.update(model, nnx.filter_state(grads, nnx.Param))
+    jax_fp8.nnx.update_fp8_state(model, grads)
+    return loss
+
+  before = np.asarray(layer.kernel_in.get_value())
+  step(layer, optimizer, x)
+  assert float(layer.fp8_state.get_value().hidden.steps) == 1.0
+  assert not np.array_equal(before, np.asarray(layer.kernel_in.get_value()))
+  with pytest.raises(ValueError, match=r"Mlp inputs must be \[..., 64\]"):
+    layer(x[..., :32])
+  with pytest.raises(TypeError, match="Mlp.rngs"):
+    jax_fp8.nnx.Mlp(64, 48, rngs=0)
+  assert jax_fp8.nnx.Mlp(64, 128, recipe=jax_fp8.BlockScaling(), use_bias=False,
+                         rngs=nnx.Rngs(0)).fp8_state is None
 
 
 def test_bad_arguments(rng):
