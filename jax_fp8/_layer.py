@@ -57,10 +57,11 @@ def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, mu
 
 def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axis_name):
   """An ``Mlp`` layer's output: ``mlp`` with inputs and biases (``biases``: (bias_in,
-  bias_out), None without bias) promoted to the compute dtype as in ``call_layer``, the
-  kernels (kernel_in, kernel_out) in their parameter dtype."""
+  bias_out), None without bias) promoted to the compute dtype and the kernels (kernel_in,
+  kernel_out) in their parameter dtype, as in ``call_layer``."""
   present = tuple(b for b in biases if b is not None)
   dtype = dtypes.canonicalize_dtype(inputs, *kernels, *present, dtype=dtype)
   inputs, *biases = dtypes.promote_dtype(inputs, *biases, dtype=dtype)
+  kernels = tuple(k if k.dtype in FLOAT_DTYPES else k.astype(dtype) for k in kernels)
   return mlp(inputs, *kernels, *biases, activation=activation, state=state, recipe=recipe,
              amax_axis_name=amax_axis_name)

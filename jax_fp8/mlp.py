@@ -142,10 +142,10 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   Returns:
     [..., D] in x's dtype.
   Raises:
-    TypeError / ValueError at trace time: dtypes, shapes (K, N, F, D multiples of 16, or 128
-    under BlockScaling; N = 2F for a gated activation), unknown activation, a state that is
-    not an MlpState of the recipe's rings, a state or amax axis given to BlockScaling, and the
-    amax_axis_name errors of ``linear``.
+    TypeError / ValueError at trace time: dtypes, shapes (N = 2F for a gated activation; on
+    the FP8 path K, F and D multiples of 16, or 128 under BlockScaling), unknown activation, a
+    state that is not an MlpState of the recipe's rings, a state or amax axis given to
+    BlockScaling, and the amax_axis_name errors of ``linear``.
 
   Method: per-tensor delayed scaling as in ``linear`` (Micikevicius et al. 2022, NVIDIA
   TransformerEngine); gated activations after Shazeer 2020 (arXiv 2002.05202).
@@ -154,8 +154,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   _, gated = activations.check(activation)
   named = {"x": x, "kernel_in": checks.array(kernel_in, "kernel_in"),
            "kernel_out": checks.array(kernel_out, "kernel_out")}
-  for name in ("bias_in", "bias_out"):
-    v = locals()[name]
+  for name, v in (("bias_in", bias_in), ("bias_out", bias_out)):
     if v is not None:
       named[name] = checks.array(v, name)
   for name, v in named.items():
@@ -201,12 +200,13 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   if fp8 and any(v % multiple for v in (k, f, d)):
     raise ValueError(f"K, F and D must be multiples of {multiple} for the FP8 GEMMs"
                      f"{' under BlockScaling' if block else ''}, got K={k}, F={f}, D={d}")
+  if not block:  # checked on every path, as linear does
+    axis = _amax_axes(x, (kernel_in, kernel_out), (bias_in, bias_out), state, amax_axis_name)
   if not fp8 or block:
     lin = (functools.partial(linear, recipe=recipe) if fp8 else
            lambda v, w, b: v @ w.astype(v.dtype) + (0 if b is None else b.astype(v.dtype)))
     h = activations.apply(lin(x, kernel_in, bias_in), activation).astype(x.dtype)
     return lin(h, kernel_out, bias_out)
-  axis = _amax_axes(x, (kernel_in, kernel_out), (bias_in, bias_out), state, amax_axis_name)
   x, kernel_in, kernel_out, bias_in, bias_out = sharding.vary_like(
       (x, kernel_in, kernel_out, bias_in, bias_out), x, kernel_in, kernel_out, bias_in, bias_out)
   dtypes = (x.dtype, kernel_in.dtype, kernel_out.dtype,

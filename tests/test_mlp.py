@@ -226,6 +226,10 @@ def test_bad_arguments(rng):
   with pytest.raises(ValueError, match="multiples of 16"):
     jax_fp8.mlp(x[..., :40], k_in[:40], k_out, state=state,
                 recipe=jax_fp8.DelayedScaling(fp8_min_intensity=0))
+  with pytest.raises(TypeError, match="amax_axis_name must be None"):  # also below the crossover
+    jax_fp8.mlp(x, k_in, k_out, state=jax_fp8.MlpState.create(jax_fp8.DelayedScaling(
+        fp8_min_intensity=1e9)), recipe=jax_fp8.DelayedScaling(fp8_min_intensity=1e9),
+        amax_axis_name=5)
   with pytest.raises(ValueError, match="Mlp.activation must be one of"):
     Mlp(48, activation="tanh").init(jax.random.PRNGKey(0), x)
   with pytest.raises(TypeError, match="MlpState.create takes a DelayedScaling"):

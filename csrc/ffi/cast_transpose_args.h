@@ -12,7 +12,7 @@ struct CastTransposeArgs {
   ffi::DataType x_type;
   ActivationId activation;  // kNone: q is x quantized
   bool gated, grad;
-  int64_t rows, cols, rows16;  // of q; rows16: rows rounded up to kQtRowMultiple, qt's rows
+  int64_t rows, cols, rows16;  // of q; rows16: rows rounded up to kQtRowMultiple, qt's row length
   int64_t x_cols;
   Fp8Format fmt;
   uint8_t *q, *qt;
@@ -52,7 +52,8 @@ inline ffi::Error DecodeCastTransposeRing(
   const int64_t rows = x.dimensions()[0], x_cols = x.dimensions()[1];
   const int64_t rows16 = (rows + kQtRowMultiple - 1) / kQtRowMultiple * kQtRowMultiple;
   if (x_cols <= 0 || x_cols % (act && gated && !grad ? 2 * kColMultiple : kColMultiple))
-    return invalid("x's columns must be a positive multiple of 16 (32 for a gated activation)");
+    return invalid("x's columns must be a positive multiple of 16 (32 for a gated activation's "
+                   "forward)");
   const int64_t cols = !act ? x_cols : !grad ? (gated ? x_cols / 2 : x_cols)
                                              : (gated ? 2 * x_cols : x_cols);
   if (grad && (y.dimensions()[0] != rows || y.dimensions()[1] != cols))

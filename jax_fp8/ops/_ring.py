@@ -46,15 +46,15 @@ def kernel_results(history_len: int) -> tuple:
   return f32(()), f32(()), f32((history_len,)), f32(()), f32(())
 
 
-def sharded_scale(x, ring: ScaleRing, leaves, over, values=None) -> tuple[jax.Array, ScaleRing]:
+def sharded_scale(x, ring: ScaleRing, leaves, over, local_amax=amax) -> tuple[jax.Array, ScaleRing]:
   """Under a sharded jit: the scale every device quantizes with (the ring's, or on a fresh ring
-  the one from the amax of x over all devices, computed on that step only), and the ring
-  rebuilt from its local leaves. With ``values``, x is a tuple of arrays and the amax is that
-  of ``values(*x)`` (what the kernel quantizes)."""
+  the one from the amax over all devices, computed on that step only), and the ring rebuilt
+  from its local leaves. ``local_amax(x)``: the amax of this device's piece (by default of x
+  itself; a kernel computing its values, e.g. an activation, passes its own, so the scale is
+  the one a single device's kernel would take)."""
   ring = rebuild(ring, leaves)
   first = jax.lax.cond(ring.steps == 0,
-                       lambda x: sharding.pmax_keep_nan(amax(x if values is None else
-                                                             values(*x)), over),
+                       lambda x: sharding.pmax_keep_nan(local_amax(x), over),
                        lambda x: jnp.zeros((), jnp.float32), x)
   return scale_for_step(ring, first), ring
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi, activations, checks, sharding
-from ..formats import fp8_dtype
+from ..formats import amax, fp8_dtype
 from ..state import ScaleRing
 from . import _ring
 
@@ -30,7 +30,8 @@ _COLS = _ffi.CONSTANTS["col_multiple"]  # x's columns: whole 16-element vectors
 
 
 class CastTransposed(NamedTuple):
-  """``cast_transpose_delayed``'s result.
+  """The result of ``cast_transpose_delayed`` and of the activation cast-transposes (x: what
+  was quantized).
 
   Attributes:
     q: [R, C] FP8 in the ring's format.
@@ -95,9 +96,10 @@ def activation_cast_transpose(y: jax.Array, ring: ScaleRing, *, activation: str,
   byte for byte.
   """
   y = checks.float_input(y, "y")
-  act = activations.check(activation)
-  _check_2d(y, "y", 2 * _COLS if act[1] else _COLS, " (a gated activation's [gate | up])")
-  return _cast_transpose("activation_cast_transpose", y, None, ring, False, observe, act)
+  gated = activations.check(activation)[1]
+  _check_2d(y, "y", 2 * _COLS if gated else _COLS,
+            " ([gate | up] of a gated activation)" if gated else "")
+  return _cast_transpose("activation_cast_transpose", y, None, ring, False, observe, activation)
 
 
 def activation_grad_cast_transpose(dh: jax.Array, y: jax.Array, ring: ScaleRing, *,
@@ -127,14 +129,16 @@ def activation_grad_cast_transpose(dh: jax.Array, y: jax.Array, ring: ScaleRing,
   """
   dh = checks.float_input(dh, "dh")
   y = checks.float_input(y, "y")
-  act = activations.check(activation)
+  gated = activations.check(activation)[1]
   _check_2d(dh, "dh", _COLS)
-  want = (dh.shape[0], dh.shape[1] * (2 if act[1] else 1))
-  if y.dtype != dh.dtype or y.shape != want:
-    raise ValueError(f"y must be {dh.dtype}{list(want)} for dh {dh.dtype}{list(dh.shape)} under "
-                     f"{activation!r}, got {y.dtype}{list(y.shape)}")
+  if y.dtype != dh.dtype:
+    raise TypeError(f"y must have dh's dtype {dh.dtype}, got {y.dtype}")
+  want = (dh.shape[0], dh.shape[1] * (2 if gated else 1))
+  if y.shape != want:
+    raise ValueError(f"y must be {list(want)} for dh {list(dh.shape)} under {activation!r}, "
+                     f"got {list(y.shape)}")
   return _cast_transpose("activation_grad_cast_transpose", dh, y, ring, with_dbias, observe,
-                         act)
+                         activation)
 
 
 def _check_2d(x, name: str, multiple: int, what: str = "") -> None:
@@ -143,24 +147,19 @@ def _check_2d(x, name: str, multiple: int, what: str = "") -> None:
                      f"got shape {x.shape}")
 
 
-def _cast_transpose(op, x, y, ring, with_dbias, observe, act) -> CastTransposed:
-  """The three ops' kernel call: x quantized (act None), or act = (id, gated) of x, or with y
-  the gradient through it (x = dh)."""
+def _cast_transpose(op, x, y, ring, with_dbias, observe, activation) -> CastTransposed:
+  """The three ops' kernel call: x quantized (activation None), or the activation (a name of
+  ``jax_fp8.activations``) of x, or with y the gradient through it (x = dh)."""
   leaves = _ring.check_ring(ring)
   with_dbias = checks.boolean(with_dbias, "with_dbias")
   observe = checks.boolean(observe, "observe")
   qdt = fp8_dtype(ring.fmt)
-  act_id, gated = act if act is not None else (_ffi.CONSTANTS["activation_none"], False)
+  act_id, gated = (activations.check(activation) if activation is not None else
+                   (_ffi.CONSTANTS["activation_none"], False))
   grad = y is not None
-  out_cols = lambda x, y: (x.shape[1] if act is None else y.shape[1] if grad else  # noqa: E731
-                           x.shape[1] // 2 if gated else x.shape[1])
+  out_cols = lambda x, y: (x.shape[1] if activation is None else y.shape[1] if grad  # noqa: E731
+                           else x.shape[1] // 2 if gated else x.shape[1])
   rows, cols = x.shape[0], out_cols(x, y)
-  name = None if act is None else next(n for n, a in activations.ACTIVATIONS.items() if a == act)
-
-  def values(x, *y):
-    """What the kernel quantizes, in jnp (the sharded path's first-step amax)."""
-    return (x if name is None else activations.grad(x, y[0], name) if y else
-            activations.apply(x, name))
 
   def impl(x, *args):
     y, leaves = (args[0], args[1:]) if grad else (jnp.zeros((0,), x.dtype), args)
@@ -191,7 +190,13 @@ def _cast_transpose(op, x, y, ring, with_dbias, observe, act) -> CastTransposed:
 
     def lower(*args):
       xs, leaves = args[:len(inputs)], args[len(inputs):]
-      s, ring_in = _ring.sharded_scale(xs, ring, leaves, over, values)
+      # A fresh ring's scale from the global amax: of x itself, or of the kernel's own values
+      # (this piece run once at scale 1), so it is the scale one device's kernel would take.
+      local_amax = (amax if activation is None else
+                    lambda xs: impl(*xs, jnp.zeros((1,), jnp.float32), jnp.ones((), jnp.float32),
+                                    jnp.ones((), jnp.float32))[2])
+      s, ring_in = _ring.sharded_scale(xs[0] if activation is None else xs, ring, leaves, over,
+                                       local_amax)
       # The kernel at scale s: a one-entry ring past its first step, whose update is dropped.
       outs = impl(*xs, jnp.zeros((1,), jnp.float32), s, jnp.ones((), jnp.float32))
       q, qt, a = outs[0], outs[1], sharding.pmax_keep_nan(outs[2], over)
@@ -204,7 +209,7 @@ def _cast_transpose(op, x, y, ring, with_dbias, observe, act) -> CastTransposed:
 
   padded = rows % _QT_ROWS != 0
   p = "p" if padded else "r"
-  if act is None or not gated:  # elementwise: the columns of x (and y) are the output's
+  if activation is None or not gated:  # elementwise: the columns of x (and y) are the output's
     ins, out = "r c" + (", r c" if grad else ""), "c"
   else:  # gated: output columns come from both halves of the input's
     ins, out = ("r h, r c" if grad else "r c2"), "c"
