@@ -91,9 +91,10 @@ def activation_cast_transpose(y: jax.Array, ring: ScaleRing, *, activation: str,
     TypeError / ValueError at trace time: dtype, rank, shape, unknown activation, ring,
     observe not a bool.
 
-  The kernel's expf / tanhf are the platform's: outputs match
-  ``jax_fp8.reference.activation_cast_transpose`` within the bound of docs/design.md, not
-  byte for byte.
+  The activation is computed with libm's exp and tanh by the CPU handler and with the GPU's
+  hardware exp and reciprocal by the CUDA kernel: outputs match
+  ``jax_fp8.reference.activation_cast_transpose`` within the bound of docs/design.md ("The
+  fused MLP"), not byte for byte.
   """
   y = checks.float_input(y, "y")
   gated = activations.check(activation)[1]
@@ -125,7 +126,7 @@ def activation_grad_cast_transpose(dh: jax.Array, y: jax.Array, ring: ScaleRing,
     with_dbias or observe not a bool.
 
   Matches ``jax_fp8.reference.activation_grad_cast_transpose`` within the bound of
-  docs/design.md (the platform's expf / tanhf).
+  docs/design.md ("The fused MLP"), as ``activation_cast_transpose`` does.
   """
   dh = checks.float_input(dh, "dh")
   y = checks.float_input(y, "y")
