@@ -26,7 +26,10 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
 - ``delayed_fused_mlp`` (and ``_fast_all``): as ``delayed_shared_input`` (and its fast
   variant), the MLP one ``jax_fp8.flax.Mlp``: gate and up in one GEMM, SwiGLU computed inside
   the cast-transpose of the down projection's input, its gradient inside the cast-transpose of
-  the up projection's output gradient.
+  the up projection's output gradient;
+- ``delayed_fused_norm_mlp`` (and ``_fast_all``): as ``delayed_fused_mlp`` (and its fast
+  variant), the RMSNorms before q / k / v and the MLP fused into those layers' input
+  cast-transposes (``norm="rmsnorm"``).
 
 Each step is one jitted call with its buffers donated. Time: the median of ``--windows``
 windows of ``--steps`` back-to-back steps (dispatch is asynchronous and a step lasts far longer
@@ -100,27 +103,32 @@ class KernelCopyDense(nn.Module):
 DELAYED, BLOCK = jax_fp8.DelayedScaling(), jax_fp8.BlockScaling()
 # name -> (the projections' class, the class of several projections of one input or None for
 # one layer each, the recipe of a fused jax_fp8.flax.Mlp or None for gate / up / down
-# projections around jax.nn.silu); the classes are called with features, name and the kwargs of
-# Layer.
+# projections around jax.nn.silu, whether the RMSNorms before q / k / v and the MLP are fused
+# into those layers); the classes are called with features, name and the kwargs of Layer.
 VARIANTS = {
-    "bf16": (nn.Dense, None, None),
+    "bf16": (nn.Dense, None, None, False),
     "flax_fp8": (functools.partial(nn.Dense, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp),
-                 None, None),
-    "delayed_bf16_kernel_copy": (KernelCopyDense, None, None),
-    "delayed": (functools.partial(Dense, recipe=DELAYED), None, None),
+                 None, None, False),
+    "delayed_bf16_kernel_copy": (KernelCopyDense, None, None, False),
+    "delayed": (functools.partial(Dense, recipe=DELAYED), None, None, False),
     "delayed_shared_input": (functools.partial(Dense, recipe=DELAYED),
-                             functools.partial(MultiDense, recipe=DELAYED), None),
+                             functools.partial(MultiDense, recipe=DELAYED), None, False),
     "delayed_shared_input_fast_all": (
         functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
-        None),
+        None, False),
     "delayed_fused_mlp": (functools.partial(Dense, recipe=DELAYED),
-                          functools.partial(MultiDense, recipe=DELAYED), DELAYED),
+                          functools.partial(MultiDense, recipe=DELAYED), DELAYED, False),
     "delayed_fused_mlp_fast_all": (
         functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
-        FAST_ALL),
-    "block": (functools.partial(Dense, recipe=BLOCK), None, None),
+        FAST_ALL, False),
+    "delayed_fused_norm_mlp": (functools.partial(Dense, recipe=DELAYED),
+                               functools.partial(MultiDense, recipe=DELAYED), DELAYED, True),
+    "delayed_fused_norm_mlp_fast_all": (
+        functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
+        FAST_ALL, True),
+    "block": (functools.partial(Dense, recipe=BLOCK), None, None, False),
     "block_shared_input": (functools.partial(Dense, recipe=BLOCK),
-                           functools.partial(MultiDense, recipe=BLOCK), None),
+                           functools.partial(MultiDense, recipe=BLOCK), None, False),
 }
 
 
@@ -158,30 +166,38 @@ class Layer(nn.Module):
   cfg: Config
   variant: str
 
-  def project(self, h, **features):
+  def project(self, h, norm=None, **features):
     """The projections of h named by ``features`` (name=N): one layer each, or one layer of
-    several outputs where the variant has one."""
-    single, multi, _ = VARIANTS[self.variant]
+    several outputs where the variant has one (``norm``: the norm it fuses)."""
+    single, multi, _, _ = VARIANTS[self.variant]
     kw = dict(use_bias=False, dtype=COMPUTE, param_dtype=jnp.dtype(self.cfg.param_dtype))
     if multi is None or len(features) == 1:
       return tuple(single(n, name=name, **kw)(h) for name, n in features.items())
-    return multi(tuple(features.values()), name="_".join(features), **kw)(h)
+    return multi(tuple(features.values()), name="_".join(features), norm=norm, **kw)(h)
+
+  def norm(self, x, name):
+    """(the input of the layer after the norm, the norm it fuses): x itself and "rmsnorm"
+    where the variant fuses the norm, else the norm of x and None."""
+    if VARIANTS[self.variant][3]:
+      return x, "rmsnorm"
+    return nn.RMSNorm(dtype=COMPUTE, name=name)(x), None
 
   @nn.compact
   def __call__(self, x, _):
     cfg, (b, t, d) = self.cfg, x.shape
     heads = lambda y: y.reshape(b, t, cfg.heads, d // cfg.heads)
-    h = nn.RMSNorm(dtype=COMPUTE, name="attention_norm")(x)
-    q, k, v = map(heads, self.project(h, q=d, k=d, v=d))
+    h, norm = self.norm(x, "attention_norm")
+    q, k, v = map(heads, self.project(h, norm=norm, q=d, k=d, v=d))
     a = jax.nn.dot_product_attention(
         rope(q), rope(k), v, is_causal=True,
         implementation=None if cfg.attention == "default" else cfg.attention)
     x = x + self.project(a.reshape(b, t, d), o=d)[0]
-    h = nn.RMSNorm(dtype=COMPUTE, name="mlp_norm")(x)
+    h, norm = self.norm(x, "mlp_norm")
     mlp_recipe = VARIANTS[self.variant][2]
     if mlp_recipe is not None:
       return x + Mlp(cfg.ffn, activation="swiglu", use_bias=False, dtype=COMPUTE,
-                     param_dtype=jnp.dtype(cfg.param_dtype), recipe=mlp_recipe, name="mlp")(h), None
+                     param_dtype=jnp.dtype(cfg.param_dtype), recipe=mlp_recipe, norm=norm,
+                     name="mlp")(h), None
     gate, up = self.project(h, gate=cfg.ffn, up=cfg.ffn)
     return x + self.project(jax.nn.silu(gate) * up, down=d)[0], None
 

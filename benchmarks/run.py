@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
-from jax_fp8 import activations, reference
+from jax_fp8 import activations, norms, reference
 from jax_fp8.recipes import LINEAR_GEMMS
 
 from . import block, block_scaled, peers
@@ -96,19 +96,33 @@ def bench_quantize(quick, ceil):
       rows.append({"case": name, "shape": list(shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
                    "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"], "jnp_us": tj * 1e6,
                    "vs_jnp": tj / t})
-    rows += bench_swiglu(x, ring, ceil)
+    rows += bench_fused_sources(x, ring, ceil)
   return rows
 
 
-def bench_swiglu(x, ring, ceil):
-  """The fused SwiGLU cast-transposes (the MLP's hidden activation, forward and gradient, x's
-  shape [R, C] for the activation) against the unfused path jax_fp8 takes without them (XLA's
-  fusion writes the activation or the gradient in bf16, our cast-transpose reads it) and the
-  pure-jnp one. Bytes: forward reads [gate | up] and writes two FP8 copies (6 bytes an element
-  of x); gradient reads dh and [gate | up] and writes two FP8 copies of [dgate | dup] (10)."""
+def bench_fused_sources(x, ring, ceil):
+  """The fused cast-transposes (the MLP's SwiGLU, forward and gradient, x's shape [R, C] for
+  the activation; the RMSNorm and LayerNorm of x with their row statistics by XLA) against the
+  unfused path jax_fp8 takes without them (XLA's fusion writes the activation, its gradient or
+  the norm in bf16, our cast-transpose reads it) and the pure-jnp one. Bytes: forward reads
+  [gate | up] and writes two FP8 copies (6 bytes an element of x); gradient reads dh and
+  [gate | up] and writes two FP8 copies of [dgate | dup] (10); a norm reads x and writes two
+  FP8 copies (4: the statistics' own read of x is not counted, so "of_copy" is against one
+  read)."""
   y = jnp.concatenate([x, x[::-1]], axis=1)
   swiglu = lambda y: activations.apply(y, "swiglu").astype(y.dtype)  # noqa: E731
   grad = lambda dh, y: activations.grad(dh, y, "swiglu").astype(y.dtype)  # noqa: E731
+  gamma = jnp.linspace(0.5, 1.5, x.shape[1], dtype=jnp.float32)
+  beta = jnp.linspace(-0.5, 0.5, x.shape[1], dtype=jnp.float32)
+
+  def norm_cases(norm, b):
+    normalized = lambda x: norms.normalize(x, gamma, b, norm=norm,  # noqa: E731
+                                           epsilon=1e-6).astype(x.dtype)
+    stats = lambda x: norms.stats(x, norm, 1e-6)  # noqa: E731
+    return (f"{norm}_cast_transpose", 4, (x,),
+            lambda x, r: jax_fp8.norm_cast_transpose(x, stats(x), gamma, b, r, norm=norm)[:3],
+            lambda x, r: jax_fp8.cast_transpose_delayed(normalized(x), r)[:3],
+            lambda x, r: reference.norm_cast_transpose(x, stats(x), gamma, b, r, norm=norm)[:3])
   cases = (
       ("swiglu_cast_transpose", 6, (y,),
        lambda y, r: jax_fp8.activation_cast_transpose(y, r, activation="swiglu")[:3],
@@ -119,7 +133,8 @@ def bench_swiglu(x, ring, ceil):
                                                                activation="swiglu")[:3],
        lambda dh, y, r: jax_fp8.cast_transpose_delayed(grad(dh, y), r)[:3],
        lambda dh, y, r: reference.activation_grad_cast_transpose(dh, y, r,
-                                                                 activation="swiglu")[:3]))
+                                                                 activation="swiglu")[:3]),
+      norm_cases("rmsnorm", None), norm_cases("layernorm", beta))
   rows = []
   for name, per_elem, args, fused, unfused, jnp_path in cases:
     t, tu, tj = (device_time(fn, *args, ring) for fn in (fused, unfused, jnp_path))

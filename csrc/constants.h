@@ -55,6 +55,10 @@ constexpr int kGroupSizes[] = {16, 32, 64, 128};
 // x itself, or its image through an activation (or, with `grad`, the gradient through it).
 enum class ActivationId : int64_t { kNone = 0, kSilu = 1, kGelu = 2 };
 
+// Which normalization jax_fp8_cast_transpose_ring applies before it quantizes (the `norm`
+// attribute; csrc/norm.h): none, RMSNorm, or LayerNorm.
+enum class NormId : int64_t { kNone = 0, kRms = 1, kLayer = 2 };
+
 // Most row tiles of 128 a block-scaling kernel takes: CUDA's limit on gridDim.y.
 constexpr int64_t kMaxTileRows = 65535;
 

@@ -34,6 +34,9 @@ inline nanobind::dict constants_dict() {
   d["activation_none"] = int64_t(ActivationId::kNone);
   d["activation_silu"] = int64_t(ActivationId::kSilu);
   d["activation_gelu"] = int64_t(ActivationId::kGelu);
+  d["norm_none"] = int64_t(NormId::kNone);
+  d["norm_rmsnorm"] = int64_t(NormId::kRms);
+  d["norm_layernorm"] = int64_t(NormId::kLayer);
   return d;
 }
 

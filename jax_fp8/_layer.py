@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from flax.linen import dtypes
 
-from . import checks
+from . import checks, norms
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState, linear, multi_linear
@@ -32,36 +32,53 @@ def check_layer(name: str, features, use_bias, recipe, multi: bool, features_nam
   return features, checks.boolean(use_bias, f"{name}.use_bias")
 
 
+def check_norm_attr(name: str, norm, epsilon) -> bool:
+  """Whether layer ``name``'s fused input norm (None, "rmsnorm" or "layernorm") has a beta
+  (LayerNorm), its attributes checked; ValueError naming the attribute."""
+  if norm is None:
+    return False
+  norms.check(norm, f"{name}.norm")
+  if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+    raise ValueError(f"{name}.norm_epsilon must be a float > 0, got {epsilon!r}")
+  return norms.centered(norm)
+
+
 def create_state(recipe: DelayedScaling, outputs: int | None):
   """A fresh ``LinearState`` (``outputs`` None: one kernel) or ``MultiLinearState``."""
   return LinearState.create(recipe) if outputs is None else MultiLinearState.create(outputs, recipe)
 
 
-def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, multi: bool):
+def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, multi: bool,
+               norm_args=(None, None, None, 1e-6)):
   """The layer's outputs (a tuple): inputs and biases promoted to the compute dtype (``dtype``,
   or by Flax's rules when None), the kernels left in their parameter dtype (f32, bf16 or f16;
   or ``Fp8Weight``s, for inference),
   so f32 master weights are quantized straight from f32 (one rounding, no copy in ``dtype``)
-  and get f32 gradients from the wgrad GEMMs."""
+  and get f32 gradients from the wgrad GEMMs. ``norm_args``: (norm, gamma, beta, epsilon) of
+  the fused input norm, gamma and beta in their parameter dtype."""
   arrays = tuple(k for k in kernels if not isinstance(k, Fp8Weight))  # Fp8Weight: inference
   dtype = dtypes.canonicalize_dtype(inputs, *arrays, *biases, dtype=dtype)
   inputs, *biases = dtypes.promote_dtype(inputs, *biases, dtype=dtype)
   # Kernels in a dtype the kernels do not read (float64 under x64) go through ``dtype``.
   kernels = tuple(k if isinstance(k, Fp8Weight) or k.dtype in FLOAT_DTYPES else k.astype(dtype)
                   for k in kernels)
-  kw = dict(state=state, recipe=recipe, amax_axis_name=amax_axis_name)
+  norm, gamma, beta, epsilon = norm_args
+  kw = dict(state=state, recipe=recipe, amax_axis_name=amax_axis_name, norm=norm, gamma=gamma,
+            beta=beta, epsilon=epsilon)
   if multi:
     return multi_linear(inputs, kernels, tuple(biases), **kw)
   return (linear(inputs, kernels[0], biases[0], **kw),)
 
 
-def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axis_name):
+def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axis_name,
+             norm_args):
   """An ``Mlp`` layer's output: ``mlp`` with inputs and biases (``biases``: (bias_in,
   bias_out), None without bias) promoted to the compute dtype and the kernels (kernel_in,
-  kernel_out) in their parameter dtype, as in ``call_layer``."""
+  kernel_out) and the norm's parameters in their parameter dtype, as in ``call_layer``."""
   present = tuple(b for b in biases if b is not None)
   dtype = dtypes.canonicalize_dtype(inputs, *kernels, *present, dtype=dtype)
   inputs, *biases = dtypes.promote_dtype(inputs, *biases, dtype=dtype)
   kernels = tuple(k if k.dtype in FLOAT_DTYPES else k.astype(dtype) for k in kernels)
+  norm, gamma, beta, epsilon = norm_args
   return mlp(inputs, *kernels, *biases, activation=activation, state=state, recipe=recipe,
-             amax_axis_name=amax_axis_name)
+             amax_axis_name=amax_axis_name, norm=norm, gamma=gamma, beta=beta, epsilon=epsilon)

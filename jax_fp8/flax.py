@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import serialization
 
 from . import activations, checks
-from ._layer import call_layer, call_mlp, check_layer, create_state
+from ._layer import call_layer, call_mlp, check_layer, check_norm_attr, create_state
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState
 from .mlp import MlpState
@@ -41,6 +41,18 @@ _register(MultiLinearState, ("x", "kernels", "grads"))
 _register(MlpState, tuple(f.name for f in dataclasses.fields(MlpState)))
 
 
+def _norm_args(module: nn.Module, name: str, k: int):
+  """(norm, gamma, beta, epsilon) of a layer's fused input norm: its "gamma" [K] (ones) and,
+  for LayerNorm, "beta" [K] (zeros) parameters, made inside the module's compact call."""
+  centered = check_norm_attr(name, module.norm, module.norm_epsilon)
+  if module.norm is None:
+    return None, None, None, module.norm_epsilon
+  gamma = module.param("gamma", nn.initializers.ones_init(), (k,), module.param_dtype)
+  beta = (module.param("beta", nn.initializers.zeros_init(), (k,), module.param_dtype)
+          if centered else None)
+  return module.norm, gamma, beta, module.norm_epsilon
+
+
 class _Layer(nn.Module):
   """The fields and body shared by ``Dense`` and ``MultiDense`` (which set ``features``)."""
 
@@ -52,6 +64,8 @@ class _Layer(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
   recipe: DelayedScaling | BlockScaling = DelayedScaling()
   amax_axis_name: str | None = None
+  norm: str | None = None
+  norm_epsilon: float = 1e-6
 
   def outputs(self, inputs: jax.Array, multi: bool) -> tuple[jax.Array, ...]:
     """The layer's checks, parameters, state and op call (``multi`` False: ``linear`` on the
@@ -77,7 +91,8 @@ class _Layer(nn.Module):
     # init usually runs outside the pmap / shard_map whose axis is named; the axis serves the
     # backward only, and init takes no gradient.
     axis = None if self.is_initializing() else self.amax_axis_name
-    return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype, axis, multi)
+    return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype, axis, multi,
+                      _norm_args(self, name, jnp.shape(inputs)[-1]))
 
 
 class Dense(_Layer):
@@ -96,6 +111,11 @@ class Dense(_Layer):
     use_bias, dtype, param_dtype, kernel_init, bias_init: as in ``nn.Dense``.
     recipe: ``DelayedScaling`` (per-tensor, default) or ``BlockScaling`` (DeepSeek-V3).
     amax_axis_name: replica axis for amax reduction under pmap / shard_map (DelayedScaling).
+    norm: None (default), "rmsnorm" or "layernorm": the input is normalized first, the norm
+      fused into its FP8 quantization (``jax_fp8.linear``'s ``norm``; TransformerEngine's
+      LayerNormDenseGeneral), with parameters "gamma" [K] (ones) and, for LayerNorm, "beta"
+      [K] (zeros).
+    norm_epsilon: the norm's epsilon (default 1e-6, as ``nn.RMSNorm`` / ``nn.LayerNorm``).
 
   Input ``[..., K]`` with K a multiple of 16 (128 under BlockScaling); output ``[..., N]``.
   """
@@ -118,8 +138,8 @@ class MultiDense(_Layer):
 
   Attributes:
     features: (N_0, ..., N_{n-1}), each a multiple of 16 (128 under BlockScaling).
-    use_bias, dtype, param_dtype, kernel_init, bias_init, recipe, amax_axis_name: as in
-      ``Dense``.
+    use_bias, dtype, param_dtype, kernel_init, bias_init, recipe, amax_axis_name, norm,
+      norm_epsilon: as in ``Dense`` (the norm, fused once, feeds every output).
 
   Input ``[..., K]``; output a tuple of n arrays ``[..., N_i]``.
   """
@@ -147,8 +167,8 @@ class Mlp(nn.Module):
     hidden_features: F, a multiple of 16 (128 under BlockScaling).
     activation: "swiglu" (default), "geglu", "silu" or "gelu" (``jax_fp8.activations``).
     out_features: D; None (default) gives the input's K.
-    use_bias, dtype, param_dtype, kernel_init, bias_init, recipe, amax_axis_name: as in
-      ``Dense``.
+    use_bias, dtype, param_dtype, kernel_init, bias_init, recipe, amax_axis_name, norm,
+      norm_epsilon: as in ``Dense`` (with a norm, TransformerEngine's LayerNormMLP).
 
   Input ``[..., K]``; output ``[..., D]`` in ``dtype``.
   """
@@ -163,6 +183,8 @@ class Mlp(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
   recipe: DelayedScaling | BlockScaling = DelayedScaling()
   amax_axis_name: str | None = None
+  norm: str | None = None
+  norm_epsilon: float = 1e-6
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -184,4 +206,4 @@ class Mlp(nn.Module):
              if isinstance(self.recipe, DelayedScaling) else None)
     axis = None if self.is_initializing() else self.amax_axis_name
     return call_mlp(inputs, (kernel_in, kernel_out), biases, state, self.recipe, self.dtype,
-                    self.activation, axis)
+                    self.activation, axis, _norm_args(self, "Mlp", k))

@@ -26,12 +26,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import checks, sharding
+from . import checks, norms, sharding
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
 from .ops._ring import check_ring
-from .ops.cast_transpose import cast_transpose_delayed
+from .ops.cast_transpose import cast_transpose_delayed, norm_cast_transpose
 from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing
@@ -171,37 +171,62 @@ def _shared(observations, states, axis_name):
                       is_leaf=lambda v: isinstance(v, ScaleRing))
 
 
-# The delayed-scaling core, for one or several kernels sharing the input x: x [M, K] is
-# cast-transposed once for all of them. ``rings`` = (x's ring, the kernels' rings, the output
-# gradients' rings), the last two tuples in the kernels' order.
+# The delayed-scaling core, for one or several kernels sharing the input x: x [M, K] (or its
+# norm) is cast-transposed once for all of them. ``rings`` = (x's ring, the kernels' rings, the
+# output gradients' rings), the last two tuples in the kernels' order. ``norm``: None, or
+# (name, epsilon) of the norm fused into x's cast-transpose, whose parameters ``norm_params`` =
+# (gamma, beta) are differentiated as the kernels are.
 
-def _forward(x, kernels, biases, rings, fast_accum):
+def quantize_input(x, norm_params, ring, norm):
+  """x's cast-transpose (observing its ring), or with a norm its norm's, the row statistics
+  from XLA and the norm applied inside the kernel."""
+  if norm is None:
+    return cast_transpose_delayed(x, ring, observe=True)
+  name, epsilon = norm
+  return norm_cast_transpose(x, norms.stats(x, name, epsilon), *norm_params, ring, norm=name,
+                             observe=True)
+
+
+def input_grad(dx, x, norm_params, norm, x_dtype):
+  """(dx, norm_params' gradients) from the gradient of the GEMMs' input: through the norm (its
+  jnp backward, which XLA fuses), or dx itself in x's dtype without one."""
+  if norm is None:
+    return dx.astype(x_dtype), norm_params
+  name, epsilon = norm
+  _, vjp = jax.vjp(lambda x, g, b: norms.normalize(x, g, b, norm=name, epsilon=epsilon), x,
+                   *norm_params)
+  dx, *grads = vjp(dx.astype(jnp.float32))
+  return dx, tuple(grads)
+
+
+def _forward(x, norm_params, kernels, biases, rings, fast_accum, norm):
   """ys = x @ kernel_i + bias_i in FP8, what the backward needs, and the x and kernel rings'
   observations."""
   rx, rks, _ = rings
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
-  cx = cast_transpose_delayed(x, rx, observe=True)  # q [M, K], qt [K, M16] e4m3
+  cx = quantize_input(x, norm_params, rx, norm)  # q [M, K], qt [K, M16] e4m3
   cks = [cast_transpose_delayed(k, r, observe=True) for k, r in zip(kernels, rks)]  # [K, N]
   ys = tuple(gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, x.dtype, "fprop" in fast_accum)
              for ck, b in zip(cks, biases))
-  saved = (cx.qt, cx.scale, tuple(ck.q for ck in cks), tuple(ck.scale for ck in cks))
+  saved = (cx.qt, cx.scale, tuple(ck.q for ck in cks), tuple(ck.scale for ck in cks),
+           None if norm is None else (x, norm_params))
   return ys, saved, (cx.ring, tuple(ck.ring for ck in cks))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _linear(x, kernels, biases, rings, axis_name, dtypes, fast_accum):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _linear(x, norm_params, kernels, biases, rings, axis_name, dtypes, fast_accum, norm):
   del axis_name, dtypes  # used by the backward only
-  return _forward(x, kernels, biases, rings, fast_accum)[0]
+  return _forward(x, norm_params, kernels, biases, rings, fast_accum, norm)[0]
 
 
-def _linear_fwd(x, kernels, biases, rings, axis_name, dtypes, fast_accum):
+def _linear_fwd(x, norm_params, kernels, biases, rings, axis_name, dtypes, fast_accum, norm):
   del dtypes  # the backward's output dtypes (x, kernels, biases), static
-  ys, saved, observations = _forward(x, kernels, biases, rings, fast_accum)
+  ys, saved, observations = _forward(x, norm_params, kernels, biases, rings, fast_accum, norm)
   return ys, saved + (rings[2],) + _shared(observations, rings[:2], axis_name)
 
 
-def _linear_bwd(axis_name, dtypes, fast_accum, res, gs):
-  qxt, sx, qks, sks, grad_rings, rx, rks = res
+def _linear_bwd(axis_name, dtypes, fast_accum, norm, res, gs):
+  qxt, sx, qks, sks, normed, grad_rings, rx, rks = res
   x_dtype, k_dtypes, b_dtypes = dtypes
   dx, dks, dbs, rgs = None, [], [], []
   for g, qk, sk, ring, k_dtype, b_dtype in zip(gs, qks, sks, grad_rings, k_dtypes, b_dtypes):
@@ -215,7 +240,8 @@ def _linear_bwd(axis_name, dtypes, fast_accum, res, gs):
     dbs.append(None if b_dtype is None else cg.dbias.astype(b_dtype))
     rgs.append(cg.ring)
   rgs = _shared(tuple(rgs), grad_rings, axis_name)
-  return dx.astype(x_dtype), tuple(dks), tuple(dbs), (rx, rks, rgs)
+  dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
+  return dx, dnorm, tuple(dks), tuple(dbs), (rx, rks, rgs)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -273,20 +299,31 @@ _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have bee
       the state is replicated. The default None means, where the types tell nothing (pmap,
       ``check_vma=False``), every manual axis; ``()`` means none (independent replicas, as in
       an ensemble under pmap). See ``_amax_axes``. Gradients of replicated inputs are summed
-      over the axes they are replicated on, as JAX does for any op."""
+      over the axes they are replicated on, as JAX does for any op.
+    norm: None, or "rmsnorm" / "layernorm" (``jax_fp8.norms``): x is normalized over K before
+      the GEMMs. Under ``DelayedScaling`` on the FP8 path the norm is applied inside x's
+      cast-transpose (``norm_cast_transpose``), so it is never stored in x's dtype; its
+      backward is XLA's. Elsewhere it is XLA's, then the GEMMs.
+    gamma: the norm's [K] scale (float32 / bfloat16 / float16); None without a norm.
+    beta: LayerNorm's [K] shift; None otherwise.
+    epsilon: the norm's epsilon, a float > 0."""
 
 _RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under
     BlockScaling), mismatched shapes, unsupported dtypes, rings that do not match the recipe,
     amax_axis_name not a str or tuple of str or naming an axis that is not bound, axes missing
-    from amax_axis_name under shard_map, a state or amax axis given to BlockScaling."""
+    from amax_axis_name under shard_map, a state or amax axis given to BlockScaling, an
+    unknown norm, gamma / beta of the wrong shape or dtype or given without their norm,
+    epsilon not > 0."""
 
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            state: LinearState | None = None,
            recipe: DelayedScaling | BlockScaling = DelayedScaling(),
-           amax_axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
+           amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
+           gamma: jax.Array | None = None, beta: jax.Array | None = None,
+           epsilon: float = 1e-6) -> jax.Array:
   return _apply(x, (kernel,), (bias,), ("kernel",), ("bias",), state, LinearState, recipe,
-                amax_axis_name)[0]
+                amax_axis_name, (norm, gamma, beta, epsilon))[0]
 
 
 linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backward (delayed or
@@ -313,7 +350,9 @@ linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backwa
 
 def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState | None = None,
                  recipe: DelayedScaling | BlockScaling = DelayedScaling(),
-                 amax_axis_name: str | tuple[str, ...] | None = None) -> tuple[jax.Array, ...]:
+                 amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
+                 gamma: jax.Array | None = None, beta: jax.Array | None = None,
+                 epsilon: float = 1e-6) -> tuple[jax.Array, ...]:
   if not isinstance(kernels, (tuple, list)) or not kernels:
     raise TypeError(f"kernels must be a non-empty tuple or list of [K, N_i] arrays, got "
                     f"{'an empty ' if isinstance(kernels, (tuple, list)) else ''}"
@@ -328,7 +367,7 @@ def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState 
   return _apply(x, tuple(kernels), tuple(biases),
                 tuple(f"kernels[{i}]" for i in range(len(kernels))),
                 tuple(f"biases[{i}]" for i in range(len(kernels))), state, MultiLinearState,
-                recipe, amax_axis_name)
+                recipe, amax_axis_name, (norm, gamma, beta, epsilon))
 
 
 multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kernels sharing one
@@ -364,13 +403,37 @@ def _check_recipe(recipe) -> None:
                     f"{type(recipe).__name__}")
 
 
+def check_norm(x, norm_args):
+  """((gamma, beta), (norm, epsilon)) of a layer's fused norm, checked against x [..., K]
+  (``norm_args``: norm, gamma, beta, epsilon as the caller got them); ((None, None), None)
+  without one."""
+  norm, gamma, beta, epsilon = norm_args
+  if norm is None:
+    if gamma is not None or beta is not None:
+      raise TypeError("gamma and beta are a norm's parameters: pass norm='rmsnorm' or "
+                      "'layernorm' with them, or neither")
+    return (None, None), None
+  if x.ndim < 1:
+    raise ValueError(f"x must be [..., K] for a norm, got shape {x.shape}")
+  gamma, beta, epsilon = norms.check_params(norm, gamma, beta, epsilon, x.shape[-1])
+  return (gamma, beta), (norm, epsilon)
+
+
+def normalized(x, norm_params, norm):
+  """x through its norm by XLA, in x's dtype (the layers' paths without the fused kernel)."""
+  if norm is None:
+    return x
+  return norms.normalize(x, *norm_params, norm=norm[0], epsilon=norm[1]).astype(x.dtype)
+
+
 def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recipe,
-           amax_axis_name):
+           amax_axis_name, norm_args):
   """``linear`` and ``multi_linear``: the arguments checked (``*_names``: how errors call the
   kernels and biases), then the FP8 (or, below ``fp8_min_intensity``, the plain) path."""
   x = checks.array(x, "x")
   if x.dtype not in FLOAT_DTYPES:
     raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+  norm_params, norm = check_norm(x, norm_args)
   weights = [isinstance(k, Fp8Weight) for k in kernels]
   if any(weights) and not all(weights):
     raise TypeError("kernels must be all arrays or all Fp8Weight (inference), not a mix")
@@ -438,16 +501,21 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
                        f"recipe's {want}")
     amax_axis_name = _amax_axes(x, kernels, biases, state, amax_axis_name)
     rings = (named_x[1], tuple(r for _, r in named_k), tuple(r for _, r in named_g))
+  fused = fp8 and rings is not None and not all(weights)
+  if not fused:
+    x = normalized(x, norm_params, norm)
   if all(weights):
     ys = forward(x.reshape(math.prod(x.shape[:-1]), k), kernels, biases,
                  None if rings is None else rings[0], recipe, fp8, x.dtype)
     return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))
   if not fp8:
     return tuple(_linear_in_dtype(x, kernel, bias) for kernel, bias in zip(kernels, biases))
-  x, kernels, biases = sharding.vary_like((x, kernels, biases), x, kernels, biases)
+  x, norm_params, kernels, biases = sharding.vary_like((x, norm_params, kernels, biases), x,
+                                                       norm_params, kernels, biases)
   dtypes = (x.dtype, tuple(kernel.dtype for kernel in kernels),
             tuple(None if b is None else b.dtype for b in biases))
   x2 = x.reshape(math.prod(x.shape[:-1]), k)
   ys = (_block_linear(x2, kernels, biases, recipe, dtypes) if rings is None else
-        _linear(x2, kernels, biases, rings, amax_axis_name, dtypes, recipe.fast_accum_gemms))
+        _linear(x2, norm_params, kernels, biases, rings, amax_axis_name, dtypes,
+                recipe.fast_accum_gemms, norm))
   return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))

@@ -27,7 +27,8 @@ import jax
 
 from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
-from .linear import _amax_axes, _check_delayed, _check_recipe, _fp8_pays, _shared, linear
+from .linear import (_amax_axes, _check_delayed, _check_recipe, _fp8_pays, _shared, check_norm,
+                     input_grad, linear, normalized, quantize_input)
 from .ops import blockwise
 from .ops._ring import check_ring
 from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
@@ -62,36 +63,41 @@ class MlpState:
     return cls(fwd, fwd, bwd, fwd, fwd, bwd)
 
 
-def _forward(x, k_in, k_out, b_in, b_out, rings, activation, fast_accum):
+def _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_accum, norm):
   """out, what the backward needs, and the forward rings' observations (x, kernel_in, hidden,
   kernel_out)."""
   rx, rk_in, _, rh, rk_out, _ = rings
   fast = "fprop" in fast_accum
-  cx = cast_transpose_delayed(x, rx, observe=True)  # [M, K], [K, M16]
+  cx = quantize_input(x, norm_params, rx, norm)  # [M, K], [K, M16]
   ck_in = cast_transpose_delayed(k_in, rk_in, observe=True)  # [K, N], [N, K]
   y = gemm_bias(cx.q, ck_in.qt, cx.scale, ck_in.scale, b_in, x.dtype, fast)  # [M, N]
   ch = activation_cast_transpose(y, rh, activation=activation, observe=True)  # [M, F], [F, M16]
   ck_out = cast_transpose_delayed(k_out, rk_out, observe=True)  # [F, D], [D, F]
   out = gemm_bias(ch.q, ck_out.qt, ch.scale, ck_out.scale, b_out, x.dtype, fast)  # [M, D]
-  saved = (cx.qt, cx.scale, ck_in.q, ck_in.scale, y, ch.qt, ch.scale, ck_out.q, ck_out.scale)
+  saved = (cx.qt, cx.scale, ck_in.q, ck_in.scale, y, ch.qt, ch.scale, ck_out.q, ck_out.scale,
+           None if norm is None else (x, norm_params))
   return out, saved, (cx.ring, ck_in.ring, ch.ring, ck_out.ring)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _mlp(x, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes, fast_accum):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _mlp(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes,
+         fast_accum, norm):
   del axis_name, dtypes  # used by the backward only
-  return _forward(x, k_in, k_out, b_in, b_out, rings, activation, fast_accum)[0]
+  return _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_accum,
+                  norm)[0]
 
 
-def _mlp_fwd(x, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes, fast_accum):
+def _mlp_fwd(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes,
+             fast_accum, norm):
   del dtypes
-  out, saved, observed = _forward(x, k_in, k_out, b_in, b_out, rings, activation, fast_accum)
+  out, saved, observed = _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation,
+                                  fast_accum, norm)
   forward_rings = tuple(rings[i] for i in (0, 1, 3, 4))
   return out, (saved, (rings[2], rings[5]), _shared(observed, forward_rings, axis_name))
 
 
-def _mlp_bwd(activation, axis_name, dtypes, fast_accum, res, g):
-  (qxt, sx, qk_in, sk_in, y, qht, sh, qk_out, sk_out), (rg_in, rg_out), observed = res
+def _mlp_bwd(activation, axis_name, dtypes, fast_accum, norm, res, g):
+  (qxt, sx, qk_in, sk_in, y, qht, sh, qk_out, sk_out, normed), (rg_in, rg_out), observed = res
   x_dtype, k_in_dtype, k_out_dtype, b_in_dtype, b_out_dtype = dtypes
   cg = cast_transpose_delayed(g, rg_out, with_dbias=b_out_dtype is not None, observe=True)
   dh = gemm(cg.q, qk_out, cg.scale, sk_out, out_dtype=gemm_dtype(x_dtype),
@@ -108,8 +114,8 @@ def _mlp_bwd(activation, axis_name, dtypes, fast_accum, res, g):
   db_out = None if b_out_dtype is None else cg.dbias.astype(b_out_dtype)
   rg = _shared((cdy.ring, cg.ring), (rg_in, rg_out), axis_name)
   ox, ok_in, oh, ok_out = observed
-  return (dx.astype(x_dtype), dk_in, dk_out, db_in, db_out,
-          (ox, ok_in, rg[0], oh, ok_out, rg[1]))
+  dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
+  return (dx, dnorm, dk_in, dk_out, db_in, db_out, (ox, ok_in, rg[0], oh, ok_out, rg[1]))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -119,7 +125,9 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
         bias_in: jax.Array | None = None, bias_out: jax.Array | None = None, *,
         activation: str = "swiglu", state: MlpState | None = None,
         recipe: DelayedScaling | BlockScaling = DelayedScaling(),
-        amax_axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
+        amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
+        gamma: jax.Array | None = None, beta: jax.Array | None = None,
+        epsilon: float = 1e-6) -> jax.Array:
   """``act(x @ kernel_in + bias_in) @ kernel_out + bias_out`` with FP8 GEMMs forward and
   backward, the activation and its gradient fused into the cast-transposes (see the module
   docstring).
@@ -139,19 +147,22 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
       path runs where both GEMMs reach the recipe's ``fp8_min_intensity``; otherwise the MLP
       runs in x's dtype through XLA and the rings are untouched.
     amax_axis_name: as in ``linear``.
+    norm, gamma, beta, epsilon: the input's norm, as in ``linear`` (TransformerEngine's
+      LayerNormMLP): fused into x's cast-transpose under ``DelayedScaling`` on the FP8 path.
   Returns:
     [..., D] in x's dtype.
   Raises:
     TypeError / ValueError at trace time: dtypes, shapes (N = 2F for a gated activation; on
     the FP8 path K, F and D multiples of 16, or 128 under BlockScaling), unknown activation, a
     state that is not an MlpState of the recipe's rings, a state or amax axis given to
-    BlockScaling, and the amax_axis_name errors of ``linear``.
+    BlockScaling, and the amax_axis_name and norm errors of ``linear``.
 
   Method: per-tensor delayed scaling as in ``linear`` (Micikevicius et al. 2022, NVIDIA
   TransformerEngine); gated activations after Shazeer 2020 (arXiv 2002.05202).
   """
   x = checks.array(x, "x")
   _, gated = activations.check(activation)
+  norm_params, norm = check_norm(x, (norm, gamma, beta, epsilon))
   named = {"x": x, "kernel_in": checks.array(kernel_in, "kernel_in"),
            "kernel_out": checks.array(kernel_out, "kernel_out")}
   for name, v in (("bias_in", bias_in), ("bias_out", bias_out)):
@@ -203,16 +214,18 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   if not block:  # checked on every path, as linear does
     axis = _amax_axes(x, (kernel_in, kernel_out), (bias_in, bias_out), state, amax_axis_name)
   if not fp8 or block:
+    x = normalized(x, norm_params, norm)
     lin = (functools.partial(linear, recipe=recipe) if fp8 else
            lambda v, w, b: v @ w.astype(v.dtype) + (0 if b is None else b.astype(v.dtype)))
     h = activations.apply(lin(x, kernel_in, bias_in), activation).astype(x.dtype)
     return lin(h, kernel_out, bias_out)
-  x, kernel_in, kernel_out, bias_in, bias_out = sharding.vary_like(
-      (x, kernel_in, kernel_out, bias_in, bias_out), x, kernel_in, kernel_out, bias_in, bias_out)
+  x, norm_params, kernel_in, kernel_out, bias_in, bias_out = sharding.vary_like(
+      (x, norm_params, kernel_in, kernel_out, bias_in, bias_out), x, norm_params, kernel_in,
+      kernel_out, bias_in, bias_out)
   dtypes = (x.dtype, kernel_in.dtype, kernel_out.dtype,
             None if bias_in is None else bias_in.dtype,
             None if bias_out is None else bias_out.dtype)
   rings = tuple(getattr(state, name) for name in _RINGS)
-  out = _mlp(x.reshape(m, k), kernel_in, kernel_out, bias_in, bias_out, rings, activation, axis,
-             dtypes, recipe.fast_accum_gemms)
+  out = _mlp(x.reshape(m, k), norm_params, kernel_in, kernel_out, bias_in, bias_out, rings,
+             activation, axis, dtypes, recipe.fast_accum_gemms, norm)
   return out.reshape(*x.shape[:-1], d)

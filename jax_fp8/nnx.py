@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import activations
-from ._layer import call_layer, call_mlp, check_layer, create_state
+from ._layer import call_layer, call_mlp, check_layer, check_norm_attr, create_state
 from .checks import integer
 from .mlp import MlpState
 from .recipes import DelayedScaling
@@ -36,6 +36,21 @@ class Fp8State(nnx.Variable):
   optimizer over ``nnx.Param`` leaves them alone, and ``update_fp8_state`` advances them."""
 
 
+def _init_norm(module: nnx.Module, name: str, norm, epsilon, k: int, param_dtype) -> None:
+  """The fused input norm's attributes and parameters: "gamma" [K] (ones) and, for LayerNorm,
+  "beta" [K] (zeros), each None where the norm has none."""
+  centered = check_norm_attr(name, norm, epsilon)
+  module.norm, module.norm_epsilon = norm, epsilon
+  module.gamma = None if norm is None else nnx.Param(jnp.ones((k,), param_dtype))
+  module.beta = nnx.Param(jnp.zeros((k,), param_dtype)) if centered else None
+
+
+def _norm_args(module: nnx.Module):
+  """(norm, gamma, beta, epsilon) for ``call_layer`` / ``call_mlp``."""
+  value = lambda p: None if p is None else p.get_value()  # noqa: E731
+  return module.norm, value(module.gamma), value(module.beta), module.norm_epsilon
+
+
 class _Layer(nnx.Module):
   """The constructor and body shared by ``Linear`` and ``MultiLinear`` (``_multi``: one layer
   of several outputs)."""
@@ -46,7 +61,8 @@ class _Layer(nnx.Module):
                dtype: Any = None, param_dtype: Any = jnp.float32,
                kernel_init: Callable = nnx.initializers.lecun_normal(),
                bias_init: Callable = nnx.initializers.zeros_init(),
-               recipe=DelayedScaling(), amax_axis_name=None, rngs: nnx.Rngs):
+               recipe=DelayedScaling(), amax_axis_name=None, norm: str | None = None,
+               norm_epsilon: float = 1e-6, rngs: nnx.Rngs):
     name, multi = type(self).__name__, self._multi
     features, use_bias = check_layer(name, out_features, use_bias, recipe, multi,
                                      "out_features")
@@ -64,6 +80,7 @@ class _Layer(nnx.Module):
               nnx.Param(bias_init(rngs.params(), (f,), param_dtype)) if use_bias else None)
     self.fp8_state = (Fp8State(create_state(recipe, len(features) if multi else None))
                       if isinstance(recipe, DelayedScaling) else None)
+    _init_norm(self, name, norm, norm_epsilon, in_features, param_dtype)
 
   def _outputs(self, inputs):
     name = type(self).__name__
@@ -76,7 +93,7 @@ class _Layer(nnx.Module):
                    getattr(self, f"bias{sfx}").get_value() for sfx in self._names)
     state = None if self.fp8_state is None else self.fp8_state.get_value()
     return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype,
-                      self.amax_axis_name, self._multi)
+                      self.amax_axis_name, self._multi, _norm_args(self))
 
 
 class Linear(_Layer):
@@ -84,8 +101,11 @@ class Linear(_Layer):
 
   Same constructor arguments as ``nnx.Linear`` less ``precision``, ``dot_general``,
   ``promote_dtype`` and ``preferred_element_type`` (the FP8 GEMMs decide them), plus
-  ``recipe`` (``DelayedScaling``, default, or ``BlockScaling``) and ``amax_axis_name`` (as in
-  ``jax_fp8.linear``). Same parameters ("kernel" [in, out], "bias" [out]) and initializers.
+  ``recipe`` (``DelayedScaling``, default, or ``BlockScaling``), ``amax_axis_name`` (as in
+  ``jax_fp8.linear``), and ``norm`` (None, "rmsnorm" or "layernorm") with ``norm_epsilon``
+  (1e-6): the input's norm fused into its FP8 quantization, as ``jax_fp8.flax.Dense``'s, with
+  the parameters "gamma" [in] (ones) and, for LayerNorm, "beta" [in] (zeros), else None. Same
+  parameters ("kernel" [in, out], "bias" [out]) and initializers.
   Under ``DelayedScaling`` the rings are the ``Fp8State`` "fp8_state" (a ``LinearState``);
   under ``BlockScaling`` it is None. The kernel is quantized from its parameter dtype (f32
   master weights straight to FP8); inputs and outputs are in ``dtype``.
@@ -127,7 +147,7 @@ class Mlp(nnx.Module):
 
   Args: in_features (K), hidden_features (F), out_features (D; None: K), activation ("swiglu",
   default, "geglu", "silu" or "gelu"), and ``Linear``'s use_bias, dtype, param_dtype,
-  kernel_init, bias_init, recipe, amax_axis_name, rngs. Input ``[..., in_features]``; output
+  kernel_init, bias_init, recipe, amax_axis_name, norm, norm_epsilon, rngs. Input ``[..., in_features]``; output
   ``[..., out_features]`` in ``dtype``. Raises TypeError / ValueError for bad arguments, at
   construction or at the call.
   """
@@ -137,7 +157,8 @@ class Mlp(nnx.Module):
                param_dtype: Any = jnp.float32,
                kernel_init: Callable = nnx.initializers.lecun_normal(),
                bias_init: Callable = nnx.initializers.zeros_init(),
-               recipe=DelayedScaling(), amax_axis_name=None, rngs: nnx.Rngs):
+               recipe=DelayedScaling(), amax_axis_name=None, norm: str | None = None,
+               norm_epsilon: float = 1e-6, rngs: nnx.Rngs):
     (f,), use_bias = check_layer("Mlp", hidden_features, use_bias, recipe, False,
                                  "hidden_features")
     _, gated = activations.check(activation, "Mlp.activation")
@@ -155,6 +176,7 @@ class Mlp(nnx.Module):
     self.bias_out = nnx.Param(bias_init(rngs.params(), (d,), param_dtype)) if use_bias else None
     self.fp8_state = (Fp8State(MlpState.create(recipe)) if isinstance(recipe, DelayedScaling)
                       else None)
+    _init_norm(self, "Mlp", norm, norm_epsilon, k, param_dtype)
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
     if jnp.ndim(inputs) < 1 or jnp.shape(inputs)[-1] != self.in_features:
@@ -163,7 +185,8 @@ class Mlp(nnx.Module):
     biases = tuple(None if b is None else b.get_value() for b in (self.bias_in, self.bias_out))
     state = None if self.fp8_state is None else self.fp8_state.get_value()
     return call_mlp(inputs, (self.kernel_in.get_value(), self.kernel_out.get_value()), biases,
-                    state, self.recipe, self.dtype, self.activation, self.amax_axis_name)
+                    state, self.recipe, self.dtype, self.activation, self.amax_axis_name,
+                    _norm_args(self))
 
 
 def update_fp8_state(model: nnx.Module, grads: nnx.State) -> None:

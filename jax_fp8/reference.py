@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import activations
+from . import activations, norms
 from .formats import (E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax, apply_scales, as_f32,
                       e2m1_round_stochastic, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
                       hadamard_transform, nvfp4_global_scale, sr_bits)
@@ -65,6 +65,14 @@ def activation_grad_cast_transpose(dh, y, ring: ScaleRing, *, activation: str,
   (``jax_fp8.activations.grad``)."""
   return cast_transpose_delayed(activations.grad(dh, y, activation), ring,
                                 with_dbias=with_dbias, observe=observe)
+
+
+def norm_cast_transpose(x, row_stats, gamma, beta, ring: ScaleRing, *, norm: str,
+                        observe: bool = False) -> CastTransposed:
+  """cast_transpose_delayed of the f32 norm of x from its row statistics, each product and
+  sum rounded on its own as the kernels round them (``jax_fp8.norms.apply``)."""
+  return cast_transpose_delayed(norms.apply(x, row_stats, gamma, beta, norm), ring,
+                                observe=observe)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:

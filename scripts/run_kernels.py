@@ -35,14 +35,18 @@ def profile():
   act = jax.jit(lambda y, r: jax_fp8.activation_cast_transpose(y, r, activation="swiglu"))
   act_grad = jax.jit(lambda dh, y, r: jax_fp8.activation_grad_cast_transpose(
       dh, y, r, activation="swiglu"))
+  gamma, beta = jnp.ones(x.shape[1]), jnp.zeros(x.shape[1])
+  layer_norm = jax.jit(lambda x, r: jax_fp8.norm_cast_transpose(
+      x, jax_fp8.norms.stats(x, "layernorm", 1e-6), gamma, beta, r, norm="layernorm"))
   for _ in range(3):
     jax.block_until_ready((quantize(x), delayed(x, ring), cast_t(x, ring), cast_t_dbias(x, ring),
-                           group(x), block(x), group_t(x), act(y, ring), act_grad(x, y, ring)))
+                           group(x), block(x), group_t(x), act(y, ring), act_grad(x, y, ring),
+                           layer_norm(x, ring)))
 
 
 def coverage():
   """Every kernel and template variant: input dtypes, formats, fresh and later ring steps, both
-  ring epilogues, dbias, group sizes and scale layouts, ragged edges."""
+  ring epilogues, dbias, activations and norms, group sizes and scale layouts, ragged edges."""
   rng = np.random.default_rng(0)
   normal = lambda shape, dtype: jax.device_put((rng.standard_normal(shape) * 3).astype(dtype))
   for dtype, fmt in itertools.product(DTYPES, ("e4m3", "e5m2")):
@@ -64,6 +68,12 @@ def coverage():
             g = jax_fp8.activation_grad_cast_transpose(x, y, ring, activation=activation,
                                                        with_dbias=dbias, observe=observe)
             jax.block_until_ready((a, g))
+          for norm in ("rmsnorm", "layernorm") if not dbias else ():
+            gamma = normal((shape[1],), np.float32)
+            beta = normal((shape[1],), np.float32) if norm == "layernorm" else None
+            row_stats = jax.device_put(np.asarray(jax_fp8.norms.stats(np.asarray(x), norm, 1e-6)))
+            jax.block_until_ready(jax_fp8.norm_cast_transpose(x, row_stats, gamma, beta, ring,
+                                                              norm=norm, observe=observe))
           ring = jax_fp8.quantize_delayed(x, ring).ring
     for shape in ((3, 128), (257, 384)):
       x = normal(shape, dtype)

@@ -19,6 +19,7 @@ def test_quick_suite(tmp_path):
   cases = {r["case"] for r in res["rows"]}
   assert cases == {"quantize", "quantize_delayed", "jnp quantize", "cast_transpose",
                    "cast_transpose+dbias", "swiglu_cast_transpose", "swiglu_grad_cast_transpose",
+                   "rmsnorm_cast_transpose", "layernorm_cast_transpose",
                    "gemm", "linear fwd+bwd", "block train step",
                    "group_quantize", "block_quantize", "group_cast_transpose", "block gemm",
                    "block linear fwd+bwd", "pdl chain", "linear stack peak memory",
@@ -111,7 +112,7 @@ def test_model_step_benchmark(tmp_path):
   JSON as returned."""
   out = tmp_path / "model_step.json"
   variants = ["bf16", "flax_fp8", "delayed_shared_input", "block_shared_input",
-              "delayed_fused_mlp"]
+              "delayed_fused_norm_mlp"]
   res = model_step.main(["--quick", "--steps", "1", "--windows", "1", "--variants", *variants,
                          "--profile", "delayed_shared_input", "--profile-steps", "1",
                          "--out", str(out)])

@@ -344,6 +344,16 @@ def test_sharded_jit_fresh_rings(rng):
   assert np.isnan(float(a_nan))
 
 
+def assert_same_cast_transpose(got, want):
+  """Two CastTransposed results bit for bit: both layouts, amax, scale and ring."""
+  np.testing.assert_array_equal(np.asarray(got.q).view(np.uint8), np.asarray(want.q).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(got.qt).view(np.uint8),
+                                np.asarray(want.qt).view(np.uint8))
+  assert float(got.amax) == float(want.amax) and float(got.scale) == float(want.scale)
+  for u, v in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
+    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_sharded_jit_activation_cast_transposes(rng, activation):
   """The activation ops under a sharded jit (rows split; a gated activation's columns kept
@@ -362,15 +372,29 @@ def test_sharded_jit_activation_cast_transposes(rng, activation):
   with jax.default_device(DEVICES[0]):
     want = fwd(y, ring), bwd(dh, y, ring)
   for g, w in zip(got, want):
-    np.testing.assert_array_equal(np.asarray(g.q).view(np.uint8), np.asarray(w.q).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(g.qt).view(np.uint8),
-                                  np.asarray(w.qt).view(np.uint8))
-    assert float(g.amax) == float(w.amax) and float(g.scale) == float(w.scale)
-    for u, v in zip(jax.tree.leaves(g.ring), jax.tree.leaves(w.ring)):
-      np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    assert_same_cast_transpose(g, w)
   v = np.abs(np.asarray(jax_fp8.activations.grad(dh, y, activation), np.float64)).sum(axis=0)
   assert np.all(np.abs(np.asarray(got[1].dbias) - np.asarray(want[1].dbias))
                 <= 2 * summation_error(M) * v)
+
+
+@pytest.mark.parametrize("spec", [("data", None), (None, "data")], ids=["rows", "cols"])
+def test_sharded_jit_norm_cast_transpose(rng, spec):
+  """norm_cast_transpose under a sharded jit, rows or columns split (each element needs only
+  its row's statistics and its column's gamma and beta), equals one device's, fresh ring
+  included."""
+  x = jnp.asarray(rng.standard_normal((M, 2 * K)) * 3, jnp.float32)
+  gamma, beta = jnp.linspace(0.5, 1.5, 2 * K), jnp.linspace(-1, 1, 2 * K)
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  put = lambda v, s: jax.device_put(v, jax.sharding.NamedSharding(mesh, P(*s)))  # noqa: E731
+  row_stats = jax_fp8.norms.stats(x, "layernorm", 1e-6)
+  op = jax.jit(lambda *a: jax_fp8.norm_cast_transpose(*a, norm="layernorm"))
+  ring = jax_fp8.ScaleRing.create(4)
+  got = op(put(x, spec), put(row_stats, (spec[0], None)), put(gamma, spec[1:]),
+           put(beta, spec[1:]), ring)
+  with jax.default_device(DEVICES[0]):
+    want = op(x, row_stats, gamma, beta, ring)
+  assert_same_cast_transpose(got, want)
 
 
 def test_sharded_jit_gemm_sums_in_f32():

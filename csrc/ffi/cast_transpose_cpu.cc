@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "../activation.h"
+#include "../norm.h"
 #include "cast_transpose_args.h"
 #include "cpu_io.h"
 
@@ -15,7 +16,13 @@ ffi::Error CastTransposeRingImpl(const CastTransposeArgs& a) {
   // operations.
   auto in = [&](const void* p, int64_t i) { return load_f32(p, a.x_type, i); };
   const ActivationId act = a.activation;
+  const bool centered = a.norm == NormId::kLayer;
   auto x = [&](int64_t r, int64_t c) -> float {
+    if (a.norm != NormId::kNone) {
+      const float* s = a.stats + r * (centered ? 2 : 1);
+      return norm_value(in(a.x, r * cols + c), centered ? s[0] : 0.0f, s[centered ? 1 : 0],
+                        a.affine[c], centered ? a.affine[cols + c] : 0.0f, centered);
+    }
     if (act == ActivationId::kNone) return in(a.x, r * cols + c);
     if (!a.grad) {
       const float g = in(a.x, r * xc + c);

@@ -41,6 +41,9 @@ ffi::Error CastTransposeRingImpl(cudaStream_t stream, const CastTransposeArgs& a
   return dispatch_input(a.x_type, [&](auto t) {
     using T = typename decltype(t)::type;
     const T* x = static_cast<const T*>(a.x);
+    if (a.norm != NormId::kNone)
+      return Launch<false>(stream, a, NormSource<T>{x, a.stats, a.affine, a.cols,
+                                                    a.norm == NormId::kLayer});
     if (a.activation == ActivationId::kNone) {
       const PlainSource<T> src{x, a.cols};
       return a.with_dbias ? Launch<true>(stream, a, src) : Launch<false>(stream, a, src);

@@ -5,10 +5,12 @@
 // last block, as in quantize.cuh. These are the layouts Hopper's TN-only FP8 GEMMs need: q feeds
 // the forward / dgrad, qt the wgrad (docs/design.md, "Linear layout"). What is quantized comes
 // from a source: x itself, an activation of x, or the gradient through an activation
-// (csrc/activation.h), so an MLP's activation and its gradient cost no pass of their own.
+// (csrc/activation.h), so an MLP's activation and its gradient cost no pass of their own, or
+// a norm of x (csrc/norm.h), so a layer's input norm costs none either.
 #pragma once
 
 #include "../activation.h"
+#include "../norm.h"
 #include "quantize.cuh"
 
 namespace jax_fp8 {
@@ -127,6 +129,51 @@ struct GatedActivationGradSource {
     for (int k = 0; k < kElemsPerThread; ++k) {
       f[0][k] = d[k] * u[k] * activation_grad(act, g[k]);
       f[1][k] = d[k] * activation(act, g[k]);
+    }
+  }
+};
+
+// A norm of x [R, C] (csrc/norm.h) from its row statistics stats [R, S] and affine [S, C]
+// (S = 1: rsigma and gamma; centered, LayerNorm, S = 2: mu, rsigma and gamma, beta). gamma and
+// beta are read when the values are made (they stay in L1: every row tile reads the same
+// ones); an all-zero Raw has no affine row and gives zeros.
+template <typename T>
+struct NormSource {
+  using Input = T;
+  static constexpr bool kOneInput = false;
+  static constexpr int kOutputs = 1;
+  const T* x;
+  const float* stats;
+  const float* affine;
+  int64_t cols;
+  bool centered;
+  struct Raw {
+    Raw16<T> x;
+    float mu, rsigma;
+    const float* gamma;  // affine + c; beta at gamma + cols
+  };
+  __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
+    const float* s = stats + r * (centered ? 2 : 1);
+    return {load_raw16(x + r * cols + c), centered ? s[0] : 0.0f, s[centered ? 1 : 0],
+            affine + c};
+  }
+  __device__ __forceinline__ void values(const Raw& raw, float (&f)[1][kElemsPerThread]) const {
+    if (raw.gamma == nullptr) {
+#pragma unroll
+      for (int k = 0; k < kElemsPerThread; ++k) f[0][k] = 0.0f;
+      return;
+    }
+    float v[kElemsPerThread];
+    unpack16(raw.x, v);
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; k += 4) {
+      const float4 g = __ldg(reinterpret_cast<const float4*>(raw.gamma + k));
+      const float4 b = centered ? __ldg(reinterpret_cast<const float4*>(raw.gamma + cols + k))
+                                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      f[0][k] = norm_value(v[k], raw.mu, raw.rsigma, g.x, b.x, centered);
+      f[0][k + 1] = norm_value(v[k + 1], raw.mu, raw.rsigma, g.y, b.y, centered);
+      f[0][k + 2] = norm_value(v[k + 2], raw.mu, raw.rsigma, g.z, b.z, centered);
+      f[0][k + 3] = norm_value(v[k + 3], raw.mu, raw.rsigma, g.w, b.w, centered);
     }
   }
 };

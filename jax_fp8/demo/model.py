@@ -2,10 +2,12 @@
 
 With ``fp8=True`` every matmul inside the blocks is FP8 under ``recipe`` ("delayed": per-tensor
 delayed scaling, HYBRID; "block": DeepSeek-style block scaling): the fused q/k/v projection and
-the attention output projection are ``jax_fp8.flax.Dense``, the MLP a ``jax_fp8.flax.Mlp``
-(GELU fused into its cast-transposes under the delayed recipe). With ``fp8=False`` the same
-layers compute in bf16 (``flax.linen.Dense``; ``Bf16Mlp``). Both variants name their
-parameters the same, so one seed gives both exactly the same initial parameters.
+the attention output projection are ``jax_fp8.flax.Dense``, the MLP a ``jax_fp8.flax.Mlp``;
+the LayerNorms before q/k/v and the MLP are those layers' own (``norm="layernorm"``), and
+under the delayed recipe they and the MLP's GELU are computed inside the FP8 cast-transposes.
+With ``fp8=False`` the same layers compute in bf16 (``Bf16Dense``, ``Bf16Mlp``, the LayerNorm
+by ``jax_fp8.norms``). Both variants name their parameters the same and create them in the same
+order, so one seed gives both exactly the same initial parameters.
 
 Dtypes: parameters f32; the residual stream f32; LayerNorm outputs, matmuls and attention in
 bf16 (softmax in f32); logits f32.
@@ -53,18 +55,51 @@ class Config:
                        f"n_heads={self.n_heads}")
 
 
-def dense(cfg: Config, features: int, name: str) -> nn.Module:
-  """A bf16-compute linear layer with f32 parameters: FP8 (jax_fp8) or plain, per ``cfg.fp8``."""
-  kw = dict(dtype=COMPUTE, param_dtype=jnp.float32, kernel_init=INIT, name=name)
+def _fp8_kw(cfg: Config, norm: bool) -> dict:
+  axis = cfg.amax_axis_name if cfg.recipe == "delayed" else None  # block scaling: stateless
+  return dict(recipe=RECIPES[cfg.recipe], amax_axis_name=axis,
+              norm="layernorm" if norm else None)
+
+
+def _layer_norm(module: nn.Module, x, norm: bool):
+  """x through a LayerNorm whose "gamma" and "beta" the module creates, as jax_fp8's layers
+  with ``norm="layernorm"`` name them (after their kernels and biases), in bf16; x itself
+  without a norm."""
+  if not norm:
+    return x
+  d = x.shape[-1]
+  gamma = module.param("gamma", nn.initializers.ones_init(), (d,), jnp.float32)
+  beta = module.param("beta", nn.initializers.zeros_init(), (d,), jnp.float32)
+  return jax_fp8.norms.normalize(x, gamma, beta, norm="layernorm", epsilon=1e-6).astype(COMPUTE)
+
+
+class Bf16Dense(nn.Module):
+  """``nn.Dense`` in bf16 with f32 parameters, optionally after a LayerNorm of its input: the
+  parameters of ``jax_fp8.flax.Dense(features, norm=...)``, named and created in its order."""
+
+  features: int
+  norm: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel", INIT, (x.shape[-1], self.features), jnp.float32)
+    bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
+    return _layer_norm(self, x, self.norm) @ kernel.astype(COMPUTE) + bias.astype(COMPUTE)
+
+
+def dense(cfg: Config, features: int, name: str, norm: bool = False) -> nn.Module:
+  """A bf16-compute linear layer with f32 parameters, its input LayerNorm fused where ``norm``:
+  FP8 (jax_fp8) or plain, per ``cfg.fp8``."""
   if cfg.fp8:
-    axis = cfg.amax_axis_name if cfg.recipe == "delayed" else None  # block scaling: stateless
-    return jax_fp8.flax.Dense(features, recipe=RECIPES[cfg.recipe], amax_axis_name=axis, **kw)
-  return nn.Dense(features, **kw)
+    return jax_fp8.flax.Dense(features, dtype=COMPUTE, param_dtype=jnp.float32, kernel_init=INIT,
+                              name=name, **_fp8_kw(cfg, norm))
+  return Bf16Dense(features, norm, name=name)
 
 
 class Bf16Mlp(nn.Module):
-  """The MLP ``gelu(h @ kernel_in + bias_in) @ kernel_out + bias_out`` in bf16 with f32
-  parameters, named and created in the order of ``jax_fp8.flax.Mlp``'s. h: bf16 [B, T, D]."""
+  """The MLP ``gelu(ln(h) @ kernel_in + bias_in) @ kernel_out + bias_out`` in bf16 with f32
+  parameters, named and created in the order of ``jax_fp8.flax.Mlp(norm="layernorm")``'s.
+  h: [B, T, D]."""
 
   d_ff: int
 
@@ -75,17 +110,17 @@ class Bf16Mlp(nn.Module):
     k_out = self.param("kernel_out", INIT, (self.d_ff, d), jnp.float32)
     b_in = self.param("bias_in", nn.initializers.zeros_init(), (self.d_ff,), jnp.float32)
     b_out = self.param("bias_out", nn.initializers.zeros_init(), (d,), jnp.float32)
-    h = nn.gelu(h @ k_in.astype(COMPUTE) + b_in.astype(COMPUTE))
+    h = nn.gelu(_layer_norm(self, h, True) @ k_in.astype(COMPUTE) + b_in.astype(COMPUTE))
     return h @ k_out.astype(COMPUTE) + b_out.astype(COMPUTE)
 
 
 def mlp(cfg: Config, name: str) -> nn.Module:
-  """The block's MLP, d_model -> d_ff -> d_model with GELU: FP8 (jax_fp8) or plain."""
+  """The block's MLP with its input LayerNorm, d_model -> d_ff -> d_model with GELU: FP8
+  (jax_fp8) or plain."""
   if cfg.fp8:
-    axis = cfg.amax_axis_name if cfg.recipe == "delayed" else None
     return jax_fp8.flax.Mlp(cfg.d_ff, activation="gelu", dtype=COMPUTE,
-                            param_dtype=jnp.float32, kernel_init=INIT,
-                            recipe=RECIPES[cfg.recipe], amax_axis_name=axis, name=name)
+                            param_dtype=jnp.float32, kernel_init=INIT, name=name,
+                            **_fp8_kw(cfg, True))
   return Bf16Mlp(cfg.d_ff, name=name)
 
 
@@ -106,7 +141,8 @@ def causal_attention(q, k, v):
 
 
 class Block(nn.Module):
-  """Pre-LN block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``. x: f32 [B, T, D] -> same."""
+  """Pre-LN block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``, each LayerNorm inside the
+  layer after it. x: f32 [B, T, D] -> same."""
 
   cfg: Config
 
@@ -114,12 +150,10 @@ class Block(nn.Module):
   def __call__(self, x):
     cfg = self.cfg
     b, t, d = x.shape
-    h = nn.LayerNorm(dtype=COMPUTE, name="ln_attn")(x)
-    qkv = dense(cfg, 3 * d, "qkv")(h).reshape(b, t, 3, cfg.n_heads, d // cfg.n_heads)
+    qkv = dense(cfg, 3 * d, "qkv", norm=True)(x).reshape(b, t, 3, cfg.n_heads, d // cfg.n_heads)
     a = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(b, t, d)
     x = x + dense(cfg, d, "attn_out")(a).astype(x.dtype)
-    h = nn.LayerNorm(dtype=COMPUTE, name="ln_mlp")(x)
-    return x + mlp(cfg, "mlp")(h).astype(x.dtype)
+    return x + mlp(cfg, "mlp")(x).astype(x.dtype)
 
 
 class Transformer(nn.Module):

@@ -4,11 +4,12 @@ plain-jnp twin of the same name in ``jax_fp8.reference``."""
 
 from .blockwise import block_quantize, group_cast_transpose, group_quantize
 from .cast_transpose import (CastTransposed, activation_cast_transpose,
-                             activation_grad_cast_transpose, cast_transpose_delayed)
+                             activation_grad_cast_transpose, cast_transpose_delayed,
+                             norm_cast_transpose)
 from .gemm import gemm
 from .quantize import DelayedQuantized, Quantized, dequantize, quantize, quantize_delayed
 
 __all__ = ["CastTransposed", "DelayedQuantized", "Quantized", "activation_cast_transpose",
            "activation_grad_cast_transpose", "block_quantize",
            "cast_transpose_delayed", "dequantize", "gemm", "group_cast_transpose",
-           "group_quantize", "quantize", "quantize_delayed"]
+           "group_quantize", "norm_cast_transpose", "quantize", "quantize_delayed"]

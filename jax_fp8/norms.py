@@ -1,0 +1,88 @@
+"""The normalizations that jax_fp8 fuses into its cast-transposes, in jnp (f32): the twins of
+``csrc/norm.h``, used by ``jax_fp8.reference``, by the fused layers to compute the row
+statistics the kernel reads, and where those layers run without the fused kernel.
+
+Names: ``"rmsnorm"`` (Zhang & Sennrich 2019, arXiv 1910.07467; ``flax.linen.RMSNorm``):
+``x * rsigma * gamma`` with ``rsigma = 1 / sqrt(mean(x^2) + epsilon)``; ``"layernorm"`` (Ba et
+al. 2016, arXiv 1607.06450; ``flax.linen.LayerNorm``): ``(x - mu) * rsigma * gamma + beta``
+with mu the row mean and ``rsigma = 1 / sqrt(mean((x - mu)^2) + epsilon)``. Rows are the last
+axis; gamma (and LayerNorm's beta) are [C].
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _ffi, checks
+from .formats import FLOAT_DTYPES, as_f32
+
+NORMS = {"rmsnorm": _ffi.CONSTANTS["norm_rmsnorm"], "layernorm": _ffi.CONSTANTS["norm_layernorm"]}
+
+
+def check(norm, name: str = "norm") -> int:
+  """The kernels' id of a norm name; ValueError naming the choices."""
+  if not isinstance(norm, str) or norm not in NORMS:
+    raise ValueError(f"{name} must be one of {sorted(NORMS)}, got {norm!r}")
+  return NORMS[norm]
+
+
+def centered(norm: str) -> bool:
+  """Whether the norm subtracts the row mean and adds beta (LayerNorm)."""
+  return check(norm) == NORMS["layernorm"]
+
+
+def check_params(norm, gamma, beta, epsilon, k: int, prefix: str = ""):
+  """(gamma, beta, epsilon) of a norm over rows of K, checked: gamma [K] and, for LayerNorm
+  only, beta [K], each float32 / bfloat16 / float16; epsilon a float > 0. TypeError /
+  ValueError naming the argument (``prefix`` + its name)."""
+  check(norm, prefix + "norm")
+  gamma = checks.array(gamma, prefix + "gamma")
+  want_beta = centered(norm)
+  if want_beta != (beta is not None):
+    raise TypeError(f"{prefix}beta must be {'a [K] array' if want_beta else 'None'} under "
+                    f"{norm!r}, got {'None' if beta is None else type(beta).__name__}")
+  arrays = {"gamma": gamma}
+  if want_beta:
+    arrays["beta"] = checks.array(beta, prefix + "beta")
+  for name, v in arrays.items():
+    if v.dtype not in FLOAT_DTYPES:
+      raise TypeError(f"{prefix}{name} must be float32, bfloat16 or float16, got {v.dtype}")
+    if v.shape != (k,):
+      raise ValueError(f"{prefix}{name} must be [{k}] (x's last axis), got {list(v.shape)}")
+  if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
+    raise ValueError(f"{prefix}epsilon must be a float > 0, got {epsilon!r}")
+  return gamma, arrays.get("beta"), float(epsilon)
+
+
+def stats(x: jax.Array, norm: str, epsilon: float) -> jax.Array:
+  """The row statistics the kernels read, f32 [..., S]: RMSNorm ``[rsigma]`` (S = 1),
+  LayerNorm ``[mu, rsigma]`` (S = 2), over x's last axis."""
+  x = as_f32(x)
+  if not centered(norm):
+    return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + epsilon)
+  mu = jnp.mean(x, axis=-1, keepdims=True)
+  d = x - mu
+  return jnp.concatenate([mu, jax.lax.rsqrt(jnp.mean(d * d, axis=-1, keepdims=True) + epsilon)],
+                         axis=-1)
+
+
+def apply(x: jax.Array, row_stats: jax.Array, gamma: jax.Array, beta: jax.Array | None,
+          norm: str) -> jax.Array:
+  """The norm of ``x [..., C]`` from its ``stats`` in f32, in the kernels' order of operations:
+  ``x * (rsigma * gamma)``, or ``(x - mu) * (rsigma * gamma) + beta`` with the product rounded
+  before beta is added, as the kernels round it. (XLA fuses a product and a sum into one
+  multiply-add where the CPU or GPU has one, and an optimization barrier does not stop it; a
+  select between the product and NaN, the identity, does.)"""
+  x = as_f32(x)
+  m = row_stats[..., -1:] * as_f32(gamma)
+  if not centered(norm):
+    return x * m
+  t = (x - row_stats[..., :1]) * m
+  return jnp.where(jnp.isnan(t), jnp.float32(jnp.nan), t) + as_f32(beta)
+
+
+def normalize(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, *, norm: str,
+              epsilon: float) -> jax.Array:
+  """The norm of ``x [..., C]`` over its last axis, f32 [..., C] (``stats`` then ``apply``)."""
+  return apply(x, stats(x, norm, epsilon), gamma, beta, norm)

@@ -1,0 +1,270 @@
+"""norm_cast_transpose and the layers' fused input norm (``norm=`` of linear, multi_linear,
+mlp and their Flax layers): RMSNorm / LayerNorm computed inside x's cast-transpose.
+
+The op is byte-identical to the jnp reference on every platform (csrc/norm.h rounds each
+product and sum on its own, as the reference does). The layers are checked against the unfused
+composition (``jax_fp8.norms.normalize`` by XLA, then the same layer without a norm: the same
+quantizations, x's from f32 values instead of values rounded to x's dtype, so within one e4m3
+roundoff of the output's scale) and against f32 (within the operands' roundoffs, as
+test_linear / test_mlp bound them); the norm's backward is XLA's on both paths."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import bits, on_cpu, poison_allocator, roundoff
+from flax import nnx
+
+import jax_fp8
+import jax_fp8.flax
+import jax_fp8.nnx
+from jax_fp8 import norms, reference
+
+NORMS = ["rmsnorm", "layernorm"]
+# Rows [R, C]; 1040 columns make 17 column tiles, 1000 rows 16 row tiles.
+SHAPES = [(1, 16), (17, 48), (100, 208), (1000, 1040)]
+FWD_TOL = 3 * roundoff("e4m3")  # x (normed), kernel: each rounded to e4m3 once
+BWD_TOL = FWD_TOL + 2 * roundoff("e5m2")  # and the output gradient, to e5m2
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def params(rng, norm, k, dtype=jnp.float32):
+  gamma = jnp.asarray(1 + 0.5 * rng.standard_normal(k), dtype)
+  beta = jnp.asarray(0.5 * rng.standard_normal(k), dtype) if norm == "layernorm" else None
+  return gamma, beta
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_reference_bytes(platform, rng, norm, dtype, shape):
+  r, c = shape
+  gamma, beta = params(rng, norm, c, dtype)
+  ring = jax_fp8.ScaleRing.create(8, "e4m3")
+  step = jax.jit(jax_fp8.norm_cast_transpose, static_argnames="norm")
+  for _ in range(2):  # the fresh step (scale from the norm's own amax), then a delayed one
+    x = jnp.asarray(rng.standard_normal((r, c)) * 3 + 1, dtype)
+    row_stats = jnp.asarray(on_cpu(lambda x: norms.stats(x, norm, 1e-6), x))  # one copy, both
+    poison_allocator(r * c)
+    got = step(x, row_stats, gamma, beta, ring, norm=norm)
+    want = on_cpu(lambda *a: reference.norm_cast_transpose(*a, norm=norm), x, row_stats, gamma,
+                  beta, ring)
+    np.testing.assert_array_equal(bits(got.q), bits(want.q))
+    np.testing.assert_array_equal(bits(got.qt), bits(want.qt))
+    assert float(got.amax) == float(want.amax) and float(got.scale) == float(want.scale)
+    assert got.dbias is None
+    for u, v in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
+      np.testing.assert_array_equal(np.asarray(u), v)
+    ring = want.ring
+
+
+def test_apply_rounds_as_the_kernels(rng):
+  """norms.apply (the reference's values) rounds LayerNorm's product before adding beta, also
+  under jit, where XLA would otherwise fuse them into one multiply-add (the CPU has one)."""
+  x = jnp.asarray(rng.standard_normal((64, 256)) * 3, jnp.float32)
+  gamma, beta = params(rng, "layernorm", 256)
+  st = norms.stats(x, "layernorm", 1e-6)
+  apart = np.float32(np.asarray(x) - np.asarray(st[:, :1])) * np.float32(
+      np.asarray(st[:, 1:]) * np.asarray(gamma))
+  want = np.float32(apart + np.asarray(beta))  # NumPy rounds each operation
+  got = jax.jit(lambda *a: norms.apply(*a, "layernorm"))(x, st, gamma, beta)
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_normalize_matches_flax(rng):
+  """jax_fp8.norms.normalize against flax.linen's RMSNorm and LayerNorm (f32 rounding apart:
+  Flax multiplies rsigma into x before gamma)."""
+  x = jnp.asarray(rng.standard_normal((8, 128)) * 2 + 0.5, jnp.float32)
+  for norm, layer in (("rmsnorm", nn.RMSNorm(epsilon=1e-5)),
+                      ("layernorm", nn.LayerNorm(epsilon=1e-5, use_fast_variance=False))):
+    v = layer.init(jax.random.key(0), x)
+    p = jax.tree.map(lambda a: a + jnp.linspace(0.5, 1.5, a.shape[0]), v)["params"]
+    want = layer.apply({"params": p}, x)
+    got = norms.normalize(x, p["scale"], p.get("bias"), norm=norm, epsilon=1e-5)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_nan_stays_visible(platform):
+  x = jnp.ones((16, 64), jnp.float32).at[3, 5].set(jnp.nan)
+  for norm in NORMS:
+    gamma, beta = jnp.ones(64), (jnp.zeros(64) if norm == "layernorm" else None)
+    out = jax_fp8.norm_cast_transpose(x, norms.stats(x, norm, 1e-6), gamma, beta,
+                                      jax_fp8.ScaleRing.create(4), norm=norm)
+    assert np.isnan(float(out.amax))
+    assert bits(out.q)[3, 5] == 0x7F and bits(out.qt)[5, 3] == 0x7F
+
+
+def test_bad_inputs():
+  ring = jax_fp8.ScaleRing.create(4)
+  x, g = jnp.ones((4, 32)), jnp.ones(32)
+  st = norms.stats(x, "rmsnorm", 1e-6)
+  with pytest.raises(ValueError, match="norm must be one of"):
+    jax_fp8.norm_cast_transpose(x, st, g, None, ring, norm="batchnorm")
+  with pytest.raises(TypeError, match="beta must be None under 'rmsnorm'"):
+    jax_fp8.norm_cast_transpose(x, st, g, g, ring, norm="rmsnorm")
+  with pytest.raises(TypeError, match=r"beta must be a \[K\] array under 'layernorm'"):
+    jax_fp8.norm_cast_transpose(x, st, g, None, ring, norm="layernorm")
+  with pytest.raises(ValueError, match=r"gamma must be \[32\]"):
+    jax_fp8.norm_cast_transpose(x, st, jnp.ones(16), None, ring, norm="rmsnorm")
+  with pytest.raises(TypeError, match="gamma must be float32"):
+    jax_fp8.norm_cast_transpose(x, st, jnp.ones(32, jnp.int32), None, ring, norm="rmsnorm")
+  with pytest.raises(ValueError, match=r"row_stats must be float32 \[4, 2\]"):
+    jax_fp8.norm_cast_transpose(x, st, g, g, ring, norm="layernorm")
+  with pytest.raises(ValueError, match="positive multiple of 16"):
+    jax_fp8.norm_cast_transpose(jnp.ones((4, 24)), st, jnp.ones(24), None, ring, norm="rmsnorm")
+  state = jax_fp8.LinearState.create()
+  k = jnp.ones((32, 16))
+  with pytest.raises(ValueError, match="epsilon must be a float > 0"):
+    jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=0.0)
+  with pytest.raises(TypeError, match="gamma and beta are a norm's parameters"):
+    jax_fp8.linear(x, k, state=state, gamma=g)
+  with pytest.raises(ValueError, match=r"gamma must be \[32\]"):
+    jax_fp8.mlp(x, jnp.ones((32, 32)), jnp.ones((16, 32)), state=jax_fp8.MlpState.create(),
+                norm="rmsnorm", gamma=jnp.ones(16))
+  with pytest.raises(ValueError, match="Dense.norm must be one of"):
+    jax_fp8.flax.Dense(16, norm="rms").init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="Mlp.norm_epsilon must be a float > 0"):
+    jax_fp8.nnx.Mlp(32, 16, norm="layernorm", norm_epsilon=-1.0, rngs=nnx.Rngs(0))
+
+
+def problem(rng, norm, k=64, n=48, dtype=jnp.float32):
+  x = jnp.asarray(rng.standard_normal((3, 20, k)) * 2 + 0.3, dtype)
+  kernel = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+  gamma, beta = params(rng, norm, k)
+  t = jnp.asarray(rng.standard_normal((3, 20, n)), jnp.float32)
+  return x, kernel, gamma, beta, t
+
+
+def fused_and_unfused(layer, state, norm, epsilon=1e-6):
+  """f(x, kernel, gamma, beta) of the layer with its norm fused, and the composition."""
+  def fused(x, kernel, gamma, beta):
+    return layer(x, kernel, state=state, norm=norm, gamma=gamma, beta=beta, epsilon=epsilon)
+
+  def unfused(x, kernel, gamma, beta):
+    h = norms.normalize(x, gamma, beta, norm=norm, epsilon=epsilon).astype(x.dtype)
+    return layer(h, kernel, state=state)
+  return fused, unfused
+
+
+def output_and_grads(f, t, *args):
+  """f's output and its gradients for the output gradient t, under one jit."""
+  def run(*args):
+    y, vjp = jax.vjp(f, *args)
+    return y, vjp(t.astype(y.dtype))
+  return jax.jit(run)(*args)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+def test_linear_matches_unfused_and_f32(platform, rng, norm, dtype):
+  x, kernel, gamma, beta, t = problem(rng, norm, dtype=dtype)
+  fused, unfused = fused_and_unfused(jax_fp8.linear, jax_fp8.LinearState.create(), norm)
+  got = output_and_grads(fused, t, x, kernel, gamma, beta)
+  ref = output_and_grads(unfused, t, x, kernel, gamma, beta)
+
+  def f32(x, kernel, gamma, beta):
+    h = norms.normalize(x, gamma, beta, norm=norm, epsilon=1e-6)
+    return jnp.matmul(h, kernel, precision=jax.lax.Precision.HIGHEST)
+  exact = output_and_grads(f32, t, x.astype(jnp.float32), kernel, gamma, beta)
+  # x's quantization from f32 values (fused) or from values rounded to x's dtype (unfused).
+  tol_unfused = roundoff("e4m3") + roundoff(dtype)
+  assert rel(got[0], ref[0]) <= tol_unfused
+  assert rel(got[0], exact[0]) <= FWD_TOL + roundoff(dtype)
+  for g, r, e in zip(got[1], ref[1], exact[1]):
+    if e is None:  # RMSNorm's beta
+      assert g is None and r is None
+      continue
+    assert g.dtype == r.dtype
+    assert rel(g, r) <= tol_unfused + 2 * roundoff("e5m2")
+    assert rel(g, e) <= BWD_TOL + roundoff(dtype)
+
+
+# name -> (f(x, kernel [64, 48], **kw), its state, its output width, the roundoffs of e4m3
+# by which fused and unfused may differ: x's quantization, and for mlp the activation's too).
+LAYERS = {
+    "multi_linear": (lambda x, kernel, **kw: jnp.concatenate(
+        jax_fp8.multi_linear(x, (kernel, kernel[:, :32]), **kw), -1),
+        jax_fp8.MultiLinearState.create(2), 80, 2),
+    "mlp": (lambda x, kernel, **kw: jax_fp8.mlp(x, kernel, kernel.T, activation="gelu", **kw),
+            jax_fp8.MlpState.create(), 64, 4),
+}
+
+
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_multi_linear_and_mlp_match_unfused(platform, rng, norm, layer):
+  """multi_linear shares the one fused quantization among its kernels; mlp fuses the norm into
+  x's cast-transpose as linear does."""
+  f, state, width, roundoffs = LAYERS[layer]
+  x, kernel, gamma, beta, _ = problem(rng, norm)
+  fused, unfused = fused_and_unfused(f, state, norm)
+  t = jnp.asarray(rng.standard_normal((3, 20, width)), jnp.float32)
+  got = output_and_grads(fused, t, x, kernel, gamma, beta)
+  ref = output_and_grads(unfused, t, x, kernel, gamma, beta)
+  assert rel(got[0], ref[0]) <= roundoffs * roundoff("e4m3")
+  for g, r in zip(jax.tree.leaves(got[1]), jax.tree.leaves(ref[1])):
+    assert rel(g, r) <= roundoffs * roundoff("e4m3") + 2 * roundoff("e5m2")
+
+
+def test_fused_path_runs_one_cast_transpose_for_x(rng):
+  """Fused: x's norm is quantized by the kernel (no normalized copy of x goes in); the
+  BlockScaling and below-intensity paths are the composition itself."""
+  x, kernel, gamma, beta, _ = problem(rng, "layernorm")
+  f = lambda x: jax_fp8.linear(x, kernel, state=jax_fp8.LinearState.create(),  # noqa: E731
+                               norm="layernorm", gamma=gamma, beta=beta)
+  hlo = jax.jit(f).lower(x).as_text()
+  assert hlo.count("jax_fp8_cast_transpose_ring") == 2  # x (normed) and the kernel
+  assert "norm = 2" in hlo
+  block = jax_fp8.BlockScaling()
+  xb = jnp.asarray(rng.standard_normal((2, 128, 128)), jnp.float32)
+  kb, gb = kernel.repeat(2, 0).repeat(8, 1)[:128, :128], jnp.linspace(0.5, 1.5, 128)
+  got = jax_fp8.linear(xb, kb, recipe=block, norm="rmsnorm", gamma=gb)
+  want = jax_fp8.linear(norms.normalize(xb, gb, None, norm="rmsnorm", epsilon=1e-6), kb,
+                        recipe=block)
+  np.testing.assert_array_equal(got, want)
+  slow = jax_fp8.DelayedScaling(fp8_min_intensity=1e6)
+  got = jax_fp8.linear(x, kernel, state=jax_fp8.LinearState.create(slow), recipe=slow,
+                       norm="layernorm", gamma=gamma, beta=beta)
+  want = norms.normalize(x, gamma, beta, norm="layernorm", epsilon=1e-6) @ kernel
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_flax_and_nnx_layers(rng):
+  """The linen and NNX layers with a norm: "gamma" (and LayerNorm's "beta") parameters, the
+  output of the function they wrap, gradients for the norm's parameters."""
+  x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+  for norm in NORMS:
+    layer = jax_fp8.flax.Mlp(32, activation="swiglu", norm=norm, norm_epsilon=1e-5)
+    v = layer.init(jax.random.key(0), x)
+    p = v["params"]
+    assert p["gamma"].shape == (64,) and ("beta" in p) == (norm == "layernorm")
+    want = jax_fp8.mlp(x, p["kernel_in"], p["kernel_out"], p["bias_in"], p["bias_out"],
+                       activation="swiglu", state=v["fp8_state"]["mlp"], norm=norm,
+                       gamma=p["gamma"], beta=p.get("beta"), epsilon=1e-5)
+    np.testing.assert_array_equal(layer.apply(v, x), want)
+    grads = jax.grad(lambda p: jnp.sum(layer.apply({**v, "params": p}, x) ** 2))(p)
+    assert float(jnp.abs(grads["gamma"]).sum()) > 0
+    dense = jax_fp8.flax.MultiDense((32, 16), norm=norm)
+    dv = dense.init(jax.random.key(1), x)
+    outs = dense.apply(dv, x)
+    want = jax_fp8.multi_linear(x, (dv["params"]["kernel_0"], dv["params"]["kernel_1"]),
+                                (dv["params"]["bias_0"], dv["params"]["bias_1"]),
+                                state=dv["fp8_state"]["linear"], norm=norm,
+                                gamma=dv["params"]["gamma"], beta=dv["params"].get("beta"))
+    for o, w in zip(outs, want):
+      np.testing.assert_array_equal(o, w)
+    m = jax_fp8.nnx.Linear(64, 32, norm=norm, rngs=nnx.Rngs(0))
+    assert (m.beta is None) == (norm == "rmsnorm")
+    want = jax_fp8.linear(x, m.kernel[...], m.bias[...], state=m.fp8_state.get_value(),
+                          norm=norm, gamma=m.gamma[...],
+                          beta=None if m.beta is None else m.beta[...])
+    np.testing.assert_array_equal(m(x), want)
+    mlp = jax_fp8.nnx.Mlp(64, 32, norm=norm, rngs=nnx.Rngs(0))
+    grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(mlp)
+    assert float(jnp.abs(grads["gamma"][...]).sum()) > 0
