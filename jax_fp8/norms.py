@@ -5,7 +5,8 @@ statistics the kernel reads, and where those layers run without the fused kernel
 Names: ``"rmsnorm"`` (Zhang & Sennrich 2019, arXiv 1910.07467; ``flax.linen.RMSNorm``):
 ``x * rsigma * gamma`` with ``rsigma = 1 / sqrt(mean(x^2) + epsilon)``; ``"layernorm"`` (Ba et
 al. 2016, arXiv 1607.06450; ``flax.linen.LayerNorm``): ``(x - mu) * rsigma * gamma + beta``
-with mu the row mean and ``rsigma = 1 / sqrt(mean((x - mu)^2) + epsilon)``. Rows are the last
+with mu the row mean and ``rsigma = 1 / sqrt(mean(x^2) - mu^2 + epsilon)`` (the variance in one
+pass over x, as Flax's default ``use_fast_variance=True``). Rows are the last
 axis; gamma (and LayerNorm's beta) are [C].
 """
 
@@ -61,10 +62,11 @@ def stats(x: jax.Array, norm: str, epsilon: float) -> jax.Array:
   x = as_f32(x)
   if not centered(norm):
     return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + epsilon)
+  # One pass over x, as flax.linen.LayerNorm's default (use_fast_variance): E[x^2] - E[x]^2,
+  # which loses precision where |mu| dwarfs the spread of the row.
   mu = jnp.mean(x, axis=-1, keepdims=True)
-  d = x - mu
-  return jnp.concatenate([mu, jax.lax.rsqrt(jnp.mean(d * d, axis=-1, keepdims=True) + epsilon)],
-                         axis=-1)
+  var = jnp.maximum(jnp.mean(x * x, axis=-1, keepdims=True) - mu * mu, 0.0)
+  return jnp.concatenate([mu, jax.lax.rsqrt(var + epsilon)], axis=-1)
 
 
 def apply(x: jax.Array, row_stats: jax.Array, gamma: jax.Array, beta: jax.Array | None,

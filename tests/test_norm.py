@@ -82,7 +82,7 @@ def test_normalize_matches_flax(rng):
   Flax multiplies rsigma into x before gamma)."""
   x = jnp.asarray(rng.standard_normal((8, 128)) * 2 + 0.5, jnp.float32)
   for norm, layer in (("rmsnorm", nn.RMSNorm(epsilon=1e-5)),
-                      ("layernorm", nn.LayerNorm(epsilon=1e-5, use_fast_variance=False))):
+                      ("layernorm", nn.LayerNorm(epsilon=1e-5))):
     v = layer.init(jax.random.key(0), x)
     p = jax.tree.map(lambda a: a + jnp.linspace(0.5, 1.5, a.shape[0]), v)["params"]
     want = layer.apply({"params": p}, x)
