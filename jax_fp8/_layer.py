@@ -4,6 +4,7 @@ dtype."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax.linen import dtypes
 
 from . import checks, norms
@@ -38,8 +39,7 @@ def check_norm_attr(name: str, norm, epsilon) -> bool:
   if norm is None:
     return False
   norms.check(norm, f"{name}.norm")
-  if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
-    raise ValueError(f"{name}.norm_epsilon must be a float > 0, got {epsilon!r}")
+  norms.check_epsilon(epsilon, f"{name}.norm_epsilon")
   return norms.centered(norm)
 
 
@@ -48,23 +48,36 @@ def create_state(recipe: DelayedScaling, outputs: int | None):
   return LinearState.create(recipe) if outputs is None else MultiLinearState.create(outputs, recipe)
 
 
+def _readable(a, dtype):
+  """A parameter in a dtype the kernels read: its own, or (float64 under x64) ``dtype``; None
+  and ``Fp8Weight`` as they are."""
+  return a if a is None or isinstance(a, Fp8Weight) or a.dtype in FLOAT_DTYPES else a.astype(dtype)
+
+
+def _layer_inputs(inputs, norm, dtype):
+  """The inputs as the layer passes them: in the compute dtype, or with a norm in their own
+  float dtype, which the norm reads (as ``nn.LayerNorm`` reads an f32 residual stream)."""
+  inputs = jnp.asarray(inputs)
+  return inputs if norm is not None and inputs.dtype in FLOAT_DTYPES else inputs.astype(dtype)
+
+
 def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, multi: bool,
                norm_args=(None, None, None, 1e-6)):
-  """The layer's outputs (a tuple): inputs and biases promoted to the compute dtype (``dtype``,
-  or by Flax's rules when None), the kernels left in their parameter dtype (f32, bf16 or f16;
-  or ``Fp8Weight``s, for inference),
-  so f32 master weights are quantized straight from f32 (one rounding, no copy in ``dtype``)
-  and get f32 gradients from the wgrad GEMMs. ``norm_args``: (norm, gamma, beta, epsilon) of
-  the fused input norm, gamma and beta in their parameter dtype."""
+  """The layer's outputs (a tuple) in the compute dtype (``dtype``, or by Flax's rules when
+  None): inputs (unless a norm reads them) and biases promoted to it, the kernels left in
+  their parameter dtype (f32, bf16 or f16; or ``Fp8Weight``s, for inference), so f32 master
+  weights are quantized straight from f32 (one rounding, no copy in ``dtype``) and get f32
+  gradients from the wgrad GEMMs. ``norm_args``: (norm, gamma, beta, epsilon) of the fused
+  input norm, gamma and beta in their parameter dtype."""
   arrays = tuple(k for k in kernels if not isinstance(k, Fp8Weight))  # Fp8Weight: inference
   dtype = dtypes.canonicalize_dtype(inputs, *arrays, *biases, dtype=dtype)
-  inputs, *biases = dtypes.promote_dtype(inputs, *biases, dtype=dtype)
-  # Kernels in a dtype the kernels do not read (float64 under x64) go through ``dtype``.
-  kernels = tuple(k if isinstance(k, Fp8Weight) or k.dtype in FLOAT_DTYPES else k.astype(dtype)
-                  for k in kernels)
+  biases = dtypes.promote_dtype(*biases, dtype=dtype)
   norm, gamma, beta, epsilon = norm_args
-  kw = dict(state=state, recipe=recipe, amax_axis_name=amax_axis_name, norm=norm, gamma=gamma,
-            beta=beta, epsilon=epsilon)
+  kernels = tuple(_readable(k, dtype) for k in kernels)
+  kw = dict(state=state, recipe=recipe, amax_axis_name=amax_axis_name, norm=norm,
+            gamma=_readable(gamma, dtype), beta=_readable(beta, dtype), epsilon=epsilon,
+            dtype=dtype)
+  inputs = _layer_inputs(inputs, norm, dtype)
   if multi:
     return multi_linear(inputs, kernels, tuple(biases), **kw)
   return (linear(inputs, kernels[0], biases[0], **kw),)
@@ -77,8 +90,9 @@ def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axi
   kernel_out) and the norm's parameters in their parameter dtype, as in ``call_layer``."""
   present = tuple(b for b in biases if b is not None)
   dtype = dtypes.canonicalize_dtype(inputs, *kernels, *present, dtype=dtype)
-  inputs, *biases = dtypes.promote_dtype(inputs, *biases, dtype=dtype)
-  kernels = tuple(k if k.dtype in FLOAT_DTYPES else k.astype(dtype) for k in kernels)
+  biases = dtypes.promote_dtype(*biases, dtype=dtype)
   norm, gamma, beta, epsilon = norm_args
-  return mlp(inputs, *kernels, *biases, activation=activation, state=state, recipe=recipe,
-             amax_axis_name=amax_axis_name, norm=norm, gamma=gamma, beta=beta, epsilon=epsilon)
+  return mlp(_layer_inputs(inputs, norm, dtype), *(_readable(k, dtype) for k in kernels),
+             *biases, activation=activation, state=state, recipe=recipe,
+             amax_axis_name=amax_axis_name, norm=norm, gamma=_readable(gamma, dtype),
+             beta=_readable(beta, dtype), epsilon=epsilon, dtype=dtype)

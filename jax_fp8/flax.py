@@ -111,10 +111,11 @@ class Dense(_Layer):
     use_bias, dtype, param_dtype, kernel_init, bias_init: as in ``nn.Dense``.
     recipe: ``DelayedScaling`` (per-tensor, default) or ``BlockScaling`` (DeepSeek-V3).
     amax_axis_name: replica axis for amax reduction under pmap / shard_map (DelayedScaling).
-    norm: None (default), "rmsnorm" or "layernorm": the input is normalized first, the norm
-      fused into its FP8 quantization (``jax_fp8.linear``'s ``norm``; TransformerEngine's
+    norm: None (default), "rmsnorm" or "layernorm": the input is normalized first, in its own
+      dtype (as ``nn.LayerNorm`` reads an f32 residual stream), the norm fused into its FP8
+      quantization (``jax_fp8.linear``'s ``norm``; TransformerEngine's
       LayerNormDenseGeneral), with parameters "gamma" [K] (ones) and, for LayerNorm, "beta"
-      [K] (zeros).
+      [K] (zeros). LayerNorm's variance is ``E[x^2] - mu^2``, as ``nn.LayerNorm``'s default.
     norm_epsilon: the norm's epsilon (default 1e-6, as ``nn.RMSNorm`` / ``nn.LayerNorm``).
 
   Input ``[..., K]`` with K a multiple of 16 (128 under BlockScaling); output ``[..., N]``.

@@ -44,11 +44,21 @@ def fp8_max(fmt: str) -> float:
   return float(jnp.finfo(fp8_dtype(fmt)).max)
 
 
+@jax.custom_jvp
+def _flush_subnormal(x):
+  return jnp.where(jnp.abs(x) < np.finfo(np.float32).tiny, x * 0, x)
+
+
+# The flush is not part of the math: its derivative is 1 everywhere, exact zeros included
+# (the select's own derivative would be 0 there, so a parameter initialized to zero, a LayerNorm
+# beta say, would get no gradient through it).
+_flush_subnormal.defjvp(lambda primals, tangents: (_flush_subnormal(*primals), tangents[0]))
+
+
 def as_f32(x: jax.Array) -> jax.Array:
   """x in f32 with subnormals flushed to (signed) zero: f32 subnormals count as zero on every
-  backend (XLA's CPU runtime flushes them, GPUs do not)."""
-  x = jnp.asarray(x).astype(jnp.float32)
-  return jnp.where(jnp.abs(x) < np.finfo(np.float32).tiny, x * 0, x)
+  backend (XLA's CPU runtime flushes them, GPUs do not). Differentiable as the identity."""
+  return _flush_subnormal(jnp.asarray(x).astype(jnp.float32))
 
 
 def amax(x: jax.Array, axis=None) -> jax.Array:

@@ -199,14 +199,14 @@ def input_grad(dx, x, norm_params, norm, x_dtype):
   return dx, tuple(grads)
 
 
-def _forward(x, norm_params, kernels, biases, rings, fast_accum, norm):
-  """ys = x @ kernel_i + bias_i in FP8, what the backward needs, and the x and kernel rings'
-  observations."""
+def _forward(x, norm_params, kernels, biases, rings, fast_accum, norm, out_dtype):
+  """ys = x @ kernel_i + bias_i in FP8 (in out_dtype), what the backward needs, and the x and
+  kernel rings' observations."""
   rx, rks, _ = rings
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
   cx = quantize_input(x, norm_params, rx, norm)  # q [M, K], qt [K, M16] e4m3
   cks = [cast_transpose_delayed(k, r, observe=True) for k, r in zip(kernels, rks)]  # [K, N]
-  ys = tuple(gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, x.dtype, "fprop" in fast_accum)
+  ys = tuple(gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, out_dtype, "fprop" in fast_accum)
              for ck, b in zip(cks, biases))
   saved = (cx.qt, cx.scale, tuple(ck.q for ck in cks), tuple(ck.scale for ck in cks),
            None if norm is None else (x, norm_params))
@@ -215,19 +215,20 @@ def _forward(x, norm_params, kernels, biases, rings, fast_accum, norm):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _linear(x, norm_params, kernels, biases, rings, axis_name, dtypes, fast_accum, norm):
-  del axis_name, dtypes  # used by the backward only
-  return _forward(x, norm_params, kernels, biases, rings, fast_accum, norm)[0]
+  del axis_name  # used by the backward only
+  return _forward(x, norm_params, kernels, biases, rings, fast_accum, norm, dtypes[1])[0]
 
 
 def _linear_fwd(x, norm_params, kernels, biases, rings, axis_name, dtypes, fast_accum, norm):
-  del dtypes  # the backward's output dtypes (x, kernels, biases), static
-  ys, saved, observations = _forward(x, norm_params, kernels, biases, rings, fast_accum, norm)
+  # dtypes: x's, the outputs', the kernels' and the biases', static
+  ys, saved, observations = _forward(x, norm_params, kernels, biases, rings, fast_accum, norm,
+                                     dtypes[1])
   return ys, saved + (rings[2],) + _shared(observations, rings[:2], axis_name)
 
 
 def _linear_bwd(axis_name, dtypes, fast_accum, norm, res, gs):
   qxt, sx, qks, sks, normed, grad_rings, rx, rks = res
-  x_dtype, k_dtypes, b_dtypes = dtypes
+  x_dtype, _, k_dtypes, b_dtypes = dtypes
   dx, dks, dbs, rgs = None, [], [], []
   for g, qk, sk, ring, k_dtype, b_dtype in zip(gs, qks, sks, grad_rings, k_dtypes, b_dtypes):
     # One quantization of g feeds both GEMMs; the same read gives dbias.
@@ -272,7 +273,7 @@ def _block_linear_fwd(x, kernels, biases, recipe, dtypes):
 
 def _block_linear_bwd(recipe, dtypes, res, gs):
   qxt, sxt, saved = res
-  x_dtype, k_dtypes, b_dtypes = dtypes
+  x_dtype, _, k_dtypes, b_dtypes = dtypes
   dx, dks, dbs = None, [], []
   for g, (qk, sk), k_dtype, b_dtype in zip(gs, saved, k_dtypes, b_dtypes):
     qg, sg, qgt, sgt = blockwise.group_cast_transpose(g, **recipe.kwargs())  # [M,N], [N,M128]
@@ -289,8 +290,9 @@ _block_linear.defvjp(_block_linear_fwd, _block_linear_bwd)
 
 _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have been made by it) or a
       ``BlockScaling`` (stateless; K and N multiples of 128). Either may set
-      ``fp8_min_intensity``: a linear below it runs in x's dtype (BF16 GEMMs through XLA),
-      its rings untouched, where the FP8 path would be slower (``check_fp8_min_intensity``).
+      ``fp8_min_intensity``: a linear below it runs in the compute dtype (BF16 GEMMs through
+      XLA), its rings untouched, where the FP8 path would be slower
+      (``check_fp8_min_intensity``).
       ``DelayedScaling.fast_accum_gemms`` names the GEMMs (fprop, dgrad, wgrad) that accumulate
       the fast way.
     amax_axis_name: under ``pmap`` / ``shard_map``, the axis (or axes) whose devices share the
@@ -301,12 +303,17 @@ _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have bee
       an ensemble under pmap). See ``_amax_axes``. Gradients of replicated inputs are summed
       over the axes they are replicated on, as JAX does for any op.
     norm: None, or "rmsnorm" / "layernorm" (``jax_fp8.norms``): x is normalized over K before
-      the GEMMs. Under ``DelayedScaling`` on the FP8 path the norm is applied inside x's
-      cast-transpose (``norm_cast_transpose``), so it is never stored in x's dtype; its
-      backward is XLA's. Elsewhere it is XLA's, then the GEMMs.
+      the GEMMs, from x in its own dtype. Under ``DelayedScaling`` on the FP8 path the norm is
+      applied inside x's cast-transpose (``norm_cast_transpose``), so it is never stored in
+      the compute dtype; its backward is XLA's. Elsewhere it is XLA's, then the GEMMs.
+      LayerNorm's variance is ``E[x^2] - mu^2`` (one pass, Flax's default), which loses
+      precision where a row's mean dwarfs its spread.
     gamma: the norm's [K] scale (float32 / bfloat16 / float16); None without a norm.
     beta: LayerNorm's [K] shift; None otherwise.
-    epsilon: the norm's epsilon, a float > 0."""
+    epsilon: the norm's epsilon, a finite float > 0.
+    dtype: the outputs' dtype, in which the GEMMs compute (float32, bfloat16, float16); None:
+      x's. x is cast to it, unless a norm reads x (an f32 residual stream, say) first; x's
+      gradient comes back in x's dtype."""
 
 _RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under
     BlockScaling), mismatched shapes, unsupported dtypes, rings that do not match the recipe,
@@ -321,9 +328,9 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            recipe: DelayedScaling | BlockScaling = DelayedScaling(),
            amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
            gamma: jax.Array | None = None, beta: jax.Array | None = None,
-           epsilon: float = 1e-6) -> jax.Array:
+           epsilon: float = 1e-6, dtype=None) -> jax.Array:
   return _apply(x, (kernel,), (bias,), ("kernel",), ("bias",), state, LinearState, recipe,
-                amax_axis_name, (norm, gamma, beta, epsilon))[0]
+                amax_axis_name, (norm, gamma, beta, epsilon), dtype)[0]
 
 
 linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backward (delayed or
@@ -338,7 +345,7 @@ linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backwa
       to ``jax_fp8.update_state`` for the next rings. Under ``BlockScaling``: None.
 {_ARGS_DOC}
   Returns:
-    [..., N] in x's dtype.
+    [..., N] in ``dtype`` (default x's).
   Raises:
 {_RAISES_DOC}
 
@@ -352,7 +359,7 @@ def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState 
                  recipe: DelayedScaling | BlockScaling = DelayedScaling(),
                  amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
                  gamma: jax.Array | None = None, beta: jax.Array | None = None,
-                 epsilon: float = 1e-6) -> tuple[jax.Array, ...]:
+                 epsilon: float = 1e-6, dtype=None) -> tuple[jax.Array, ...]:
   if not isinstance(kernels, (tuple, list)) or not kernels:
     raise TypeError(f"kernels must be a non-empty tuple or list of [K, N_i] arrays, got "
                     f"{'an empty ' if isinstance(kernels, (tuple, list)) else ''}"
@@ -367,7 +374,7 @@ def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState 
   return _apply(x, tuple(kernels), tuple(biases),
                 tuple(f"kernels[{i}]" for i in range(len(kernels))),
                 tuple(f"biases[{i}]" for i in range(len(kernels))), state, MultiLinearState,
-                recipe, amax_axis_name, (norm, gamma, beta, epsilon))
+                recipe, amax_axis_name, (norm, gamma, beta, epsilon), dtype)
 
 
 multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kernels sharing one
@@ -386,7 +393,7 @@ multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kern
       recipe)``), used as ``linear``'s state is. Under ``BlockScaling``: None.
 {_ARGS_DOC}
   Returns:
-    tuple of n arrays [..., N_i] in x's dtype.
+    tuple of n arrays [..., N_i] in ``dtype`` (default x's).
   Raises:
 {_RAISES_DOC}
     Also: kernels not a non-empty tuple / list, a kernel with N = 0 beside others, biases of
@@ -419,21 +426,36 @@ def check_norm(x, norm_args):
   return (gamma, beta), (norm, epsilon)
 
 
-def normalized(x, norm_params, norm):
-  """x through its norm by XLA, in x's dtype (the layers' paths without the fused kernel)."""
-  if norm is None:
-    return x
-  return norms.normalize(x, *norm_params, norm=norm[0], epsilon=norm[1]).astype(x.dtype)
+def compute_dtype(x, dtype):
+  """The outputs' dtype: ``dtype`` (float32, bfloat16 or float16), or x's where None."""
+  if dtype is None:
+    return x.dtype
+  try:
+    dt = jnp.dtype(dtype)
+  except TypeError:
+    dt = None
+  if dt not in FLOAT_DTYPES:
+    raise TypeError(f"dtype must be None, float32, bfloat16 or float16, got {dtype!r}")
+  return dt
+
+
+def gemm_input(x, norm_params, norm, dtype):
+  """What the GEMMs multiply where no kernel fuses the norm: x, or its norm by XLA (from x in
+  its own dtype), in ``dtype``."""
+  if norm is not None:
+    x = norms.normalize(x, *norm_params, norm=norm[0], epsilon=norm[1])
+  return x.astype(dtype)
 
 
 def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recipe,
-           amax_axis_name, norm_args):
+           amax_axis_name, norm_args, dtype):
   """``linear`` and ``multi_linear``: the arguments checked (``*_names``: how errors call the
   kernels and biases), then the FP8 (or, below ``fp8_min_intensity``, the plain) path."""
   x = checks.array(x, "x")
   if x.dtype not in FLOAT_DTYPES:
     raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
   norm_params, norm = check_norm(x, norm_args)
+  out_dtype = compute_dtype(x, dtype)
   weights = [isinstance(k, Fp8Weight) for k in kernels]
   if any(weights) and not all(weights):
     raise TypeError("kernels must be all arrays or all Fp8Weight (inference), not a mix")
@@ -464,7 +486,7 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
       raise ValueError(f"{name} must be [{n}], got {list(biases[i].shape)}")
   biases = tuple(biases)
   _check_recipe(recipe)
-  # else XLA in x's dtype, any shape
+  # else XLA in the compute dtype, any shape
   fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), sum(ns), k)
   if fp8 and 0 in ns:
     raise ValueError(f"{kernel_names[ns.index(0)]} has N = 0 beside other kernels: leave it out")
@@ -501,9 +523,8 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
                        f"recipe's {want}")
     amax_axis_name = _amax_axes(x, kernels, biases, state, amax_axis_name)
     rings = (named_x[1], tuple(r for _, r in named_k), tuple(r for _, r in named_g))
-  fused = fp8 and rings is not None and not all(weights)
-  if not fused:
-    x = normalized(x, norm_params, norm)
+  if not (fp8 and rings is not None and not all(weights) and norm is not None):
+    x = gemm_input(x, norm_params, norm, out_dtype)  # else the norm's kernel reads x itself
   if all(weights):
     ys = forward(x.reshape(math.prod(x.shape[:-1]), k), kernels, biases,
                  None if rings is None else rings[0], recipe, fp8, x.dtype)
@@ -512,7 +533,7 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     return tuple(_linear_in_dtype(x, kernel, bias) for kernel, bias in zip(kernels, biases))
   x, norm_params, kernels, biases = sharding.vary_like((x, norm_params, kernels, biases), x,
                                                        norm_params, kernels, biases)
-  dtypes = (x.dtype, tuple(kernel.dtype for kernel in kernels),
+  dtypes = (x.dtype, out_dtype, tuple(kernel.dtype for kernel in kernels),
             tuple(None if b is None else b.dtype for b in biases))
   x2 = x.reshape(math.prod(x.shape[:-1]), k)
   ys = (_block_linear(x2, kernels, biases, recipe, dtypes) if rings is None else

@@ -28,7 +28,7 @@ import jax
 from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
 from .linear import (_amax_axes, _check_delayed, _check_recipe, _fp8_pays, _shared, check_norm,
-                     input_grad, linear, normalized, quantize_input)
+                     compute_dtype, gemm_input, input_grad, linear, quantize_input)
 from .ops import blockwise
 from .ops._ring import check_ring
 from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
@@ -63,17 +63,18 @@ class MlpState:
     return cls(fwd, fwd, bwd, fwd, fwd, bwd)
 
 
-def _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_accum, norm):
+def _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_accum, norm,
+             out_dtype):
   """out, what the backward needs, and the forward rings' observations (x, kernel_in, hidden,
   kernel_out)."""
   rx, rk_in, _, rh, rk_out, _ = rings
   fast = "fprop" in fast_accum
   cx = quantize_input(x, norm_params, rx, norm)  # [M, K], [K, M16]
   ck_in = cast_transpose_delayed(k_in, rk_in, observe=True)  # [K, N], [N, K]
-  y = gemm_bias(cx.q, ck_in.qt, cx.scale, ck_in.scale, b_in, x.dtype, fast)  # [M, N]
+  y = gemm_bias(cx.q, ck_in.qt, cx.scale, ck_in.scale, b_in, out_dtype, fast)  # [M, N]
   ch = activation_cast_transpose(y, rh, activation=activation, observe=True)  # [M, F], [F, M16]
   ck_out = cast_transpose_delayed(k_out, rk_out, observe=True)  # [F, D], [D, F]
-  out = gemm_bias(ch.q, ck_out.qt, ch.scale, ck_out.scale, b_out, x.dtype, fast)  # [M, D]
+  out = gemm_bias(ch.q, ck_out.qt, ch.scale, ck_out.scale, b_out, out_dtype, fast)  # [M, D]
   saved = (cx.qt, cx.scale, ck_in.q, ck_in.scale, y, ch.qt, ch.scale, ck_out.q, ck_out.scale,
            None if norm is None else (x, norm_params))
   return out, saved, (cx.ring, ck_in.ring, ch.ring, ck_out.ring)
@@ -82,25 +83,24 @@ def _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_a
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
 def _mlp(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes,
          fast_accum, norm):
-  del axis_name, dtypes  # used by the backward only
+  del axis_name  # used by the backward only
   return _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_accum,
-                  norm)[0]
+                  norm, dtypes[1])[0]
 
 
 def _mlp_fwd(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes,
              fast_accum, norm):
-  del dtypes
   out, saved, observed = _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation,
-                                  fast_accum, norm)
+                                  fast_accum, norm, dtypes[1])
   forward_rings = tuple(rings[i] for i in (0, 1, 3, 4))
   return out, (saved, (rings[2], rings[5]), _shared(observed, forward_rings, axis_name))
 
 
 def _mlp_bwd(activation, axis_name, dtypes, fast_accum, norm, res, g):
   (qxt, sx, qk_in, sk_in, y, qht, sh, qk_out, sk_out, normed), (rg_in, rg_out), observed = res
-  x_dtype, k_in_dtype, k_out_dtype, b_in_dtype, b_out_dtype = dtypes
+  x_dtype, _, k_in_dtype, k_out_dtype, b_in_dtype, b_out_dtype = dtypes
   cg = cast_transpose_delayed(g, rg_out, with_dbias=b_out_dtype is not None, observe=True)
-  dh = gemm(cg.q, qk_out, cg.scale, sk_out, out_dtype=gemm_dtype(x_dtype),
+  dh = gemm(cg.q, qk_out, cg.scale, sk_out, out_dtype=gemm_dtype(y.dtype),
             fast_accum="dgrad" in fast_accum).astype(y.dtype)  # [M, F]
   dk_out = gemm(qht, cg.qt, sh, cg.scale, out_dtype=gemm_dtype(k_out_dtype),
                 fast_accum="wgrad" in fast_accum).astype(k_out_dtype)  # [F, D]
@@ -127,7 +127,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
         recipe: DelayedScaling | BlockScaling = DelayedScaling(),
         amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
         gamma: jax.Array | None = None, beta: jax.Array | None = None,
-        epsilon: float = 1e-6) -> jax.Array:
+        epsilon: float = 1e-6, dtype=None) -> jax.Array:
   """``act(x @ kernel_in + bias_in) @ kernel_out + bias_out`` with FP8 GEMMs forward and
   backward, the activation and its gradient fused into the cast-transposes (see the module
   docstring).
@@ -149,8 +149,10 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
     amax_axis_name: as in ``linear``.
     norm, gamma, beta, epsilon: the input's norm, as in ``linear`` (TransformerEngine's
       LayerNormMLP): fused into x's cast-transpose under ``DelayedScaling`` on the FP8 path.
+    dtype: the compute dtype of the GEMMs and the activation, and the output's, as in
+      ``linear``.
   Returns:
-    [..., D] in x's dtype.
+    [..., D] in ``dtype`` (default x's).
   Raises:
     TypeError / ValueError at trace time: dtypes, shapes (N = 2F for a gated activation; on
     the FP8 path K, F and D multiples of 16, or 128 under BlockScaling), unknown activation, a
@@ -163,6 +165,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   x = checks.array(x, "x")
   _, gated = activations.check(activation)
   norm_params, norm = check_norm(x, (norm, gamma, beta, epsilon))
+  out_dtype = compute_dtype(x, dtype)
   named = {"x": x, "kernel_in": checks.array(kernel_in, "kernel_in"),
            "kernel_out": checks.array(kernel_out, "kernel_out")}
   for name, v in (("bias_in", bias_in), ("bias_out", bias_out)):
@@ -213,8 +216,9 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
                      f"{' under BlockScaling' if block else ''}, got K={k}, F={f}, D={d}")
   if not block:  # checked on every path, as linear does
     axis = _amax_axes(x, (kernel_in, kernel_out), (bias_in, bias_out), state, amax_axis_name)
+  if not fp8 or block or norm is None:  # else the norm's kernel reads x itself
+    x = gemm_input(x, norm_params, norm, out_dtype)
   if not fp8 or block:
-    x = normalized(x, norm_params, norm)
     lin = (functools.partial(linear, recipe=recipe) if fp8 else
            lambda v, w, b: v @ w.astype(v.dtype) + (0 if b is None else b.astype(v.dtype)))
     h = activations.apply(lin(x, kernel_in, bias_in), activation).astype(x.dtype)
@@ -222,7 +226,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   x, norm_params, kernel_in, kernel_out, bias_in, bias_out = sharding.vary_like(
       (x, norm_params, kernel_in, kernel_out, bias_in, bias_out), x, norm_params, kernel_in,
       kernel_out, bias_in, bias_out)
-  dtypes = (x.dtype, kernel_in.dtype, kernel_out.dtype,
+  dtypes = (x.dtype, out_dtype, kernel_in.dtype, kernel_out.dtype,
             None if bias_in is None else bias_in.dtype,
             None if bias_out is None else bias_out.dtype)
   rings = tuple(getattr(state, name) for name in _RINGS)

@@ -12,8 +12,12 @@ axis; gamma (and LayerNorm's beta) are [C].
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import _ffi, checks
 from .formats import FLOAT_DTYPES, as_f32
@@ -35,7 +39,7 @@ def centered(norm: str) -> bool:
 
 def check_params(norm, gamma, beta, epsilon, k: int, prefix: str = ""):
   """(gamma, beta, epsilon) of a norm over rows of K, checked: gamma [K] and, for LayerNorm
-  only, beta [K], each float32 / bfloat16 / float16; epsilon a float > 0. TypeError /
+  only, beta [K], each float32 / bfloat16 / float16; epsilon as ``check_epsilon``. TypeError /
   ValueError naming the argument (``prefix`` + its name)."""
   check(norm, prefix + "norm")
   gamma = checks.array(gamma, prefix + "gamma")
@@ -51,9 +55,17 @@ def check_params(norm, gamma, beta, epsilon, k: int, prefix: str = ""):
       raise TypeError(f"{prefix}{name} must be float32, bfloat16 or float16, got {v.dtype}")
     if v.shape != (k,):
       raise ValueError(f"{prefix}{name} must be [{k}] (x's last axis), got {list(v.shape)}")
-  if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon > 0:
-    raise ValueError(f"{prefix}epsilon must be a float > 0, got {epsilon!r}")
-  return gamma, arrays.get("beta"), float(epsilon)
+  return gamma, arrays.get("beta"), check_epsilon(epsilon, prefix + "epsilon")
+
+
+def check_epsilon(epsilon, name: str = "epsilon") -> float:
+  """epsilon as a Python float: a real number (Python or NumPy, not a bool), finite and > 0.
+  TypeError / ValueError naming it."""
+  if isinstance(epsilon, (bool, np.bool_)) or not isinstance(epsilon, numbers.Real):
+    raise TypeError(f"{name} must be a float > 0, got {type(epsilon).__name__} {epsilon!r}")
+  if not (math.isfinite(epsilon) and epsilon > 0):
+    raise ValueError(f"{name} must be a finite float > 0, got {epsilon!r}")
+  return float(epsilon)
 
 
 def stats(x: jax.Array, norm: str, epsilon: float) -> jax.Array:
@@ -72,16 +84,15 @@ def stats(x: jax.Array, norm: str, epsilon: float) -> jax.Array:
 def apply(x: jax.Array, row_stats: jax.Array, gamma: jax.Array, beta: jax.Array | None,
           norm: str) -> jax.Array:
   """The norm of ``x [..., C]`` from its ``stats`` in f32, in the kernels' order of operations:
-  ``x * (rsigma * gamma)``, or ``(x - mu) * (rsigma * gamma) + beta`` with the product rounded
-  before beta is added, as the kernels round it. (XLA fuses a product and a sum into one
-  multiply-add where the CPU or GPU has one, and an optimization barrier does not stop it; a
-  select between the product and NaN, the identity, does.)"""
-  x = as_f32(x)
-  m = row_stats[..., -1:] * as_f32(gamma)
+  ``x * (rsigma * gamma)``, or ``(x - mu) * (rsigma * gamma) + beta``, every operand and result
+  an f32 with subnormals flushed to zero (``formats.as_f32``, as the kernels flush them). The
+  flush also keeps XLA from fusing LayerNorm's product and sum into one multiply-add, which the
+  kernels round twice."""
+  x, st = as_f32(x), as_f32(row_stats)
+  m = as_f32(st[..., -1:] * as_f32(gamma))
   if not centered(norm):
-    return x * m
-  t = (x - row_stats[..., :1]) * m
-  return jnp.where(jnp.isnan(t), jnp.float32(jnp.nan), t) + as_f32(beta)
+    return as_f32(x * m)
+  return as_f32(as_f32(as_f32(x - st[..., :1]) * m) + as_f32(beta))
 
 
 def normalize(x: jax.Array, gamma: jax.Array, beta: jax.Array | None, *, norm: str,

@@ -1,6 +1,6 @@
 """Property tests (hypothesis): on arbitrary inputs, NaN, inf and subnormals included, the
-quantize kernels (per-tensor and block-scaled) write the reference's bytes and scales, and the
-rings advance as the reference's. Seeded from the tests' base seed (JAX_FP8_TEST_SEED, see
+quantize kernels (per-tensor and block-scaled) and the norm cast-transpose write the
+reference's bytes and scales, and the rings advance as the reference's. Seeded from the tests' base seed (JAX_FP8_TEST_SEED, see
 conftest) and the test's name, with no example database: the same examples every run, so CI is
 repeatable; another base seed, or a larger max_examples, searches further."""
 
@@ -66,6 +66,29 @@ def test_cast_transpose_ring_any_input(platform_name, data, rows, cols16, margin
     np.testing.assert_array_equal(np.asarray(a), ra)
     for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
       np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("platform_name", PLATFORMS)
+@fuzz(max_examples=60)
+@given(data=st.data(), rows=st.integers(1, 80), cols16=st.integers(1, 4),
+       norm=st.sampled_from(["rmsnorm", "layernorm"]), steps=st.integers(1, 2))
+def test_norm_cast_transpose_any_input(platform_name, data, rows, cols16, norm, steps):
+  """x, the row statistics, gamma and beta drawn from every f32 (NaN, inf and subnormals
+  included): the norm's products and sums rounded and flushed as the reference's."""
+  cols, per_row = 16 * cols16, 2 if norm == "layernorm" else 1
+  ring = ref_ring = jax_fp8.ScaleRing.create(4, "e4m3")
+  for _ in range(steps):
+    args = tuple(jnp.asarray(data.draw(arrays(shape))) for shape in
+                 ((rows, cols), (rows, per_row), (cols,)))
+    beta = jnp.asarray(data.draw(arrays((cols,)))) if norm == "layernorm" else None
+    with jax.default_device(jax.devices(platform_name)[0]):
+      got = jax_fp8.norm_cast_transpose(*args, beta, ring, norm=norm)
+    want = on_cpu(lambda *a: reference.norm_cast_transpose(*a, norm=norm), *args, beta, ref_ring)
+    assert_same_outputs((got.q, got.qt, got.amax, got.scale), (want.q, want.qt, want.amax,
+                                                               want.scale))
+    for g, w in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
+      np.testing.assert_array_equal(np.asarray(g), w)
+    ring, ref_ring = got.ring, want.ring
 
 
 def assert_same_outputs(got, want):

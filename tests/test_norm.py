@@ -114,13 +114,13 @@ def test_bad_inputs():
     jax_fp8.norm_cast_transpose(x, st, jnp.ones(16), None, ring, norm="rmsnorm")
   with pytest.raises(TypeError, match="gamma must be float32"):
     jax_fp8.norm_cast_transpose(x, st, jnp.ones(32, jnp.int32), None, ring, norm="rmsnorm")
-  with pytest.raises(ValueError, match=r"row_stats must be float32 \[4, 2\]"):
+  with pytest.raises(ValueError, match=r"row_stats must be \[4, 2\]"):
     jax_fp8.norm_cast_transpose(x, st, g, g, ring, norm="layernorm")
   with pytest.raises(ValueError, match="positive multiple of 16"):
     jax_fp8.norm_cast_transpose(jnp.ones((4, 24)), st, jnp.ones(24), None, ring, norm="rmsnorm")
   state = jax_fp8.LinearState.create()
   k = jnp.ones((32, 16))
-  with pytest.raises(ValueError, match="epsilon must be a float > 0"):
+  with pytest.raises(ValueError, match="epsilon must be a finite float > 0"):
     jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=0.0)
   with pytest.raises(TypeError, match="gamma and beta are a norm's parameters"):
     jax_fp8.linear(x, k, state=state, gamma=g)
@@ -129,7 +129,7 @@ def test_bad_inputs():
                 norm="rmsnorm", gamma=jnp.ones(16))
   with pytest.raises(ValueError, match="Dense.norm must be one of"):
     jax_fp8.flax.Dense(16, norm="rms").init(jax.random.key(0), x)
-  with pytest.raises(ValueError, match="Mlp.norm_epsilon must be a float > 0"):
+  with pytest.raises(ValueError, match="Mlp.norm_epsilon must be a finite float > 0"):
     jax_fp8.nnx.Mlp(32, 16, norm="layernorm", norm_epsilon=-1.0, rngs=nnx.Rngs(0))
 
 
@@ -268,3 +268,77 @@ def test_flax_and_nnx_layers(rng):
     mlp = jax_fp8.nnx.Mlp(64, 32, norm=norm, rngs=nnx.Rngs(0))
     grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(mlp)
     assert float(jnp.abs(grads["gamma"][...]).sum()) > 0
+
+
+def test_gradients_at_zero(rng):
+  """Exact zeros in x, gamma and beta get their gradients (the layers initialize beta to
+  zeros): against the norm written in plain jnp, with no subnormal flush."""
+  x, kernel, _, _, t = problem(rng, "layernorm")
+  x = x.at[..., 0].set(0.0)
+  gamma = jnp.ones(64).at[1].set(0.0)
+  beta = jnp.zeros(64).at[2].set(0.5)
+
+  def plain(x, kernel, gamma, beta):
+    mu = jnp.mean(x, -1, keepdims=True)
+    var = jnp.mean(x * x, -1, keepdims=True) - mu * mu
+    h = (x - mu) * jax.lax.rsqrt(var + 1e-6) * gamma + beta
+    return jnp.matmul(h, kernel, precision=jax.lax.Precision.HIGHEST)
+  fused, _ = fused_and_unfused(jax_fp8.linear, jax_fp8.LinearState.create(), "layernorm")
+  got = output_and_grads(fused, t, x, kernel, gamma, beta)[1]
+  want = output_and_grads(plain, t, x, kernel, gamma, beta)[1]
+  for g, w in zip(got, want):
+    assert rel(g, w) <= BWD_TOL
+  assert np.all(np.asarray(got[3]) != 0) and np.asarray(got[2])[1] != 0  # beta 0, gamma[1] 0
+  assert np.all(np.asarray(got[0])[..., 0] != 0)  # x's zero column
+
+
+def test_norm_reads_x_in_its_own_dtype(rng):
+  """With dtype=bfloat16 the GEMMs compute in bf16, and the norm reads an f32 x before any
+  rounding: where a row's mean dwarfs its spread, rounding x to bf16 first (spacing 0.5 at
+  100) would lose the spread."""
+  x = jnp.asarray(rng.standard_normal((64, 64)) + 100.0, jnp.float32)
+  kernel = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
+  gamma, beta = jnp.ones(64), jnp.zeros(64)
+  exact = norms.normalize(x, gamma, beta, norm="layernorm", epsilon=1e-6) @ kernel
+  for recipe, state in ((jax_fp8.DelayedScaling(), jax_fp8.LinearState.create()),
+                        (jax_fp8.DelayedScaling(fp8_min_intensity=1e9),
+                         jax_fp8.LinearState.create())):
+    y, vjp = jax.vjp(lambda x: jax_fp8.linear(x, kernel, state=state, recipe=recipe,
+                                              norm="layernorm", gamma=gamma, beta=beta,
+                                              dtype=jnp.bfloat16), x)
+    assert y.dtype == jnp.bfloat16 and vjp(y)[0].dtype == jnp.float32
+    assert rel(y, exact) <= FWD_TOL + roundoff(jnp.bfloat16)
+  layer = jax_fp8.flax.Dense(32, norm="layernorm", dtype=jnp.bfloat16)
+  v = layer.init(jax.random.key(0), x)
+  p = v["params"]
+  y = layer.apply(v, x)
+  exact = norms.normalize(x, p["gamma"], p["beta"], norm="layernorm", epsilon=1e-6) @ p["kernel"]
+  assert y.dtype == jnp.bfloat16 and rel(y, exact + p["bias"]) <= FWD_TOL + roundoff(jnp.bfloat16)
+  with pytest.raises(TypeError, match="dtype must be None, float32"):
+    jax_fp8.linear(x, kernel, state=jax_fp8.LinearState.create(), dtype=jnp.int8)
+
+
+def test_epsilon_and_statistics_types():
+  x, g = jnp.ones((4, 32)), jnp.ones(32)
+  k, state = jnp.ones((32, 16)), jax_fp8.LinearState.create()
+  y = jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=np.float32(1e-5))
+  assert y.shape == (4, 16)
+  with pytest.raises(TypeError, match="epsilon must be a float > 0, got str"):
+    jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon="1e-6")
+  with pytest.raises(ValueError, match="epsilon must be a finite float > 0, got inf"):
+    jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=float("inf"))
+  with pytest.raises(TypeError, match="row_stats must be float32"):
+    jax_fp8.norm_cast_transpose(x, jnp.ones((4, 1), jnp.bfloat16), g, None,
+                                jax_fp8.ScaleRing.create(4), norm="rmsnorm")
+
+
+def test_float64_norm_parameters_compute_in_dtype():
+  """float64 gamma and beta (under x64) go through the compute dtype, as the kernels do; their
+  gradients are float64 again."""
+  with jax.enable_x64(True):
+    layer = jax_fp8.flax.Dense(32, norm="layernorm", dtype=jnp.float32,
+                               param_dtype=jnp.float64)
+    x = jnp.ones((4, 64), jnp.float32) * jnp.arange(64)
+    v = layer.init(jax.random.PRNGKey(0), x)
+    grads = jax.grad(lambda p: jnp.sum(layer.apply({**v, "params": p}, x)))(v["params"])
+    assert grads["gamma"].dtype == jnp.float64 and grads["beta"].dtype == jnp.float64

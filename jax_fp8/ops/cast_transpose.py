@@ -173,9 +173,11 @@ def norm_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
   gamma, beta, _ = norms.check_params(norm, gamma, beta, 1.0, x.shape[1])
   row_stats = checks.array(row_stats, "row_stats")
   per_row = 2 if norms.centered(norm) else 1
-  if row_stats.dtype != jnp.float32 or row_stats.shape != (x.shape[0], per_row):
-    raise ValueError(f"row_stats must be float32 [{x.shape[0]}, {per_row}] (jax_fp8.norms.stats "
-                     f"under {norm!r}), got {row_stats.dtype} {list(row_stats.shape)}")
+  if row_stats.dtype != jnp.float32:
+    raise TypeError(f"row_stats must be float32 (jax_fp8.norms.stats), got {row_stats.dtype}")
+  if row_stats.shape != (x.shape[0], per_row):
+    raise ValueError(f"row_stats must be [{x.shape[0]}, {per_row}] (jax_fp8.norms.stats under "
+                     f"{norm!r}), got {list(row_stats.shape)}")
   affine = (jnp.stack([gamma, beta]) if beta is not None else gamma[None]).astype(jnp.float32)
   return _cast_transpose("norm_cast_transpose", x, None, ring, False, observe, None, norm,
                          row_stats, affine)
