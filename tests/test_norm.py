@@ -308,6 +308,16 @@ def test_norm_reads_x_in_its_own_dtype(rng):
                                               dtype=jnp.bfloat16), x)
     assert y.dtype == jnp.bfloat16 and vjp(y)[0].dtype == jnp.float32
     assert rel(y, exact) <= FWD_TOL + roundoff(jnp.bfloat16)
+  h = norms.normalize(x, gamma, beta, norm="layernorm", epsilon=1e-6)
+  kw = dict(norm="layernorm", gamma=gamma, beta=beta, dtype=jnp.bfloat16)
+  y, vjp = jax.vjp(lambda x: jax_fp8.mlp(x, kernel, kernel.T, activation="gelu",
+                                         state=jax_fp8.MlpState.create(), **kw), x)
+  assert y.dtype == jnp.bfloat16 and vjp(y)[0].dtype == jnp.float32
+  exact = jax.nn.gelu(h @ kernel, approximate=True) @ kernel.T
+  assert rel(y, exact) <= 4 * roundoff("e4m3") + roundoff(jnp.bfloat16)
+  ys = jax_fp8.multi_linear(x, (kernel, kernel[:, :16]), state=jax_fp8.MultiLinearState.create(2),
+                            **kw)
+  assert ys[1].dtype == jnp.bfloat16 and rel(ys[0], h @ kernel) <= FWD_TOL + roundoff(jnp.bfloat16)
   layer = jax_fp8.flax.Dense(32, norm="layernorm", dtype=jnp.bfloat16)
   v = layer.init(jax.random.key(0), x)
   p = v["params"]
