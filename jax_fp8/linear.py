@@ -308,7 +308,8 @@ _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have bee
       the compute dtype; its backward is XLA's. Elsewhere it is XLA's, then the GEMMs.
       LayerNorm's variance is ``E[x^2] - mu^2`` (one pass, Flax's default), which loses
       precision where a row's mean dwarfs its spread.
-    gamma: the norm's [K] scale (float32 / bfloat16 / float16); None without a norm.
+    gamma: the norm's [K] gain, one per column (float32 / bfloat16 / float16); None without
+      a norm.
     beta: LayerNorm's [K] shift; None otherwise.
     epsilon: the norm's epsilon, a finite float > 0.
     dtype: the outputs' dtype, in which the GEMMs compute (float32, bfloat16, float16); None:
