@@ -423,8 +423,7 @@ def check_norm(x, norm_args):
     return (None, None), None
   if x.ndim < 1:
     raise ValueError(f"x must be [..., K] for a norm, got shape {x.shape}")
-  gamma, beta, epsilon = norms.check_params(norm, gamma, beta, epsilon, x.shape[-1])
-  return (gamma, beta), (norm, epsilon)
+  return norms.check_params(norm, gamma, beta, x.shape[-1]), (norm, norms.check_epsilon(epsilon))
 
 
 def compute_dtype(x, dtype):

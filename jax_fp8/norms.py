@@ -37,25 +37,24 @@ def centered(norm: str) -> bool:
   return check(norm) == NORMS["layernorm"]
 
 
-def check_params(norm, gamma, beta, epsilon, k: int, prefix: str = ""):
-  """(gamma, beta, epsilon) of a norm over rows of K, checked: gamma [K] and, for LayerNorm
-  only, beta [K], each float32 / bfloat16 / float16; epsilon as ``check_epsilon``. TypeError /
-  ValueError naming the argument (``prefix`` + its name)."""
-  check(norm, prefix + "norm")
-  gamma = checks.array(gamma, prefix + "gamma")
+def check_params(norm, gamma, beta, k: int):
+  """(gamma, beta) of a norm over rows of K, checked: gamma [K] and, for LayerNorm only, beta
+  [K], each float32 / bfloat16 / float16. TypeError / ValueError naming the argument."""
+  check(norm, "norm")
+  gamma = checks.array(gamma, "gamma")
   want_beta = centered(norm)
   if want_beta != (beta is not None):
-    raise TypeError(f"{prefix}beta must be {'a [K] array' if want_beta else 'None'} under "
+    raise TypeError(f"beta must be {'a [K] array' if want_beta else 'None'} under "
                     f"{norm!r}, got {'None' if beta is None else type(beta).__name__}")
   arrays = {"gamma": gamma}
   if want_beta:
-    arrays["beta"] = checks.array(beta, prefix + "beta")
+    arrays["beta"] = checks.array(beta, "beta")
   for name, v in arrays.items():
     if v.dtype not in FLOAT_DTYPES:
-      raise TypeError(f"{prefix}{name} must be float32, bfloat16 or float16, got {v.dtype}")
+      raise TypeError(f"{name} must be float32, bfloat16 or float16, got {v.dtype}")
     if v.shape != (k,):
-      raise ValueError(f"{prefix}{name} must be [{k}] (x's last axis), got {list(v.shape)}")
-  return gamma, arrays.get("beta"), check_epsilon(epsilon, prefix + "epsilon")
+      raise ValueError(f"{name} must be [{k}] (x's last axis), got {list(v.shape)}")
+  return gamma, arrays.get("beta")
 
 
 def check_epsilon(epsilon, name: str = "epsilon") -> float:

@@ -170,7 +170,7 @@ def norm_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
   """
   x = checks.float_input(x)
   _check_2d(x, "x", _COLS)
-  gamma, beta, _ = norms.check_params(norm, gamma, beta, 1.0, x.shape[1])
+  gamma, beta = norms.check_params(norm, gamma, beta, x.shape[1])
   row_stats = checks.array(row_stats, "row_stats")
   per_row = 2 if norms.centered(norm) else 1
   if row_stats.dtype != jnp.float32:
