@@ -17,3 +17,19 @@ def test_demo_smoke(tmp_path, recipe):
   assert set(res["runs"]) == {"fp8", "bf16"} and res["passed"]
   for run in res["runs"].values():
     assert len(run["train_losses"]) == 10 and run["val_loss"] < run["train_losses"][0]
+
+
+def test_demo_split_runs(tmp_path, capsys):
+  # --only trains one run; the second job compares with the first's file when the settings match
+  out = str(tmp_path)
+  main(["--preset", "smoke", "--only", "fp8", "--out", out])
+  assert not (tmp_path / "results.json").exists()
+  assert "run again with --only bf16" in capsys.readouterr().out
+  main(["--preset", "smoke", "--only", "bf16", "--seed", "1", "--out", out])  # another seed
+  assert not (tmp_path / "results.json").exists()
+  assert "run again with --only fp8" in capsys.readouterr().out
+  main(["--preset", "smoke", "--only", "bf16", "--out", out])
+  res = json.loads((tmp_path / "results.json").read_text())
+  fp8 = json.loads((tmp_path / "run-fp8.json").read_text())
+  assert res["runs"]["fp8"]["train_losses"] == fp8["train_losses"] and res["passed"]
+  assert res["seed"] == 0 and set(res["runs"]) == {"fp8", "bf16"}

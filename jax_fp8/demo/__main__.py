@@ -6,6 +6,10 @@ source. The FP8 run puts every block matmul through ``jax_fp8.flax.Dense`` (``--
 ``flax.linen.Dense`` in bf16. Reported: step time and tokens/s (compile steps excluded), final
 train and validation loss, the speedup, a PNG of the loss curves and ``results.json``. Exit
 status 1 when the FP8 validation loss is worse than the BF16 one by more than ``--tolerance``.
+
+Each finished run is also kept as ``run-fp8.json`` / ``run-bf16.json`` beside them, with the
+settings it ran under; ``--only fp8`` (or ``bf16``) trains one run and compares it with the
+other's file when that one ran under the same settings, so a long run can be split over two jobs.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from jax_fp8.demo import data
 from jax_fp8.demo.model import Config, Transformer
 
 SKIP_STEPS = 2  # steps left out of the timing: compilation, then the first donated-buffer step
+RUNS = ("fp8", "bf16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +199,9 @@ def parse_args(argv):
   p.add_argument("--recipe", choices=["delayed", "block"], default="delayed",
                  help="FP8 recipe: per-tensor delayed scaling (HYBRID) or block scaling "
                       "(DeepSeek-V3: 1x128 groups, 128x128 weight blocks)")
+  p.add_argument("--only", choices=list(RUNS),
+                 help="train this run only; compare it with the other's run-*.json in --out "
+                      "when that one ran under the same settings")
   args = p.parse_args(argv)
   if args.steps is not None and args.steps <= SKIP_STEPS:
     p.error(f"--steps must be more than {SKIP_STEPS} (the untimed compile steps)")
@@ -225,22 +233,39 @@ def main(argv=None) -> None:
         f"validation bytes ({val.shape[0] * val.shape[1]} validation windows)")
 
   print(f"FP8 recipe: {args.recipe}")
-  runs = {"fp8": train("fp8", preset.config(fp8=True, recipe=args.recipe), preset, batches, val,
-                       args.seed),
-          "bf16": train("bf16", preset.config(fp8=False), preset, batches, val, args.seed)}
+  os.makedirs(args.out, exist_ok=True)
+  settings = {"preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
+              "device": device, "backend": jax.default_backend(), "jax_version": jax.__version__,
+              "fp8_kernels_cuda": jax_fp8.cuda_available()}
+  runs = {}
+  for run_name in RUNS:
+    run_settings = {**settings, **({"recipe": args.recipe} if run_name == "fp8" else {})}
+    path = os.path.join(args.out, f"run-{run_name}.json")
+    if args.only in (None, run_name):
+      cfg = preset.config(fp8=run_name == "fp8", recipe=args.recipe)
+      runs[run_name] = train(run_name, cfg, preset, batches, val, args.seed)
+      with open(path, "w") as f:
+        json.dump({"settings": run_settings, **runs[run_name]}, f, indent=2)
+    elif os.path.exists(path):
+      with open(path) as f:
+        kept = json.load(f)
+      if kept.pop("settings") == run_settings:
+        runs[run_name] = kept
+        print(f"{run_name} run read from {path}")
+  if len(runs) < len(RUNS):
+    missing = next(n for n in RUNS if n not in runs)
+    print(f"no {missing} run under these settings in {args.out}: run again with --only "
+          f"{missing} to compare")
+    return
   fp8, bf16 = runs["fp8"], runs["bf16"]
   limit = bf16["val_loss"] * (1 + args.tolerance)
   passed = bool(fp8["val_loss"] <= limit)
   results = {
-      "preset": name, "recipe": args.recipe, "config": dataclasses.asdict(preset),
-      "seed": args.seed,
-      "device": device, "backend": jax.default_backend(), "jax_version": jax.__version__,
-      "fp8_kernels_cuda": jax_fp8.cuda_available(),
+      **settings, "recipe": args.recipe,
       "speedup": bf16["step_ms"] / fp8["step_ms"],
       "tolerance": args.tolerance, "val_loss_limit": limit, "passed": passed, "runs": runs,
   }
 
-  os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
   plot(results, os.path.join(args.out, "loss_curves.png"))
