@@ -97,6 +97,22 @@ def bench_quantize(quick, ceil):
                    "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"], "jnp_us": tj * 1e6,
                    "vs_jnp": tj / t})
     rows += bench_fused_sources(x, ring, ceil)
+    rows += bench_mxfp8(x, ceil)
+  return rows
+
+
+def bench_mxfp8(x, ceil):
+  """MXFP8 quantization of bf16 x: rowwise, and both directions from one read, against the jnp
+  reference (XLA's fusions). Bytes: x read (2 an element), one FP8 byte and 1/32 of a scale
+  byte written per element and direction."""
+  rows = []
+  for name, columnwise in (("mxfp8_quantize rowwise", False), ("mxfp8_quantize both", True)):
+    nbytes = x.size * (2 + (1 + 1 / 32) * (1 + columnwise))
+    t = device_time(lambda x: jax_fp8.mxfp8_quantize(x, columnwise=columnwise), x)
+    tj = device_time(lambda x: reference.mxfp8_quantize(x, columnwise=columnwise), x)
+    rows.append({"case": name, "shape": list(x.shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
+                 "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"], "jnp_us": tj * 1e6,
+                 "vs_jnp": tj / t})
   return rows
 
 

@@ -59,6 +59,9 @@ enum class ActivationId : int64_t { kNone = 0, kSilu = 1, kGelu = 2 };
 // attribute; csrc/norm.h): none, RMSNorm, or LayerNorm.
 enum class NormId : int64_t { kNone = 0, kRms = 1, kLayer = 2 };
 
+// MXFP8's block: one E8M0 scale per kMxBlock consecutive elements (csrc/mx.h).
+constexpr int kMxBlock = 32;
+
 // Most row tiles of 128 a block-scaling kernel takes: CUDA's limit on gridDim.y.
 constexpr int64_t kMaxTileRows = 65535;
 

@@ -14,6 +14,7 @@ XLA_FFI_Error* CastTransposeRingCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* GroupQuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* BlockQuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* GroupCastTransposeCpuHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* Mxfp8QuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
 }
 
 NB_MODULE(_jax_fp8_cpu, m) {
@@ -28,6 +29,7 @@ NB_MODULE(_jax_fp8_cpu, m) {
     d["jax_fp8_block_quantize"] = nb::capsule(reinterpret_cast<void*>(BlockQuantizeCpuHandler));
     d["jax_fp8_group_cast_transpose"] =
         nb::capsule(reinterpret_cast<void*>(GroupCastTransposeCpuHandler));
+    d["jax_fp8_mxfp8_quantize"] = nb::capsule(reinterpret_cast<void*>(Mxfp8QuantizeCpuHandler));
     return d;
   });
 }

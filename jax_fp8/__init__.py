@@ -11,8 +11,8 @@ from .linear import LinearState, MultiLinearState, linear, multi_linear
 from .mlp import MlpState, mlp
 from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_transpose,
                   activation_grad_cast_transpose, block_quantize, cast_transpose_delayed,
-                  dequantize, gemm, group_cast_transpose, group_quantize,
-                  norm_cast_transpose, quantize, quantize_delayed)
+                  dequantize, gemm, group_cast_transpose, group_quantize, mxfp8_dequantize,
+                  mxfp8_quantize, norm_cast_transpose, quantize, quantize_delayed)
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing, combine_updates, share, update_state
 
@@ -24,7 +24,8 @@ __all__ = [
     "activation_cast_transpose", "activation_grad_cast_transpose", "block_quantize",
     "cast_transpose_delayed",
     "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
-    "group_cast_transpose", "group_quantize", "linear", "multi_linear",
+    "group_cast_transpose", "group_quantize", "linear", "multi_linear", "mxfp8_dequantize",
+    "mxfp8_quantize",
     "norm_cast_transpose", "quantize",
     "mlp", "quantize_delayed", "quantize_weight", "quantize_weights", "share", "update_state",
 ]

@@ -18,9 +18,10 @@ then gathers that dimension), and adds the collectives the op needs:
   each device) gives local products summed over those axes, as XLA does for its own dots
   (data-parallel wgrad, row-parallel forward), in f32 before the output's one cast;
   otherwise K is gathered.
-- ``group_quantize``, ``block_quantize``, ``group_cast_transpose``: stateless, so no
-  collective; a dimension stays split where every device holds whole groups / 128 x 128
-  blocks (and, for the transposed outputs, the global zero padding).
+- ``group_quantize``, ``block_quantize``, ``group_cast_transpose``, ``mxfp8_quantize``:
+  stateless, so no collective; a dimension stays split where every device holds whole groups /
+  128 x 128 blocks / 32-element MX blocks (and, for the transposed outputs, the global zero
+  padding).
 
 Inside ``shard_map`` (each device's body is already local) and under ``vmap`` (which
 ``custom_partitioning`` cannot batch) the ops run their kernels directly. Meshes must have

@@ -9,7 +9,8 @@
 # TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case groups, see
 # python -m benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes, default "fp8
 # fast_all bf16"), NCU_KERNELS / NCU_SKIP / NCU_COUNT (profile's kernel-name regex, matching
-# launches skipped and profiled), SANITIZE_TOOLS (default all four).
+# launches skipped and profiled), SANITIZE_TOOLS (default all four), SANITIZE_KERNELS
+# (run_kernels.py's mode under the tools: coverage, the default, or one family, e.g. mxfp8).
 set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
@@ -70,7 +71,7 @@ for s in $steps; do
              XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
                XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}" \
                timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool --kernel-name kns=jax_fp8 --error-exitcode 99 \
-               python3 scripts/run_kernels.py coverage >> "$OUT/sanitize.log" 2>&1
+               python3 scripts/run_kernels.py ${SANITIZE_KERNELS:-coverage} >> "$OUT/sanitize.log" 2>&1
              echo "sanitize $tool exit $?"
              # Our cuBLASLt calls under memcheck only: racecheck's instrumentation failed with
              # an internal error ("failed to handle a hardware exception") inside cuBLASLt's

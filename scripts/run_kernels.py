@@ -3,6 +3,7 @@
     python scripts/run_kernels.py profile    # each kernel a few times at 8192 x 8192 bf16 (ncu)
     python scripts/run_kernels.py coverage   # every variant of our kernels once on small,
                                              # ragged shapes (compute-sanitizer's four tools)
+    python scripts/run_kernels.py mxfp8      # coverage's MXFP8 part alone
     python scripts/run_kernels.py gemm       # our cuBLASLt calls, every scale mode (memcheck)
 
 Inputs are copied from the host: initcheck reports buffers written by XLA's own kernels as
@@ -36,17 +37,19 @@ def profile():
   act_grad = jax.jit(lambda dh, y, r: jax_fp8.activation_grad_cast_transpose(
       dh, y, r, activation="swiglu"))
   gamma, beta = jnp.ones(x.shape[1]), jnp.zeros(x.shape[1])
+  mxfp8 = jax.jit(lambda x: jax_fp8.mxfp8_quantize(x, columnwise=True))
   layer_norm = jax.jit(lambda x, r: jax_fp8.norm_cast_transpose(
       x, jax_fp8.norms.stats(x, "layernorm", 1e-6), gamma, beta, r, norm="layernorm"))
   for _ in range(3):
     jax.block_until_ready((quantize(x), delayed(x, ring), cast_t(x, ring), cast_t_dbias(x, ring),
                            group(x), block(x), group_t(x), act(y, ring), act_grad(x, y, ring),
-                           layer_norm(x, ring)))
+                           layer_norm(x, ring), mxfp8(x)))
 
 
 def coverage():
   """Every kernel and template variant: input dtypes, formats, fresh and later ring steps, both
-  ring epilogues, dbias, activations and norms, group sizes and scale layouts, ragged edges."""
+  ring epilogues, dbias, activations and norms, group sizes and scale layouts, MXFP8, ragged
+  edges."""
   rng = np.random.default_rng(0)
   normal = lambda shape, dtype: jax.device_put((rng.standard_normal(shape) * 3).astype(dtype))
   for dtype, fmt in itertools.product(DTYPES, ("e4m3", "e5m2")):
@@ -87,6 +90,19 @@ def coverage():
       jax.block_until_ready((jax_fp8.block_quantize(x, fmt=fmt),
                              jax_fp8.block_quantize(normal((shape[0], 144), dtype), fmt=fmt),
                              jax_fp8.group_cast_transpose(x, fmt=fmt)))
+  mxfp8()
+
+
+def mxfp8():
+  """MXFP8 quantization: every input dtype and format, ragged rows (rowwise only), a partial
+  128-column tile, every direction."""
+  rng = np.random.default_rng(1)
+  for dtype, fmt in itertools.product(DTYPES, ("e4m3", "e5m2")):
+    for shape, rowwise, columnwise in (((37, 96), True, False), ((96, 416), True, False),
+                                       ((96, 416), True, True), ((96, 416), False, True)):
+      x = jax.device_put((rng.standard_normal(shape) * 3).astype(dtype))
+      jax.block_until_ready(jax_fp8.mxfp8_quantize(x, rowwise=rowwise, columnwise=columnwise,
+                                                   fmt=fmt))
 
 
 def gemm():
@@ -108,4 +124,4 @@ def gemm():
       jax_fp8.gemm(qa, qb, sa, sb), jax_fp8.gemm(qa, qg, sa, sg, bias=bias)))
 
 if __name__ == "__main__":
-  {"profile": profile, "coverage": coverage, "gemm": gemm}[sys.argv[1]]()
+  {"profile": profile, "coverage": coverage, "mxfp8": mxfp8, "gemm": gemm}[sys.argv[1]]()

@@ -397,6 +397,26 @@ def test_sharded_jit_norm_cast_transpose(rng, spec):
   assert_same_cast_transpose(got, want)
 
 
+@pytest.mark.parametrize("spec", [("data", None), (None, "data")], ids=["rows", "cols"])
+@pytest.mark.parametrize("columnwise", [False, True])
+def test_sharded_jit_mxfp8_quantize(rng, spec, columnwise):
+  """mxfp8_quantize under a sharded jit (rows or columns split in whole 32-element blocks)
+  equals one device's, the transposed outputs split like x transposed."""
+  x = jnp.asarray(rng.standard_normal((2 * M, 4 * K)) * 3, jnp.bfloat16)  # 32 x NDEV rows, cols
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  op = jax.jit(lambda v: jax_fp8.mxfp8_quantize(v, columnwise=columnwise))
+  got = op(jax.device_put(x, jax.sharding.NamedSharding(mesh, P(*spec))))
+  with jax.default_device(DEVICES[0]):
+    want = op(x)
+  for name in want:
+    np.testing.assert_array_equal(np.asarray(got[name]).view(np.uint8),
+                                  np.asarray(want[name]).view(np.uint8), err_msg=name)
+  local = tuple(d // NDEV if s else d for d, s in zip(x.shape, spec))  # no gather
+  assert got["data"].sharding.shard_shape(x.shape) == local
+  if columnwise:
+    assert got["data_t"].sharding.shard_shape(x.shape[::-1]) == local[::-1]
+
+
 def test_sharded_jit_gemm_sums_in_f32():
   """A K split over the devices sums the local products in f32 and casts once: float16
   partials of +-448 * 448 * 128 would overflow although the total is 0."""

@@ -1,13 +1,15 @@
-"""MXFP8's numerics (OCP MX v1.0 with RCEIL scales): the E8M0 scale rule in jax_fp8.formats and
-the reference twin of MXFP8 quantization (jax_fp8.reference), the specification the kernels of
-the NVFP4 / MXFP8 issue are to match byte for byte."""
+"""MXFP8 (OCP MX v1.0 with RCEIL scales): the E8M0 scale rule in jax_fp8.formats, the reference
+twin (jax_fp8.reference.mxfp8_quantize), and jax_fp8.mxfp8_quantize's CUDA kernel and CPU
+handler, byte for byte against it."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import block_scaled_data
+from conftest import bits, block_scaled_data, on_cpu, poison_allocator
 
-from jax_fp8 import reference
+import jax_fp8
+from jax_fp8 import _ffi, reference
 from jax_fp8.formats import MX_BLOCK, e8m0_apply, e8m0_rceil, fp8_max
 
 FMTS = ["e4m3", "e5m2"]
@@ -72,3 +74,125 @@ def test_zero_block():
   t = reference.mxfp8_quantize(jnp.zeros((1, 32)))
   assert int(t["scales"][0, 0]) == 0
   assert np.all(np.asarray(t["data"], np.float32) == 0)
+
+
+def test_block_size_agrees_with_the_extension():
+  assert _ffi.CONSTANTS["mx_block"] == MX_BLOCK
+
+
+DIRECTIONS = {"rowwise": (True, False), "columnwise": (False, True), "both": (True, True)}
+# (shape, whether R is a multiple of 32, so every direction applies): whole and partial
+# 32 x 128 tiles of the kernel, and rows that only the rowwise direction takes.
+SHAPES = [((32, 32), True), ((64, 96), True), ((96, 416), True), ((5, 64), False),
+          ((33, 160), False)]
+
+
+def _check_against_reference(x, directions, fmt):
+  rowwise, columnwise = DIRECTIONS[directions]
+  poison_allocator(x.size * 2)
+  got = jax_fp8.mxfp8_quantize(x, rowwise=rowwise, columnwise=columnwise, fmt=fmt)
+  want = on_cpu(lambda v: reference.mxfp8_quantize(v, rowwise=rowwise, columnwise=columnwise,
+                                                   fmt=fmt), x)
+  assert sorted(got) == sorted(want)
+  for name in want:
+    assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype
+    np.testing.assert_array_equal(bits(got[name]), bits(want[name]), err_msg=name)
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("directions", DIRECTIONS)
+@pytest.mark.parametrize("shape,whole_rows", SHAPES, ids=lambda v: str(v))
+def test_kernel_bytes_equal_reference(platform, rng, shape, whole_rows, directions, fmt):
+  if not whole_rows and directions != "rowwise":
+    pytest.skip("columnwise blocks need R a multiple of 32")
+  _check_against_reference(block_scaled_data(rng, shape, MX_BLOCK, 6, jnp.float32), directions,
+                           fmt)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_kernel_input_dtypes(platform, rng, dtype):
+  decades = 3 if dtype == jnp.float16 else 12
+  _check_against_reference(block_scaled_data(rng, (64, 256), MX_BLOCK, decades, dtype), "both",
+                           "e4m3")
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_kernel_special_values(platform, rng, fmt):
+  """NaN and infinity (their blocks NaN in both directions), all-zero blocks, f32 subnormals
+  (zero), the largest f32 values, blocks of 1e-30 and values exactly at the format's maximum
+  times a power of two (the tight RCEIL edge)."""
+  x = np.asarray(rng.standard_normal((64, 128)), np.float32)
+  x[0, 5], x[40, 70], x[9, 100] = np.nan, np.inf, -np.inf
+  x[32:64, 0:32] = 0.0
+  x[1, 32:64] = 1e-40
+  x[2, 64:96] = rng.uniform(-3.4e38, 3.4e38, 32)
+  x[3, 96:128] = 1e-30 * rng.standard_normal(32)
+  x[4, 32:64] = fp8_max(fmt) * 2.0 ** rng.integers(-20, 20, 32)
+  _check_against_reference(jnp.asarray(x), "both", fmt)
+  t = jax_fp8.mxfp8_quantize(jnp.asarray(x), columnwise=True, fmt=fmt)
+  scales, scales_t = np.asarray(t["scales"]), np.asarray(t["scales_t"])
+  assert scales[0, 0] == scales[40, 2] == scales[9, 3] == 255
+  assert scales_t[5, 0] == scales_t[70, 1] == scales_t[100, 0] == 255
+  assert scales[40, 0] == 0 and np.all(scales[2, 2] < 255)
+
+
+def test_jit_and_vmap(rng):
+  x = jnp.asarray(rng.standard_normal((3, 64, 64)), jnp.bfloat16)
+  f = lambda v: jax_fp8.mxfp8_quantize(v, columnwise=True)  # noqa: E731
+  got = jax.jit(jax.vmap(f))(x)
+  for i in range(3):
+    want = reference.mxfp8_quantize(x[i], columnwise=True)
+    for name in want:
+      np.testing.assert_array_equal(bits(got[name][i]), bits(want[name]))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
+def test_dequantize_round_trip(rng, fmt):
+  x = block_scaled_data(rng, (64, 128), MX_BLOCK, 3, jnp.float32)
+  t = jax_fp8.mxfp8_quantize(x, columnwise=True, fmt=fmt)
+  for data, scales, ref in ((t["data"], t["scales"], x), (t["data_t"], t["scales_t"], x.T)):
+    back = np.asarray(jax_fp8.mxfp8_dequantize(data, scales), np.float64)
+    np.testing.assert_array_equal(back, np.asarray(reference.mxfp8_dequantize(data, scales)))
+    ref = np.asarray(ref, np.float64)
+    scale = np.repeat(np.exp2(np.asarray(scales, np.float64) - 127), MX_BLOCK, axis=1)
+    assert np.all(np.abs(back - ref) <= np.maximum(HALF_ULP[fmt] * np.abs(ref),
+                                                   HALF_SUBNORMAL[fmt] * scale))
+  # bfloat16 holds every E4M3 / E5M2 value times a power of two in its normal range
+  np.testing.assert_array_equal(
+      np.asarray(jax_fp8.mxfp8_dequantize(t["data"], t["scales"], jnp.bfloat16), np.float32),
+      np.asarray(jax_fp8.mxfp8_dequantize(t["data"], t["scales"]), np.float32))
+
+
+X = jnp.ones((64, 64), jnp.float32)
+
+
+@pytest.mark.parametrize("call,error,message", [
+    (lambda: jax_fp8.mxfp8_quantize(jnp.ones((4, 48))), ValueError,
+     r"C a positive multiple of 32.*\(4, 48\)"),
+    (lambda: jax_fp8.mxfp8_quantize(jnp.ones(64)), ValueError, r"x must be \[R, C\]"),
+    (lambda: jax_fp8.mxfp8_quantize(jnp.ones((40, 64)), columnwise=True), ValueError,
+     "columnwise=True needs x's rows R a multiple of 32"),
+    (lambda: jax_fp8.mxfp8_quantize(X, rowwise=False), ValueError,
+     "needs rowwise=True or columnwise=True"),
+    (lambda: jax_fp8.mxfp8_quantize(X, columnwise=1), TypeError,
+     "columnwise must be a bool, got int 1"),
+    (lambda: jax_fp8.mxfp8_quantize(X, fmt="e2m1"), ValueError, "e2m1"),
+    (lambda: jax_fp8.mxfp8_quantize(X.astype(jnp.int32)), TypeError,
+     "x must be float32, bfloat16 or float16, got int32"),
+    (lambda: jax_fp8.mxfp8_dequantize(X, jnp.zeros((64, 2), jnp.uint8)), TypeError,
+     "data must be float8_e4m3fn or float8_e5m2"),
+    (lambda: jax_fp8.mxfp8_dequantize(X.astype(jnp.float8_e4m3fn), jnp.zeros((64, 2))),
+     TypeError, "scales must be uint8"),
+    (lambda: jax_fp8.mxfp8_dequantize(X.astype(jnp.float8_e4m3fn),
+                                      jnp.zeros((64, 4), jnp.uint8)), ValueError,
+     r"scales must be data's shape with the last axis divided by 32.*\(64, 4\)"),
+])
+def test_bad_input(call, error, message):
+  with pytest.raises(error, match=message):
+    call()
+
+
+def test_not_differentiable():
+  with pytest.raises(TypeError, match="jax_fp8.mxfp8_quantize is not differentiable"):
+    jax.grad(lambda x: jax_fp8.mxfp8_quantize(x)["data"].astype(jnp.float32).sum())(X)
