@@ -13,10 +13,11 @@ template <typename T, int G>
 ffi::Error Launch(cudaStream_t stream, const GroupQuantizeArgs& a) {
   const size_t n = size_t(a.rows) * a.cols;
   // One wave: as many blocks as fit at once (the kernel's launch bound and registers decide).
-  static const int per_sm = resident_blocks_per_sm(group_quantize_kernel<T, G>, kQuantizeThreads);
-  launch_pdl(group_quantize_kernel<T, G>, grid_size(n, kQuantizeThreads * kElemsPerThread, per_sm),
-             kQuantizeThreads, stream, static_cast<const T*>(a.x), a.rows, a.cols, a.eps, a.fmt,
-             a.ue8m0, a.q, a.scales, a.layout);
+  constexpr auto kernel = group_quantize_kernel<T, G, F32GroupScale>;
+  static const int per_sm = resident_blocks_per_sm(kernel, kQuantizeThreads);
+  launch_pdl(kernel, grid_size(n, kQuantizeThreads * kElemsPerThread, per_sm), kQuantizeThreads,
+             stream, static_cast<const T*>(a.x), a.rows, a.cols, F32GroupScale{a.eps, a.ue8m0},
+             a.fmt, a.q, a.scales, a.layout);
   return last_error();
 }
 

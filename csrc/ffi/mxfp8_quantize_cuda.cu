@@ -9,10 +9,24 @@
 namespace jax_fp8 {
 namespace {
 
-template <typename T, bool kRowwise, bool kColumnwise>
-ffi::Error Launch(cudaStream_t stream, const Mxfp8QuantizeArgs& a) {
-  const dim3 grid((a.cols + kMxTileCols - 1) / kMxTileCols, (a.rows + kMxBlock - 1) / kMxBlock);
-  launch_pdl(mxfp8_quantize_kernel<T, kRowwise, kColumnwise>, grid, kMxThreads, stream,
+// Rowwise alone: the group quantize kernel with E8M0 scales (a grid-stride pass, 16 elements a
+// thread, a block's amax by one shuffle).
+template <typename T>
+ffi::Error LaunchRowwise(cudaStream_t stream, const Mxfp8QuantizeArgs& a) {
+  constexpr auto kernel = group_quantize_kernel<T, kMxBlock, E8M0GroupScale>;
+  static const int per_sm = resident_blocks_per_sm(kernel, kQuantizeThreads);
+  const ScaleLayout row_layout = {a.cols / kMxBlock, 1, a.rows};
+  launch_pdl(kernel, grid_size(size_t(a.rows) * a.cols, kQuantizeThreads * kElemsPerThread, per_sm),
+             kQuantizeThreads, stream, static_cast<const T*>(a.x), a.rows, a.cols,
+             E8M0GroupScale{}, a.fmt, a.data, a.scales, row_layout);
+  return last_error();
+}
+
+// With a columnwise copy: 32 x 128 tiles, both directions from one read.
+template <typename T, bool kRowwise>
+ffi::Error LaunchColumnwise(cudaStream_t stream, const Mxfp8QuantizeArgs& a) {
+  const dim3 grid((a.cols + kMxTileCols - 1) / kMxTileCols, a.rows / kMxBlock);
+  launch_pdl(mxfp8_cast_transpose_kernel<T, kRowwise>, grid, kMxThreads, stream,
              static_cast<const T*>(a.x), a.rows, a.cols, a.fmt, a.data, a.scales, a.data_t,
              a.scales_t);
   return last_error();
@@ -22,9 +36,9 @@ ffi::Error Mxfp8QuantizeImpl(cudaStream_t stream, const Mxfp8QuantizeArgs& a) {
   if (a.rows == 0 || a.cols == 0 || !(a.rowwise || a.columnwise)) return ffi::Error::Success();
   return dispatch_input(a.x_type, [&](auto t) {
     using T = typename decltype(t)::type;
-    if (!a.columnwise) return Launch<T, true, false>(stream, a);
-    if (!a.rowwise) return Launch<T, false, true>(stream, a);
-    return Launch<T, true, true>(stream, a);
+    if (!a.columnwise) return LaunchRowwise<T>(stream, a);
+    if (!a.rowwise) return LaunchColumnwise<T, false>(stream, a);
+    return LaunchColumnwise<T, true>(stream, a);
   });
 }
 
