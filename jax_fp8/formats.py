@@ -88,19 +88,20 @@ E8M0_NAN = 0xFF
 
 
 def e8m0_rceil(block_amax: jax.Array, fmt: str) -> jax.Array:
-  """The E8M0 scale byte of blocks with max |x| ``block_amax`` (f32, any shape), rounded up
+  """The E8M0 scale byte of blocks with max |x| ``block_amax`` (f32 >= 0, any shape), rounded up
   ("RCEIL", as cuBLAS and TransformerEngine do): the smallest power of two ``2**k`` with
   ``block_amax / 2**k <= fmt_max``, so the block never saturates, clamped to the E8M0 range
-  (k in [-127, 127]); an all-zero block gets the smallest scale (byte 0), a block holding a
-  NaN or an infinity the NaN byte 0xFF. uint8, ``block_amax``'s shape."""
+  (k in [-127, 127]); an all-zero block (or a subnormal amax, zero on every backend) gets the
+  smallest scale (byte 0), a block holding a NaN or an infinity the NaN byte 0xFF. From the
+  amax's bits, as csrc/mx.h computes it: with amax = m * 2**e (m in [1, 2)) and fmt_max =
+  1.75 * 2**emax, k = e - emax, plus 1 where m > 1.75. uint8, ``block_amax``'s shape."""
   fmax = fp8_max(fmt)
-  a = jnp.asarray(block_amax, jnp.float32)
-  positive = jnp.where(a > 0, a, fmax)
-  k = jnp.ceil(jnp.log2(positive / fmax)).astype(jnp.int32)  # within 1 of the answer
-  k = k + (positive > jnp.ldexp(jnp.float32(fmax), k))  # exact: fmax * 2**k is an f32
-  k = k - (positive <= jnp.ldexp(jnp.float32(fmax), k - 1))
-  k = jnp.clip(jnp.where(a > 0, k, -E8M0_BIAS), -E8M0_BIAS, E8M0_BIAS)
-  return jnp.where(jnp.isfinite(a), k + E8M0_BIAS, E8M0_NAN).astype(jnp.uint8)
+  emax = int(np.floor(np.log2(fmax)))
+  assert fmax == 1.75 * 2.0**emax, "both FP8 formats' largest value is 1.75 * 2**emax"
+  b = jax.lax.bitcast_convert_type(jnp.asarray(block_amax, jnp.float32), jnp.uint32)
+  k = (b >> 23).astype(jnp.int32) - 127 - emax + ((b & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+  k = jnp.where(b < 0x800000, -E8M0_BIAS, jnp.clip(k, -E8M0_BIAS, E8M0_BIAS))
+  return jnp.where(b >= 0x7F800000, E8M0_NAN, k + E8M0_BIAS).astype(jnp.uint8)
 
 
 def e8m0_apply(values: jax.Array, scale: jax.Array) -> jax.Array:

@@ -5,8 +5,10 @@ saturates: ``x ~= data * 2**(scale - 127)``. A block holding a NaN or an infinit
 scale 0xFF and NaN data. On Hopper no tensor core reads these operands; the bytes are the ones a
 Blackwell block-scaled GEMM reads.
 
-CUDA kernel: ``csrc/kernels/mxfp8_quantize.cuh`` (PDL-launched; rowwise and columnwise from one
-read of x); numerics ``csrc/mx.h``, shared with the CPU handler ``csrc/ffi/mxfp8_quantize_cpu.cc``;
+CUDA kernels (PDL-launched): rowwise alone, the group quantize kernel with E8M0 scales
+(``csrc/kernels/group_quantize.cuh``); with a columnwise copy, ``csrc/kernels/mxfp8_quantize.cuh``
+(both directions from one read of x). Numerics ``csrc/mx.h``, shared with the CPU handler
+``csrc/ffi/mxfp8_quantize_cpu.cc``;
 jnp twins ``jax_fp8.reference.mxfp8_quantize`` / ``mxfp8_dequantize``; tests:
 ``tests/test_mxfp8.py``.
 """
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 from .. import _ffi, checks, sharding
 from ..formats import FLOAT_DTYPES, MX_BLOCK, e8m0_apply, fp8_dtype
 
-_MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y: row tiles of 32
+_MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y: the tile kernel's
 
 
 def mxfp8_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = False,
@@ -41,7 +43,7 @@ def mxfp8_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   Raises:
     TypeError at trace time: x's dtype, a direction flag that is not a bool. ValueError: a
     shape the rules above exclude, no direction asked for, an unknown fmt, more than
-    65535 * 32 rows.
+    65535 * 32 rows with ``columnwise``.
   """
   x = checks.float_input(x)
   rowwise = checks.boolean(rowwise, "rowwise")
@@ -56,9 +58,9 @@ def mxfp8_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   if columnwise and r % MX_BLOCK:
     raise ValueError(f"columnwise=True needs x's rows R a multiple of {MX_BLOCK} (whole blocks "
                      f"along the columns), got shape {x.shape}")
-  if -(-r // MX_BLOCK) > _MAX_TILE_ROWS:
-    raise ValueError(f"x has {r} rows; at most {_MAX_TILE_ROWS * MX_BLOCK} (one row of the "
-                     f"kernel's grid per {MX_BLOCK} rows)")
+  if columnwise and r // MX_BLOCK > _MAX_TILE_ROWS:
+    raise ValueError(f"x has {r} rows; columnwise=True takes at most {_MAX_TILE_ROWS * MX_BLOCK} "
+                     f"(one row of the kernel's grid per {MX_BLOCK} rows)")
   names = ["data", "scales"] * rowwise + ["data_t", "scales_t"] * columnwise
 
   def impl(x):
