@@ -62,6 +62,10 @@ enum class NormId : int64_t { kNone = 0, kRms = 1, kLayer = 2 };
 // MXFP8's block: one E8M0 scale per kMxBlock consecutive elements (csrc/mx.h).
 constexpr int kMxBlock = 32;
 
+// NVFP4's block: one E4M3 scale per kNvfp4Block consecutive elements, or per kNvfp4Block x
+// kNvfp4Block tile (csrc/nvfp4.h).
+constexpr int kNvfp4Block = 16;
+
 // Most row tiles of 128 a block-scaling kernel takes: CUDA's limit on gridDim.y.
 constexpr int64_t kMaxTileRows = 65535;
 

@@ -15,6 +15,7 @@ XLA_FFI_Error* GroupQuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* BlockQuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* GroupCastTransposeCpuHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* Mxfp8QuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* Nvfp4QuantizeCpuHandler(XLA_FFI_CallFrame* call_frame);
 }
 
 NB_MODULE(_jax_fp8_cpu, m) {
@@ -30,6 +31,7 @@ NB_MODULE(_jax_fp8_cpu, m) {
     d["jax_fp8_group_cast_transpose"] =
         nb::capsule(reinterpret_cast<void*>(GroupCastTransposeCpuHandler));
     d["jax_fp8_mxfp8_quantize"] = nb::capsule(reinterpret_cast<void*>(Mxfp8QuantizeCpuHandler));
+    d["jax_fp8_nvfp4_quantize"] = nb::capsule(reinterpret_cast<void*>(Nvfp4QuantizeCpuHandler));
     return d;
   });
 }

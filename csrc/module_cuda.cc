@@ -51,6 +51,7 @@ XLA_FFI_Error* GroupQuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* BlockQuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* GroupCastTransposeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* Mxfp8QuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* Nvfp4QuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* GemmCudaHandler(XLA_FFI_CallFrame* call_frame);
 }
 
@@ -68,6 +69,7 @@ NB_MODULE(_jax_fp8_cuda, m) {
     d["jax_fp8_group_cast_transpose"] =
         nb::capsule(reinterpret_cast<void*>(GroupCastTransposeCudaHandler));
     d["jax_fp8_mxfp8_quantize"] = nb::capsule(reinterpret_cast<void*>(Mxfp8QuantizeCudaHandler));
+    d["jax_fp8_nvfp4_quantize"] = nb::capsule(reinterpret_cast<void*>(Nvfp4QuantizeCudaHandler));
     return d;
   });
   // The identity of CUDA device `ordinal`'s kind (gemm_lt.h: device_identity).

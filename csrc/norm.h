@@ -7,37 +7,14 @@
 //   RMSNorm   (Zhang & Sennrich 2019):  x * (rsigma * gamma)
 //   LayerNorm (Ba et al. 2016):         (x - mu) * (rsigma * gamma) + beta
 //
-// Each product and sum is rounded on its own (the device compiler would otherwise contract a
-// product and a sum into one fused multiply-add), and every operand and result is flushed to
-// zero where it is an f32 subnormal (numerics.h: as XLA's CPU runtime flushes them), so the
-// CUDA kernel, the CPU handler and the reference agree bit for bit. On the device each is one
-// instruction, PTX's mul / add with .rn.ftz, which flushes operands and result to
-// sign-preserving zero.
+// Each product and sum is rounded on its own and flushed as XLA's CPU runtime flushes
+// (numerics.h mul_flushed / add_flushed), so the CUDA kernel, the CPU handler and the
+// reference agree bit for bit.
 #pragma once
 
 #include "numerics.h"
 
 namespace jax_fp8 {
-
-JF8_HD float mul_flushed(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return flush_subnormal(flush_subnormal(a) * flush_subnormal(b));
-#endif
-}
-
-JF8_HD float add_flushed(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  float r;
-  asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-  return r;
-#else
-  return flush_subnormal(flush_subnormal(a) + flush_subnormal(b));
-#endif
-}
 
 JF8_HD float norm_value(float x, float mu, float rsigma, float gamma, float beta, bool centered) {
   const float m = mul_flushed(rsigma, gamma);

@@ -14,9 +14,11 @@
 
 #if defined(__CUDACC__)
 #define JF8_HD __host__ __device__ __forceinline__
+#define JF8_UNROLL _Pragma("unroll")  // fixed-trip loops over register arrays, unrolled on the device
 #include <cuda_fp8.h>
 #else
 #define JF8_HD inline
+#define JF8_UNROLL
 #endif
 
 namespace jax_fp8 {
@@ -49,6 +51,40 @@ JF8_HD float bits_float(uint32_t b) {
 // f32 subnormals count as zero on every backend (XLA's CPU runtime flushes them; the GPU does
 // not), for inputs and scales alike, so all backends see the same values. Sign and NaN kept.
 JF8_HD float flush_subnormal(float x) { return fabsf(x) < FLT_MIN ? copysignf(0.0f, x) : x; }
+
+// f32 arithmetic as XLA's CPU runtime does it: each operation rounded to nearest on its own
+// (never contracted into a fused multiply-add), subnormal operands and results flushed to
+// sign-preserving zero. On the device each is one PTX instruction (mul / add / div .rn.ftz);
+// the CPU module is built with -ffp-contract=off.
+JF8_HD float mul_flushed(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return flush_subnormal(flush_subnormal(a) * flush_subnormal(b));
+#endif
+}
+
+JF8_HD float add_flushed(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("add.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return flush_subnormal(flush_subnormal(a) + flush_subnormal(b));
+#endif
+}
+
+JF8_HD float div_flushed(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  float r;
+  asm("div.rn.ftz.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else
+  return flush_subnormal(flush_subnormal(a) / flush_subnormal(b));
+#endif
+}
 
 // |x| as ordered bits: unsigned comparison of these orders finite values, then +inf, then NaN,
 // so a max over them is a NaN-propagating amax (as jnp.max(jnp.abs(x)) is).

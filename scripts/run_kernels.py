@@ -3,7 +3,7 @@
     python scripts/run_kernels.py profile    # each kernel a few times at 8192 x 8192 bf16 (ncu)
     python scripts/run_kernels.py coverage   # every variant of our kernels once on small,
                                              # ragged shapes (compute-sanitizer's four tools)
-    python scripts/run_kernels.py mxfp8      # coverage's MXFP8 part alone
+    python scripts/run_kernels.py mxfp8      # coverage's MXFP8 part alone (nvfp4: NVFP4's)
     python scripts/run_kernels.py gemm       # our cuBLASLt calls, every scale mode (memcheck)
 
 Inputs are copied from the host: initcheck reports buffers written by XLA's own kernels as
@@ -91,6 +91,7 @@ def coverage():
                              jax_fp8.block_quantize(normal((shape[0], 144), dtype), fmt=fmt),
                              jax_fp8.group_cast_transpose(x, fmt=fmt)))
   mxfp8()
+  nvfp4()
 
 
 def mxfp8():
@@ -123,5 +124,22 @@ def gemm():
       jax_fp8.gemm(a, b, one, one, bias=bias, out_dtype=jnp.float8_e4m3fn, out_scale=one),
       jax_fp8.gemm(qa, qb, sa, sb), jax_fp8.gemm(qa, qg, sa, sg, bias=bias)))
 
+def nvfp4():
+  """NVFP4 quantization: every input dtype, ragged rows (rowwise only), a partial 128-column
+  tile, every direction, 2D tiles, stochastic rounding and the Hadamard transform."""
+  rng = np.random.default_rng(2)
+  key = jax.device_put(np.array([7, 11], np.uint32))
+  options = (dict(), dict(columnwise=True), dict(rowwise=False, columnwise=True),
+             dict(columnwise=True, block_2d=True),
+             dict(columnwise=True, rht=True, stochastic_rounding=True, key=key))
+  for dtype in DTYPES:
+    x = jax.device_put((rng.standard_normal((37, 96)) * 3).astype(dtype))
+    jax.block_until_ready(jax_fp8.nvfp4_quantize(x))
+    x = jax.device_put((rng.standard_normal((96, 416)) * 3).astype(dtype))
+    for kw in options:
+      jax.block_until_ready(jax_fp8.nvfp4_quantize(x, **kw))
+
+
 if __name__ == "__main__":
-  {"profile": profile, "coverage": coverage, "mxfp8": mxfp8, "gemm": gemm}[sys.argv[1]]()
+  {"profile": profile, "coverage": coverage, "mxfp8": mxfp8, "nvfp4": nvfp4,
+   "gemm": gemm}[sys.argv[1]]()

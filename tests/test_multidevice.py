@@ -417,6 +417,32 @@ def test_sharded_jit_mxfp8_quantize(rng, spec, columnwise):
     assert got["data_t"].sharding.shard_shape(x.shape[::-1]) == local[::-1]
 
 
+@pytest.mark.parametrize("spec", [("data", None), (None, "data")], ids=["rows", "cols"])
+@pytest.mark.parametrize("option", ["both", "both_2d", "both_rht_sr"])
+def test_sharded_jit_nvfp4_quantize(rng, spec, option):
+  """nvfp4_quantize under a sharded jit equals one device's: the global amax is XLA's reduction
+  over the whole tensor; 1D blocks stay split (whole blocks on each device); stochastic
+  rounding and 2D tiles, which follow global coordinates, see the whole tensor."""
+  x = jnp.asarray(rng.standard_normal((2 * M, 4 * K)) * 3, jnp.bfloat16)
+  options = {"both": dict(columnwise=True), "both_2d": dict(columnwise=True, block_2d=True),
+             "both_rht_sr": dict(columnwise=True, rht=True, stochastic_rounding=True,
+                                 key=jax.random.key(3))}[option]
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  op = jax.jit(lambda v: jax_fp8.nvfp4_quantize(v, **options))
+  got = op(jax.device_put(x, jax.sharding.NamedSharding(mesh, P(*spec))))
+  with jax.default_device(DEVICES[0]):
+    want = op(x)
+  assert sorted(got) == sorted(want)
+  for name in want:
+    np.testing.assert_array_equal(np.asarray(got[name]).view(np.uint8),
+                                  np.asarray(want[name]).view(np.uint8), err_msg=name)
+  if option == "both":  # no gather
+    local = tuple(d // NDEV if s else d for d, s in zip(x.shape, spec))
+    assert got["scales"].sharding.shard_shape(got["scales"].shape)[spec.index("data")] == (
+        got["scales"].shape[spec.index("data")] // NDEV)
+    assert got["data"].sharding.shard_shape(got["data"].shape)[0] == local[0]
+
+
 def test_sharded_jit_gemm_sums_in_f32():
   """A K split over the devices sums the local products in f32 and casts once: float16
   partials of +-448 * 448 * 128 would overflow although the total is 0."""

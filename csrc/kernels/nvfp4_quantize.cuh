@@ -1,0 +1,110 @@
+// NVFP4 quantization (csrc/nvfp4.h) of x [R, C]: 1 x 16 blocks along the rows (data [R, C/2],
+// scales [R, C/16]) and, from the same read, 16 x 1 blocks along the columns, written
+// transposed (data_t [C, R/2], scales_t [C, R/16]); 16 x 16 tiles, stochastic rounding and the
+// random Hadamard transform of the columnwise copy as the attributes say.
+//
+// One thread block takes a 16 x 128 tile: thread t holds row t / 8 of it and columns
+// 16 (t % 8) .. 16 (t % 8) + 15, its rowwise block. The tile goes to shared memory as f32, where
+// thread t then reads column t, its columnwise block. A 16 x 16 tile's amax is reduced over the
+// 16 threads that share its columns (shuffles, then the warps through shared memory). Launched
+// with PDL; device code only; launched by csrc/ffi/nvfp4_quantize_cuda.cu.
+#pragma once
+
+#include "../nvfp4.h"
+#include "quantize.cuh"
+
+namespace jax_fp8 {
+
+constexpr int kNvfp4TileCols = 128;
+constexpr int kNvfp4Threads = kNvfp4TileCols;  // one column of the tile each; 16 x 8 row blocks
+static_assert(kNvfp4Threads == kNvfp4Block * (kNvfp4TileCols / kElemsPerThread), "tile shape");
+static_assert(kElemsPerThread == kNvfp4Block, "a thread's 16 elements are one block");
+
+struct Nvfp4Options {
+  bool rowwise, columnwise, block_2d, stochastic, rht;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kNvfp4Threads)
+    nvfp4_quantize_kernel(const T* x, int64_t rows, int64_t cols, Nvfp4Options opt,
+                          const float* global_scales, const uint32_t* key,
+                          const float* rht_signs, uint8_t* __restrict__ data,
+                          uint8_t* __restrict__ scales, uint8_t* __restrict__ data_t,
+                          uint8_t* __restrict__ scales_t) {
+  constexpr int kGroups = kNvfp4TileCols / kNvfp4Block;  // 8 column blocks of the tile
+  __shared__ float tile[kNvfp4Block][kNvfp4TileCols + 1];
+  __shared__ unsigned tile_part[kNvfp4Threads / 32][kGroups];
+  __shared__ float signs[kNvfp4Block];
+  pdl_wait();
+  const int tr = threadIdx.x / kGroups, tg = threadIdx.x % kGroups;
+  const int64_t r0 = int64_t(blockIdx.y) * kNvfp4Block, c0 = int64_t(blockIdx.x) * kNvfp4TileCols;
+  const int64_t r = r0 + tr, c = c0 + tg * kNvfp4Block;
+  const bool in = r < rows && c < cols;  // C is a multiple of 16: a block is all in or all out
+  const uint32_t k0 = key[0], k1 = key[1];
+  if (threadIdx.x < kNvfp4Block) signs[threadIdx.x] = rht_signs[threadIdx.x];
+
+  float v[kNvfp4Block];
+  if (in) {
+    load16(x + r * cols + c, v);
+  } else {
+#pragma unroll
+    for (int k = 0; k < kNvfp4Block; ++k) v[k] = 0.0f;
+  }
+  unsigned m = 0;
+#pragma unroll
+  for (int k = 0; k < kNvfp4Block; ++k) m = max(m, abs_bits(v[k]));
+
+  // 16 x 16 tiles: the max over the 16 row blocks of each column block (4 rows a warp).
+  __shared__ unsigned tile_amax[kGroups];
+  if (opt.block_2d) {
+    unsigned t = max(m, __shfl_xor_sync(0xffffffffu, m, 8));
+    t = max(t, __shfl_xor_sync(0xffffffffu, t, 16));
+    if ((threadIdx.x & 31) < kGroups) tile_part[threadIdx.x / 32][tg] = t;
+    __syncthreads();
+    if (threadIdx.x < kGroups) {
+      unsigned all = 0;
+#pragma unroll
+      for (int w = 0; w < kNvfp4Threads / 32; ++w) all = max(all, tile_part[w][threadIdx.x]);
+      tile_amax[threadIdx.x] = all;
+    }
+  }
+  if (opt.columnwise) {
+#pragma unroll
+    for (int k = 0; k < kNvfp4Block; ++k) tile[tr][tg * kNvfp4Block + k] = v[k];
+  }
+  __syncthreads();
+
+  if (opt.rowwise && in) {
+    const float gs = global_scales[0];
+    const uint8_t s = nvfp4_scale(bits_float(opt.block_2d ? tile_amax[tg] : m), gs);
+    SrBlockBits sr;
+    if (opt.stochastic) sr = sr_bits_of_block(k0, k1, uint32_t(c / kNvfp4Block), uint32_t(r), 0u);
+    const uint64_t codes = nvfp4_block_codes(v, s, gs, opt.stochastic ? &sr : nullptr);
+    *reinterpret_cast<uint2*>(data + r * (cols / 2) + c / 2) =
+        make_uint2(uint32_t(codes), uint32_t(codes >> 32));
+    scales[r * (cols / kNvfp4Block) + c / kNvfp4Block] = s;
+  }
+
+  const int64_t ct = c0 + threadIdx.x;  // this thread's column, a row of data_t
+  if (opt.columnwise && ct < cols) {  // R is a multiple of 16: all 16 rows are in
+    float w[kNvfp4Block];
+#pragma unroll
+    for (int k = 0; k < kNvfp4Block; ++k) w[k] = tile[k][threadIdx.x];
+    if (opt.rht) hadamard16(w, signs);
+    unsigned mt = 0;
+#pragma unroll
+    for (int k = 0; k < kNvfp4Block; ++k) mt = max(mt, abs_bits(w[k]));
+    if (opt.block_2d) mt = tile_amax[threadIdx.x / kNvfp4Block];
+    const float gs = global_scales[1];
+    const uint8_t s = nvfp4_scale(bits_float(mt), gs);
+    SrBlockBits sr;
+    if (opt.stochastic) sr = sr_bits_of_block(k0, k1, uint32_t(blockIdx.y), uint32_t(ct), 1u);
+    const uint64_t codes = nvfp4_block_codes(w, s, gs, opt.stochastic ? &sr : nullptr);
+    *reinterpret_cast<uint2*>(data_t + ct * (rows / 2) + r0 / 2) =
+        make_uint2(uint32_t(codes), uint32_t(codes >> 32));
+    scales_t[ct * (rows / kNvfp4Block) + blockIdx.y] = s;
+  }
+  pdl_trigger();
+}
+
+}  // namespace jax_fp8

@@ -1,0 +1,106 @@
+// NVFP4 (NVIDIA's NVFP4 pretraining report, arXiv 2509.25149): E2M1 elements (+-{0, 0.5, 1,
+// 1.5, 2, 3, 4, 6}), one E4M3 scale per kNvfp4Block consecutive elements (or per 16 x 16 tile),
+// one f32 global scale. With a block's (or tile's) amax a and the global scale g:
+//   scale = e4m3(a / 6 / g), step = scale * g, element = e2m1(x / step) (0 where step <= 0),
+// each operation rounded on its own and flushed as XLA's CPU runtime does (numerics.h), the
+// E2M1 value rounded to nearest even or stochastically (e2m1_round_stochastic, 16 Philox bits
+// per element: sr_bits_of_block). Optionally each 16-element group first goes through the
+// random Hadamard transform (hadamard16). Shared by the CPU handler and the CUDA kernel; the jnp
+// twins: jax_fp8.formats (nvfp4_global_scale, sr_bits, e2m1_round_stochastic,
+// hadamard_transform) and jax_fp8.reference.nvfp4_quantize.
+#pragma once
+
+#include "philox.h"
+
+namespace jax_fp8 {
+
+constexpr float kE2M1Max = 6.0f;
+
+// E4M3 byte -> f32 (exact; 0x7F / 0xFF are NaN).
+JF8_HD float e4m3_to_float(uint8_t b) {
+  const uint32_t sign = uint32_t(b & 0x80u) << 24, e = (b >> 3) & 0xFu, m = b & 0x7u;
+  if (e == 0xFu && m == 0x7u) return bits_float(0x7FC00000u);
+  const float mag = e ? bits_float(((e + 120u) << 23) | (m << 20)) : float(m) * (1.0f / 512.0f);
+  return bits_float(float_bits(mag) | sign);
+}
+
+// The 4-bit E2M1 code (sign << 3 | magnitude code) of y in [-6, 6], rounded to nearest, ties
+// to the even code; the sign of y is kept (-0 and values rounding to zero give 8).
+JF8_HD uint8_t e2m1_code(float y) {
+  const float a = fabsf(y);
+  const uint8_t m = a <= 0.25f ? 0 : a < 0.75f ? 1 : a <= 1.25f ? 2 : a < 1.75f ? 3
+                  : a <= 2.5f  ? 4 : a < 3.5f  ? 5 : a <= 5.0f  ? 6 : 7;
+  return uint8_t((float_bits(y) >> 28) & 8u) | m;
+}
+
+// y in [-6, 6] rounded to an E2M1 value stochastically: up to the next value with probability
+// (|y| - lo) / gap, exactly when bits16 < (|y| - lo) / gap * 2^16 (every step exact in f32);
+// a subnormal |y| counts as zero, the sign is kept. formats.e2m1_round_stochastic's rule.
+JF8_HD float e2m1_round_stochastic(float y, uint32_t bits16) {
+  float a = fabsf(y);
+  if (a < FLT_MIN) a = 0.0f;
+  const float gap = a < 2.0f ? 0.5f : a < 4.0f ? 1.0f : 2.0f, inv_gap = 1.0f / gap;
+  const float lo = floorf(a * inv_gap) * gap;
+  const bool up = float(bits16) < (a - lo) * inv_gap * 65536.0f;
+  return copysignf(up ? lo + gap : lo, y);
+}
+
+// The 16 stochastic-rounding bits of element i (< 16) of block b of row r in direction d
+// (formats.sr_bits): words w0..w7 of Philox under the key with counters (b, r, d, 0) and
+// (b, r, d, 1); element i takes (w[i / 2] >> 16 (i % 2)) & 0xFFFF.
+struct SrBlockBits {
+  uint32_t w[8];
+  JF8_HD uint32_t bits(int i) const { return (w[i / 2] >> (16 * (i % 2))) & 0xFFFFu; }
+};
+
+JF8_HD SrBlockBits sr_bits_of_block(uint32_t k0, uint32_t k1, uint32_t b, uint32_t r, uint32_t d) {
+  SrBlockBits s;
+  uint32_t lo[4], hi[4];
+  philox4x32_10({b, r, d, 0u}, k0, k1, lo);
+  philox4x32_10({b, r, d, 1u}, k0, k1, hi);
+  JF8_UNROLL
+  for (int i = 0; i < 4; ++i) s.w[i] = lo[i], s.w[4 + i] = hi[i];
+  return s;
+}
+
+// The random Hadamard transform of one 16-element group in place (formats.hadamard_transform):
+// v_i * (signs_i / 4), then the Walsh-Hadamard butterfly, distances 1, 2, 4, 8, each pair (a, b)
+// becoming (a + b, a - b).
+JF8_HD void hadamard16(float (&v)[kNvfp4Block], const float* signs) {
+  JF8_UNROLL
+  for (int i = 0; i < kNvfp4Block; ++i) v[i] = mul_flushed(v[i], signs[i] * 0.25f);
+  JF8_UNROLL
+  for (int h = 1; h < kNvfp4Block; h *= 2)
+    JF8_UNROLL
+    for (int j = 0; j < kNvfp4Block; j += 2 * h)
+      JF8_UNROLL
+      for (int t = j; t < j + h; ++t) {
+        const float a = v[t], b = v[t + h];
+        v[t] = add_flushed(a, b);
+        v[t + h] = add_flushed(a, -b);
+      }
+}
+
+// A block's E4M3 scale byte from its amax (or its tile's) and the global scale.
+JF8_HD uint8_t nvfp4_scale(float block_amax, float global_scale) {
+  return float_to_fp8(div_flushed(div_flushed(block_amax, kE2M1Max), global_scale),
+                      Fp8Format::kE4M3);
+}
+
+// The 16 E2M1 codes of a block as 8 bytes (element 2i in the low nibble of byte i), with the
+// block's scale byte and the global scale; `sr` null: round to nearest even.
+JF8_HD uint64_t nvfp4_block_codes(const float (&v)[kNvfp4Block], uint8_t scale,
+                                  float global_scale, const SrBlockBits* sr) {
+  const float step = mul_flushed(e4m3_to_float(scale), global_scale);
+  uint64_t out = 0;
+  JF8_UNROLL
+  for (int i = 0; i < kNvfp4Block; ++i) {
+    float y = step > 0.0f ? div_flushed(v[i], step) : 0.0f;
+    y = y != y ? 0.0f : fminf(fmaxf(y, -kE2M1Max), kE2M1Max);  // NaN: its scale says so
+    if (sr) y = e2m1_round_stochastic(y, sr->bits(i));
+    out |= uint64_t(e2m1_code(y)) << (4 * i);
+  }
+  return out;
+}
+
+}  // namespace jax_fp8

@@ -1,0 +1,197 @@
+"""NVFP4 quantization (NVIDIA's NVFP4 pretraining report, arXiv 2509.25149; TransformerEngine's
+NVFP4 recipe): E2M1 elements (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}) packed two a byte, one E4M3 scale
+per 16 consecutive elements (or per 16 x 16 tile) and one f32 global scale:
+``x ~= e2m1 * scale * global_scale``, ``global_scale = amax / (448 * 6)``. Options as the report
+trains: 16 x 16 weight tiles (both directions then hold the same numbers), stochastic rounding
+of gradients (Philox4x32-10 bits drawn from each block's coordinates and a key), and the random
+Hadamard transform of the wgrad operands' columnwise copy. On Hopper no tensor core reads these
+operands; the bytes are the ones a Blackwell block-scaled GEMM reads.
+
+The global amaxes are XLA reductions (under a sharded ``jit`` over the whole tensor, so every
+device quantizes with one global scale; inside ``shard_map`` pass ``global_amax`` reduced over
+the axes that split x); then one kernel writes both directions from one read of x.
+
+CUDA kernel: ``csrc/kernels/nvfp4_quantize.cuh``; numerics ``csrc/nvfp4.h`` (with
+``csrc/philox.h``), shared with the CPU handler ``csrc/ffi/nvfp4_quantize_cpu.cc``; jnp twins
+``jax_fp8.reference.nvfp4_quantize`` / ``nvfp4_dequantize``; tests: ``tests/test_nvfp4.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .. import _ffi, checks, sharding
+from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, as_f32,
+                       hadamard_transform, nvfp4_global_scale, rht_signs)
+from ..philox import key_words
+
+_MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y: row tiles of 16
+
+
+def _global_amax(v, name):
+  v = checks.array(v, name)
+  if v.shape != () or not jnp.issubdtype(v.dtype, jnp.floating):
+    raise ValueError(f"{name} must be a float scalar (the tensor's amax), got {v.dtype}"
+                     f"{list(v.shape)}")
+  return v.astype(jnp.float32)
+
+
+def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = False,
+                   block_2d: bool = False, stochastic_rounding: bool = False, key=None,
+                   rht: bool = False, rht_seed: int = 0, global_amax=None,
+                   global_amax_t=None) -> dict:
+  """NVFP4 quantization of ``x`` along its rows and / or its columns, both from one read.
+
+  Each block's scale is ``e4m3(block_amax / 6 / global_scale)`` and each element
+  ``e2m1(x / (scale * global_scale))``, saturating at +-6; an all-zero block gets scale 0 and
+  zero elements; a NaN or infinity in x makes the global scale NaN (and a NaN in a block its
+  scale NaN). Every operation is rounded and flushed as ``jax_fp8.reference.nvfp4_quantize``
+  computes it on the CPU: the bytes are identical.
+
+  Args:
+    x: [R, C] float32 / bfloat16 / float16; C a positive multiple of 16, R a multiple of 16 with
+      ``columnwise`` or ``block_2d``; f32 subnormals count as zero.
+    rowwise: quantize 1 x 16 blocks along the rows (the operand of a GEMM contracting over C).
+    columnwise: quantize 16 x 1 blocks along the columns, written transposed (x.T's rowwise
+      quantization, from x itself).
+    block_2d: one scale per 16 x 16 tile (weights), repeated on the tile's 16 rows in
+      ``scales``; the two directions then hold the same numbers. Round to nearest only.
+    stochastic_rounding: round each element up or down at random with the probabilities that
+      make it unbiased (gradients), 16 Philox4x32-10 bits an element: block b of row r in
+      direction d (0 rowwise, 1 columnwise, rows then x's columns) draws counters (b, r, d, 0)
+      and (b, r, d, 1) under ``key`` (``jax_fp8.formats.sr_bits``). Needs ``key``.
+    key: a JAX PRNG key (``jax.random.key(seed)``, threefry) or raw uint32 [2]; give a fresh
+      one each step and tensor (``jax.random.fold_in``).
+    rht: the columnwise copy quantizes each 16-element group of x.T's rows after the random
+      Hadamard transform ``formats.hadamard_transform(., rht_seed)`` (the report's wgrad
+      operands), under its own global scale ``global_scale_t``. Needs ``columnwise``, 1D blocks.
+    rht_seed: the transform's sign seed, a Python int in [0, 2^64).
+    global_amax, global_amax_t: f32 scalars to take the global scales from instead of this x's
+      amax (and its transformed copy's, with ``rht``): e.g. the max over the devices holding
+      parts of the tensor. A value below the true amax saturates scales at 448 and elements
+      at +-6.
+  Returns:
+    A dict: ``global_scale`` f32 []; with ``rowwise`` ``data`` uint8 [R, C/2] (element 2i in
+    the low nibble of byte i) and ``scales`` float8_e4m3fn [R, C/16]; with ``columnwise``
+    ``data_t`` uint8 [C, R/2] and ``scales_t`` [C, R/16]; with ``rht`` ``global_scale_t``.
+  Raises:
+    TypeError at trace time: x's dtype, a flag that is not a bool. ValueError: shapes the
+    rules above exclude, no direction asked for, an option without what it needs (or with
+    what it excludes), a global amax that is not a float scalar, more than 65535 * 16 rows.
+  """
+  x = checks.float_input(x)
+  rowwise = checks.boolean(rowwise, "rowwise")
+  columnwise = checks.boolean(columnwise, "columnwise")
+  block_2d = checks.boolean(block_2d, "block_2d")
+  stochastic_rounding = checks.boolean(stochastic_rounding, "stochastic_rounding")
+  rht = checks.boolean(rht, "rht")
+  if not (rowwise or columnwise):
+    raise ValueError("nvfp4_quantize needs rowwise=True or columnwise=True (or both)")
+  if stochastic_rounding != (key is not None):
+    raise ValueError("stochastic_rounding=True needs a key, and a key needs "
+                     "stochastic_rounding=True")
+  if stochastic_rounding and block_2d:
+    raise ValueError("stochastic rounding takes 1 x 16 blocks (gradients): block_2d=True "
+                     "(weights) rounds to nearest, so both directions hold the same numbers")
+  if rht and (not columnwise or block_2d):
+    raise ValueError("rht transforms the columnwise copy of 1 x 16 blocks: it needs "
+                     "columnwise=True and block_2d=False")
+  if global_amax_t is not None and not rht:
+    raise ValueError("global_amax_t is the amax of the Hadamard-transformed columnwise copy: "
+                     "it needs rht=True")
+  signs = rht_signs(rht_seed)  # checks the seed
+  if x.ndim != 2 or x.shape[1] == 0 or x.shape[1] % NVFP4_BLOCK:
+    raise ValueError(f"x must be [R, C] with C a positive multiple of {NVFP4_BLOCK} (whole "
+                     f"NVFP4 blocks along the rows), got shape {x.shape}")
+  r, c = x.shape
+  if (columnwise or block_2d) and r % NVFP4_BLOCK:
+    raise ValueError(f"columnwise=True and block_2d=True need x's rows R a multiple of "
+                     f"{NVFP4_BLOCK}, got shape {x.shape}")
+  if -(-r // NVFP4_BLOCK) > _MAX_TILE_ROWS:
+    raise ValueError(f"x has {r} rows; at most {_MAX_TILE_ROWS * NVFP4_BLOCK}")
+  words = key_words(key) if stochastic_rounding else jnp.zeros(2, jnp.uint32)
+
+  x32 = as_f32(x)
+  gs = nvfp4_global_scale(amax(x32) if global_amax is None else
+                          _global_amax(global_amax, "global_amax"))
+  out = {"global_scale": gs}
+  gs_t = gs
+  if rht:
+    gs_t = out["global_scale_t"] = nvfp4_global_scale(
+        amax(hadamard_transform(x32.T, rht_seed)) if global_amax_t is None else
+        _global_amax(global_amax_t, "global_amax_t"))
+  names = ["data", "scales"] * rowwise + ["data_t", "scales_t"] * columnwise
+
+  def impl(x, global_scales, words, signs):
+    r, c = x.shape
+    shapes = {"data": ((r, c // 2), jnp.uint8),
+              "scales": ((r, c // NVFP4_BLOCK), jnp.float8_e4m3fn),
+              "data_t": ((c, r // 2), jnp.uint8),
+              "scales_t": ((c, r // NVFP4_BLOCK), jnp.float8_e4m3fn)}
+    outs = jax.ffi.ffi_call(
+        "jax_fp8_nvfp4_quantize",
+        tuple(jax.ShapeDtypeStruct(shapes[n][0] if n in names else (0,), shapes[n][1])
+              for n in ("data", "scales", "data_t", "scales_t")),
+        vmap_method="sequential",
+    )(x, global_scales, words, signs, rowwise=rowwise, columnwise=columnwise,
+      block_2d=block_2d, stochastic_rounding=stochastic_rounding, rht=rht)
+    return tuple(o for o, n in zip(outs, ("data", "scales", "data_t", "scales_t")) if n in names)
+
+  # The random bits and the 2D tiles follow global coordinates: with stochastic rounding or
+  # 2D blocks the kernel sees the whole of x (a split dimension is gathered first).
+  whole = stochastic_rounding or block_2d
+
+  def plan(mesh, shapes):
+    rs, cs = sharding.spec(shapes[0].sharding, 2)
+    rs = None if whole else sharding.even(mesh, rs, r, NVFP4_BLOCK if columnwise else 1)
+    cs = None if whole else sharding.even(mesh, cs, c, NVFP4_BLOCK)
+    xs, ts, rep = (sharding.named(mesh, rs, cs), sharding.named(mesh, cs, rs),
+                   sharding.named(mesh))
+    return impl, (xs, rep, rep, rep), (xs, xs) * rowwise + (ts, ts) * columnwise
+
+  # Shardy factors: a blocked dimension is tied to its scales' dimension and to the packed
+  # bytes' (two elements a byte: 8 bytes a block).
+  xr, dr, dtc, str_ = ("(rb r1)", "(rb r1)", "(rb r8)", "rb") if columnwise else ("r",) * 4
+  xc, dc, sc, dtr = ("(cb c1)", "(cb c8)", "cb", "(cb c1)") if rowwise else ("c",) * 4
+  outs = [f"{dr} {dc}", f"{dr} {sc}"] * rowwise + [f"{dtr} {dtc}", f"{dtr} {str_}"] * columnwise
+  sizes = {**({"r1": NVFP4_BLOCK, "r8": NVFP4_BLOCK // 2} if columnwise else {}),
+           **({"c1": NVFP4_BLOCK, "c8": NVFP4_BLOCK // 2} if rowwise else {})}
+  rule = f"{xr} {xc}, g, k, s -> " + ", ".join(outs)
+  results = sharding.call("nvfp4_quantize", impl, plan, rule, x, jnp.stack([gs, gs_t]), words,
+                          jnp.asarray(signs), **sizes)
+  out.update(zip(names, sharding.vary_like(results, x)))
+  return out
+
+
+def nvfp4_dequantize(data: jax.Array, scales: jax.Array, global_scale, dtype=jnp.float32
+                     ) -> jax.Array:
+  """``e2m1 * scale * global_scale`` in ``dtype`` (each product in f32). Plain XLA, so it fuses
+  into its consumer; exact in bfloat16 (the NVFP4 recipe's GEMM emulation on Hopper) where the
+  product is a bfloat16 normal.
+
+  Args:
+    data: uint8 [..., C/2] (element 2i in the low nibble of byte i), ``data`` or ``data_t`` of
+      ``nvfp4_quantize``.
+    scales: float8_e4m3fn [..., C/16].
+    global_scale: f32 [] (``global_scale``, or ``global_scale_t`` for an RHT copy).
+    dtype: float32 / bfloat16 / float16.
+  Raises:
+    TypeError at trace time: dtypes. ValueError: shapes that do not match.
+  """
+  data = checks.array(data, "data")
+  if data.dtype != jnp.uint8:
+    raise TypeError(f"data must be uint8 (two E2M1 codes a byte), got {data.dtype}")
+  scales = checks.array(scales, "scales")
+  if scales.dtype != jnp.float8_e4m3fn:
+    raise TypeError(f"scales must be float8_e4m3fn, got {scales.dtype}")
+  global_scale = checks.scalar_f32(global_scale, "global_scale")
+  dtype = checks.dtype(dtype, "dtype", FLOAT_DTYPES)
+  if (data.ndim < 1 or scales.shape != (*data.shape[:-1], 2 * data.shape[-1] // NVFP4_BLOCK)
+      or 2 * data.shape[-1] % NVFP4_BLOCK):
+    raise ValueError(f"scales must be [..., C/16] for data [..., C/2] (two elements a byte), got "
+                     f"data {data.shape} and scales {scales.shape}")
+  codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)
+  values = jax.lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
+  step = jnp.repeat(scales.astype(jnp.float32), NVFP4_BLOCK, axis=-1) * global_scale
+  return (values.astype(jnp.float32) * step).astype(dtype)
