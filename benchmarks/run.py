@@ -106,28 +106,74 @@ def bench_mx_nvfp4(x, ceil):
   and both directions from one read (NVFP4 also with the wgrad operand's options: stochastic
   rounding and the Hadamard transform). Bytes: x read (2 an element); per element and
   direction written, MXFP8 1 + 1/32 (FP8 byte, E8M0 scale), NVFP4 1/2 + 1/16 (E2M1 nibble, E4M3
-  scale); NVFP4's global amax is a read of its own (counted: 2 more, 4 with the transform's)."""
+  scale). NVFP4's time includes XLA's pass for the global amax (two with the transform), which
+  these bytes do not count: the ratio to copy is against one read."""
   key = jax.random.key(0)
   cases = [
       ("mxfp8_quantize rowwise", jax_fp8.mxfp8_quantize, reference.mxfp8_quantize,
-       dict(), 1 + 1 / 32, 0),
+       dict(), 1 + 1 / 32),
       ("mxfp8_quantize both", jax_fp8.mxfp8_quantize, reference.mxfp8_quantize,
-       dict(columnwise=True), 2 * (1 + 1 / 32), 0),
+       dict(columnwise=True), 2 * (1 + 1 / 32)),
       ("nvfp4_quantize rowwise", jax_fp8.nvfp4_quantize, reference.nvfp4_quantize,
-       dict(), 1 / 2 + 1 / 16, 2),
+       dict(), 1 / 2 + 1 / 16),
       ("nvfp4_quantize both", jax_fp8.nvfp4_quantize, reference.nvfp4_quantize,
-       dict(columnwise=True), 2 * (1 / 2 + 1 / 16), 2),
+       dict(columnwise=True), 2 * (1 / 2 + 1 / 16)),
       ("nvfp4_quantize both rht+sr", jax_fp8.nvfp4_quantize, reference.nvfp4_quantize,
-       dict(columnwise=True, rht=True, stochastic_rounding=True, key=key), 2 * (1 / 2 + 1 / 16),
-       4),
+       dict(columnwise=True, rht=True, stochastic_rounding=True, key=key), 2 * (1 / 2 + 1 / 16)),
   ]
   rows = []
-  for name, op, ref, kw, written, amax_reads in cases:
-    nbytes = x.size * (2 + written + amax_reads)
+  for name, op, ref, kw, written in cases:
+    nbytes = x.size * (2 + written)
     t = device_time(lambda x: op(x, **kw), x)
     tj = device_time(lambda x: ref(x, **kw), x)
     rows.append({"case": name, "shape": list(x.shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
                  "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"], "jnp_us": tj * 1e6,
+                 "vs_jnp": tj / t})
+  return rows
+
+
+def bench_fused_sources(x, ring, ceil):
+  """The fused cast-transposes (the MLP's SwiGLU, forward and gradient, x's shape [R, C] for
+  the activation; the RMSNorm and LayerNorm of x with their row statistics by XLA) against the
+  unfused path jax_fp8 takes without them (XLA's fusion writes the activation, its gradient or
+  the norm in bf16, our cast-transpose reads it) and the pure-jnp one. Bytes: forward reads
+  [gate | up] and writes two FP8 copies (6 bytes an element of x); gradient reads dh and
+  [gate | up] and writes two FP8 copies of [dgate | dup] (10); a norm reads x and writes two
+  FP8 copies (4: the statistics' own read of x is not counted, so "of_copy" is against one
+  read)."""
+  y = jnp.concatenate([x, x[::-1]], axis=1)
+  swiglu = lambda y: activations.apply(y, "swiglu").astype(y.dtype)  # noqa: E731
+  grad = lambda dh, y: activations.grad(dh, y, "swiglu").astype(y.dtype)  # noqa: E731
+  gamma = jnp.linspace(0.5, 1.5, x.shape[1], dtype=jnp.float32)
+  beta = jnp.linspace(-0.5, 0.5, x.shape[1], dtype=jnp.float32)
+
+  def norm_cases(norm, b):
+    normalized = lambda x: norms.normalize(x, gamma, b, norm=norm,  # noqa: E731
+                                           epsilon=1e-6).astype(x.dtype)
+    stats = lambda x: norms.stats(x, norm, 1e-6)  # noqa: E731
+    return (f"{norm}_cast_transpose", 4, (x,),
+            lambda x, r: jax_fp8.norm_cast_transpose(x, stats(x), gamma, b, r, norm=norm)[:3],
+            lambda x, r: jax_fp8.cast_transpose_delayed(normalized(x), r)[:3],
+            lambda x, r: reference.norm_cast_transpose(x, stats(x), gamma, b, r, norm=norm)[:3])
+  cases = (
+      ("swiglu_cast_transpose", 6, (y,),
+       lambda y, r: jax_fp8.activation_cast_transpose(y, r, activation="swiglu")[:3],
+       lambda y, r: jax_fp8.cast_transpose_delayed(swiglu(y), r)[:3],
+       lambda y, r: reference.activation_cast_transpose(y, r, activation="swiglu")[:3]),
+      ("swiglu_grad_cast_transpose", 10, (x, y),
+       lambda dh, y, r: jax_fp8.activation_grad_cast_transpose(dh, y, r,
+                                                               activation="swiglu")[:3],
+       lambda dh, y, r: jax_fp8.cast_transpose_delayed(grad(dh, y), r)[:3],
+       lambda dh, y, r: reference.activation_grad_cast_transpose(dh, y, r,
+                                                                 activation="swiglu")[:3]),
+      norm_cases("rmsnorm", None), norm_cases("layernorm", beta))
+  rows = []
+  for name, per_elem, args, fused, unfused, jnp_path in cases:
+    t, tu, tj = (device_time(fn, *args, ring) for fn in (fused, unfused, jnp_path))
+    nbytes = per_elem * x.size
+    rows.append({"case": name, "shape": list(x.shape), "us": t * 1e6,
+                 "TBps": nbytes / t / 1e12, "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"],
+                 "unfused_us": tu * 1e6, "vs_unfused": tu / t, "jnp_us": tj * 1e6,
                  "vs_jnp": tj / t})
   return rows
 

@@ -1,7 +1,8 @@
 // NVFP4 (NVIDIA's NVFP4 pretraining report, arXiv 2509.25149): E2M1 elements (+-{0, 0.5, 1,
 // 1.5, 2, 3, 4, 6}), one E4M3 scale per kNvfp4Block consecutive elements (or per 16 x 16 tile),
 // one f32 global scale. With a block's (or tile's) amax a and the global scale g:
-//   scale = e4m3(a / 6 / g), step = scale * g, element = e2m1(x / step) (0 where step <= 0),
+//   scale = e4m3(a * (f32(1/6) / g)), step = scale * g, element = e2m1(x * (1 / step)) (0
+//   where step <= 0),
 // each operation rounded on its own and flushed as XLA's CPU runtime does (numerics.h), the
 // E2M1 value rounded to nearest even or stochastically (e2m1_round_stochastic, 16 Philox bits
 // per element: sr_bits_of_block). Optionally each 16-element group first goes through the
@@ -15,6 +16,7 @@
 namespace jax_fp8 {
 
 constexpr float kE2M1Max = 6.0f;
+constexpr float kInvE2M1Max = 1.0f / kE2M1Max;  // formats.INV_E2M1_MAX
 
 // E4M3 byte -> f32 (exact; 0x7F / 0xFF are NaN).
 JF8_HD float e4m3_to_float(uint8_t b) {
@@ -83,8 +85,8 @@ JF8_HD void hadamard16(float (&v)[kNvfp4Block], const float* signs) {
 
 // A block's E4M3 scale byte from its amax (or its tile's) and the global scale.
 JF8_HD uint8_t nvfp4_scale(float block_amax, float global_scale) {
-  return float_to_fp8(div_flushed(div_flushed(block_amax, kE2M1Max), global_scale),
-                      Fp8Format::kE4M3);
+  const float encode = div_flushed(kInvE2M1Max, global_scale);
+  return float_to_fp8(mul_flushed(block_amax, encode), Fp8Format::kE4M3);
 }
 
 // The 16 E2M1 codes of a block as 8 bytes (element 2i in the low nibble of byte i), with the
@@ -92,10 +94,11 @@ JF8_HD uint8_t nvfp4_scale(float block_amax, float global_scale) {
 JF8_HD uint64_t nvfp4_block_codes(const float (&v)[kNvfp4Block], uint8_t scale,
                                   float global_scale, const SrBlockBits* sr) {
   const float step = mul_flushed(e4m3_to_float(scale), global_scale);
+  const float inv = step > 0.0f ? div_flushed(1.0f, step) : 0.0f;
   uint64_t out = 0;
   JF8_UNROLL
   for (int i = 0; i < kNvfp4Block; ++i) {
-    float y = step > 0.0f ? div_flushed(v[i], step) : 0.0f;
+    float y = mul_flushed(v[i], inv);
     y = y != y ? 0.0f : fminf(fmaxf(y, -kE2M1Max), kE2M1Max);  // NaN: its scale says so
     if (sr) y = e2m1_round_stochastic(y, sr->bits(i));
     out |= uint64_t(e2m1_code(y)) << (4 * i);

@@ -24,7 +24,7 @@ JF8_HD void mulhilo32(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
 // out = Philox4x32-10(counter c, key (k0, k1)).
 JF8_HD void philox4x32_10(const uint32_t (&c_in)[4], uint32_t k0, uint32_t k1, uint32_t (&out)[4]) {
   uint32_t c0 = c_in[0], c1 = c_in[1], c2 = c_in[2], c3 = c_in[3];
-#pragma unroll
+  JF8_UNROLL
   for (int r = 0; r < 10; ++r) {
     if (r) {
       k0 += 0x9E3779B9u;

@@ -119,14 +119,22 @@ def e8m0_apply(values: jax.Array, scale: jax.Array) -> jax.Array:
 # NVFP4_BLOCK x NVFP4_BLOCK tile), one f32 per-tensor scale.
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
+# The rule's divisions are written so that XLA computes them as written on every backend: a
+# division by a constant (6, 448 * 6) is a product with its f32 reciprocal (XLA rewrites it
+# so), and no array is divided by a broadcast scalar (XLA may turn that into a product with the
+# scalar's reciprocal in one program and not in another).
+INV_E2M1_MAX = np.float32(1 / E2M1_MAX)
 
 
 def nvfp4_global_scale(tensor_amax: jax.Array) -> jax.Array:
-  """The per-tensor scale ``amax / (448 * 6)`` (jax_fp8's convention: a dequantization step),
-  so the block scales span E4M3's range; 1 for an all-zero tensor, NaN for a tensor holding a
-  NaN or an infinity. f32 []."""
+  """The per-tensor scale ``amax * f32(1 / (448 * 6))`` (jax_fp8's convention: a dequantization
+  step), so the block scales span E4M3's range, at least FLT_MIN (so the encoding factor
+  ``f32(1 / 6) / global_scale`` of the block scales stays finite); 1 for an all-zero tensor,
+  NaN for a tensor holding a NaN or an infinity. f32 []."""
   a = jnp.asarray(tensor_amax, jnp.float32)
-  s = jnp.where(a > 0, a / jnp.float32(fp8_max("e4m3") * E2M1_MAX), jnp.float32(1))
+  tiny = np.float32(np.finfo(np.float32).tiny)
+  s = jnp.where(a > 0, jnp.maximum(a * np.float32(1 / (fp8_max("e4m3") * E2M1_MAX)), tiny),
+                jnp.float32(1))
   return jnp.where(jnp.isfinite(a), s, jnp.nan)
 
 
@@ -180,8 +188,9 @@ def rht_signs(seed: int) -> np.ndarray:
   if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
     raise ValueError(f"the Hadamard transform's seed must be an int in [0, 2^64), got {seed!r}")
   seed = int(seed)
-  word = np.uint32(philox4x32(jnp.zeros(4, jnp.uint32),
-                              jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32))[0])
+  with jax.ensure_compile_time_eval():  # constants, also when called under a trace
+    word = np.uint32(philox4x32(jnp.zeros(4, jnp.uint32),
+                                jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32))[0])
   return np.where((word >> np.arange(RHT_SIZE, dtype=np.uint32)) & 1, -1.0, 1.0).astype(np.float32)
 
 

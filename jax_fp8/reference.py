@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import activations, norms
-from .formats import (E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax, apply_scales, as_f32,
-                      e2m1_round_stochastic, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
+from .formats import (E2M1_MAX, INV_E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax,
+                      apply_scales, as_f32, e2m1_round_stochastic, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
                       hadamard_transform, nvfp4_global_scale, sr_bits)
 from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.gemm import expand_scales
@@ -239,9 +239,11 @@ def _nvfp4_rowwise(x, global_scale, block_2d, bits=None):
     tile = jnp.where(nan, jnp.nan, jnp.max(jnp.where(jnp.isnan(tiles), 0, tiles), axis=1,
                                              keepdims=True))
     block_amax = jnp.broadcast_to(tile, tiles.shape).reshape(r, -1)
-  scales = _cast(block_amax / E2M1_MAX / global_scale, "e4m3")  # RNE, saturating, NaN kept
+  encode = INV_E2M1_MAX / global_scale  # a scalar: no array is divided by a broadcast
+  scales = _cast(block_amax * encode, "e4m3")  # RNE, saturating, NaN kept
   step = scales.astype(jnp.float32) * global_scale  # an element's dequantization step
-  y = jnp.where(step[..., None] > 0, xb / step[..., None], 0.0)
+  inv = jnp.where(step > 0, 1 / step, 0.0)  # x * (1 / step), jax_fp8's rule for every format
+  y = xb * inv[..., None]
   y = jnp.where(jnp.isnan(y), 0.0, jnp.clip(y, -E2M1_MAX, E2M1_MAX))  # NaN: its scale says so
   if bits is not None:  # exact E2M1 values, so the cast below keeps them
     y = e2m1_round_stochastic(y, bits.reshape(y.shape))
@@ -254,8 +256,8 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
                    stochastic_rounding=False, key=None, rht=False, rht_seed=0, global_amax=None,
                    global_amax_t=None) -> dict:
   """NVFP4: ``x ~= e2m1 * scale * global_scale``, the global scale
-  ``formats.nvfp4_global_scale(amax(x))``, each block's scale ``e4m3(block_amax / 6 /
-  global_scale)``, each element ``e2m1(x / (scale * global_scale))`` saturating at +-6 (an
+  ``formats.nvfp4_global_scale(amax(x))``, each block's scale ``e4m3(block_amax *
+  (f32(1 / 6) / global_scale))``, each element ``e2m1(x * (1 / (scale * global_scale)))`` saturating at +-6 (an
   all-zero block: scale 0, elements 0), rounded to nearest even or, with
   ``stochastic_rounding``, by ``formats.e2m1_round_stochastic`` with the bits
   ``formats.sr_bits`` draws under ``key`` (direction 0 for the rowwise copy, 1 for the

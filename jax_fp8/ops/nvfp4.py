@@ -43,8 +43,8 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
                    global_amax_t=None) -> dict:
   """NVFP4 quantization of ``x`` along its rows and / or its columns, both from one read.
 
-  Each block's scale is ``e4m3(block_amax / 6 / global_scale)`` and each element
-  ``e2m1(x / (scale * global_scale))``, saturating at +-6; an all-zero block gets scale 0 and
+  Each block's scale is ``e4m3(block_amax * (f32(1 / 6) / global_scale))`` and each element
+  ``e2m1(x * (1 / (scale * global_scale)))``, saturating at +-6; an all-zero block gets scale 0 and
   zero elements; a NaN or infinity in x makes the global scale NaN (and a NaN in a block its
   scale NaN). Every operation is rounded and flushed as ``jax_fp8.reference.nvfp4_quantize``
   computes it on the CPU: the bytes are identical.
