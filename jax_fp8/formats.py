@@ -199,15 +199,16 @@ def hadamard_transform(x: jax.Array, seed: int) -> jax.Array:
   ``g @ diag(s) @ H16 / 4`` (``s = rht_signs(seed)``, ``H16[i, j] = (-1)^popcount(i & j)``):
   the products ``g_i * s_i / 4`` (exact), then the fast Walsh-Hadamard butterfly, stages of
   distance 1, 2, 4, 8, each pair (a, b) becoming (a + b, a - b) in f32: the order of the sums
-  that every implementation follows, so the bytes agree. Orthogonal: the transpose of its
-  matrix undoes it. f32, x's shape (the last axis a multiple of 16)."""
+  that every implementation follows, so the bytes agree. Subnormal products and sums are
+  flushed to zero on every backend (XLA's CPU does; a GPU would keep them). Orthogonal: the
+  transpose of its matrix undoes it. f32, x's shape (the last axis a multiple of 16)."""
   shape = x.shape
-  v = x.reshape(-1, RHT_SIZE) * jnp.asarray(rht_signs(seed) / 4)
+  v = _flush_subnormal(x.reshape(-1, RHT_SIZE) * jnp.asarray(rht_signs(seed) / 4))
   h = 1
   while h < RHT_SIZE:
     pairs = v.reshape(-1, RHT_SIZE // (2 * h), 2, h)
     a, b = pairs[:, :, 0], pairs[:, :, 1]
-    v = jnp.stack([a + b, a - b], axis=2).reshape(-1, RHT_SIZE)
+    v = _flush_subnormal(jnp.stack([a + b, a - b], axis=2)).reshape(-1, RHT_SIZE)
     h *= 2
   return v.reshape(shape)
 

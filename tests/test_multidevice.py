@@ -440,6 +440,7 @@ def test_sharded_jit_nvfp4_quantize(rng, spec, option):
     assert got["scales"].sharding.shard_shape(got["scales"].shape)[spec.index("data")] == (
         got["scales"].shape[spec.index("data")] // NDEV)
     assert got["data"].sharding.shard_shape(got["data"].shape)[0] == local[0]
+    assert got["data_t"].sharding.shard_shape(got["data_t"].shape)[0] == local[1]
 
 
 def test_sharded_jit_gemm_sums_in_f32():

@@ -85,7 +85,7 @@ def test_special_tensors():
 
 def unit_step_blocks(values, rows):
   """f32 [rows, 16 * len(values)]: every 16-element block starts with 6 (so the global amax is
-  6 and each block's step is 448 * fl(6 * fl(1 / 2688)), 1 to f32 rounding) followed by 15 of
+  6 and each block's step is 448 * fl(6 * fl(1 / 2688)), exactly 1 in f32) followed by 15 of
   ``values``, cycled."""
   v = np.resize(np.asarray(values, np.float32), (rows, 15 * len(values)))
   blocks = v.reshape(rows, len(values), 15)
@@ -307,7 +307,7 @@ SHAPES = [(16, 32), (48, 160), (32, 256), (5, 64)]
 
 
 def _check_against_reference(x, options):
-  poison_allocator(x.size * 2)
+  poison_allocator(x.size // 2)  # the packed data's bytes
   got = jax_fp8.nvfp4_quantize(x, **options)
   want = on_cpu(lambda v: reference.nvfp4_quantize(v, **options), x)
   assert sorted(got) == sorted(want)
@@ -356,28 +356,45 @@ def test_kernel_special_values(platform, rng, option):
   _check_against_reference(jnp.asarray(finite * np.float32(1e-37)), OPTIONS[option])
 
 
+@pytest.mark.parametrize("option", ["rowwise", "both", "both_sr"])
+def test_kernel_rounding_ties(platform, option):
+  """Every E2M1 rounding tie (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5), its neighbours one f32 ulp
+  away and both signs, in blocks whose step is 1 (unit_step_blocks): to the even code at a
+  tie, to the nearer value beside it; stochastically rounded, the reference's draws."""
+  ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+  values = np.concatenate([ties, np.nextafter(ties, np.float32(0)),
+                           np.nextafter(ties, np.float32(7))])
+  x = unit_step_blocks(np.concatenate([values, -values]), 16)
+  _check_against_reference(jnp.asarray(x), OPTIONS[option])
+
+
 def test_jit_and_vmap(rng):
   x = jnp.asarray(rng.standard_normal((3, 32, 64)), jnp.bfloat16)
   f = lambda v: jax_fp8.nvfp4_quantize(v, **OPTIONS["both_rht_sr"])  # noqa: E731
   got = jax.jit(jax.vmap(f))(x)
   for i in range(3):
-    want = reference.nvfp4_quantize(x[i], **OPTIONS["both_rht_sr"])
+    want = on_cpu(lambda v: reference.nvfp4_quantize(v, **OPTIONS["both_rht_sr"]), x[i])
     for name in want:
       raw = bits if want[name].dtype.itemsize == 1 else np.asarray
       np.testing.assert_array_equal(raw(got[name][i]), raw(want[name]), err_msg=name)
 
 
-def test_dequantize_matches_reference(rng):
+def test_dequantize_round_trip(rng):
   x = block_scaled_data(rng, (32, 64), NVFP4_BLOCK, 1, jnp.float32)
   t = jax_fp8.nvfp4_quantize(x, columnwise=True)
-  for data, scales in ((t["data"], t["scales"]), (t["data_t"], t["scales_t"])):
-    want = reference.nvfp4_dequantize(data, scales, t["global_scale"])
-    np.testing.assert_array_equal(np.asarray(jax_fp8.nvfp4_dequantize(
-        data, scales, t["global_scale"])), np.asarray(want))
-    # bfloat16 holds every E2M1 value times an E4M3 scale times this global scale exactly
-    np.testing.assert_array_equal(np.asarray(jax_fp8.nvfp4_dequantize(
-        data, scales, t["global_scale"], jnp.bfloat16), np.float32),
-        np.asarray(want.astype(jnp.bfloat16), np.float32))
+  for data, scales, ref in ((t["data"], t["scales"], x), (t["data_t"], t["scales_t"], x.T)):
+    back = np.asarray(jax_fp8.nvfp4_dequantize(data, scales, t["global_scale"]), np.float64)
+    step = np.repeat(np.asarray(scales, np.float64), NVFP4_BLOCK, 1) * float(t["global_scale"])
+    ref = np.asarray(ref, np.float64)  # the bound of test_round_trip_within_the_format_bound
+    assert np.all(np.abs(back - ref) <= np.maximum(step / 4, np.abs(ref) / 4) * (1 + 2.0**-20))
+  # A power-of-two global scale: every value is an E2M1 value (2 significant bits) times an
+  # E4M3 scale (4) times 2^k, which bfloat16 (8) holds exactly.
+  t = jax_fp8.nvfp4_quantize(x, global_amax=jnp.float32(2688 * 2.0**-3))
+  assert float(t["global_scale"]) == 2.0**-3
+  np.testing.assert_array_equal(
+      np.asarray(jax_fp8.nvfp4_dequantize(t["data"], t["scales"], t["global_scale"],
+                                          jnp.bfloat16), np.float32),
+      np.asarray(jax_fp8.nvfp4_dequantize(t["data"], t["scales"], t["global_scale"])))
 
 
 X = jnp.ones((32, 64), jnp.float32)

@@ -38,6 +38,7 @@ inline ffi::Error DecodeNvfp4Quantize(
   if (cols % kNvfp4Block) return invalid("C must be a multiple of 16");
   if ((columnwise || block_2d) && rows % kNvfp4Block)
     return invalid("R must be a multiple of 16 (columnwise or 2D blocks)");
+  if ((rows + kNvfp4Block - 1) / kNvfp4Block > kMaxTileRows) return invalid("too many rows");
   if ((stochastic && block_2d) || (rht && (!columnwise || block_2d)))
     return invalid("stochastic rounding takes 1D blocks; rht the columnwise copy of 1D blocks");
   if (global_scales.element_count() != 2 || key.element_count() != 2 ||
@@ -61,7 +62,8 @@ inline ffi::Error DecodeNvfp4Quantize(
   a.scales = static_cast<uint8_t*>(scales->untyped_data());
   a.data_t = data_t->typed_data();
   a.scales_t = static_cast<uint8_t*>(scales_t->untyped_data());
-  return check_aligned16(platform, {a.x}, "x");
+  return check_aligned16(platform, {a.x, rowwise ? a.data : nullptr, columnwise ? a.data_t : nullptr},
+                         "x, data and data_t");
 }
 
 template <typename B>
