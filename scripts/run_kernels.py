@@ -18,6 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
+from jax_fp8 import formats
+from jax_fp8.ops import nvfp4 as nvfp4_ops
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -38,12 +40,16 @@ def profile():
       dh, y, r, activation="swiglu"))
   gamma, beta = jnp.ones(x.shape[1]), jnp.zeros(x.shape[1])
   mxfp8 = jax.jit(lambda x: jax_fp8.mxfp8_quantize(x, columnwise=True))
+  nvfp4 = jax.jit(lambda x: (jax_fp8.nvfp4_quantize(x), jax_fp8.nvfp4_quantize(x, columnwise=True),
+                             jax_fp8.nvfp4_quantize(x, columnwise=True, rht=True,
+                                                    stochastic_rounding=True,
+                                                    key=jax.random.key(0))))
   layer_norm = jax.jit(lambda x, r: jax_fp8.norm_cast_transpose(
       x, jax_fp8.norms.stats(x, "layernorm", 1e-6), gamma, beta, r, norm="layernorm"))
   for _ in range(3):
     jax.block_until_ready((quantize(x), delayed(x, ring), cast_t(x, ring), cast_t_dbias(x, ring),
                            group(x), block(x), group_t(x), act(y, ring), act_grad(x, y, ring),
-                           layer_norm(x, ring), mxfp8(x)))
+                           layer_norm(x, ring), mxfp8(x), nvfp4(x)))
 
 
 def coverage():
@@ -126,18 +132,27 @@ def gemm():
 
 def nvfp4():
   """NVFP4 quantization: every input dtype, ragged rows (rowwise only), a partial 128-column
-  tile, every direction, 2D tiles, stochastic rounding and the Hadamard transform."""
+  tile, every direction, 2D tiles, stochastic rounding and the Hadamard transform. The kernel is
+  called with its global scales computed on the CPU and copied (the op computes them with XLA's
+  kernels, whose writes initcheck does not see)."""
   rng = np.random.default_rng(2)
-  key = jax.device_put(np.array([7, 11], np.uint32))
+  cpu, gpu = jax.devices("cpu")[0], jax.devices()[0]
+  words = jax.device_put(np.array([7, 11], np.uint32), gpu)  # the key's words
+  signs = jax.device_put(formats.rht_signs(0), gpu)
   options = (dict(), dict(columnwise=True), dict(rowwise=False, columnwise=True),
              dict(columnwise=True, block_2d=True),
-             dict(columnwise=True, rht=True, stochastic_rounding=True, key=key))
+             dict(columnwise=True, rht=True, stochastic_rounding=True))
   for dtype in DTYPES:
-    x = jax.device_put((rng.standard_normal((37, 96)) * 3).astype(dtype))
-    jax.block_until_ready(jax_fp8.nvfp4_quantize(x))
-    x = jax.device_put((rng.standard_normal((96, 416)) * 3).astype(dtype))
-    for kw in options:
-      jax.block_until_ready(jax_fp8.nvfp4_quantize(x, **kw))
+    for shape, kws in (((37, 96), options[:1]), ((96, 416), options)):
+      host = (rng.standard_normal(shape) * 3).astype(dtype)
+      for kw in kws:
+        kw = dict(dict(rowwise=True, columnwise=False, block_2d=False, stochastic_rounding=False,
+                       rht=False), **kw)
+        key = np.array([7, 11], np.uint32) if kw["stochastic_rounding"] else None
+        q = jax_fp8.nvfp4_quantize(jax.device_put(host, cpu), key=key, **kw)
+        scales = np.array([q["global_scale"], q.get("global_scale_t", q["global_scale"])])
+        jax.block_until_ready(nvfp4_ops.quantize_call(
+            jax.device_put(host, gpu), jax.device_put(scales, gpu), words, signs, **kw))
 
 
 if __name__ == "__main__":

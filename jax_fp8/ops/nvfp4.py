@@ -37,6 +37,29 @@ def _global_amax(v, name):
   return v.astype(jnp.float32)
 
 
+_OUTPUTS = ("data", "scales", "data_t", "scales_t")
+
+
+def quantize_call(x, global_scales, words, signs, *, rowwise, columnwise, block_2d,
+                  stochastic_rounding, rht):
+  """The kernel's call on one device, inputs as the kernel reads them (global_scales f32 [2]:
+  rowwise, columnwise; words uint32 [2]; signs f32 [16]): the outputs data, scales, data_t,
+  scales_t, a direction not asked for shaped (0,)."""
+  r, c = x.shape
+  shapes = {"data": ((r, c // 2), jnp.uint8),
+            "scales": ((r, c // NVFP4_BLOCK), jnp.float8_e4m3fn),
+            "data_t": ((c, r // 2), jnp.uint8),
+            "scales_t": ((c, r // NVFP4_BLOCK), jnp.float8_e4m3fn)}
+  wanted = ("data", "scales") * rowwise + ("data_t", "scales_t") * columnwise
+  return jax.ffi.ffi_call(
+      "jax_fp8_nvfp4_quantize",
+      tuple(jax.ShapeDtypeStruct(shapes[n][0] if n in wanted else (0,), shapes[n][1])
+            for n in _OUTPUTS),
+      vmap_method="sequential",
+  )(x, global_scales, words, signs, rowwise=rowwise, columnwise=columnwise, block_2d=block_2d,
+    stochastic_rounding=stochastic_rounding, rht=rht)
+
+
 def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = False,
                    block_2d: bool = False, stochastic_rounding: bool = False, key=None,
                    rht: bool = False, rht_seed: int = 0, global_amax=None,
@@ -124,19 +147,9 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   names = ["data", "scales"] * rowwise + ["data_t", "scales_t"] * columnwise
 
   def impl(x, global_scales, words, signs):
-    r, c = x.shape
-    shapes = {"data": ((r, c // 2), jnp.uint8),
-              "scales": ((r, c // NVFP4_BLOCK), jnp.float8_e4m3fn),
-              "data_t": ((c, r // 2), jnp.uint8),
-              "scales_t": ((c, r // NVFP4_BLOCK), jnp.float8_e4m3fn)}
-    outs = jax.ffi.ffi_call(
-        "jax_fp8_nvfp4_quantize",
-        tuple(jax.ShapeDtypeStruct(shapes[n][0] if n in names else (0,), shapes[n][1])
-              for n in ("data", "scales", "data_t", "scales_t")),
-        vmap_method="sequential",
-    )(x, global_scales, words, signs, rowwise=rowwise, columnwise=columnwise,
-      block_2d=block_2d, stochastic_rounding=stochastic_rounding, rht=rht)
-    return tuple(o for o, n in zip(outs, ("data", "scales", "data_t", "scales_t")) if n in names)
+    outs = quantize_call(x, global_scales, words, signs, rowwise=rowwise, columnwise=columnwise,
+                         block_2d=block_2d, stochastic_rounding=stochastic_rounding, rht=rht)
+    return tuple(o for o, n in zip(outs, _OUTPUTS) if n in names)
 
   # The random bits and the 2D tiles follow global coordinates: with stochastic rounding or
   # 2D blocks the kernel sees the whole of x (a split dimension is gathered first).
