@@ -13,7 +13,8 @@ from . import _ffi
 from .formats import FLOAT_DTYPES, FP8_DTYPES, fp8_max
 
 
-def _describe(v) -> str:
+def describe(v) -> str:
+  """How an error message names the value a caller gave: type and value, or dtype and shape."""
   return f"{type(v).__name__} {v!r}" if not hasattr(v, "dtype") else (
       f"{v.dtype}{list(np.shape(v))}")
 
@@ -22,7 +23,7 @@ def array(v, name: str) -> jax.Array:
   """``v`` as a jax array; a TypeError naming ``name`` for None, strings, lists of non-numbers
   and other values jnp cannot take."""
   if v is None or isinstance(v, (str, bytes)):
-    raise TypeError(f"{name} must be an array, got {_describe(v)}")
+    raise TypeError(f"{name} must be an array, got {describe(v)}")
   try:
     return jnp.asarray(v)
   except (TypeError, ValueError) as e:
@@ -50,7 +51,7 @@ def scalar_f32(v, name: str) -> jax.Array:
   """A float32 scalar array (a scale read on the device)."""
   v = array(v, name)
   if v.shape != () or v.dtype != jnp.float32:
-    raise TypeError(f"{name} must be a float32 scalar, got {_describe(v)}")
+    raise TypeError(f"{name} must be a float32 scalar, got {describe(v)}")
   return v
 
 
@@ -69,14 +70,14 @@ def dtype(v, name: str, allowed) -> jnp.dtype:
 def boolean(v, name: str) -> bool:
   """A Python or NumPy bool (not any truthy value: ``"no"`` is not False)."""
   if not isinstance(v, (bool, np.bool_)):
-    raise TypeError(f"{name} must be a bool, got {_describe(v)}")
+    raise TypeError(f"{name} must be a bool, got {describe(v)}")
   return bool(v)
 
 
 def integer(v, name: str, lo: int | None = None, hi: int | None = None) -> int:
   """A static Python or NumPy int (not a bool, float or traced value) in [lo, hi]."""
   if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
-    raise TypeError(f"{name} must be a Python int (static, not traced), got {_describe(v)}")
+    raise TypeError(f"{name} must be a Python int (static, not traced), got {describe(v)}")
   if (lo is not None and v < lo) or (hi is not None and v > hi):
     bounds = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (
         f">= {lo}" if lo is not None else f"<= {hi}")
@@ -87,7 +88,7 @@ def integer(v, name: str, lo: int | None = None, hi: int | None = None) -> int:
 def number(v, name: str, lo: float = -math.inf, finite: bool = True) -> float:
   """A static real number (int or float, not a bool or array), finite if asked, >= lo."""
   if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-    raise TypeError(f"{name} must be a number, got {_describe(v)}")
+    raise TypeError(f"{name} must be a number, got {describe(v)}")
   try:
     out = float(v)
   except OverflowError:
@@ -101,7 +102,7 @@ def number(v, name: str, lo: float = -math.inf, finite: bool = True) -> float:
 def one_of(v, name: str, choices) -> str:
   """One of the string ``choices`` (TypeError for a non-string)."""
   if not isinstance(v, str):
-    raise TypeError(f"{name} must be one of {tuple(choices)}, got {_describe(v)}")
+    raise TypeError(f"{name} must be one of {tuple(choices)}, got {describe(v)}")
   if v not in choices:
     raise ValueError(f"{name} must be one of {tuple(choices)}, got {v!r}")
   return v

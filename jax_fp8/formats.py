@@ -223,8 +223,12 @@ SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4
 
 def swizzle_scales(scales: jax.Array) -> jax.Array:
   """Block scales [R, S] (E4M3 of NVFP4, E8M0 bytes of MXFP8; one per block of a row) in the
-  swizzled layout above: flat [ceil(R / 128) * 128 * ceil(S / 4) * 4], same dtype, zero
-  padding."""
+  swizzled layout above: flat [ceil(R / 128) * 128 * ceil(S / 4) * 4], same dtype (any: the
+  layout moves bytes), zero padding. TypeError for a non-array, ValueError unless 2-D."""
+  if not hasattr(scales, "shape"):
+    raise TypeError(f"scales must be an array, got {type(scales).__name__}")
+  if scales.ndim != 2:
+    raise ValueError(f"scales must be 2-D [R, S], got shape {tuple(scales.shape)}")
   r, s = scales.shape
   padded = jnp.pad(scales, ((0, -r % SWIZZLE_ROWS), (0, -s % SWIZZLE_COLS)))
   tiles_r, tiles_s = padded.shape[0] // SWIZZLE_ROWS, padded.shape[1] // SWIZZLE_COLS

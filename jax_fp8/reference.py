@@ -253,7 +253,7 @@ def _nvfp4_rowwise(x, global_scale, block_2d, bits=None):
 
 
 def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
-                   stochastic_rounding=False, key=None, rht=False, rht_seed=0, global_amax=None,
+                   stochastic_rounding=False, key=None, rht=False, rht_seed=None, global_amax=None,
                    global_amax_t=None) -> dict:
   """NVFP4: ``x ~= e2m1 * scale * global_scale``, the global scale
   ``formats.nvfp4_global_scale(amax(x))``, each block's scale ``e4m3(block_amax *
@@ -269,7 +269,7 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   ``scales_t`` the same for x.T (``columnwise``). ``block_2d``: 16 x 16 tiles, one scale each
   (repeated on the tile's rows), so the two directions hold the same numbers (round to
   nearest only). ``rht``: the columnwise copy quantizes x.T with each 16-element group of its
-  rows through ``formats.hadamard_transform(., rht_seed)`` (``rht_seed`` a Python int), under
+  rows through ``formats.hadamard_transform(., rht_seed)`` (``rht_seed`` a Python int, None: 0), under
   its own global scale ``global_scale_t`` (from the transformed tensor's amax).
   ``global_amax`` / ``global_amax_t``: the amax (f32 []) to take the global scales from
   instead of this x's, e.g. the max over the devices that hold parts of the tensor; a value
@@ -304,7 +304,7 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   if columnwise:
     xt, gs = x.T, out["global_scale"]
     if rht:
-      xt = hadamard_transform(xt, rht_seed)
+      xt = hadamard_transform(xt, 0 if rht_seed is None else rht_seed)
       gs = out["global_scale_t"] = nvfp4_global_scale(
           amax(xt) if global_amax_t is None else global_amax_t)
     out["data_t"], out["scales_t"] = _nvfp4_rowwise(xt, gs, block_2d, bits(c, r, 1))

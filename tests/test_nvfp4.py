@@ -280,6 +280,10 @@ def test_swizzled_scale_layout():
   assert not np.any(flat[~seen])
   e4m3 = swizzle_scales(jnp.ones((128, 4), jnp.float8_e4m3fn))
   assert e4m3.dtype == jnp.float8_e4m3fn and e4m3.shape == (512,)
+  with pytest.raises(TypeError, match="scales must be an array, got list"):
+    swizzle_scales([[1, 2]])
+  with pytest.raises(ValueError, match=r"scales must be 2-D \[R, S\], got shape \(512,\)"):
+    swizzle_scales(e4m3)
 
 
 def test_block_size_agrees_with_the_extension():
@@ -379,6 +383,18 @@ def test_jit_and_vmap(rng):
       np.testing.assert_array_equal(raw(got[name][i]), raw(want[name]), err_msg=name)
 
 
+@pytest.mark.parametrize("shape", [(0, 32), (3, 0, 64)], ids=str)
+def test_empty_tensors(platform, shape):
+  """No rows (or an empty batch dimension): quantize and dequantize give empty arrays."""
+  x = jnp.zeros(shape, jnp.float32)
+  t = jax_fp8.nvfp4_quantize(x[0] if len(shape) == 3 else x)
+  back = jax_fp8.nvfp4_dequantize(t["data"], t["scales"], t["global_scale"])
+  assert back.shape == (0, shape[-1])
+  data = jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8)
+  scales = jnp.zeros((*shape[:-1], shape[-1] // NVFP4_BLOCK), jnp.float8_e4m3fn)
+  assert jax_fp8.nvfp4_dequantize(data, scales, jnp.float32(1)).shape == shape
+
+
 def test_dequantize_round_trip(rng):
   x = block_scaled_data(rng, (32, 64), NVFP4_BLOCK, 1, jnp.float32)
   t = jax_fp8.nvfp4_quantize(x, columnwise=True)
@@ -414,6 +430,10 @@ X = jnp.ones((32, 64), jnp.float32)
      "seed must be an int in"),
     (lambda: jax_fp8.nvfp4_quantize(X, global_amax=jnp.int32(3)), ValueError,
      "global_amax must be a float scalar"),
+    (lambda: jax_fp8.nvfp4_quantize(X, global_amax=3), ValueError,
+     "global_amax must be a float scalar .*, got int 3"),
+    (lambda: jax_fp8.nvfp4_quantize(X, columnwise=True, rht_seed=5), ValueError,
+     "rht_seed is the Hadamard transform's seed: it needs rht=True"),
     (lambda: jax_fp8.nvfp4_quantize(X.astype(jnp.int8)), TypeError,
      "x must be float32, bfloat16 or float16, got int8"),
     (lambda: jax_fp8.nvfp4_dequantize(X, jnp.zeros((32, 8), jnp.float8_e4m3fn), jnp.float32(1)),

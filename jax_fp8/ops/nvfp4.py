@@ -30,10 +30,11 @@ _MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y: r
 
 
 def _global_amax(v, name):
+  given = v
   v = checks.array(v, name)
   if v.shape != () or not jnp.issubdtype(v.dtype, jnp.floating):
-    raise ValueError(f"{name} must be a float scalar (the tensor's amax), got {v.dtype}"
-                     f"{list(v.shape)}")
+    raise ValueError(f"{name} must be a float scalar (the tensor's amax), got "
+                     f"{checks.describe(given)}")
   return v.astype(jnp.float32)
 
 
@@ -62,7 +63,7 @@ def quantize_call(x, global_scales, words, signs, *, rowwise, columnwise, block_
 
 def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = False,
                    block_2d: bool = False, stochastic_rounding: bool = False, key=None,
-                   rht: bool = False, rht_seed: int = 0, global_amax=None,
+                   rht: bool = False, rht_seed: int | None = None, global_amax=None,
                    global_amax_t=None) -> dict:
   """NVFP4 quantization of ``x`` along its rows and / or its columns, both from one read.
 
@@ -89,11 +90,13 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
     rht: the columnwise copy quantizes each 16-element group of x.T's rows after the random
       Hadamard transform ``formats.hadamard_transform(., rht_seed)`` (the report's wgrad
       operands), under its own global scale ``global_scale_t``. Needs ``columnwise``, 1D blocks.
-    rht_seed: the transform's sign seed, a Python int in [0, 2^64).
+    rht_seed: the transform's sign seed, a Python int in [0, 2^64); None (default): 0. Only
+      with ``rht``.
     global_amax, global_amax_t: f32 scalars to take the global scales from instead of this x's
       amax (and its transformed copy's, with ``rht``): e.g. the max over the devices holding
       parts of the tensor. A value below the true amax saturates scales at 448 and elements
-      at +-6.
+      at +-6; a value <= 0 is an all-zero tensor's (global scale 1); inf or NaN make every
+      scale NaN.
   Returns:
     A dict: ``global_scale`` f32 []; with ``rowwise`` ``data`` uint8 [R, C/2] (element 2i in
     the low nibble of byte i) and ``scales`` float8_e4m3fn [R, C/16]; with ``columnwise``
@@ -123,6 +126,9 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   if global_amax_t is not None and not rht:
     raise ValueError("global_amax_t is the amax of the Hadamard-transformed columnwise copy: "
                      "it needs rht=True")
+  if rht_seed is not None and not rht:
+    raise ValueError("rht_seed is the Hadamard transform's seed: it needs rht=True")
+  rht_seed = 0 if rht_seed is None else rht_seed
   signs = rht_signs(rht_seed)  # checks the seed
   if x.ndim != 2 or x.shape[1] == 0 or x.shape[1] % NVFP4_BLOCK:
     raise ValueError(f"x must be [R, C] with C a positive multiple of {NVFP4_BLOCK} (whole "
@@ -204,7 +210,8 @@ def nvfp4_dequantize(data: jax.Array, scales: jax.Array, global_scale, dtype=jnp
       or 2 * data.shape[-1] % NVFP4_BLOCK):
     raise ValueError(f"scales must be [..., C/16] for data [..., C/2] (two elements a byte), got "
                      f"data {data.shape} and scales {scales.shape}")
-  codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1], -1)
+  codes = jnp.stack([data & 0xF, data >> 4], axis=-1).reshape(*data.shape[:-1],
+                                                              2 * data.shape[-1])
   values = jax.lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
   step = jnp.repeat(scales.astype(jnp.float32), NVFP4_BLOCK, axis=-1) * global_scale
   return (values.astype(jnp.float32) * step).astype(dtype)
