@@ -53,13 +53,12 @@ def philox4x32(counter: jax.Array, key: jax.Array) -> jax.Array:
 def key_words(key) -> jax.Array:
   """The two uint32 key words of a JAX PRNG key (a typed key of the default threefry
   implementation, or a raw uint32 [2] key); ValueError for keys of another size."""
+  from .checks import describe  # here: checks imports formats, which imports this module
   given = key
   if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
   words = jnp.asarray(key)
   if words.shape != (2,) or words.dtype != jnp.uint32:
-    got = (f"{type(given).__name__} {given!r}" if not hasattr(given, "shape") else
-           f"{words.dtype}{list(words.shape)}")
     raise ValueError(f"key must be a JAX PRNG key of two uint32 words (jax.random.key(seed) or "
-                     f"jax.random.PRNGKey(seed), threefry), got {got}")
+                     f"jax.random.PRNGKey(seed), threefry), got {describe(given)}")
   return words

@@ -269,8 +269,8 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   ``scales_t`` the same for x.T (``columnwise``). ``block_2d``: 16 x 16 tiles, one scale each
   (repeated on the tile's rows), so the two directions hold the same numbers (round to
   nearest only). ``rht``: the columnwise copy quantizes x.T with each 16-element group of its
-  rows through ``formats.hadamard_transform(., rht_seed)`` (``rht_seed`` a Python int, None: 0), under
-  its own global scale ``global_scale_t`` (from the transformed tensor's amax).
+  rows through ``formats.hadamard_transform(., rht_seed)`` (``rht_seed`` a Python int, None:
+  0), under its own global scale ``global_scale_t`` (from the transformed tensor's amax).
   ``global_amax`` / ``global_amax_t``: the amax (f32 []) to take the global scales from
   instead of this x's, e.g. the max over the devices that hold parts of the tensor; a value
   below the tensor's own amax saturates the block scales at 448 and the elements at +-6.
