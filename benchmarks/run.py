@@ -21,6 +21,7 @@ import numpy as np
 
 import jax_fp8
 from jax_fp8 import activations, norms, reference
+from jax_fp8.formats import hadamard_transform
 from jax_fp8.recipes import LINEAR_GEMMS
 
 from . import block, block_scaled, peers
@@ -45,7 +46,8 @@ AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=900.0)
 # (what XLA's FP8 dot, and so the pure-JAX FP8 path, does at default precision).
 FAST_ACCUM = {"fast_fprop": jax_fp8.DelayedScaling(fast_accum_gemms=("fprop",)),
               "fast_all": jax_fp8.DelayedScaling(fast_accum_gemms=LINEAR_GEMMS)}
-GROUPS = ["quantize", "gemm", "linear", "block_step", "block_scaling", "crossover"]  # --only
+GROUPS = ["quantize", "mx_nvfp4", "gemm", "linear", "block_step", "block_scaling",
+          "crossover"]  # --only
 QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
 
 
@@ -97,38 +99,44 @@ def bench_quantize(quick, ceil):
                    "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"], "jnp_us": tj * 1e6,
                    "vs_jnp": tj / t})
     rows += bench_fused_sources(x, ring, ceil)
-    rows += bench_mx_nvfp4(x, ceil)
   return rows
 
 
-def bench_mx_nvfp4(x, ceil):
+def bench_mx_nvfp4(quick, ceil):
   """MXFP8 and NVFP4 quantization of bf16 x against the jnp twins (XLA's fusions): rowwise,
   and both directions from one read (NVFP4 also with the wgrad operand's options: stochastic
   rounding and the Hadamard transform). Bytes: x read (2 an element); per element and
   direction written, MXFP8 1 + 1/32 (FP8 byte, E8M0 scale), NVFP4 1/2 + 1/16 (E2M1 nibble, E4M3
-  scale). NVFP4's time includes XLA's pass for the global amax (two with the transform), which
-  these bytes do not count: the ratio to copy is against one read."""
+  scale). NVFP4 runs twice: as called plainly, with XLA's pass for the global amax (two with
+  the transform), which these bytes do not count (the ratio to copy is against one read); and
+  with the global amaxes given ("amax given": e.g. known from the step before), where the op
+  is its kernel."""
   key = jax.random.key(0)
-  cases = [
-      ("mxfp8_quantize rowwise", jax_fp8.mxfp8_quantize, reference.mxfp8_quantize,
-       dict(), 1 + 1 / 32),
-      ("mxfp8_quantize both", jax_fp8.mxfp8_quantize, reference.mxfp8_quantize,
-       dict(columnwise=True), 2 * (1 + 1 / 32)),
-      ("nvfp4_quantize rowwise", jax_fp8.nvfp4_quantize, reference.nvfp4_quantize,
-       dict(), 1 / 2 + 1 / 16),
-      ("nvfp4_quantize both", jax_fp8.nvfp4_quantize, reference.nvfp4_quantize,
-       dict(columnwise=True), 2 * (1 / 2 + 1 / 16)),
-      ("nvfp4_quantize both rht+sr", jax_fp8.nvfp4_quantize, reference.nvfp4_quantize,
-       dict(columnwise=True, rht=True, stochastic_rounding=True, key=key), 2 * (1 / 2 + 1 / 16)),
-  ]
   rows = []
-  for name, op, ref, kw, written in cases:
-    nbytes = x.size * (2 + written)
-    t = device_time(lambda x: op(x, **kw), x)
-    tj = device_time(lambda x: ref(x, **kw), x)
-    rows.append({"case": name, "shape": list(x.shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
-                 "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"], "jnp_us": tj * 1e6,
-                 "vs_jnp": tj / t})
+  for shape in ([(512, 512)] if quick else QUANT_SHAPES):
+    x = rand(2, shape, jnp.bfloat16, 3.0)
+    given = dict(global_amax=jnp.max(jnp.abs(x)).astype(jnp.float32))
+    given_t = dict(given, global_amax_t=jnp.max(jnp.abs(
+        hadamard_transform(x.astype(jnp.float32), 0, axis=0))))
+    sr = dict(stochastic_rounding=True, key=key)
+    mx, nv = ((jax_fp8.mxfp8_quantize, reference.mxfp8_quantize),
+              (jax_fp8.nvfp4_quantize, reference.nvfp4_quantize))
+    cases = [("mxfp8_quantize rowwise", mx, dict(), 1 + 1 / 32),
+             ("mxfp8_quantize both", mx, dict(columnwise=True), 2 * (1 + 1 / 32))]
+    for suffix, amax, amax_t in (("", {}, {}), (", amax given", given, given_t)):
+      cases += [(f"nvfp4_quantize rowwise{suffix}", nv, amax, 1 / 2 + 1 / 16),
+                (f"nvfp4_quantize rowwise sr{suffix}", nv, dict(amax, **sr), 1 / 2 + 1 / 16),
+                (f"nvfp4_quantize both{suffix}", nv, dict(amax, columnwise=True),
+                 2 * (1 / 2 + 1 / 16)),
+                (f"nvfp4_quantize both rht+sr{suffix}", nv,
+                 dict(amax_t, columnwise=True, rht=True, **sr), 2 * (1 / 2 + 1 / 16))]
+    for name, (op, ref), kw, written in cases:
+      nbytes = x.size * (2 + written)
+      t = device_time(lambda x: op(x, **kw), x)
+      tj = device_time(lambda x: ref(x, **kw), x)
+      rows.append({"case": name, "shape": list(x.shape), "us": t * 1e6,
+                   "TBps": nbytes / t / 1e12, "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"],
+                   "jnp_us": tj * 1e6, "vs_jnp": tj / t})
   return rows
 
 
@@ -380,6 +388,7 @@ def main(argv=None):
   q = args.quick
   groups = {
       "quantize": lambda: bench_quantize(q, ceil),
+      "mx_nvfp4": lambda: bench_mx_nvfp4(q, ceil),
       "gemm": lambda: bench_gemm(q, ceil),
       "linear": lambda: bench_linear(q, ceil) + bench_memory(q),
       "block_step": lambda: bench_block(q, ceil),

@@ -90,9 +90,10 @@ JF8_HD uint8_t nvfp4_scale(float block_amax, float global_scale) {
 }
 
 // The 16 E2M1 codes of a block as 8 bytes (element 2i in the low nibble of byte i), with the
-// block's scale byte and the global scale; `sr` null: round to nearest even.
+// block's scale byte and the global scale, rounded stochastically with `sr`'s bits or (not
+// `stochastic`) to nearest even.
 JF8_HD uint64_t nvfp4_block_codes(const float (&v)[kNvfp4Block], uint8_t scale,
-                                  float global_scale, const SrBlockBits* sr) {
+                                  float global_scale, bool stochastic, const SrBlockBits& sr) {
   const float step = mul_flushed(e4m3_to_float(scale), global_scale);
   const float inv = step > 0.0f ? div_flushed(1.0f, step) : 0.0f;
   uint64_t out = 0;
@@ -100,7 +101,7 @@ JF8_HD uint64_t nvfp4_block_codes(const float (&v)[kNvfp4Block], uint8_t scale,
   for (int i = 0; i < kNvfp4Block; ++i) {
     float y = mul_flushed(v[i], inv);
     y = y != y ? 0.0f : fminf(fmaxf(y, -kE2M1Max), kE2M1Max);  // NaN: its scale says so
-    if (sr) y = e2m1_round_stochastic(y, sr->bits(i));
+    if (stochastic) y = e2m1_round_stochastic(y, sr.bits(i));
     out |= uint64_t(e2m1_code(y)) << (4 * i);
   }
   return out;

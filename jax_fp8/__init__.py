@@ -12,7 +12,8 @@ from .mlp import MlpState, mlp
 from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_transpose,
                   activation_grad_cast_transpose, block_quantize, cast_transpose_delayed,
                   dequantize, gemm, group_cast_transpose, group_quantize, mxfp8_dequantize,
-                  mxfp8_quantize, norm_cast_transpose, nvfp4_dequantize, nvfp4_quantize, quantize, quantize_delayed)
+                  mxfp8_quantize, norm_cast_transpose, nvfp4_dequantize, nvfp4_kernel,
+                  nvfp4_quantize, quantize, quantize_delayed)
 from .recipes import BlockScaling, DelayedScaling
 from .state import ScaleRing, combine_updates, share, update_state
 
@@ -25,7 +26,7 @@ __all__ = [
     "cast_transpose_delayed",
     "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
     "group_cast_transpose", "group_quantize", "linear", "multi_linear", "mxfp8_dequantize",
-    "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_quantize",
+    "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_kernel", "nvfp4_quantize",
     "norm_cast_transpose", "quantize",
     "mlp", "quantize_delayed", "quantize_weight", "quantize_weights", "share", "update_state",
 ]

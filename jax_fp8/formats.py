@@ -12,6 +12,8 @@ Formats (Micikevicius et al., "FP8 Formats for Deep Learning", 2022): "e4m3" is
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -194,21 +196,24 @@ def rht_signs(seed: int) -> np.ndarray:
   return np.where((word >> np.arange(RHT_SIZE, dtype=np.uint32)) & 1, -1.0, 1.0).astype(np.float32)
 
 
-def hadamard_transform(x: jax.Array, seed: int) -> jax.Array:
-  """Each 16-element group along the last axis of f32 ``x`` as the row vector
+def hadamard_transform(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
+  """Each 16-element group along ``axis`` of f32 ``x`` as the row vector
   ``g @ diag(s) @ H16 / 4`` (``s = rht_signs(seed)``, ``H16[i, j] = (-1)^popcount(i & j)``):
   the products ``g_i * s_i / 4`` (exact), then the fast Walsh-Hadamard butterfly, stages of
   distance 1, 2, 4, 8, each pair (a, b) becoming (a + b, a - b) in f32: the order of the sums
   that every implementation follows, so the bytes agree. Subnormal products and sums are
   flushed to zero on every backend (XLA's CPU does; a GPU would keep them). Orthogonal: the
-  transpose of its matrix undoes it. f32, x's shape (the last axis a multiple of 16)."""
-  shape = x.shape
-  v = _flush_subnormal(x.reshape(-1, RHT_SIZE) * jnp.asarray(rht_signs(seed) / 4))
+  transpose of its matrix undoes it. f32, x's shape (``axis`` a multiple of 16 long); along
+  axis 0 of [R, C] it equals the transform of x.T's rows, transposed, without moving x."""
+  shape, axis = x.shape, axis % x.ndim
+  inner = math.prod(shape[axis + 1:])  # the elements after the axis: groups stride by them
+  signs = jnp.asarray(rht_signs(seed) / 4)[:, None]
+  v = _flush_subnormal(x.reshape(-1, RHT_SIZE, inner) * signs)
   h = 1
   while h < RHT_SIZE:
-    pairs = v.reshape(-1, RHT_SIZE // (2 * h), 2, h)
+    pairs = v.reshape(-1, RHT_SIZE // (2 * h), 2, h, inner)
     a, b = pairs[:, :, 0], pairs[:, :, 1]
-    v = _flush_subnormal(jnp.stack([a + b, a - b], axis=2)).reshape(-1, RHT_SIZE)
+    v = _flush_subnormal(jnp.stack([a + b, a - b], axis=2)).reshape(-1, RHT_SIZE, inner)
     h *= 2
   return v.reshape(shape)
 

@@ -132,7 +132,8 @@ def gemm():
 
 def nvfp4():
   """NVFP4 quantization: every input dtype, ragged rows (rowwise only), a partial 128-column
-  tile, every direction, 2D tiles, stochastic rounding and the Hadamard transform. The kernel is
+  tile, every direction, 2D tiles, stochastic rounding and the Hadamard transform, with the
+  specialised kernel and the general one where both take the case. The kernel is
   called with its global scales computed on the CPU and copied (the op computes them with XLA's
   kernels, whose writes initcheck does not see)."""
   rng = np.random.default_rng(2)
@@ -141,9 +142,10 @@ def nvfp4():
   signs = jax.device_put(formats.rht_signs(0), gpu)
   options = (dict(), dict(columnwise=True), dict(rowwise=False, columnwise=True),
              dict(columnwise=True, block_2d=True),
-             dict(columnwise=True, rht=True, stochastic_rounding=True))
+             dict(columnwise=True, rht=True, stochastic_rounding=True),
+             dict(stochastic_rounding=True))
   for dtype in DTYPES:
-    for shape, kws in (((37, 96), options[:1]), ((96, 416), options)):
+    for shape, kws in (((37, 96), (options[0], options[-1])), ((96, 416), options)):
       host = (rng.standard_normal(shape) * 3).astype(dtype)
       for kw in kws:
         kw = dict(dict(rowwise=True, columnwise=False, block_2d=False, stochastic_rounding=False,
@@ -151,8 +153,12 @@ def nvfp4():
         key = np.array([7, 11], np.uint32) if kw["stochastic_rounding"] else None
         q = jax_fp8.nvfp4_quantize(jax.device_put(host, cpu), key=key, **kw)
         scales = np.array([q["global_scale"], q.get("global_scale_t", q["global_scale"])])
-        jax.block_until_ready(nvfp4_ops.quantize_call(
-            jax.device_put(host, gpu), jax.device_put(scales, gpu), words, signs, **kw))
+        chosen = jax_fp8.nvfp4_kernel(rowwise=kw["rowwise"], columnwise=kw["columnwise"],
+                                      block_2d=kw["block_2d"])[0] == "nvfp4_rowwise_kernel"
+        for specialised in {chosen, False}:  # the general kernel also on the rowwise case
+          jax.block_until_ready(nvfp4_ops.quantize_call(
+              jax.device_put(host, gpu), jax.device_put(scales, gpu), words, signs,
+              specialised=specialised, **kw))
 
 
 if __name__ == "__main__":

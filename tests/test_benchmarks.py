@@ -20,8 +20,10 @@ def test_quick_suite(tmp_path):
   assert cases == {"quantize", "quantize_delayed", "jnp quantize", "cast_transpose",
                    "cast_transpose+dbias", "swiglu_cast_transpose", "swiglu_grad_cast_transpose",
                    "rmsnorm_cast_transpose", "layernorm_cast_transpose",
-                   "mxfp8_quantize rowwise", "mxfp8_quantize both", "nvfp4_quantize rowwise",
-                   "nvfp4_quantize both", "nvfp4_quantize both rht+sr",
+                   "mxfp8_quantize rowwise", "mxfp8_quantize both",
+                   *(f"nvfp4_quantize {case}{given}"
+                     for case in ("rowwise", "rowwise sr", "both", "both rht+sr")
+                     for given in ("", ", amax given")),
                    "gemm", "linear fwd+bwd", "block train step",
                    "group_quantize", "block_quantize", "group_cast_transpose", "block gemm",
                    "block linear fwd+bwd", "pdl chain", "linear stack peak memory",

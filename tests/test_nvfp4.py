@@ -7,10 +7,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, block_scaled_data, on_cpu, poison_allocator
+from conftest import HAS_CUDA, bits, block_scaled_data, on_cpu, poison_allocator
 
 import jax_fp8
 from jax_fp8 import _ffi, reference
+from jax_fp8.ops import nvfp4 as nvfp4_ops
 from jax_fp8.formats import (NVFP4_BLOCK, e2m1_round_stochastic, hadamard_transform,
                              nvfp4_global_scale, rht_signs, swizzle_scales)
 from jax_fp8.philox import philox4x32
@@ -210,6 +211,18 @@ def test_hadamard_transform_is_its_definition(rng, seed):
       rht_signs(bad)
 
 
+def test_hadamard_transform_along_any_axis(rng):
+  """Groups along axis 0 of [R, C] (or a middle axis) are those of the transposed array's rows,
+  bit for bit, subnormal flushes included."""
+  x = block_scaled_data(rng, (64, 48), NVFP4_BLOCK, 38, jnp.float32)  # subnormal sums too
+  np.testing.assert_array_equal(np.asarray(hadamard_transform(x, 9, axis=0)),
+                                np.asarray(hadamard_transform(x.T, 9)).T)
+  y = jnp.asarray(rng.standard_normal((3, 32, 5)), jnp.float32)
+  np.testing.assert_array_equal(
+      np.asarray(hadamard_transform(y, 9, axis=1)),
+      np.asarray(hadamard_transform(jnp.swapaxes(y, 1, 2), 9)).swapaxes(1, 2))
+
+
 def test_hadamard_transform_of_the_columnwise_copy(rng):
   """rht: the rowwise copy is untouched; the columnwise copy, dequantized and transformed back
   by the matrix's transpose, is x.T within the format's bound carried through the orthogonal
@@ -332,14 +345,14 @@ def test_kernel_bytes_equal_reference(platform, rng, shape, option):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
                          ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("option", ["both", "both_2d", "both_rht_sr"])
+@pytest.mark.parametrize("option", ["rowwise_sr", "both", "both_2d", "both_rht_sr"])
 def test_kernel_input_dtypes(platform, rng, dtype, option):
   decades = 2 if dtype == jnp.float16 else 8
   _check_against_reference(block_scaled_data(rng, (64, 256), NVFP4_BLOCK, decades, dtype),
                            OPTIONS[option])
 
 
-@pytest.mark.parametrize("option", ["both", "both_2d", "both_sr", "both_rht_sr"])
+@pytest.mark.parametrize("option", ["rowwise_sr", "both", "both_2d", "both_sr", "both_rht_sr"])
 def test_kernel_special_values(platform, rng, option):
   """With a given global amax (so a NaN does not make every scale NaN): NaN and infinity (their
   blocks' scales NaN / 448), all-zero blocks, f32 subnormals (zero), blocks of 1e-30 and of the
@@ -370,6 +383,52 @@ def test_kernel_rounding_ties(platform, option):
                            np.nextafter(ties, np.float32(7))])
   x = unit_step_blocks(np.concatenate([values, -values]), 16)
   _check_against_reference(jnp.asarray(x), OPTIONS[option])
+
+
+@pytest.mark.parametrize("options,kernel,reason", [
+    (dict(), "nvfp4_rowwise_kernel", ""),
+    (dict(columnwise=True), "nvfp4_quantize_kernel", "columnwise=True"),
+    (dict(rowwise=False, columnwise=True), "nvfp4_quantize_kernel", "columnwise=True"),
+    (dict(block_2d=True), "nvfp4_quantize_kernel", "block_2d=True"),
+])
+def test_kernel_choice(options, kernel, reason):
+  got_kernel, got_reason = jax_fp8.nvfp4_kernel(**options)
+  assert got_kernel == kernel and got_reason.startswith(reason) and bool(got_reason) == bool(reason)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU with the jax_fp8 CUDA targets")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("stochastic_rounding", [False, True], ids=["rn", "sr"])
+def test_specialised_and_general_kernels_agree(rng, dtype, stochastic_rounding):
+  """The rowwise 1D case, which the specialised kernel takes, also run by the general one: the
+  same bytes, over whole and partial tiles and ragged rows."""
+  gpu = jax.devices("cuda")[0]
+  options = dict(rowwise=True, columnwise=False, block_2d=False,
+                 stochastic_rounding=stochastic_rounding, rht=False)
+  args = [jax.device_put(a, gpu) for a in (np.float32([0.5, 0.5]), np.uint32([3, 9]),
+                                           rht_signs(0))]
+  for shape in ((16, 32), (37, 416), (300, 2048)):
+    x = jax.device_put(block_scaled_data(rng, shape, NVFP4_BLOCK, 4, dtype), gpu)
+    outs = [nvfp4_ops.quantize_call(x, *args, specialised=s, **options) for s in (True, False)]
+    for name, a, b in zip(("data", "scales"), outs[0], outs[1]):
+      np.testing.assert_array_equal(bits(a), bits(b), err_msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU with the jax_fp8 CUDA targets")
+def test_specialised_kernel_takes_any_number_of_rows(rng):
+  """More rows than the general kernel's grid takes (65535 tiles of 16): rowwise only, the
+  specialised kernel, against the CPU handler."""
+  x = np.asarray(rng.standard_normal((_ffi.CONSTANTS["max_tile_rows"] * NVFP4_BLOCK + 17, 16)),
+                 np.float32)
+  got = jax_fp8.nvfp4_quantize(jax.device_put(x, jax.devices("cuda")[0]))
+  want = on_cpu(jax_fp8.nvfp4_quantize, x)
+  for name in ("data", "scales"):
+    np.testing.assert_array_equal(bits(got[name]), bits(want[name]), err_msg=name)
+  with pytest.raises(ValueError, match="the general kernel's grid takes at most"):
+    jax_fp8.nvfp4_quantize(x[:-1], block_2d=True)
 
 
 def test_jit_and_vmap(rng):
@@ -426,6 +485,9 @@ X = jnp.ones((32, 64), jnp.float32)
     (lambda: jax_fp8.nvfp4_quantize(X, rowwise=False), ValueError,
      "needs rowwise=True or columnwise=True"),
     (lambda: jax_fp8.nvfp4_quantize(X, block_2d=1), TypeError, "block_2d must be a bool"),
+    (lambda: jax_fp8.nvfp4_kernel(columnwise="no"), TypeError, "columnwise must be a bool"),
+    (lambda: jax_fp8.nvfp4_kernel(rowwise=False), ValueError,
+     "needs rowwise=True or columnwise=True"),
     (lambda: jax_fp8.nvfp4_quantize(X, columnwise=True, rht=True, rht_seed=-1), ValueError,
      "seed must be an int in"),
     (lambda: jax_fp8.nvfp4_quantize(X, global_amax=jnp.int32(3)), ValueError,

@@ -14,6 +14,9 @@ struct Nvfp4QuantizeArgs {
   const uint32_t* key;         // [2]: the stochastic-rounding key words
   const float* rht_signs;      // [16]: the Hadamard transform's signs
   bool rowwise, columnwise, block_2d, stochastic, rht;
+  // The CUDA handler's kernel: the specialised register-resident one (rowwise 1D blocks only)
+  // or the general tile kernel. The CPU handler has one loop for every case.
+  bool specialised;
   uint8_t* data;      // [rows, cols / 2] (rowwise)
   uint8_t* scales;    // [rows, cols / 16] E4M3 (rowwise)
   uint8_t* data_t;    // [cols, rows / 2] (columnwise)
@@ -27,7 +30,7 @@ inline ffi::Error DecodeNvfp4Quantize(
     ffi::Buffer<ffi::F32> rht_signs, ffi::Result<ffi::Buffer<ffi::U8>> data,
     ffi::Result<ffi::AnyBuffer> scales, ffi::Result<ffi::Buffer<ffi::U8>> data_t,
     ffi::Result<ffi::AnyBuffer> scales_t, bool rowwise, bool columnwise, bool block_2d,
-    bool stochastic, bool rht) {
+    bool stochastic, bool rht, bool specialised) {
   if (!supported_input(x.element_type())) return invalid("x must be float32, bfloat16 or float16");
   if (scales->element_type() != ffi::DataType::F8E4M3FN ||
       scales_t->element_type() != ffi::DataType::F8E4M3FN)
@@ -38,9 +41,12 @@ inline ffi::Error DecodeNvfp4Quantize(
   if (cols % kNvfp4Block) return invalid("C must be a multiple of 16");
   if ((columnwise || block_2d) && rows % kNvfp4Block)
     return invalid("R must be a multiple of 16 (columnwise or 2D blocks)");
-  if ((rows + kNvfp4Block - 1) / kNvfp4Block > kMaxTileRows) return invalid("too many rows");
+  if (!specialised && (rows + kNvfp4Block - 1) / kNvfp4Block > kMaxTileRows)
+    return invalid("too many rows for the general kernel's grid");
   if ((stochastic && block_2d) || (rht && (!columnwise || block_2d)))
     return invalid("stochastic rounding takes 1D blocks; rht the columnwise copy of 1D blocks");
+  if (specialised && (columnwise || block_2d || !rowwise))
+    return invalid("the specialised kernel takes rowwise 1D blocks only");
   if (global_scales.element_count() != 2 || key.element_count() != 2 ||
       rht_signs.element_count() != kNvfp4Block)
     return invalid("global_scales, key and rht_signs must have 2, 2 and 16 elements");
@@ -57,7 +63,7 @@ inline ffi::Error DecodeNvfp4Quantize(
   a.key = key.typed_data();
   a.rht_signs = rht_signs.typed_data();
   a.rowwise = rowwise, a.columnwise = columnwise, a.block_2d = block_2d;
-  a.stochastic = stochastic, a.rht = rht;
+  a.stochastic = stochastic, a.rht = rht, a.specialised = specialised;
   a.data = data->typed_data();
   a.scales = static_cast<uint8_t*>(scales->untyped_data());
   a.data_t = data_t->typed_data();
@@ -81,7 +87,8 @@ auto BindNvfp4Quantize(B binding) {
       .template Attr<bool>("columnwise")
       .template Attr<bool>("block_2d")
       .template Attr<bool>("stochastic_rounding")
-      .template Attr<bool>("rht");
+      .template Attr<bool>("rht")
+      .template Attr<bool>("specialised");
 }
 
 }  // namespace jax_fp8

@@ -34,10 +34,10 @@ void quantize_direction(const Nvfp4QuantizeArgs& a, bool transposed, uint8_t* ou
         for (int i = 0; i < kNvfp4Block; ++i) m = std::max(m, abs_bits(v[i]));
       }
       const uint8_t s = nvfp4_scale(bits_float(m), global_scale);
-      SrBlockBits sr;
-      if (a.stochastic) sr = sr_bits_of_block(a.key[0], a.key[1], uint32_t(b), uint32_t(o),
-                                              transposed ? 1u : 0u);
-      const uint64_t codes = nvfp4_block_codes(v, s, global_scale, a.stochastic ? &sr : nullptr);
+      const SrBlockBits sr = a.stochastic ? sr_bits_of_block(a.key[0], a.key[1], uint32_t(b),
+                                                             uint32_t(o), transposed ? 1u : 0u)
+                                          : SrBlockBits{};
+      const uint64_t codes = nvfp4_block_codes(v, s, global_scale, a.stochastic, sr);
       for (int j = 0; j < kNvfp4Block / 2; ++j)
         out[o * (inner / 2) + b * (kNvfp4Block / 2) + j] = uint8_t(codes >> (8 * j));
       scales[o * blocks + b] = s;

@@ -1,5 +1,5 @@
-// CUDA FFI handler for jax_fp8_nvfp4_quantize: pick the instantiation and launch (with PDL).
-// Arguments: nvfp4_quantize_args.h.
+// CUDA FFI handler for jax_fp8_nvfp4_quantize: the kernel the `specialised` attribute names, its
+// instantiation, launched with PDL. Arguments: nvfp4_quantize_args.h.
 #include <cuda_runtime.h>
 
 #include "../kernels/nvfp4_quantize.cuh"
@@ -9,18 +9,30 @@
 namespace jax_fp8 {
 namespace {
 
+template <typename T>
+ffi::Error Launch(cudaStream_t stream, const Nvfp4QuantizeArgs& a) {
+  const T* x = static_cast<const T*>(a.x);
+  if (a.specialised) {
+    // One wave: as many blocks as fit at once.
+    constexpr auto kernel = nvfp4_rowwise_kernel<T>;
+    static const int per_sm = resident_blocks_per_sm(kernel, kQuantizeThreads);
+    launch_pdl(kernel, grid_size(size_t(a.rows) * a.cols, kQuantizeThreads * kNvfp4Block, per_sm),
+               kQuantizeThreads, stream, x, a.rows, a.cols, a.stochastic, a.global_scales, a.key,
+               reinterpret_cast<uint2*>(a.data), a.scales);
+  } else {
+    const dim3 grid((a.cols + kNvfp4TileCols - 1) / kNvfp4TileCols,
+                    (a.rows + kNvfp4Block - 1) / kNvfp4Block);
+    const Nvfp4Options opt = {a.rowwise, a.columnwise, a.block_2d, a.stochastic, a.rht};
+    launch_pdl(nvfp4_quantize_kernel<T>, grid, kNvfp4Threads, stream, x, a.rows, a.cols, opt,
+               a.global_scales, a.key, a.rht_signs, a.data, a.scales, a.data_t, a.scales_t);
+  }
+  return last_error();
+}
+
 ffi::Error Nvfp4QuantizeImpl(cudaStream_t stream, const Nvfp4QuantizeArgs& a) {
   if (a.rows == 0 || a.cols == 0 || !(a.rowwise || a.columnwise)) return ffi::Error::Success();
-  const dim3 grid((a.cols + kNvfp4TileCols - 1) / kNvfp4TileCols,
-                  (a.rows + kNvfp4Block - 1) / kNvfp4Block);
-  const Nvfp4Options opt = {a.rowwise, a.columnwise, a.block_2d, a.stochastic, a.rht};
-  return dispatch_input(a.x_type, [&](auto t) {
-    using T = typename decltype(t)::type;
-    launch_pdl(nvfp4_quantize_kernel<T>, grid, kNvfp4Threads, stream, static_cast<const T*>(a.x),
-               a.rows, a.cols, opt, a.global_scales, a.key, a.rht_signs, a.data, a.scales,
-               a.data_t, a.scales_t);
-    return last_error();
-  });
+  return dispatch_input(a.x_type,
+                        [&](auto t) { return Launch<typename decltype(t)::type>(stream, a); });
 }
 
 }  // namespace

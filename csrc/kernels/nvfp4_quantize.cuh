@@ -1,13 +1,21 @@
-// NVFP4 quantization (csrc/nvfp4.h) of x [R, C]: 1 x 16 blocks along the rows (data [R, C/2],
-// scales [R, C/16]) and, from the same read, 16 x 1 blocks along the columns, written
-// transposed (data_t [C, R/2], scales_t [C, R/16]); 16 x 16 tiles, stochastic rounding and the
-// random Hadamard transform of the columnwise copy as the attributes say.
+// NVFP4 quantization (csrc/nvfp4.h) of x [R, C]: two kernels, one launched per call
+// (jax_fp8.ops.nvfp4.nvfp4_kernel decides; the FFI attribute `specialised` says which).
 //
-// One thread block takes a 16 x 128 tile: thread t holds row t / 8 of it and columns
-// 16 (t % 8) .. 16 (t % 8) + 15, its rowwise block. The tile goes to shared memory as f32, where
-// thread t then reads column t, its columnwise block. A 16 x 16 tile's amax is reduced over the
-// 16 threads that share its columns (shuffles, then the warps through shared memory). Launched
-// with PDL; device code only; launched by csrc/ffi/nvfp4_quantize_cuda.cu.
+// nvfp4_rowwise_kernel, the specialised one: rowwise 1 x 16 blocks only (data [R, C/2], scales
+// [R, C/16]). Register-resident: thread v of a grid-stride loop quantizes block v of x (its 16
+// consecutive elements) and stores its 8 code bytes and its scale byte, so a warp's loads and
+// stores are contiguous; no shared memory, no barrier.
+//
+// nvfp4_quantize_kernel, the general one: any direction, 1 x 16 blocks along the rows (data [R,
+// C/2], scales [R, C/16]) and, from the same read, 16 x 1 blocks along the columns, written
+// transposed (data_t [C, R/2], scales_t [C, R/16]); 16 x 16 tiles, stochastic rounding and the
+// random Hadamard transform of the columnwise copy as the attributes say. One thread block
+// takes a 16 x 128 tile: thread t holds row t / 8 of it and columns 16 (t % 8) .. 16 (t % 8) +
+// 15, its rowwise block. The tile goes to shared memory as f32, where thread t then reads
+// column t, its columnwise block. A 16 x 16 tile's amax is reduced over the 16 threads that
+// share its columns (shuffles, then the warps through shared memory).
+//
+// Both launched with PDL; device code only; launched by csrc/ffi/nvfp4_quantize_cuda.cu.
 #pragma once
 
 #include "../nvfp4.h"
@@ -77,9 +85,10 @@ __global__ void __launch_bounds__(kNvfp4Threads)
   if (opt.rowwise && in) {
     const float gs = global_scales[0];
     const uint8_t s = nvfp4_scale(bits_float(opt.block_2d ? tile_amax[tg] : m), gs);
-    SrBlockBits sr;
-    if (opt.stochastic) sr = sr_bits_of_block(k0, k1, uint32_t(c / kNvfp4Block), uint32_t(r), 0u);
-    const uint64_t codes = nvfp4_block_codes(v, s, gs, opt.stochastic ? &sr : nullptr);
+    const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(c / kNvfp4Block),
+                                                             uint32_t(r), 0u)
+                                          : SrBlockBits{};
+    const uint64_t codes = nvfp4_block_codes(v, s, gs, opt.stochastic, sr);
     *reinterpret_cast<uint2*>(data + r * (cols / 2) + c / 2) =
         make_uint2(uint32_t(codes), uint32_t(codes >> 32));
     scales[r * (cols / kNvfp4Block) + c / kNvfp4Block] = s;
@@ -97,12 +106,40 @@ __global__ void __launch_bounds__(kNvfp4Threads)
     if (opt.block_2d) mt = tile_amax[threadIdx.x / kNvfp4Block];
     const float gs = global_scales[1];
     const uint8_t s = nvfp4_scale(bits_float(mt), gs);
-    SrBlockBits sr;
-    if (opt.stochastic) sr = sr_bits_of_block(k0, k1, uint32_t(blockIdx.y), uint32_t(ct), 1u);
-    const uint64_t codes = nvfp4_block_codes(w, s, gs, opt.stochastic ? &sr : nullptr);
+    const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(blockIdx.y),
+                                                             uint32_t(ct), 1u)
+                                          : SrBlockBits{};
+    const uint64_t codes = nvfp4_block_codes(w, s, gs, opt.stochastic, sr);
     *reinterpret_cast<uint2*>(data_t + ct * (rows / 2) + r0 / 2) =
         make_uint2(uint32_t(codes), uint32_t(codes >> 32));
     scales_t[ct * (rows / kNvfp4Block) + blockIdx.y] = s;
+  }
+  pdl_trigger();
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantizeThreads)
+    nvfp4_rowwise_kernel(const T* x, int64_t rows, int64_t cols, bool stochastic,
+                         const float* global_scales, const uint32_t* key,
+                         uint2* __restrict__ data, uint8_t* __restrict__ scales) {
+  pdl_wait();
+  const float gs = global_scales[0];
+  const uint32_t k0 = key[0], k1 = key[1];
+  const int64_t row_blocks = cols / kNvfp4Block, blocks = rows * row_blocks;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < blocks; v += stride) {
+    float f[kNvfp4Block];
+    load16(x + v * kNvfp4Block, f);
+    unsigned m = 0;
+#pragma unroll
+    for (int k = 0; k < kNvfp4Block; ++k) m = max(m, abs_bits(f[k]));
+    const uint8_t s = nvfp4_scale(bits_float(m), gs);
+    const SrBlockBits sr = stochastic ? sr_bits_of_block(k0, k1, uint32_t(v % row_blocks),
+                                                         uint32_t(v / row_blocks), 0u)
+                                      : SrBlockBits{};
+    const uint64_t codes = nvfp4_block_codes(f, s, gs, stochastic, sr);
+    data[v] = make_uint2(uint32_t(codes), uint32_t(codes >> 32));
+    scales[v] = s;
   }
   pdl_trigger();
 }

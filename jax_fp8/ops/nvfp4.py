@@ -9,7 +9,9 @@ operands; the bytes are the ones a Blackwell block-scaled GEMM reads.
 
 The global amaxes are XLA reductions (under a sharded ``jit`` over the whole tensor, so every
 device quantizes with one global scale; inside ``shard_map`` pass ``global_amax`` reduced over
-the axes that split x); then one kernel writes both directions from one read of x.
+the axes that split x); then one kernel writes both directions from one read of x: the
+specialised register-resident kernel where only 1 x 16 rowwise blocks are asked for, the
+general tile kernel otherwise (``nvfp4_kernel`` says which, and why).
 
 CUDA kernel: ``csrc/kernels/nvfp4_quantize.cuh``; numerics ``csrc/nvfp4.h`` (with
 ``csrc/philox.h``), shared with the CPU handler ``csrc/ffi/nvfp4_quantize_cpu.cc``; jnp twins
@@ -39,13 +41,46 @@ def _global_amax(v, name):
 
 
 _OUTPUTS = ("data", "scales", "data_t", "scales_t")
+_SPECIALISED, _GENERAL = "nvfp4_rowwise_kernel", "nvfp4_quantize_kernel"
+
+
+def nvfp4_kernel(*, rowwise: bool = True, columnwise: bool = False,
+                 block_2d: bool = False) -> tuple[str, str]:
+  """Which CUDA kernel ``nvfp4_quantize`` launches for these options (one per call), and why
+  the specialised one was refused.
+
+  The specialised kernel, ``nvfp4_rowwise_kernel``, keeps each thread's 16-element block in
+  registers: no shared memory, no barrier, contiguous loads and stores, any number of rows. It
+  takes rowwise 1 x 16 blocks only (any input dtype, stochastic rounding included). The general
+  kernel, ``nvfp4_quantize_kernel``, serves every case through a 16 x 128 shared-memory tile.
+  Both write the same bytes. (The CPU handler is one loop for every case.)
+
+  Returns:
+    ``(kernel_name, reason)``: ``reason`` is ``""`` for the specialised kernel, else why it
+    was refused.
+  Raises:
+    TypeError: a flag that is not a bool. ValueError: neither direction asked for.
+  """
+  rowwise = checks.boolean(rowwise, "rowwise")
+  columnwise = checks.boolean(columnwise, "columnwise")
+  block_2d = checks.boolean(block_2d, "block_2d")
+  if not (rowwise or columnwise):
+    raise ValueError("nvfp4_quantize needs rowwise=True or columnwise=True (or both)")
+  if columnwise:
+    return _GENERAL, ("columnwise=True: the columnwise copy is transposed through the general "
+                      "kernel's shared-memory tile")
+  if block_2d:
+    return _GENERAL, ("block_2d=True: a 16 x 16 tile's amax is reduced across 16 rows in the "
+                      "general kernel's tile")
+  return _SPECIALISED, ""
 
 
 def quantize_call(x, global_scales, words, signs, *, rowwise, columnwise, block_2d,
-                  stochastic_rounding, rht):
+                  stochastic_rounding, rht, specialised):
   """The kernel's call on one device, inputs as the kernel reads them (global_scales f32 [2]:
-  rowwise, columnwise; words uint32 [2]; signs f32 [16]): the outputs data, scales, data_t,
-  scales_t, a direction not asked for shaped (0,)."""
+  rowwise, columnwise; words uint32 [2]; signs f32 [16]; ``specialised``: the CUDA handler
+  launches the specialised kernel, which ``nvfp4_kernel`` must allow): the outputs data,
+  scales, data_t, scales_t, a direction not asked for shaped (0,)."""
   r, c = x.shape
   shapes = {"data": ((r, c // 2), jnp.uint8),
             "scales": ((r, c // NVFP4_BLOCK), jnp.float8_e4m3fn),
@@ -58,7 +93,7 @@ def quantize_call(x, global_scales, words, signs, *, rowwise, columnwise, block_
             for n in _OUTPUTS),
       vmap_method="sequential",
   )(x, global_scales, words, signs, rowwise=rowwise, columnwise=columnwise, block_2d=block_2d,
-    stochastic_rounding=stochastic_rounding, rht=rht)
+    stochastic_rounding=stochastic_rounding, rht=rht, specialised=specialised)
 
 
 def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = False,
@@ -104,16 +139,14 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   Raises:
     TypeError at trace time: x's dtype, a flag that is not a bool. ValueError: shapes the
     rules above exclude, no direction asked for, an option without what it needs (or with
-    what it excludes), a global amax that is not a float scalar, more than 65535 * 16 rows.
+    what it excludes), a global amax that is not a float scalar, more than 65535 * 16 rows
+    for the general kernel (``nvfp4_kernel``).
   """
   x = checks.float_input(x)
-  rowwise = checks.boolean(rowwise, "rowwise")
-  columnwise = checks.boolean(columnwise, "columnwise")
-  block_2d = checks.boolean(block_2d, "block_2d")
+  kernel, _ = nvfp4_kernel(rowwise=rowwise, columnwise=columnwise, block_2d=block_2d)
+  specialised = kernel == _SPECIALISED
   stochastic_rounding = checks.boolean(stochastic_rounding, "stochastic_rounding")
   rht = checks.boolean(rht, "rht")
-  if not (rowwise or columnwise):
-    raise ValueError("nvfp4_quantize needs rowwise=True or columnwise=True (or both)")
   if stochastic_rounding != (key is not None):
     raise ValueError("stochastic_rounding=True needs a key, and a key needs "
                      "stochastic_rounding=True")
@@ -137,8 +170,9 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   if (columnwise or block_2d) and r % NVFP4_BLOCK:
     raise ValueError(f"columnwise=True and block_2d=True need x's rows R a multiple of "
                      f"{NVFP4_BLOCK}, got shape {x.shape}")
-  if -(-r // NVFP4_BLOCK) > _MAX_TILE_ROWS:
-    raise ValueError(f"x has {r} rows; at most {_MAX_TILE_ROWS * NVFP4_BLOCK}")
+  if not specialised and -(-r // NVFP4_BLOCK) > _MAX_TILE_ROWS:
+    raise ValueError(f"x has {r} rows; the general kernel's grid takes at most "
+                     f"{_MAX_TILE_ROWS * NVFP4_BLOCK}")
   words = key_words(key) if stochastic_rounding else jnp.zeros(2, jnp.uint32)
 
   x32 = as_f32(x)
@@ -148,13 +182,14 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   gs_t = gs
   if rht:
     gs_t = out["global_scale_t"] = nvfp4_global_scale(
-        amax(hadamard_transform(x32.T, rht_seed)) if global_amax_t is None else
+        amax(hadamard_transform(x32, rht_seed, axis=0)) if global_amax_t is None else
         _global_amax(global_amax_t, "global_amax_t"))
   names = ["data", "scales"] * rowwise + ["data_t", "scales_t"] * columnwise
 
   def impl(x, global_scales, words, signs):
     outs = quantize_call(x, global_scales, words, signs, rowwise=rowwise, columnwise=columnwise,
-                         block_2d=block_2d, stochastic_rounding=stochastic_rounding, rht=rht)
+                         block_2d=block_2d, stochastic_rounding=stochastic_rounding, rht=rht,
+                         specialised=specialised)
     return tuple(o for o, n in zip(outs, _OUTPUTS) if n in names)
 
   # The random bits and the 2D tiles follow global coordinates: with stochastic rounding or
