@@ -205,7 +205,11 @@ def hadamard_transform(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
   flushed to zero on every backend (XLA's CPU does; a GPU would keep them). Orthogonal: the
   transpose of its matrix undoes it. f32, x's shape (``axis`` a multiple of 16 long); along
   axis 0 of [R, C] it equals the transform of x.T's rows, transposed, without moving x."""
-  shape, axis = x.shape, axis % x.ndim
+  shape = x.shape
+  if not -x.ndim <= axis < x.ndim or shape[axis] % RHT_SIZE:
+    raise ValueError(f"hadamard_transform takes groups of {RHT_SIZE} along an axis of x whose "
+                     f"length is a multiple of {RHT_SIZE}: got axis {axis} of shape {shape}")
+  axis %= x.ndim
   inner = math.prod(shape[axis + 1:])  # the elements after the axis: groups stride by them
   signs = jnp.asarray(rht_signs(seed) / 4)[:, None]
   v = _flush_subnormal(x.reshape(-1, RHT_SIZE, inner) * signs)

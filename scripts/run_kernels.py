@@ -144,8 +144,9 @@ def nvfp4():
              dict(columnwise=True, block_2d=True),
              dict(columnwise=True, rht=True, stochastic_rounding=True),
              dict(stochastic_rounding=True))
-  for dtype in DTYPES:
-    for shape, kws in (((37, 96), (options[0], options[-1])), ((96, 416), options)):
+  for dtype in DTYPES:  # the last shape: several grid-stride rounds of the specialised kernel
+    for shape, kws in (((37, 96), (options[0], options[-1])), ((96, 416), options),
+                       ((2048, 2048), (options[-1],))):
       host = (rng.standard_normal(shape) * 3).astype(dtype)
       for kw in kws:
         kw = dict(dict(rowwise=True, columnwise=False, block_2d=False, stochastic_rounding=False,

@@ -213,7 +213,8 @@ def test_hadamard_transform_is_its_definition(rng, seed):
 
 def test_hadamard_transform_along_any_axis(rng):
   """Groups along axis 0 of [R, C] (or a middle axis) are those of the transposed array's rows,
-  bit for bit, subnormal flushes included."""
+  bit for bit, subnormal flushes included; an axis out of range or not a multiple of 16 long
+  raises."""
   x = block_scaled_data(rng, (64, 48), NVFP4_BLOCK, 38, jnp.float32)  # subnormal sums too
   np.testing.assert_array_equal(np.asarray(hadamard_transform(x, 9, axis=0)),
                                 np.asarray(hadamard_transform(x.T, 9)).T)
@@ -221,6 +222,9 @@ def test_hadamard_transform_along_any_axis(rng):
   np.testing.assert_array_equal(
       np.asarray(hadamard_transform(y, 9, axis=1)),
       np.asarray(hadamard_transform(jnp.swapaxes(y, 1, 2), 9)).swapaxes(1, 2))
+  for axis in (2, -3, 0):
+    with pytest.raises(ValueError, match="groups of 16 along an axis"):
+      hadamard_transform(jnp.ones((8, 32)), 9, axis=axis)
 
 
 def test_hadamard_transform_of_the_columnwise_copy(rng):
@@ -409,7 +413,7 @@ def test_specialised_and_general_kernels_agree(rng, dtype, stochastic_rounding):
                  stochastic_rounding=stochastic_rounding, rht=False)
   args = [jax.device_put(a, gpu) for a in (np.float32([0.5, 0.5]), np.uint32([3, 9]),
                                            rht_signs(0))]
-  for shape in ((16, 32), (37, 416), (300, 2048)):
+  for shape in ((16, 32), (37, 416), (4099, 4096)):  # the last: several grid-stride rounds
     x = jax.device_put(block_scaled_data(rng, shape, NVFP4_BLOCK, 4, dtype), gpu)
     outs = [nvfp4_ops.quantize_call(x, *args, specialised=s, **options) for s in (True, False)]
     for name, a, b in zip(("data", "scales"), outs[0], outs[1]):
@@ -420,11 +424,13 @@ def test_specialised_and_general_kernels_agree(rng, dtype, stochastic_rounding):
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU with the jax_fp8 CUDA targets")
 def test_specialised_kernel_takes_any_number_of_rows(rng):
   """More rows than the general kernel's grid takes (65535 tiles of 16): rowwise only, the
-  specialised kernel, against the CPU handler."""
-  x = np.asarray(rng.standard_normal((_ffi.CONSTANTS["max_tile_rows"] * NVFP4_BLOCK + 17, 16)),
+  specialised kernel (the handler refuses these rows to the general one, so this also shows
+  that the specialised kernel ran), stochastic rounding included, against the CPU handler."""
+  x = np.asarray(rng.standard_normal((_ffi.CONSTANTS["max_tile_rows"] * NVFP4_BLOCK + 17, 32)),
                  np.float32)
-  got = jax_fp8.nvfp4_quantize(jax.device_put(x, jax.devices("cuda")[0]))
-  want = on_cpu(jax_fp8.nvfp4_quantize, x)
+  sr = dict(stochastic_rounding=True, key=np.uint32([5, 6]))
+  got = jax_fp8.nvfp4_quantize(jax.device_put(x, jax.devices("cuda")[0]), **sr)
+  want = on_cpu(lambda v: jax_fp8.nvfp4_quantize(v, **sr), x)
   for name in ("data", "scales"):
     np.testing.assert_array_equal(bits(got[name]), bits(want[name]), err_msg=name)
   with pytest.raises(ValueError, match="the general kernel's grid takes at most"):

@@ -65,7 +65,7 @@ def nvfp4_kernel(*, rowwise: bool = True, columnwise: bool = False,
   columnwise = checks.boolean(columnwise, "columnwise")
   block_2d = checks.boolean(block_2d, "block_2d")
   if not (rowwise or columnwise):
-    raise ValueError("nvfp4_quantize needs rowwise=True or columnwise=True (or both)")
+    raise ValueError("NVFP4 quantization needs rowwise=True or columnwise=True (or both)")
   if columnwise:
     return _GENERAL, ("columnwise=True: the columnwise copy is transposed through the general "
                       "kernel's shared-memory tile")
