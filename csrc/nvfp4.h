@@ -4,9 +4,9 @@
 //   scale = e4m3(a * (f32(1/6) / g)), step = scale * g, element = e2m1(x * (1 / step)) (0
 //   where step <= 0),
 // each operation rounded on its own and flushed as XLA's CPU runtime does (numerics.h), the
-// E2M1 value rounded to nearest even or stochastically (e2m1_round_stochastic, 16 Philox bits
-// per element: sr_bits_of_block). Optionally each 16-element group first goes through the
-// random Hadamard transform (hadamard16). Shared by the CPU handler and the CUDA kernel; the jnp
+// E2M1 value rounded to nearest even (e2m1_magnitude) or stochastically
+// (e2m1_magnitude_stochastic, 16 Philox bits per element: sr_bits_of_block). Optionally each
+// 16-element group first goes through the random Hadamard transform (hadamard16). Shared by the CPU handler and the CUDA kernel; the jnp
 // twins: jax_fp8.formats (nvfp4_global_scale, sr_bits, e2m1_round_stochastic,
 // hadamard_transform) and jax_fp8.reference.nvfp4_quantize.
 #pragma once
@@ -26,25 +26,25 @@ JF8_HD float e4m3_to_float(uint8_t b) {
   return bits_float(float_bits(mag) | sign);
 }
 
-// The 4-bit E2M1 code (sign << 3 | magnitude code) of y in [-6, 6], rounded to nearest, ties
-// to the even code; the sign of y is kept (-0 and values rounding to zero give 8).
-JF8_HD uint8_t e2m1_code(float y) {
-  const float a = fabsf(y);
-  const uint8_t m = a <= 0.25f ? 0 : a < 0.75f ? 1 : a <= 1.25f ? 2 : a < 1.75f ? 3
-                  : a <= 2.5f  ? 4 : a < 3.5f  ? 5 : a <= 5.0f  ? 6 : 7;
-  return uint8_t((float_bits(y) >> 28) & 8u) | m;
+// The 3-bit E2M1 magnitude code of a in [0, 6], rounded to nearest, ties to the even code.
+// E2M1's spacing is 0.5 below 2, 1 below 4 and 2 above, f32's ulp at 2^22, 2^23 and 2^24: adding
+// that power of two rounds a to a multiple k of its spacing (ties to even k, the even code), and
+// the sum's bits hold k in the mantissa and 2^22+e in the exponent; the code is k + 2e.
+JF8_HD uint32_t e2m1_magnitude(float a) {
+  const uint32_t t = float_bits(a + (a < 2.0f ? 0x1p22f : a < 4.0f ? 0x1p23f : 0x1p24f));
+  return (t & 0xFu) + (t >> 22) - 298u;  // 298: 2^22's exponent field (149), times two
 }
 
-// y in [-6, 6] rounded to an E2M1 value stochastically: up to the next value with probability
-// (|y| - lo) / gap, exactly when bits16 < (|y| - lo) / gap * 2^16 (every step exact in f32);
-// a subnormal |y| counts as zero, the sign is kept. formats.e2m1_round_stochastic's rule.
-JF8_HD float e2m1_round_stochastic(float y, uint32_t bits16) {
-  float a = fabsf(y);
-  if (a < FLT_MIN) a = 0.0f;
-  const float gap = a < 2.0f ? 0.5f : a < 4.0f ? 1.0f : 2.0f, inv_gap = 1.0f / gap;
-  const float lo = floorf(a * inv_gap) * gap;
-  const bool up = float(bits16) < (a - lo) * inv_gap * 65536.0f;
-  return copysignf(up ? lo + gap : lo, y);
+// The 3-bit E2M1 magnitude code of a in [0, 6] (zero or normal: a flushed product) rounded
+// stochastically, formats.e2m1_round_stochastic's rule: with q = a / gap (exact), up from the
+// code of floor(q) * gap exactly when bits16 < (q - floor(q)) * 2^16 (exact in f32; bits16 as
+// an f32 through its bits, exact, without a conversion instruction). The code is floor(q) + up
+// + 2e for the spacing 2^(e-1), floor(q) read from the bits of floor(q) + 2^23.
+JF8_HD uint32_t e2m1_magnitude_stochastic(float a, uint32_t bits16) {
+  const uint32_t e = a < 2.0f ? 0u : a < 4.0f ? 1u : 2u;
+  const float q = a * (a < 2.0f ? 2.0f : a < 4.0f ? 1.0f : 0.5f), k = floorf(q);
+  const bool up = bits_float(0x4B000000u | bits16) - 0x1p23f < (q - k) * 65536.0f;
+  return (float_bits(k + 0x1p23f) & 0xFu) + up + 2u * e;
 }
 
 // The 16 stochastic-rounding bits of element i (< 16) of block b of row r in direction d
@@ -91,20 +91,29 @@ JF8_HD uint8_t nvfp4_scale(float block_amax, float global_scale) {
 
 // The 16 E2M1 codes of a block as 8 bytes (element 2i in the low nibble of byte i), with the
 // block's scale byte and the global scale, rounded stochastically with `sr`'s bits or (not
-// `stochastic`) to nearest even.
+// `stochastic`) to nearest even. Each element is v * (1 / step) clamped to [-6, 6] with its
+// sign kept; where the step is NaN or 0 (a block holding a NaN, or an all-zero one) that product
+// is +-0, or NaN for an inf or NaN element, which gives the code of +0.
 JF8_HD uint64_t nvfp4_block_codes(const float (&v)[kNvfp4Block], uint8_t scale,
                                   float global_scale, bool stochastic, const SrBlockBits& sr) {
   const float step = mul_flushed(e4m3_to_float(scale), global_scale);
-  const float inv = step > 0.0f ? div_flushed(1.0f, step) : 0.0f;
-  uint64_t out = 0;
-  JF8_UNROLL
-  for (int i = 0; i < kNvfp4Block; ++i) {
-    float y = mul_flushed(v[i], inv);
-    y = y != y ? 0.0f : fminf(fmaxf(y, -kE2M1Max), kE2M1Max);  // NaN: its scale says so
-    if (stochastic) y = e2m1_round_stochastic(y, sr.bits(i));
-    out |= uint64_t(e2m1_code(y)) << (4 * i);
+  uint32_t word[2] = {0, 0};  // elements 0-7 and 8-15
+  if (!(step > 0.0f)) {
+    JF8_UNROLL
+    for (int i = 0; i < kNvfp4Block; ++i)
+      if (float_bits(v[i]) >= 0x80000000u && float_bits(v[i]) < 0xFF800000u)  // negative, finite
+        word[i / 8] |= 8u << (4 * (i % 8));
+  } else {  // no NaN here: a NaN element makes its block's amax, hence its scale, NaN
+    const float inv = div_flushed(1.0f, step);
+    JF8_UNROLL
+    for (int i = 0; i < kNvfp4Block; ++i) {
+      const float y = mul_flushed(v[i], inv), a = fminf(fabsf(y), kE2M1Max);
+      const uint32_t sign = (float_bits(y) >> 28) & 8u;
+      word[i / 8] |= (sign | (stochastic ? e2m1_magnitude_stochastic(a, sr.bits(i))
+                                         : e2m1_magnitude(a))) << (4 * (i % 8));
+    }
   }
-  return out;
+  return uint64_t(word[1]) << 32 | word[0];
 }
 
 }  // namespace jax_fp8

@@ -12,7 +12,6 @@ Formats (Micikevicius et al., "FP8 Formats for Deep Learning", 2022): "e4m3" is
 
 from __future__ import annotations
 
-import math
 
 import jax
 import jax.numpy as jnp
@@ -64,12 +63,16 @@ def as_f32(x: jax.Array) -> jax.Array:
 
 
 def amax(x: jax.Array, axis=None) -> jax.Array:
-  """max |x| in f32 over ``axis`` (all axes by default), NaN where x holds a NaN. The NaN is
-  explicit: XLA's CPU max reduction can drop NaNs."""
-  a = jnp.abs(as_f32(x))
-  nan = jnp.isnan(a)
-  return jnp.where(jnp.any(nan, axis=axis), jnp.nan,
-                   jnp.max(jnp.where(nan, 0.0, a), axis=axis, initial=0.0))
+  """max |x| in f32 over ``axis`` (all axes by default), NaN where x holds a NaN, subnormals
+  counting as zero (as ``as_f32``). One integer max over the magnitude bits in x's own dtype: a
+  NaN's bits exceed every number's, so no second reduction looks for NaNs (XLA's CPU max
+  reduction can drop them). Not differentiable (an amax only ever sets a scale)."""
+  x = jnp.asarray(x)
+  if x.dtype not in FLOAT_DTYPES:
+    x = x.astype(jnp.float32)
+  uint = jnp.uint32 if x.dtype.itemsize == 4 else jnp.uint16
+  magnitude = jax.lax.bitcast_convert_type(x, uint) & uint(np.iinfo(uint).max >> 1)
+  return as_f32(jax.lax.bitcast_convert_type(jnp.max(magnitude, axis=axis, initial=0), x.dtype))
 
 
 def apply_scales(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Array:
@@ -210,16 +213,17 @@ def hadamard_transform(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
     raise ValueError(f"hadamard_transform takes groups of {RHT_SIZE} along an axis of x whose "
                      f"length is a multiple of {RHT_SIZE}: got axis {axis} of shape {shape}")
   axis %= x.ndim
-  inner = math.prod(shape[axis + 1:])  # the elements after the axis: groups stride by them
-  signs = jnp.asarray(rht_signs(seed) / 4)[:, None]
-  v = _flush_subnormal(x.reshape(-1, RHT_SIZE, inner) * signs)
+  groups = x.reshape(*shape[:axis], shape[axis] // RHT_SIZE, RHT_SIZE, *shape[axis + 1:])
+  signs = rht_signs(seed) / 4
+  # The 16 elements of every group as 16 arrays, so that each stage is elementwise and XLA
+  # fuses the transform (and an amax of it) into one pass over x.
+  v = [_flush_subnormal(jnp.take(groups, i, axis=axis + 1) * signs[i]) for i in range(RHT_SIZE)]
   h = 1
   while h < RHT_SIZE:
-    pairs = v.reshape(-1, RHT_SIZE // (2 * h), 2, h, inner)
-    a, b = pairs[:, :, 0], pairs[:, :, 1]
-    v = _flush_subnormal(jnp.stack([a + b, a - b], axis=2)).reshape(-1, RHT_SIZE, inner)
+    for t in (t for j in range(0, RHT_SIZE, 2 * h) for t in range(j, j + h)):
+      v[t], v[t + h] = _flush_subnormal(v[t] + v[t + h]), _flush_subnormal(v[t] - v[t + h])
     h *= 2
-  return v.reshape(shape)
+  return jnp.stack(v, axis=axis + 1).reshape(shape)
 
 
 # The scale layout Blackwell's block-scaled GEMMs read (cuBLASLt's VEC16_UE4M3 / VEC32_UE8M0
