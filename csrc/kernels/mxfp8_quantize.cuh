@@ -4,8 +4,8 @@
 // [R, C/32]): each direction quantized from x itself, as the MX spec asks. (The rowwise
 // direction alone is group_quantize.cuh's kernel with E8M0 scales.)
 //
-// One thread block takes a 32 x 128 tile; warp w holds its columns 16w .. 16w + 15 and lane l
-// its row l, 16 elements a thread. A row block of 32 spans two warps (their amaxes meet in
+// One thread block takes a 32 x 128 tile, read row by row into shared memory; warp w then
+// holds its columns 16w .. 16w + 15 and lane l its row l, 16 elements a thread. A row block of 32 spans two warps (their amaxes meet in
 // shared memory); a column block is one warp's 32 lanes (a reduce-scatter of shuffles), and
 // its bytes are transposed through shared memory into 32-byte runs of data_t. Launched with PDL; device
 // code only; launched by csrc/ffi/mxfp8_quantize_cuda.cu.
@@ -33,9 +33,22 @@ __global__ void __launch_bounds__(kMxThreads)
   // C is a multiple of 32, so a warp's 16 columns are all in or all out; R is a multiple of 32,
   // so every lane's row is in.
   const bool in = c < cols;
+  // The tile goes through shared memory: each warp load instruction reads 512 contiguous bytes
+  // of x (two tile rows), then lane l takes its 16 elements of row l. (Loading a row a lane
+  // straight from x touched 32 rows' cache lines per instruction and bound the kernel on L1.)
+  constexpr int kRowVecs = kMxTileCols * sizeof(T) / 16;  // 16-byte vectors in a tile row
+  __shared__ uint4 staged[kMxBlock][kRowVecs + 1];  // padded: lanes' rows 16 bytes apart mod 128
+  for (int i = threadIdx.x; i < kMxBlock * kRowVecs; i += kMxThreads) {
+    const int row = i / kRowVecs, vec = i % kRowVecs;
+    const int64_t col = int64_t(blockIdx.x) * kMxTileCols + vec * (16 / int(sizeof(T)));
+    if (col < cols)
+      staged[row][vec] = *reinterpret_cast<const uint4*>(
+          x + (int64_t(blockIdx.y) * kMxBlock + row) * cols + col);
+  }
+  __syncthreads();
   float f[kElemsPerThread];
   if (in) {
-    load16(x + r * cols + c, f);
+    load16(reinterpret_cast<const T*>(staged[lane]) + warp * kElemsPerThread, f);
   } else {
 #pragma unroll
     for (int k = 0; k < kElemsPerThread; ++k) f[k] = 0.0f;
