@@ -8,7 +8,7 @@ are averaged over the devices and the FP8 amaxes max-reduced (``amax_axis_name``
 ``examples/data_parallel.py``. Step times are wall-clock over the timed steps of a training
 loop, the first two (compilation, first donated step) left out, as in the demo.
 
-    python -m benchmarks.data_parallel [--preset gpu] [--steps 30] [--recipe delayed]
+    python -m benchmarks.data_parallel [--preset gpu] [--steps 30] [--recipe delayed|current|block]
                                        [--max-devices N] [--platform cpu] [--out PATH]
 
 The devices are the default backend's, or ``--platform``'s (``cpu``: the host's, eight virtual
@@ -36,7 +36,7 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 import jax_fp8  # noqa: E402
 from jax_fp8.demo import data  # noqa: E402
 from jax_fp8.demo.__main__ import PRESETS, SKIP_STEPS, init_variables, make_loss, make_optimizer  # noqa: E402
-from jax_fp8.demo.model import Transformer  # noqa: E402
+from jax_fp8.demo.model import RECIPES, Transformer  # noqa: E402
 
 from .run import environment, write_results  # noqa: E402
 
@@ -94,7 +94,7 @@ def main(argv=None) -> dict:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--preset", choices=sorted(PRESETS), default="gpu")
   p.add_argument("--steps", type=int, default=30, help="steps per run (the first two untimed)")
-  p.add_argument("--recipe", choices=["delayed", "block"], default="delayed")
+  p.add_argument("--recipe", choices=list(RECIPES), default="delayed")
   p.add_argument("--max-devices", type=int, help="largest device count to run")
   p.add_argument("--platform", help="run on this platform's devices (cpu, cuda; default: the "
                                     "default backend's)")

@@ -29,7 +29,9 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
   the up projection's output gradient;
 - ``delayed_fused_norm_mlp`` (and ``_fast_all``): as ``delayed_fused_mlp`` (and its fast
   variant), the RMSNorms before q / k / v and the MLP fused into those layers' input
-  cast-transposes (``norm="rmsnorm"``).
+  cast-transposes (``norm="rmsnorm"``);
+- ``current_fused_norm_mlp`` (and ``_fast_all``): the same layers under ``CurrentScaling()``
+  (each tensor's scale from its amax of this step, XLA's reduction before each quantization).
 
 Each step is one jitted call with its buffers donated. Time: the median of ``--windows``
 windows of ``--steps`` back-to-back steps (dispatch is asynchronous and a step lasts far longer
@@ -77,6 +79,8 @@ from .step_profile import summarize, trace_events
 COMPUTE = jnp.bfloat16
 FLAX_FP8_COLLECTION = "_overwrite_with_gradient"  # Flax's FP8 scales and amax histories
 FAST_ALL = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
+CURRENT = jax_fp8.CurrentScaling()
+CURRENT_FAST_ALL = jax_fp8.CurrentScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
 
 
 class KernelCopyDense(nn.Module):
@@ -126,6 +130,11 @@ VARIANTS = {
     "delayed_fused_norm_mlp_fast_all": (
         functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
         FAST_ALL, True),
+    "current_fused_norm_mlp": (functools.partial(Dense, recipe=CURRENT),
+                               functools.partial(MultiDense, recipe=CURRENT), CURRENT, True),
+    "current_fused_norm_mlp_fast_all": (
+        functools.partial(Dense, recipe=CURRENT_FAST_ALL),
+        functools.partial(MultiDense, recipe=CURRENT_FAST_ALL), CURRENT_FAST_ALL, True),
     "block": (functools.partial(Dense, recipe=BLOCK), None, None, False),
     "block_shared_input": (functools.partial(Dense, recipe=BLOCK),
                            functools.partial(MultiDense, recipe=BLOCK), None, False),

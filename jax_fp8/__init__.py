@@ -14,13 +14,14 @@ from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_t
                   dequantize, gemm, group_cast_transpose, group_quantize, mxfp8_dequantize,
                   mxfp8_quantize, norm_cast_transpose, nvfp4_dequantize, nvfp4_kernel,
                   nvfp4_quantize, quantize, quantize_delayed)
-from .recipes import BlockScaling, DelayedScaling
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling
 from .state import ScaleRing, combine_updates, share, update_state
 
 __version__ = "0.3.0.dev0"
 
 __all__ = [
-    "BlockScaling", "CastTransposed", "DelayedQuantized", "DelayedScaling", "Fp8Weight",
+    "BlockScaling", "CastTransposed", "CurrentScaling", "DelayedQuantized", "DelayedScaling",
+    "Fp8Weight",
     "LinearState", "MlpState", "MultiLinearState", "Quantized", "ScaleRing",
     "activation_cast_transpose", "activation_grad_cast_transpose", "block_quantize",
     "cast_transpose_delayed",

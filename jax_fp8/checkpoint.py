@@ -27,12 +27,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from . import __version__
-from .recipes import BlockScaling, DelayedScaling
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling
 from .state import ScaleRing
 
 SCHEMA_VERSION = 1
 METADATA = "jax_fp8.json"
-_RECIPES = {cls.__name__: cls for cls in (DelayedScaling, BlockScaling)}
+_RECIPES = {cls.__name__: cls for cls in (DelayedScaling, CurrentScaling, BlockScaling)}
 
 
 # The recipe fields that define the FP8 state (the rest, e.g. fast_accum_gemms or
@@ -42,7 +42,7 @@ STATE_FIELDS = ("type", "fp8_format", "history_len", "margin", "algo")
 
 def _recipe_dict(recipe) -> dict:
   if not isinstance(recipe, tuple(_RECIPES.values())):
-    raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
+    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling or a BlockScaling, got "
                     f"{type(recipe).__name__}")
   fields = {k: list(v) if isinstance(v, tuple) else v
             for k, v in dataclasses.asdict(recipe).items()}
@@ -59,11 +59,12 @@ def _rings(state) -> dict:
 
 
 def _check_rings(rings: dict, recipe) -> None:
-  """Every ring was made by ``recipe`` (none under BlockScaling, which is stateless)."""
-  if isinstance(recipe, BlockScaling):
+  """Every ring was made by ``recipe`` (none under the stateless recipes)."""
+  if not isinstance(recipe, DelayedScaling):
     if rings:
-      raise ValueError(f"the state holds scale rings ({sorted(rings)[:3]} ...) but BlockScaling "
-                       f"is stateless: pass the recipe the layers ran with")
+      raise ValueError(f"the state holds scale rings ({sorted(rings)[:3]} ...) but "
+                       f"{type(recipe).__name__} is stateless: pass the recipe the layers ran "
+                       f"with")
     return
   want = {"margin": recipe.margin, "algo": recipe.algo, "shape": [recipe.history_len]}
   for path, ring in rings.items():

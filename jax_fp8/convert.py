@@ -5,8 +5,8 @@ model's own code unchanged. Needs the ``flax`` extra.
   and ``nn.DenseGeneral`` call the filter selects intercepted (``flax.linen.intercept_methods``)
   and computed by ``jax_fp8.linear`` with the layer's own parameters (same names, shapes,
   initializers and paths: the converted model's "params" are the original's), its rings in the
-  "fp8_state" collection under the layer's path (none under ``BlockScaling``). Only
-  ``__call__`` of the model is converted.
+  "fp8_state" collection under the layer's path (none under ``CurrentScaling`` or
+  ``BlockScaling``). Only ``__call__`` of the model is converted.
 - NNX: ``convert(model, ...)`` replaces every ``nnx.Linear`` the filter selects, in place, by a
   ``jax_fp8.nnx.Linear`` holding the same parameter variables (a layer shared by several
   attributes stays shared), and returns the model (a new layer if ``model`` is itself an
@@ -47,12 +47,12 @@ from .flax import STATE_COLLECTION
 from .inference import Fp8Weight
 from .ops.blockwise import BLOCK
 from .ops.gemm import DIM_MULTIPLE
-from .recipes import CROSSOVER_INTENSITY, BlockScaling, DelayedScaling
+from .recipes import CROSSOVER_INTENSITY, BlockScaling, CurrentScaling, DelayedScaling
 
 HEAD_PATTERN = r"(^|/)(lm_head|head|logits|unembed|unembedding|output_projection)$"
 
 
-def convert(model, recipe: DelayedScaling | BlockScaling | None = None, *,
+def convert(model, recipe: DelayedScaling | CurrentScaling | BlockScaling | None = None, *,
             include: str | None = None, exclude: str | None = HEAD_PATTERN):
   """The model with its selected dense layers in FP8 (see the module docstring).
 
@@ -69,9 +69,9 @@ def convert(model, recipe: DelayedScaling | BlockScaling | None = None, *,
     ValueError for a pattern that does not compile.
   """
   recipe = DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY) if recipe is None else recipe
-  if not isinstance(recipe, (DelayedScaling, BlockScaling)):
-    raise TypeError(f"recipe must be None, a DelayedScaling or a BlockScaling, got "
-                    f"{type(recipe).__name__}")
+  if not isinstance(recipe, (DelayedScaling, CurrentScaling, BlockScaling)):
+    raise TypeError(f"recipe must be None, a DelayedScaling, a CurrentScaling or a "
+                    f"BlockScaling, got {type(recipe).__name__}")
   for name, pattern in (("include", include), ("exclude", exclude)):
     if pattern is not None and not isinstance(pattern, str):
       raise TypeError(f"{name} must be a regular expression (str) or None, got {pattern!r}")
@@ -99,7 +99,7 @@ class Converted(nn.Module):
   the model's scope, so the variables keep the model's paths."""
 
   module: nn.Module
-  recipe: DelayedScaling | BlockScaling
+  recipe: DelayedScaling | CurrentScaling | BlockScaling
   include: str | None
   exclude: str | None
 

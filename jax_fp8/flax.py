@@ -19,7 +19,7 @@ from ._layer import call_layer, call_mlp, check_layer, check_norm_attr, create_s
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState
 from .mlp import MlpState
-from .recipes import BlockScaling, DelayedScaling
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling
 from .state import ScaleRing
 
 STATE_COLLECTION = "fp8_state"
@@ -62,7 +62,7 @@ class _Layer(nn.Module):
   param_dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.lecun_normal()
   bias_init: Callable = nn.initializers.zeros_init()
-  recipe: DelayedScaling | BlockScaling = DelayedScaling()
+  recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling()
   amax_axis_name: str | None = None
   norm: str | None = None
   norm_epsilon: float = 1e-6
@@ -104,13 +104,15 @@ class Dense(_Layer):
   ``DelayedScaling`` the layer's scale rings live in the "fp8_state" variable collection as a
   ``LinearState`` named "linear": pass that collection to ``apply``, differentiate with
   respect to it, and pass that gradient to ``jax_fp8.update_state`` for the next rings. Under
-  ``BlockScaling`` the layer has no state.
+  ``CurrentScaling`` and ``BlockScaling`` the layer has no state.
 
   Attributes:
     features: N, a multiple of 16 (128 under BlockScaling).
     use_bias, dtype, param_dtype, kernel_init, bias_init: as in ``nn.Dense``.
-    recipe: ``DelayedScaling`` (per-tensor, default) or ``BlockScaling`` (DeepSeek-V3).
-    amax_axis_name: replica axis for amax reduction under pmap / shard_map (DelayedScaling).
+    recipe: ``DelayedScaling`` (per-tensor, default), ``CurrentScaling`` (per-tensor,
+      stateless) or ``BlockScaling`` (DeepSeek-V3).
+    amax_axis_name: replica axis for amax reduction under pmap / shard_map (the per-tensor
+      recipes).
     norm: None (default), "rmsnorm" or "layernorm": the input is normalized first, in its own
       dtype (as ``nn.LayerNorm`` reads an f32 residual stream), the norm fused into its FP8
       quantization (``jax_fp8.linear``'s ``norm``; TransformerEngine's
@@ -182,7 +184,7 @@ class Mlp(nn.Module):
   param_dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.lecun_normal()
   bias_init: Callable = nn.initializers.zeros_init()
-  recipe: DelayedScaling | BlockScaling = DelayedScaling()
+  recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling()
   amax_axis_name: str | None = None
   norm: str | None = None
   norm_epsilon: float = 1e-6

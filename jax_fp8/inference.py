@@ -4,7 +4,9 @@ requantizing (forward only), at about half the memory of bf16 weights.
 
 Under ``DelayedScaling`` the weight has one E4M3 scale (current scaling of the trained kernel:
 its amax onto 448 with the recipe's margin), and x is quantized with the layer's x ring (one
-pass: the scale the training run last set). Under ``BlockScaling`` the weight has 128 x 128
+pass: the scale the training run last set). Under ``CurrentScaling`` the weight is the same and
+x is quantized with the scale of its own amax (XLA's reduction, then the quantize kernel).
+Under ``BlockScaling`` the weight has 128 x 128
 block scales and x 1 x 128 group scales, as in training. Below the recipe's
 ``fp8_min_intensity`` the weight is dequantized to x's dtype for XLA's GEMM instead; on the
 H200 that was slower than the FP8 GEMM at every shape measured, decode-like M included (XLA
@@ -24,7 +26,7 @@ from .formats import FLOAT_DTYPES, amax
 from .ops.blockwise import BLOCK, block_quantize, group_quantize
 from .ops.gemm import DIM_MULTIPLE, expand_scales, gemm_bias
 from .ops.quantize import quantize, quantize_delayed
-from .recipes import BlockScaling, DelayedScaling
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling
 from .state import scale_from_amax
 
 
@@ -33,7 +35,8 @@ class Fp8Weight(NamedTuple):
 
   Attributes:
     q: float8_e4m3fn [N, K], the kernel transposed.
-    scale: float32, the dequantization step: [] (DelayedScaling) or [ceil(N/128), K/128]
+    scale: float32, the dequantization step: [] (DelayedScaling, CurrentScaling) or
+      [ceil(N/128), K/128]
       (BlockScaling's 128 x 128 blocks).
   """
 
@@ -41,12 +44,14 @@ class Fp8Weight(NamedTuple):
   scale: jax.Array
 
 
-def quantize_weight(kernel: jax.Array, recipe: DelayedScaling | BlockScaling) -> Fp8Weight:
+def quantize_weight(kernel: jax.Array,
+                    recipe: DelayedScaling | CurrentScaling | BlockScaling) -> Fp8Weight:
   """``kernel`` [K, N] (float32 / bfloat16 / float16) as an ``Fp8Weight`` for ``recipe``.
 
   Raises TypeError / ValueError for another dtype or rank, a recipe of another type, or K, N
-  not multiples of 128 under BlockScaling (16 under DelayedScaling). Method: per-tensor current
-  scaling of the weight (DelayedScaling) or DeepSeek-V3's 128 x 128 blocks (BlockScaling)."""
+  not multiples of 128 under BlockScaling (16 under the per-tensor recipes). Method: per-tensor
+  current scaling of the weight (DelayedScaling, CurrentScaling) or DeepSeek-V3's 128 x 128
+  blocks (BlockScaling)."""
   kernel = checks.array(kernel, "kernel")
   if kernel.dtype not in FLOAT_DTYPES or kernel.ndim != 2:
     raise TypeError(f"kernel must be a float32 / bfloat16 / float16 [K, N] array, got "
@@ -57,8 +62,8 @@ def quantize_weight(kernel: jax.Array, recipe: DelayedScaling | BlockScaling) ->
                        f"{list(kernel.shape)}")
     qk, sk = block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
     return Fp8Weight(qk.T, sk.T)
-  if not isinstance(recipe, DelayedScaling):
-    raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
+  if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling or a BlockScaling, got "
                     f"{type(recipe).__name__}")
   k, n = kernel.shape
   if k % DIM_MULTIPLE or n % DIM_MULTIPLE:
@@ -104,7 +109,7 @@ def check_weight(w: Fp8Weight, name: str, recipe) -> tuple[int, int]:
     raise TypeError(f"{name} must hold float8_e4m3fn q [N, K] and a float32 scale, got "
                     f"{q.dtype}{list(q.shape)} and {scale.dtype}")
   n, k = q.shape
-  want = (() if isinstance(recipe, DelayedScaling) else (-(-n // BLOCK), k // BLOCK))
+  want = ((-(-n // BLOCK), k // BLOCK) if isinstance(recipe, BlockScaling) else ())
   if scale.shape != want:
     raise ValueError(f"{name}.scale must be {list(want)} for a {type(recipe).__name__} "
                      f"recipe (quantize_weight with the recipe the layer runs), got "
@@ -114,7 +119,7 @@ def check_weight(w: Fp8Weight, name: str, recipe) -> tuple[int, int]:
 
 def forward(x2, weights, biases, x_ring, recipe, fp8: bool, dtype):
   """The outputs [M, N_i] in ``dtype`` of x2 [M, K] against ``weights``: FP8 GEMMs with x
-  quantized once (by ``x_ring`` under DelayedScaling), or below ``fp8_min_intensity``
+  quantized once (by ``x_ring`` under the per-tensor recipes), or below ``fp8_min_intensity``
   (``fp8`` False) XLA's GEMMs on the dequantized weights. Not differentiable."""
   @jax.custom_jvp
   def run(x2, weights, biases):

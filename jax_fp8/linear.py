@@ -27,14 +27,14 @@ import jax
 import jax.numpy as jnp
 
 from . import checks, norms, sharding
-from .formats import FLOAT_DTYPES
+from .formats import FLOAT_DTYPES, amax
 from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
 from .ops._ring import check_ring
 from .ops.cast_transpose import cast_transpose_delayed, norm_cast_transpose
 from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
-from .recipes import BlockScaling, DelayedScaling
-from .state import ScaleRing
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling
+from .state import ScaleRing, current
 
 
 def _check_delayed(recipe, cls) -> None:
@@ -122,7 +122,8 @@ def _axis_names(amax_axis_name) -> set:
 
 
 def _amax_axes(x, kernel, bias, state, amax_axis_name):
-  """The mesh axes to max-reduce the amaxes over, so that devices sharing rings agree.
+  """The mesh axes to max-reduce the amaxes over, so that devices sharing rings agree (under
+  CurrentScaling, ``state`` None: so that devices sharing a tensor quantize it with one scale).
 
   Axes named in amax_axis_name are always reduced over. Under a type-checked shard_map, x,
   kernel or bias vary over some axes (data parallel: x over the batch axis; tensor parallel:
@@ -134,6 +135,8 @@ def _amax_axes(x, kernel, bias, state, amax_axis_name):
   """
   names = _axis_names(amax_axis_name)
   needed = sharding.varying_axes(x, kernel, bias) - sharding.varying_axes(state)
+  if state is None:  # CurrentScaling: every axis a tensor is split over, and those named
+    names |= needed
   if not needed <= names:
     raise ValueError(f"x, kernel or bias vary over the shard_map axes {sorted(needed)}, over "
                      f"which the state is replicated: pass them as amax_axis_name so every "
@@ -171,11 +174,35 @@ def _shared(observations, states, axis_name):
                       is_leaf=lambda v: isinstance(v, ScaleRing))
 
 
-# The delayed-scaling core, for one or several kernels sharing the input x: x [M, K] (or its
-# norm) is cast-transposed once for all of them. ``rings`` = (x's ring, the kernels' rings, the
-# output gradients' rings), the last two tuples in the kernels' order. ``norm``: None, or
-# (name, epsilon) of the norm fused into x's cast-transpose, whose parameters ``norm_params`` =
-# (gamma, beta) are differentiated as the kernels are.
+# The per-tensor core, for one or several kernels sharing the input x: x [M, K] (or its norm)
+# is cast-transposed once for all of them. ``rings`` = (x's ring, the kernels' rings, the output
+# gradients' rings), the last two tuples in the kernels' order: the state's under
+# DelayedScaling; under CurrentScaling (``current``) the recipe's blank rings, each set to the
+# scale of its tensor's amax of this step just before its quantization (``scaled``), their
+# observations dropped. ``norm``: None, or (name, epsilon) of the norm fused into x's
+# cast-transpose, whose parameters ``norm_params`` = (gamma, beta) are differentiated as the
+# kernels are.
+
+def scaled(ring, value, current_, axis_name):
+  """The ring to quantize ``value`` with: ``ring`` itself (delayed scaling), or under current
+  scaling ``ring`` set to the scale of value's amax, max-reduced over ``axis_name``."""
+  if not current_:
+    return ring
+  a = amax(value)
+  return current(ring, a if axis_name is None else sharding.pmax_keep_nan(a, axis_name))
+
+
+def zero_like(rings):
+  """Zeros in the rings' structure and types: the gradient of current scaling's blank rings."""
+  return jax.tree.map(jnp.zeros_like, rings)
+
+
+def normalized(x, norm_params, norm):
+  """x's norm by XLA in f32 (``norm``: (name, epsilon)), or x without one."""
+  if norm is None:
+    return x
+  return norms.normalize(x, *norm_params, norm=norm[0], epsilon=norm[1])
+
 
 def quantize_input(x, norm_params, ring, norm):
   """x's cast-transpose (observing its ring), or with a norm its norm's, the row statistics
@@ -199,13 +226,17 @@ def input_grad(dx, x, norm_params, norm, x_dtype):
   return dx, tuple(grads)
 
 
-def _forward(x, norm_params, kernels, biases, rings, fast_accum, norm, out_dtype):
+def _forward(x, norm_params, kernels, biases, rings, fast_accum, norm, out_dtype, current_,
+             axis_name):
   """ys = x @ kernel_i + bias_i in FP8 (in out_dtype), what the backward needs, and the x and
   kernel rings' observations."""
   rx, rks, _ = rings
+  if current_:
+    rx = scaled(rx, normalized(x, norm_params, norm), current_, axis_name)
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
   cx = quantize_input(x, norm_params, rx, norm)  # q [M, K], qt [K, M16] e4m3
-  cks = [cast_transpose_delayed(k, r, observe=True) for k, r in zip(kernels, rks)]  # [K, N]
+  cks = [cast_transpose_delayed(k, scaled(r, k, current_, axis_name), observe=True)
+         for k, r in zip(kernels, rks)]  # [K, N]
   ys = tuple(gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, out_dtype, "fprop" in fast_accum)
              for ck, b in zip(cks, biases))
   saved = (cx.qt, cx.scale, tuple(ck.q for ck in cks), tuple(ck.scale for ck in cks),
@@ -213,26 +244,32 @@ def _forward(x, norm_params, kernels, biases, rings, fast_accum, norm, out_dtype
   return ys, saved, (cx.ring, tuple(ck.ring for ck in cks))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _linear(x, norm_params, kernels, biases, rings, axis_name, dtypes, fast_accum, norm):
-  del axis_name  # used by the backward only
-  return _forward(x, norm_params, kernels, biases, rings, fast_accum, norm, dtypes[1])[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _linear(x, norm_params, kernels, biases, rings, axis_name, dtypes, fast_accum, norm,
+            current_):
+  return _forward(x, norm_params, kernels, biases, rings, fast_accum, norm, dtypes[1], current_,
+                  axis_name)[0]
 
 
-def _linear_fwd(x, norm_params, kernels, biases, rings, axis_name, dtypes, fast_accum, norm):
+def _linear_fwd(x, norm_params, kernels, biases, rings, axis_name, dtypes, fast_accum, norm,
+                current_):
   # dtypes: x's, the outputs', the kernels' and the biases', static
   ys, saved, observations = _forward(x, norm_params, kernels, biases, rings, fast_accum, norm,
-                                     dtypes[1])
-  return ys, saved + (rings[2],) + _shared(observations, rings[:2], axis_name)
+                                     dtypes[1], current_, axis_name)
+  # Current scaling drops the observations: its blank rings get zero gradients.
+  observations = (zero_like(rings[:2]) if current_ else
+                  _shared(observations, rings[:2], axis_name))
+  return ys, saved + (zero_like(rings[2]) if current_ else rings[2],) + observations
 
 
-def _linear_bwd(axis_name, dtypes, fast_accum, norm, res, gs):
+def _linear_bwd(axis_name, dtypes, fast_accum, norm, current_, res, gs):
   qxt, sx, qks, sks, normed, grad_rings, rx, rks = res
   x_dtype, _, k_dtypes, b_dtypes = dtypes
   dx, dks, dbs, rgs = None, [], [], []
   for g, qk, sk, ring, k_dtype, b_dtype in zip(gs, qks, sks, grad_rings, k_dtypes, b_dtypes):
     # One quantization of g feeds both GEMMs; the same read gives dbias.
-    cg = cast_transpose_delayed(g, ring, with_dbias=b_dtype is not None, observe=True)
+    cg = cast_transpose_delayed(g, scaled(ring, g, current_, axis_name),
+                                with_dbias=b_dtype is not None, observe=True)
     dxi = gemm(cg.q, qk, cg.scale, sk, out_dtype=gemm_dtype(x_dtype),
                fast_accum="dgrad" in fast_accum)  # dgrad [M, K]
     dx = dxi if dx is None else dx + dxi  # summed as autodiff sums a shared input's gradients
@@ -240,7 +277,7 @@ def _linear_bwd(axis_name, dtypes, fast_accum, norm, res, gs):
                     fast_accum="wgrad" in fast_accum).astype(k_dtype))  # wgrad [K, N], over M16
     dbs.append(None if b_dtype is None else cg.dbias.astype(b_dtype))
     rgs.append(cg.ring)
-  rgs = _shared(tuple(rgs), grad_rings, axis_name)
+  rgs = grad_rings if current_ else _shared(tuple(rgs), grad_rings, axis_name)
   dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
   return dx, dnorm, tuple(dks), tuple(dbs), (rx, rks, rgs)
 
@@ -288,22 +325,24 @@ def _block_linear_bwd(recipe, dtypes, res, gs):
 _block_linear.defvjp(_block_linear_fwd, _block_linear_bwd)
 
 
-_ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have been made by it) or a
-      ``BlockScaling`` (stateless; K and N multiples of 128). Either may set
+_ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have been made by it), a
+      ``CurrentScaling`` (stateless: each tensor's scale from its amax of this step) or a
+      ``BlockScaling`` (stateless; K and N multiples of 128). Each may set
       ``fp8_min_intensity``: a linear below it runs in the compute dtype (BF16 GEMMs through
       XLA), its rings untouched, where the FP8 path would be slower
-      (``check_fp8_min_intensity``).
-      ``DelayedScaling.fast_accum_gemms`` names the GEMMs (fprop, dgrad, wgrad) that accumulate
-      the fast way.
+      (``check_fp8_min_intensity``). The per-tensor recipes' ``fast_accum_gemms`` name the
+      GEMMs (fprop, dgrad, wgrad) that accumulate the fast way.
     amax_axis_name: under ``pmap`` / ``shard_map``, the axis (or axes) whose devices share the
-      scales; amaxes are max-reduced over it so all devices hold identical rings. Under a
+      scales; amaxes are max-reduced over it so all devices hold identical rings (under
+      CurrentScaling: quantize each tensor with one scale, its amax reduced before the
+      quantization, and every axis x, kernel or bias vary over is added). Under a
       type-checked ``shard_map`` it must include every axis x, kernel or bias vary over while
       the state is replicated. The default None means, where the types tell nothing (pmap,
       ``check_vma=False``), every manual axis; ``()`` means none (independent replicas, as in
       an ensemble under pmap). See ``_amax_axes``. Gradients of replicated inputs are summed
       over the axes they are replicated on, as JAX does for any op.
     norm: None, or "rmsnorm" / "layernorm" (``jax_fp8.norms``): x is normalized over K before
-      the GEMMs, from x in its own dtype. Under ``DelayedScaling`` on the FP8 path the norm is
+      the GEMMs, from x in its own dtype. Under the per-tensor recipes on the FP8 path the norm is
       applied inside x's cast-transpose (``norm_cast_transpose``), so it is never stored in
       the compute dtype; its backward is XLA's. Elsewhere it is XLA's, then the GEMMs.
       LayerNorm's variance is ``E[x^2] - mu^2`` (one pass, Flax's default), which loses
@@ -326,7 +365,7 @@ _RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            state: LinearState | None = None,
-           recipe: DelayedScaling | BlockScaling = DelayedScaling(),
+           recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling(),
            amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
            gamma: jax.Array | None = None, beta: jax.Array | None = None,
            epsilon: float = 1e-6, dtype=None) -> jax.Array:
@@ -343,7 +382,8 @@ linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backwa
     bias: optional [N].
     state: under ``DelayedScaling``, the layer's ``LinearState`` (create with
       ``LinearState.create(recipe)``); differentiate with respect to it and pass that gradient
-      to ``jax_fp8.update_state`` for the next rings. Under ``BlockScaling``: None.
+      to ``jax_fp8.update_state`` for the next rings. Under ``CurrentScaling`` and
+      ``BlockScaling``: None.
 {_ARGS_DOC}
   Returns:
     [..., N] in ``dtype`` (default x's).
@@ -357,7 +397,7 @@ linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backwa
 
 
 def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState | None = None,
-                 recipe: DelayedScaling | BlockScaling = DelayedScaling(),
+                 recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling(),
                  amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
                  gamma: jax.Array | None = None, beta: jax.Array | None = None,
                  epsilon: float = 1e-6, dtype=None) -> tuple[jax.Array, ...]:
@@ -391,7 +431,8 @@ multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kern
     kernels: tuple / list of n [K, N_i] arrays, float32 / bfloat16 / float16.
     biases: None, or n entries each None or [N_i] float32 / bfloat16 / float16.
     state: under ``DelayedScaling``, a ``MultiLinearState`` (``MultiLinearState.create(n,
-      recipe)``), used as ``linear``'s state is. Under ``BlockScaling``: None.
+      recipe)``), used as ``linear``'s state is. Under ``CurrentScaling`` and
+      ``BlockScaling``: None.
 {_ARGS_DOC}
   Returns:
     tuple of n arrays [..., N_i] in ``dtype`` (default x's).
@@ -405,9 +446,12 @@ multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kern
   """
 
 
+RECIPES = (DelayedScaling, CurrentScaling, BlockScaling)
+
+
 def _check_recipe(recipe) -> None:
-  if not isinstance(recipe, (DelayedScaling, BlockScaling)):
-    raise TypeError(f"recipe must be a DelayedScaling or a BlockScaling, got "
+  if not isinstance(recipe, RECIPES):
+    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling or a BlockScaling, got "
                     f"{type(recipe).__name__}")
 
 
@@ -503,6 +547,13 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
       raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
                        "scales come from each device's own tensors)")
     rings = None
+  elif isinstance(recipe, CurrentScaling):
+    if state is not None:
+      raise ValueError("CurrentScaling is stateless: pass no state (each tensor's scale comes "
+                       "from its own amax in this step)")
+    amax_axis_name = _amax_axes(x, kernels, biases, None, amax_axis_name)
+    rings = (recipe.ring(recipe.fwd_fmt), tuple(recipe.ring(recipe.fwd_fmt) for _ in kernels),
+             tuple(recipe.ring(recipe.bwd_fmt) for _ in kernels))
   else:
     if not isinstance(state, state_cls):
       raise TypeError(f"state must be a jax_fp8.{state_cls.__name__}, got "
@@ -526,8 +577,10 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   if not (fp8 and rings is not None and not all(weights) and norm is not None):
     x = gemm_input(x, norm_params, norm, out_dtype)  # else the norm's kernel reads x itself
   if all(weights):
-    ys = forward(x.reshape(math.prod(x.shape[:-1]), k), kernels, biases,
-                 None if rings is None else rings[0], recipe, fp8, x.dtype)
+    x2 = x.reshape(math.prod(x.shape[:-1]), k)
+    x_ring = None if rings is None else scaled(rings[0], x2, isinstance(recipe, CurrentScaling),
+                                               amax_axis_name)
+    ys = forward(x2, kernels, biases, x_ring, recipe, fp8, x.dtype)
     return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))
   if not fp8:
     return tuple(_linear_in_dtype(x, kernel, bias) for kernel, bias in zip(kernels, biases))
@@ -538,5 +591,5 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   x2 = x.reshape(math.prod(x.shape[:-1]), k)
   ys = (_block_linear(x2, kernels, biases, recipe, dtypes) if rings is None else
         _linear(x2, norm_params, kernels, biases, rings, amax_axis_name, dtypes,
-                recipe.fast_accum_gemms, norm))
+                recipe.fast_accum_gemms, norm, isinstance(recipe, CurrentScaling)))
   return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))

@@ -28,13 +28,14 @@ import jax
 from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
 from .linear import (_amax_axes, _check_delayed, _check_recipe, _fp8_pays, _shared, check_norm,
-                     compute_dtype, gemm_input, input_grad, linear, quantize_input)
+                     compute_dtype, gemm_input, input_grad, linear, normalized, quantize_input,
+                     scaled, zero_like)
 from .ops import blockwise
 from .ops._ring import check_ring
 from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
                                  cast_transpose_delayed)
 from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
-from .recipes import BlockScaling, DelayedScaling
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling
 from .state import ScaleRing
 
 _RINGS = ("x", "kernel_in", "grad_in", "hidden", "kernel_out", "grad_out")
@@ -64,46 +65,58 @@ class MlpState:
 
 
 def _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_accum, norm,
-             out_dtype):
+             out_dtype, current_, axis_name):
   """out, what the backward needs, and the forward rings' observations (x, kernel_in, hidden,
-  kernel_out)."""
+  kernel_out). Under current scaling (``current_``) each ring is first set to its tensor's
+  scale (``linear.scaled``; the activation's amax from XLA's activation of y)."""
   rx, rk_in, _, rh, rk_out, _ = rings
   fast = "fprop" in fast_accum
+  if current_:
+    rx = scaled(rx, normalized(x, norm_params, norm), current_, axis_name)
   cx = quantize_input(x, norm_params, rx, norm)  # [M, K], [K, M16]
-  ck_in = cast_transpose_delayed(k_in, rk_in, observe=True)  # [K, N], [N, K]
+  ck_in = cast_transpose_delayed(k_in, scaled(rk_in, k_in, current_, axis_name),
+                                 observe=True)  # [K, N], [N, K]
   y = gemm_bias(cx.q, ck_in.qt, cx.scale, ck_in.scale, b_in, out_dtype, fast)  # [M, N]
+  if current_:
+    rh = scaled(rh, activations.apply(y, activation), current_, axis_name)
   ch = activation_cast_transpose(y, rh, activation=activation, observe=True)  # [M, F], [F, M16]
-  ck_out = cast_transpose_delayed(k_out, rk_out, observe=True)  # [F, D], [D, F]
+  ck_out = cast_transpose_delayed(k_out, scaled(rk_out, k_out, current_, axis_name),
+                                  observe=True)  # [F, D], [D, F]
   out = gemm_bias(ch.q, ck_out.qt, ch.scale, ck_out.scale, b_out, out_dtype, fast)  # [M, D]
   saved = (cx.qt, cx.scale, ck_in.q, ck_in.scale, y, ch.qt, ch.scale, ck_out.q, ck_out.scale,
            None if norm is None else (x, norm_params))
   return out, saved, (cx.ring, ck_in.ring, ch.ring, ck_out.ring)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
 def _mlp(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes,
-         fast_accum, norm):
-  del axis_name  # used by the backward only
+         fast_accum, norm, current_):
   return _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_accum,
-                  norm, dtypes[1])[0]
+                  norm, dtypes[1], current_, axis_name)[0]
 
 
 def _mlp_fwd(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes,
-             fast_accum, norm):
+             fast_accum, norm, current_):
   out, saved, observed = _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation,
-                                  fast_accum, norm, dtypes[1])
-  forward_rings = tuple(rings[i] for i in (0, 1, 3, 4))
-  return out, (saved, (rings[2], rings[5]), _shared(observed, forward_rings, axis_name))
+                                  fast_accum, norm, dtypes[1], current_, axis_name)
+  forward_rings, grad_rings = tuple(rings[i] for i in (0, 1, 3, 4)), (rings[2], rings[5])
+  if current_:  # the observations are dropped: the blank rings get zero gradients
+    return out, (saved, zero_like(grad_rings), zero_like(forward_rings))
+  return out, (saved, grad_rings, _shared(observed, forward_rings, axis_name))
 
 
-def _mlp_bwd(activation, axis_name, dtypes, fast_accum, norm, res, g):
-  (qxt, sx, qk_in, sk_in, y, qht, sh, qk_out, sk_out, normed), (rg_in, rg_out), observed = res
+def _mlp_bwd(activation, axis_name, dtypes, fast_accum, norm, current_, res, g):
+  (qxt, sx, qk_in, sk_in, y, qht, sh, qk_out, sk_out, normed), grad_rings, observed = res
+  rg_in, rg_out = grad_rings
   x_dtype, _, k_in_dtype, k_out_dtype, b_in_dtype, b_out_dtype = dtypes
-  cg = cast_transpose_delayed(g, rg_out, with_dbias=b_out_dtype is not None, observe=True)
+  cg = cast_transpose_delayed(g, scaled(rg_out, g, current_, axis_name),
+                              with_dbias=b_out_dtype is not None, observe=True)
   dh = gemm(cg.q, qk_out, cg.scale, sk_out, out_dtype=gemm_dtype(y.dtype),
             fast_accum="dgrad" in fast_accum).astype(y.dtype)  # [M, F]
   dk_out = gemm(qht, cg.qt, sh, cg.scale, out_dtype=gemm_dtype(k_out_dtype),
                 fast_accum="wgrad" in fast_accum).astype(k_out_dtype)  # [F, D]
+  if current_:
+    rg_in = scaled(rg_in, activations.grad(dh, y, activation), current_, axis_name)
   cdy = activation_grad_cast_transpose(dh, y, rg_in, activation=activation,
                                        with_dbias=b_in_dtype is not None, observe=True)
   dx = gemm(cdy.q, qk_in, cdy.scale, sk_in, out_dtype=gemm_dtype(x_dtype),
@@ -112,7 +125,7 @@ def _mlp_bwd(activation, axis_name, dtypes, fast_accum, norm, res, g):
                fast_accum="wgrad" in fast_accum).astype(k_in_dtype)  # [K, N]
   db_in = None if b_in_dtype is None else cdy.dbias.astype(b_in_dtype)
   db_out = None if b_out_dtype is None else cg.dbias.astype(b_out_dtype)
-  rg = _shared((cdy.ring, cg.ring), (rg_in, rg_out), axis_name)
+  rg = grad_rings if current_ else _shared((cdy.ring, cg.ring), grad_rings, axis_name)
   ox, ok_in, oh, ok_out = observed
   dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
   return (dx, dnorm, dk_in, dk_out, db_in, db_out, (ox, ok_in, rg[0], oh, ok_out, rg[1]))
@@ -124,7 +137,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
         bias_in: jax.Array | None = None, bias_out: jax.Array | None = None, *,
         activation: str = "swiglu", state: MlpState | None = None,
-        recipe: DelayedScaling | BlockScaling = DelayedScaling(),
+        recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling(),
         amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
         gamma: jax.Array | None = None, beta: jax.Array | None = None,
         epsilon: float = 1e-6, dtype=None) -> jax.Array:
@@ -142,13 +155,16 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
       (``jax_fp8.activations``).
     state: under ``DelayedScaling``, an ``MlpState`` (``MlpState.create(recipe)``), used as
       ``linear``'s state is (differentiate with respect to it, pass that gradient to
-      ``jax_fp8.update_state``). Under ``BlockScaling``: None.
-    recipe: ``DelayedScaling`` or ``BlockScaling`` (K, N, F and D multiples of 128). The FP8
+      ``jax_fp8.update_state``). Under ``CurrentScaling`` and ``BlockScaling``: None.
+    recipe: ``DelayedScaling``, ``CurrentScaling`` (the activation's amax from XLA's
+      activation of the up projection, its gradient's likewise) or ``BlockScaling`` (K, N, F
+      and D multiples of 128). The FP8
       path runs where both GEMMs reach the recipe's ``fp8_min_intensity``; otherwise the MLP
       runs in x's dtype through XLA and the rings are untouched.
     amax_axis_name: as in ``linear``.
     norm, gamma, beta, epsilon: the input's norm, as in ``linear`` (TransformerEngine's
-      LayerNormMLP): fused into x's cast-transpose under ``DelayedScaling`` on the FP8 path.
+      LayerNormMLP): fused into x's cast-transpose under the per-tensor recipes on the FP8
+      path.
     dtype: the compute dtype of the GEMMs and the activation, and the output's, as in
       ``linear``.
   Returns:
@@ -192,11 +208,15 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   _check_recipe(recipe)
   m = math.prod(x.shape[:-1])
   fp8 = _fp8_pays(recipe, m, n, k) and _fp8_pays(recipe, m, d, f)
-  block = isinstance(recipe, BlockScaling)
+  block, current_ = isinstance(recipe, BlockScaling), isinstance(recipe, CurrentScaling)
   if block:
     if state is not None or amax_axis_name not in (None, ()):
       raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
                        "scales come from each device's own tensors)")
+  elif current_:
+    if state is not None:
+      raise ValueError("CurrentScaling is stateless: pass no state (each tensor's scale comes "
+                       "from its own amax in this step)")
   elif not isinstance(state, MlpState):
     raise TypeError(f"state must be a jax_fp8.MlpState, got {type(state).__name__}")
   else:
@@ -229,7 +249,9 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   dtypes = (x.dtype, out_dtype, kernel_in.dtype, kernel_out.dtype,
             None if bias_in is None else bias_in.dtype,
             None if bias_out is None else bias_out.dtype)
-  rings = tuple(getattr(state, name) for name in _RINGS)
+  rings = (tuple(recipe.ring(recipe.bwd_fmt if name.startswith("grad") else recipe.fwd_fmt)
+                 for name in _RINGS) if current_ else
+           tuple(getattr(state, name) for name in _RINGS))
   out = _mlp(x.reshape(m, k), norm_params, kernel_in, kernel_out, bias_in, bias_out, rings,
-             activation, axis, dtypes, recipe.fast_accum_gemms, norm)
+             activation, axis, dtypes, recipe.fast_accum_gemms, norm, current_)
   return out.reshape(*x.shape[:-1], d)

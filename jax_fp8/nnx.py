@@ -143,7 +143,7 @@ class Mlp(nnx.Module):
   activation: gate and up side by side), "kernel_out" [hidden_features, out_features],
   "bias_in" [N] and "bias_out" [out_features] with ``use_bias`` (else None), with
   ``nnx.Linear``'s initializers; under ``DelayedScaling`` the ``Fp8State`` "fp8_state" holds
-  an ``MlpState`` (None under ``BlockScaling``).
+  an ``MlpState`` (None under ``CurrentScaling`` and ``BlockScaling``).
 
   Args: in_features (K), hidden_features (F), out_features (D; None: K), activation ("swiglu",
   default, "geglu", "silu" or "gelu"), and ``Linear``'s use_bias, dtype, param_dtype,

@@ -27,8 +27,33 @@ def check_fp8_min_intensity(recipe) -> None:
   checks.number(recipe.fp8_min_intensity, f"{type(recipe).__name__}.fp8_min_intensity", lo=0)
 
 
+def check_fast_accum_gemms(recipe) -> None:
+  """Validate a per-tensor recipe's ``fast_accum_gemms`` and store it as a tuple in the
+  canonical order of ``LINEAR_GEMMS``; ValueError otherwise."""
+  v = recipe.fast_accum_gemms
+  if (isinstance(v, str) or not isinstance(v, (tuple, list, set, frozenset))
+      or not all(isinstance(g, str) and g in LINEAR_GEMMS for g in v) or len(set(v)) != len(v)):
+    raise ValueError(f"{type(recipe).__name__}.fast_accum_gemms must be a tuple (or list or "
+                     f"set) of distinct names from {LINEAR_GEMMS}, got {v!r}")
+  object.__setattr__(recipe, "fast_accum_gemms", tuple(g for g in LINEAR_GEMMS if g in v))
+
+
+class PerTensorFormats:
+  """The FP8 formats of the per-tensor recipes (``fp8_format``: "hybrid" or "e4m3")."""
+
+  @property
+  def fwd_fmt(self) -> str:
+    """The FP8 format of x and the kernel."""
+    return "e4m3"
+
+  @property
+  def bwd_fmt(self) -> str:
+    """The FP8 format of the output gradient."""
+    return "e5m2" if self.fp8_format == "hybrid" else "e4m3"
+
+
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(PerTensorFormats):
   """Per-tensor delayed-scaling recipe (TransformerEngine's ``DelayedScaling``).
 
   Attributes:
@@ -60,22 +85,7 @@ class DelayedScaling:
     check_history_len(self.history_len)
     check_ring_params("e4m3", self.margin, self.algo)
     check_fp8_min_intensity(self)
-    v = self.fast_accum_gemms
-    if (isinstance(v, str) or not isinstance(v, (tuple, list, set, frozenset))
-        or not all(isinstance(g, str) and g in LINEAR_GEMMS for g in v) or len(set(v)) != len(v)):
-      raise ValueError(f"DelayedScaling.fast_accum_gemms must be a tuple (or list or set) of "
-                       f"distinct names from {LINEAR_GEMMS}, got {v!r}")
-    object.__setattr__(self, "fast_accum_gemms", tuple(g for g in LINEAR_GEMMS if g in v))
-
-  @property
-  def fwd_fmt(self) -> str:
-    """The FP8 format of x and the kernel."""
-    return "e4m3"
-
-  @property
-  def bwd_fmt(self) -> str:
-    """The FP8 format of the output gradient."""
-    return "e5m2" if self.fp8_format == "hybrid" else "e4m3"
+    check_fast_accum_gemms(self)
 
   def ring(self, fmt: str) -> ScaleRing:
     return ScaleRing.create(self.history_len, fmt, self.margin, self.algo)
@@ -109,3 +119,39 @@ class BlockScaling:
   def kwargs(self) -> dict:
     """The quantizers' keyword arguments under this recipe."""
     return {"fmt": "e4m3", "eps": self.eps, "ue8m0": self.ue8m0}
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScaling(PerTensorFormats):
+  """Per-tensor current-scaling recipe (TransformerEngine's ``Float8CurrentScaling``): each
+  tensor is quantized with the scale of its own amax in this step, ``amax * 2^margin /
+  fmt_max`` (``state.scale_from_amax``; 1 for an all-zero or non-finite tensor). Stateless.
+  The amax is XLA's reduction, one read of the tensor before the quantize kernel's (XLA may
+  fuse it into the op that produced the tensor). Under ``pmap`` / ``shard_map`` it is
+  max-reduced over the devices that share the tensor before anything is quantized, so every
+  device uses one scale (see ``linear``'s ``amax_axis_name``); under a sharded ``jit`` XLA's
+  reduction already spans the whole tensor.
+
+  Attributes:
+    fp8_format: "hybrid" (E4M3 for activations and weights, E5M2 for gradients) or "e4m3".
+    margin: power-of-two headroom in the scale, an int in [-64, 64].
+    fp8_min_intensity: see ``check_fp8_min_intensity``; 0 (default): always FP8.
+    fast_accum_gemms: as in ``DelayedScaling``.
+  Raises:
+    TypeError / ValueError when built with a field out of range.
+  """
+
+  fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
+  margin: int = 0
+  fp8_min_intensity: float = 0.0
+  fast_accum_gemms: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    checks.one_of(self.fp8_format, "CurrentScaling.fp8_format", ("hybrid", "e4m3"))
+    check_ring_params("e4m3", self.margin, "most_recent")
+    check_fp8_min_intensity(self)
+    check_fast_accum_gemms(self)
+
+  def ring(self, fmt: str) -> ScaleRing:
+    """The ring a quantization's scale is set in (``state.current``): one amax, most recent."""
+    return ScaleRing.create(1, fmt, self.margin, "most_recent")

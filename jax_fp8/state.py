@@ -126,6 +126,15 @@ def scale_for_step(ring: ScaleRing, current_amax: jax.Array) -> jax.Array:
   return jnp.where(ring.steps == 0, first, ring.scale)
 
 
+def current(ring: ScaleRing, amax: jax.Array) -> ScaleRing:
+  """``ring`` set to quantize with the scale of ``amax``, this step's (current scaling,
+  ``jax_fp8.CurrentScaling``): ``scale_from_amax(amax, 1, ...)``, and steps 1, so that a ring op
+  takes that scale as it is rather than its first-step amax of its own (device-local) input."""
+  one = jnp.ones((), jnp.float32)
+  return dataclasses.replace(ring, scale=scale_from_amax(amax, one, ring.fmt, ring.margin),
+                             steps=one)
+
+
 def observe(ring: ScaleRing, amax: jax.Array) -> ScaleRing:
   """The gradient a ring receives from one use in a step (see the module docstring)."""
   amax = jnp.asarray(amax, jnp.float32)

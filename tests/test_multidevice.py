@@ -287,17 +287,22 @@ SHARDED_JIT = {
 }
 
 
-@pytest.mark.parametrize("name", SHARDED_JIT)
-def test_sharded_jit(problem, name):
-  x, w, b, g, state = problem
-  # 2 x (NDEV / 2); on two GPUs the axis a case splits gets both of them (data_and_model then
-  # splits on the model axis only).
-  specs = SHARDED_JIT[name]
+def sharded_jit_args(specs, values):
+  """The mesh of a SHARDED_JIT case, 2 x (NDEV / 2) (on two GPUs the axis the case splits gets
+  both of them; data_and_model then splits on the model axis only), and ``values`` (x, w, b, g
+  and optionally a state, replicated) placed on it."""
   splits_model = any("model" in spec for spec in specs)
   shape = (NDEV // 2, 2) if NDEV >= 4 else ((1, 2) if splits_model else (2, 1))
   mesh = Mesh(np.array(DEVICES).reshape(shape), ("data", "model"))
-  put = lambda v, s: jax.device_put(v, jax.sharding.NamedSharding(mesh, s))
-  args = [put(v, s) for v, s in zip((x, w, b, g), specs)] + [put(state, P())]
+  put = lambda v, s: jax.device_put(v, jax.sharding.NamedSharding(mesh, s))  # noqa: E731
+  return mesh, [put(v, s) for v, s in zip(values, (*specs, P()))]
+
+
+@pytest.mark.parametrize("name", SHARDED_JIT)
+def test_sharded_jit(problem, name):
+  x, w, b, g, state = problem
+  specs = SHARDED_JIT[name]
+  mesh, args = sharded_jit_args(specs, (x, w, b, g, state))
 
   @jax.jit
   def step(x, w, b, g, state):
@@ -499,3 +504,68 @@ def test_nnx_data_parallel(problem):
   bound = order_bounds(x, w, b, g)
   assert np.all(np.abs(np.asarray(grads["kernel"].get_value()) - np.asarray(dw)) <= bound[2])
   assert np.all(np.abs(np.asarray(grads["bias"].get_value()) - np.asarray(db)) <= bound[3])
+
+
+# CurrentScaling: every device quantizes each tensor with the scale of the whole tensor's amax
+# (max-reduced before the quantization), so the sharded step equals one device's with the same
+# bounds, on every step (no state to warm up).
+CURRENT = jax_fp8.CurrentScaling()
+
+
+def single_device_current(x, w, b, g):
+  one = DEVICES[0]
+  x, w, b, g = jax.device_put((x, w, b, g), one)
+  with jax.default_device(one):
+    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=CURRENT), x, w, b)
+    return (y, *vjp(g), ())
+
+
+@pytest.mark.parametrize("axis_name", ["data", None], ids=["named", "inferred"])
+def test_current_scaling_data_parallel(problem, axis_name):
+  """x and the gradient split over the batch: their amaxes are reduced over "data" (named, or
+  added because x varies over it) before either is quantized, so every device's scale is the
+  whole tensor's even though the shards' amaxes differ."""
+  x, w, b, g, _ = problem
+  x = x * jnp.repeat(jnp.arange(1, NDEV + 1, dtype=jnp.float32), M // NDEV)[:, None]
+  mesh = Mesh(np.array(DEVICES), ("data",))
+
+  def step(x, w, b, g):
+    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=CURRENT,
+                                                    amax_axis_name=axis_name), x, w, b)
+    return (y, *vjp(g), ())
+
+  run = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P(), P("data")),
+                              out_specs=(P("data"), P("data"), P(), P(), P())))
+  check(run(x, w, b, g), single_device_current(x, w, b, g), (x, w, b, g))
+
+
+def test_current_scaling_tensor_parallel_column(problem):
+  """The kernel split on N: its amax (and the output gradient's, split on N) reduced over
+  "model" and x's over "data" before quantizing."""
+  x, w, b, g, _ = problem
+  w = w * jnp.repeat(jnp.arange(1, 5, dtype=jnp.float32), N // 4)[None, :]
+  mesh = Mesh(np.array(DEVICES).reshape(2 if NDEV >= 4 else 1, -1), ("data", "model"))
+
+  def column(x, w, b, g):
+    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=CURRENT,
+                                                    amax_axis_name=("data", "model")), x, w, b)
+    return (y, *vjp(g), ())
+
+  run = jax.jit(jax.shard_map(
+      column, mesh=mesh, in_specs=(P("data"), P(None, "model"), P("model"), P("data", "model")),
+      out_specs=(P("data", "model"), P("data"), P(None, "model"), P("model"), P())))
+  check(run(x, w, b, g), single_device_current(x, w, b, g), (x, w, b, g))
+
+
+@pytest.mark.parametrize("name", SHARDED_JIT)
+def test_current_scaling_sharded_jit(problem, name):
+  """Plain jit over a mesh: XLA's amax reduction already spans the whole tensor."""
+  x, w, b, g, _ = problem
+  _, args = sharded_jit_args(SHARDED_JIT[name], (x, w, b, g))
+
+  @jax.jit
+  def step(x, w, b, g):
+    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=CURRENT), x, w, b)
+    return (y, *vjp(g), ())
+
+  check(step(*args), single_device_current(x, w, b, g), (x, w, b, g))

@@ -2,7 +2,7 @@
 
 Both runs start from the same parameters and see the same batches of Python standard-library
 source. The FP8 run puts every block matmul through ``jax_fp8.flax.Dense`` (``--recipe delayed``
-(default) or ``block``); the BF16 run uses
+(default), ``current`` or ``block``); the BF16 run uses
 ``flax.linen.Dense`` in bf16. Reported: step time and tokens/s (compile steps excluded), final
 train and validation loss, the speedup, a PNG of the loss curves and ``results.json``. Exit
 status 1 when the FP8 validation loss is worse than the BF16 one by more than ``--tolerance``.
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 import jax_fp8
 from jax_fp8.demo import data
-from jax_fp8.demo.model import Config, Transformer
+from jax_fp8.demo.model import RECIPES, Config, Transformer
 
 SKIP_STEPS = 2  # steps left out of the timing: compilation, then the first donated-buffer step
 RUNS = ("fp8", "bf16")
@@ -196,9 +196,9 @@ def parse_args(argv):
   p.add_argument("--tolerance", type=float, default=0.05,
                  help="allowed relative excess of the FP8 validation loss over BF16's")
   p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the batches")
-  p.add_argument("--recipe", choices=["delayed", "block"], default="delayed",
-                 help="FP8 recipe: per-tensor delayed scaling (HYBRID) or block scaling "
-                      "(DeepSeek-V3: 1x128 groups, 128x128 weight blocks)")
+  p.add_argument("--recipe", choices=list(RECIPES), default="delayed",
+                 help="FP8 recipe: per-tensor delayed or current scaling (HYBRID), or block "
+                      "scaling (DeepSeek-V3: 1x128 groups, 128x128 weight blocks)")
   p.add_argument("--only", choices=list(RUNS),
                  help="train this run only; compare it with the other's run-*.json in --out "
                       "when that one ran under the same settings")

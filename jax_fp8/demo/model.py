@@ -1,10 +1,12 @@
 """The model: a byte-level decoder-only transformer (GPT style, pre-LayerNorm) in Flax linen.
 
 With ``fp8=True`` every matmul inside the blocks is FP8 under ``recipe`` ("delayed": per-tensor
-delayed scaling, HYBRID; "block": DeepSeek-style block scaling): the fused q/k/v projection and
+delayed scaling, HYBRID; "current": per-tensor current scaling, HYBRID; "block": DeepSeek-style
+block scaling): the fused q/k/v projection and
 the attention output projection are ``jax_fp8.flax.Dense``, the MLP a ``jax_fp8.flax.Mlp``;
 the LayerNorms before q/k/v and the MLP are those layers' own (``norm="layernorm"``), and
-under the delayed recipe they and the MLP's GELU are computed inside the FP8 cast-transposes.
+under the per-tensor recipes they and the MLP's GELU are computed inside the FP8
+cast-transposes.
 With ``fp8=False`` the same layers compute in bf16 (``Bf16Dense``, ``Bf16Mlp``, the LayerNorm
 by ``jax_fp8.norms``). Both variants name their parameters the same and create them in the same
 order, so one seed gives both exactly the same initial parameters.
@@ -24,7 +26,8 @@ import jax_fp8
 import jax_fp8.flax
 
 COMPUTE = jnp.bfloat16
-RECIPES = {"delayed": jax_fp8.DelayedScaling(), "block": jax_fp8.BlockScaling()}
+RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling(),
+           "block": jax_fp8.BlockScaling()}
 INIT = nn.initializers.normal(0.02)
 
 
@@ -40,7 +43,7 @@ class Config:
   vocab: int = 256
   fp8: bool = True
   recipe: str = "delayed"
-  amax_axis_name: str | None = None  # the data-parallel axis, under shard_map (delayed recipe)
+  amax_axis_name: str | None = None  # the data-parallel axis, under shard_map (per-tensor)
 
   @property
   def d_ff(self) -> int:
@@ -56,7 +59,7 @@ class Config:
 
 
 def _fp8_kw(cfg: Config, norm: bool) -> dict:
-  axis = cfg.amax_axis_name if cfg.recipe == "delayed" else None  # block scaling: stateless
+  axis = cfg.amax_axis_name if cfg.recipe != "block" else None  # block scaling: device-local
   return dict(recipe=RECIPES[cfg.recipe], amax_axis_name=axis,
               norm="layernorm" if norm else None)
 
