@@ -31,7 +31,9 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
   variant), the RMSNorms before q / k / v and the MLP fused into those layers' input
   cast-transposes (``norm="rmsnorm"``);
 - ``current_fused_norm_mlp`` (and ``_fast_all``): the same layers under ``CurrentScaling()``
-  (each tensor's scale from its amax of this step, XLA's reduction before each quantization).
+  (each tensor's scale from its amax of this step, XLA's reduction before each quantization);
+- ``mxfp8_shared_input``: as ``block_shared_input`` under ``MXFP8BlockScaling()``, its GEMMs
+  emulated (BF16 GEMMs of the dequantized MXFP8 operands): the cost of the quantizations.
 
 Each step is one jitted call with its buffers donated. Time: the median of ``--windows``
 windows of ``--steps`` back-to-back steps (dispatch is asynchronous and a step lasts far longer
@@ -79,7 +81,7 @@ from .step_profile import summarize, trace_events
 COMPUTE = jnp.bfloat16
 FLAX_FP8_COLLECTION = "_overwrite_with_gradient"  # Flax's FP8 scales and amax histories
 FAST_ALL = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
-CURRENT = jax_fp8.CurrentScaling()
+CURRENT, MXFP8 = jax_fp8.CurrentScaling(), jax_fp8.MXFP8BlockScaling()
 CURRENT_FAST_ALL = jax_fp8.CurrentScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
 
 
@@ -138,6 +140,8 @@ VARIANTS = {
     "block": (functools.partial(Dense, recipe=BLOCK), None, None, False),
     "block_shared_input": (functools.partial(Dense, recipe=BLOCK),
                            functools.partial(MultiDense, recipe=BLOCK), None, False),
+    "mxfp8_shared_input": (functools.partial(Dense, recipe=MXFP8),
+                           functools.partial(MultiDense, recipe=MXFP8), None, False),
 }
 
 

@@ -12,22 +12,22 @@ from .mlp import MlpState, mlp
 from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_transpose,
                   activation_grad_cast_transpose, block_quantize, cast_transpose_delayed,
                   dequantize, gemm, group_cast_transpose, group_quantize, mxfp8_dequantize,
-                  mxfp8_quantize, norm_cast_transpose, nvfp4_dequantize, nvfp4_kernel,
+                  mxfp8_gemm, mxfp8_quantize, norm_cast_transpose, nvfp4_dequantize, nvfp4_kernel,
                   nvfp4_quantize, quantize, quantize_delayed)
-from .recipes import BlockScaling, CurrentScaling, DelayedScaling
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling
 from .state import ScaleRing, combine_updates, share, update_state
 
 __version__ = "0.3.0.dev0"
 
 __all__ = [
     "BlockScaling", "CastTransposed", "CurrentScaling", "DelayedQuantized", "DelayedScaling",
-    "Fp8Weight",
-    "LinearState", "MlpState", "MultiLinearState", "Quantized", "ScaleRing",
+    "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState", "MultiLinearState", "Quantized",
+    "ScaleRing",
     "activation_cast_transpose", "activation_grad_cast_transpose", "block_quantize",
     "cast_transpose_delayed",
     "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
     "group_cast_transpose", "group_quantize", "linear", "multi_linear", "mxfp8_dequantize",
-    "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_kernel", "nvfp4_quantize",
+    "mxfp8_gemm", "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_kernel", "nvfp4_quantize",
     "norm_cast_transpose", "quantize",
     "mlp", "quantize_delayed", "quantize_weight", "quantize_weights", "share", "update_state",
 ]

@@ -12,16 +12,16 @@ from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState, linear, multi_linear
 from .mlp import mlp
-from .recipes import BlockScaling, CurrentScaling, DelayedScaling
+from .recipes import RECIPES, DelayedScaling
 
 
 def check_layer(name: str, features, use_bias, recipe, multi: bool, features_name="features"):
   """(features as a tuple of ints, use_bias) of layer ``name``, checked; ``multi``: features is
   a tuple (one layer of several outputs); ``features_name``: what the layer calls it.
   TypeError / ValueError naming the attribute."""
-  if not isinstance(recipe, (DelayedScaling, CurrentScaling, BlockScaling)):
-    raise TypeError(f"{name}.recipe must be a DelayedScaling, a CurrentScaling or a "
-                    f"BlockScaling, got {type(recipe).__name__}")
+  if not isinstance(recipe, RECIPES):
+    raise TypeError(f"{name}.recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling "
+                    f"or an MXFP8BlockScaling, got {type(recipe).__name__}")
   if not multi:
     features = (checks.integer(features, f"{name}.{features_name}", lo=1),)
   elif isinstance(features, (tuple, list)) and features:

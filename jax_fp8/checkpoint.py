@@ -27,23 +27,23 @@ import jax
 import orbax.checkpoint as ocp
 
 from . import __version__
-from .recipes import BlockScaling, CurrentScaling, DelayedScaling
+from .recipes import RECIPES, DelayedScaling
 from .state import ScaleRing
 
 SCHEMA_VERSION = 1
 METADATA = "jax_fp8.json"
-_RECIPES = {cls.__name__: cls for cls in (DelayedScaling, CurrentScaling, BlockScaling)}
+_RECIPES = {cls.__name__: cls for cls in RECIPES}
 
 
 # The recipe fields that define the FP8 state (the rest, e.g. fast_accum_gemms or
-# fp8_min_intensity, may change between a save and a restore).
+# fp8_min_intensity, may change between a save and a restore); of a stateless recipe, its type.
 STATE_FIELDS = ("type", "fp8_format", "history_len", "margin", "algo")
 
 
 def _recipe_dict(recipe) -> dict:
   if not isinstance(recipe, tuple(_RECIPES.values())):
-    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling or a BlockScaling, got "
-                    f"{type(recipe).__name__}")
+    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling or an "
+                    f"MXFP8BlockScaling, got {type(recipe).__name__}")
   fields = {k: list(v) if isinstance(v, tuple) else v
             for k, v in dataclasses.asdict(recipe).items()}
   return {"type": type(recipe).__name__, **fields}
@@ -75,8 +75,8 @@ def _check_rings(rings: dict, recipe) -> None:
 
 
 def save(directory, state, recipe) -> None:
-  """Save ``state`` (any pytree) and ``recipe`` (its layers' ``DelayedScaling`` or
-  ``BlockScaling``) into ``directory``, which must not exist yet. Raises TypeError for another
+  """Save ``state`` (any pytree) and ``recipe`` (its layers' recipe, ``linear``'s choices)
+  into ``directory``, which must not exist yet. Raises TypeError for another
   recipe type, ValueError when the state's rings were not made by ``recipe``,
   FileExistsError for an existing directory."""
   directory = pathlib.Path(directory).absolute()
@@ -100,9 +100,10 @@ def restore(directory, target, recipe):
     ValueError when the checkpoint's schema version is not ``SCHEMA_VERSION``, when
     ``recipe`` differs from the saved one in a field that defines the state
     (``STATE_FIELDS``: the recipe type, format, history length, margin, algo; the differing
-    ones are named), or when the target's rings differ from the saved ones (paths, formats,
-    margins, algos, history lengths). Other fields (``fast_accum_gemms``,
-    ``fp8_min_intensity``, BlockScaling's ``ue8m0`` and ``eps``) may change.
+    ones are named; of a stateless recipe only its type), or when the target's rings differ
+    from the saved ones (paths, formats, margins, algos, history lengths). Other fields
+    (``fast_accum_gemms``, ``fp8_min_intensity``, BlockScaling's ``ue8m0`` and ``eps``,
+    CurrentScaling's ``margin``) may change.
     FileNotFoundError when ``directory`` holds no jax_fp8 checkpoint.
   """
   directory = pathlib.Path(directory).absolute()
@@ -112,7 +113,8 @@ def restore(directory, target, recipe):
   if meta.get("schema_version") != SCHEMA_VERSION:
     raise ValueError(f"checkpoint schema version {meta.get('schema_version')!r}; this jax_fp8 "
                      f"reads version {SCHEMA_VERSION}")
-  saved, wanted = ({k: v for k, v in d.items() if k in STATE_FIELDS}
+  fields = STATE_FIELDS if isinstance(recipe, DelayedScaling) else ("type",)
+  saved, wanted = ({k: v for k, v in d.items() if k in fields}
                    for d in (meta["recipe"], _recipe_dict(recipe)))
   if saved != wanted:
     diff = {k: (saved.get(k), wanted.get(k)) for k in sorted(set(saved) | set(wanted))

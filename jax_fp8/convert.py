@@ -45,14 +45,13 @@ from . import nnx as fp8_nnx
 from ._layer import call_layer, create_state
 from .flax import STATE_COLLECTION
 from .inference import Fp8Weight
-from .ops.blockwise import BLOCK
-from .ops.gemm import DIM_MULTIPLE
-from .recipes import CROSSOVER_INTENSITY, BlockScaling, CurrentScaling, DelayedScaling
+from .linear import fp8_multiple
+from .recipes import CROSSOVER_INTENSITY, RECIPES, DelayedScaling, Recipe
 
 HEAD_PATTERN = r"(^|/)(lm_head|head|logits|unembed|unembedding|output_projection)$"
 
 
-def convert(model, recipe: DelayedScaling | CurrentScaling | BlockScaling | None = None, *,
+def convert(model, recipe: Recipe | None = None, *,
             include: str | None = None, exclude: str | None = HEAD_PATTERN):
   """The model with its selected dense layers in FP8 (see the module docstring).
 
@@ -69,9 +68,9 @@ def convert(model, recipe: DelayedScaling | CurrentScaling | BlockScaling | None
     ValueError for a pattern that does not compile.
   """
   recipe = DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY) if recipe is None else recipe
-  if not isinstance(recipe, (DelayedScaling, CurrentScaling, BlockScaling)):
-    raise TypeError(f"recipe must be None, a DelayedScaling, a CurrentScaling or a "
-                    f"BlockScaling, got {type(recipe).__name__}")
+  if not isinstance(recipe, RECIPES):
+    raise TypeError(f"recipe must be None, a DelayedScaling, a CurrentScaling, a BlockScaling or "
+                    f"an MXFP8BlockScaling, got {type(recipe).__name__}")
   for name, pattern in (("include", include), ("exclude", exclude)):
     if pattern is not None and not isinstance(pattern, str):
       raise TypeError(f"{name} must be a regular expression (str) or None, got {pattern!r}")
@@ -88,7 +87,7 @@ def convert(model, recipe: DelayedScaling | CurrentScaling | BlockScaling | None
 
 
 def _selects(path: str, k: int, n: int, recipe, include, exclude) -> bool:
-  multiple = BLOCK if isinstance(recipe, BlockScaling) else DIM_MULTIPLE
+  multiple, _ = fp8_multiple(recipe)
   return (k % multiple == 0 and n % multiple == 0 and k > 0 and n > 0
           and (include is None or re.search(include, path) is not None)
           and (exclude is None or re.search(exclude, path) is None))
@@ -99,7 +98,7 @@ class Converted(nn.Module):
   the model's scope, so the variables keep the model's paths."""
 
   module: nn.Module
-  recipe: DelayedScaling | CurrentScaling | BlockScaling
+  recipe: Recipe
   include: str | None
   exclude: str | None
 

@@ -19,7 +19,7 @@ from ._layer import call_layer, call_mlp, check_layer, check_norm_attr, create_s
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState
 from .mlp import MlpState
-from .recipes import BlockScaling, CurrentScaling, DelayedScaling
+from .recipes import DelayedScaling, Recipe
 from .state import ScaleRing
 
 STATE_COLLECTION = "fp8_state"
@@ -62,7 +62,7 @@ class _Layer(nn.Module):
   param_dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.lecun_normal()
   bias_init: Callable = nn.initializers.zeros_init()
-  recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling()
+  recipe: Recipe = DelayedScaling()
   amax_axis_name: str | None = None
   norm: str | None = None
   norm_epsilon: float = 1e-6
@@ -104,13 +104,13 @@ class Dense(_Layer):
   ``DelayedScaling`` the layer's scale rings live in the "fp8_state" variable collection as a
   ``LinearState`` named "linear": pass that collection to ``apply``, differentiate with
   respect to it, and pass that gradient to ``jax_fp8.update_state`` for the next rings. Under
-  ``CurrentScaling`` and ``BlockScaling`` the layer has no state.
+  the other recipes the layer has no state.
 
   Attributes:
-    features: N, a multiple of 16 (128 under BlockScaling).
+    features: N, a multiple of 16 (128 under BlockScaling, 32 under MXFP8BlockScaling).
     use_bias, dtype, param_dtype, kernel_init, bias_init: as in ``nn.Dense``.
     recipe: ``DelayedScaling`` (per-tensor, default), ``CurrentScaling`` (per-tensor,
-      stateless) or ``BlockScaling`` (DeepSeek-V3).
+      stateless), ``BlockScaling`` (DeepSeek-V3) or ``MXFP8BlockScaling``.
     amax_axis_name: replica axis for amax reduction under pmap / shard_map (the per-tensor
       recipes).
     norm: None (default), "rmsnorm" or "layernorm": the input is normalized first, in its own
@@ -120,7 +120,8 @@ class Dense(_Layer):
       [K] (zeros). LayerNorm's variance is ``E[x^2] - mu^2``, as ``nn.LayerNorm``'s default.
     norm_epsilon: the norm's epsilon (default 1e-6, as ``nn.RMSNorm`` / ``nn.LayerNorm``).
 
-  Input ``[..., K]`` with K a multiple of 16 (128 under BlockScaling); output ``[..., N]``.
+  Input ``[..., K]`` with K a multiple of 16 (128 under BlockScaling, 32 under
+  MXFP8BlockScaling); output ``[..., N]``.
   """
 
   features: int
@@ -140,7 +141,8 @@ class MultiDense(_Layer):
   "fp8_state" collection (handled as ``Dense``'s state is).
 
   Attributes:
-    features: (N_0, ..., N_{n-1}), each a multiple of 16 (128 under BlockScaling).
+    features: (N_0, ..., N_{n-1}), each a multiple of 16 (128 under BlockScaling, 32 under
+      MXFP8BlockScaling).
     use_bias, dtype, param_dtype, kernel_init, bias_init, recipe, amax_axis_name, norm,
       norm_epsilon: as in ``Dense`` (the norm, fused once, feeds every output).
 
@@ -167,7 +169,7 @@ class Mlp(nn.Module):
   as ``Dense``'s state is).
 
   Attributes:
-    hidden_features: F, a multiple of 16 (128 under BlockScaling).
+    hidden_features: F, a multiple of 16 (128 under BlockScaling, 32 under MXFP8BlockScaling).
     activation: "swiglu" (default), "geglu", "silu" or "gelu" (``jax_fp8.activations``).
     out_features: D; None (default) gives the input's K.
     use_bias, dtype, param_dtype, kernel_init, bias_init, recipe, amax_axis_name, norm,
@@ -184,7 +186,7 @@ class Mlp(nn.Module):
   param_dtype: Any = jnp.float32
   kernel_init: Callable = nn.initializers.lecun_normal()
   bias_init: Callable = nn.initializers.zeros_init()
-  recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling()
+  recipe: Recipe = DelayedScaling()
   amax_axis_name: str | None = None
   norm: str | None = None
   norm_epsilon: float = 1e-6

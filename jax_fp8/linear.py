@@ -1,11 +1,12 @@
 """The FP8 linear layer: a custom_vjp whose forward and backward run FP8 GEMMs.
 
-Forward: x and kernel are quantized to E4M3 with their delayed-scaling rings by cast-transpose
-kernels (one read writes both the row-major and the transposed FP8 copy, since Hopper's FP8
-GEMMs are TN-only), then one FP8 GEMM with the bias in its epilogue. Backward: the gradient is
-cast-transposed once (E5M2 under the HYBRID recipe), the same read giving dbias, and feeds both
-dgrad (``dx = g @ kernel.T``) and wgrad (``dkernel = x.T @ g``) as FP8 GEMMs. Only FP8 copies
-are saved: x transposed (for wgrad) and the kernel (for dgrad).
+Forward: x and kernel are quantized to E4M3 with their scale rings (delayed scaling's, or under
+``CurrentScaling`` set to this step's amaxes) by cast-transpose kernels (one read writes both
+the row-major and the transposed FP8 copy, since Hopper's FP8 GEMMs are TN-only), then one FP8
+GEMM with the bias in its epilogue. Backward: the gradient is cast-transposed once (E5M2 under
+the HYBRID format), the same read giving dbias, and feeds both dgrad (``dx = g @ kernel.T``)
+and wgrad (``dkernel = x.T @ g``) as FP8 GEMMs. Only FP8 copies are saved: x transposed (for
+wgrad) and the kernel (for dgrad).
 
 The rings' observations of the step, written by the cast-transpose kernels themselves, leave it
 as the gradient with respect to the state; ``jax_fp8.update_state`` turns them into the next
@@ -13,7 +14,10 @@ rings (see ``jax_fp8.state``).
 
 Under ``BlockScaling`` (stateless, DeepSeek-V3) the same three GEMMs run block-scaled: x and the
 gradient are group cast-transposed (1 x 128 groups both ways from one read), the kernel is
-block-quantized (128 x 128, whose transpose needs no requantization).
+block-quantized (128 x 128, whose transpose needs no requantization). Under
+``MXFP8BlockScaling`` (stateless) x, the kernel and the gradient are each MXFP8-quantized in
+both directions from one read (1 x 32 blocks along each GEMM's contraction dimension) and the
+GEMMs are ``mxfp8_gemm`` (emulated on Hopper).
 """
 
 from __future__ import annotations
@@ -27,20 +31,22 @@ import jax
 import jax.numpy as jnp
 
 from . import checks, norms, sharding
-from .formats import FLOAT_DTYPES, amax
+from .formats import FLOAT_DTYPES, MX_BLOCK, amax
 from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
 from .ops._ring import check_ring
 from .ops.cast_transpose import cast_transpose_delayed, norm_cast_transpose
 from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
-from .recipes import BlockScaling, CurrentScaling, DelayedScaling
+from .ops.mxfp8 import mxfp8_gemm, mxfp8_quantize
+from .recipes import (RECIPES, BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
+                      Recipe)
 from .state import ScaleRing, current
 
 
 def _check_delayed(recipe, cls) -> None:
   if not isinstance(recipe, DelayedScaling):
     raise TypeError(f"{cls.__name__}.create takes a DelayedScaling recipe, got "
-                    f"{type(recipe).__name__} (BlockScaling is stateless: pass state=None)")
+                    f"{type(recipe).__name__} (stateless: pass state=None)")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "kernel", "grad"],
@@ -131,13 +137,15 @@ def _amax_axes(x, kernel, bias, state, amax_axis_name):
   it, so those axes must be among the names; rings that vary over it (one set per pipeline
   stage, say) keep their own amaxes unless the axis is named. Where the types tell nothing
   (pmap, shard_map with check_vma=False, or every input replicated), the default None means
-  every manual axis (a no-op where the amaxes agree anyway), and () means none.
+  every manual axis (a no-op where the amaxes agree anyway), and () means none. Under
+  CurrentScaling no state must stay in step: the names are taken as given (() for independent
+  replicas), and None means every axis x, kernel or bias vary over.
   """
   names = _axis_names(amax_axis_name)
   needed = sharding.varying_axes(x, kernel, bias) - sharding.varying_axes(state)
-  if state is None:  # CurrentScaling: every axis a tensor is split over, and those named
-    names |= needed
-  if not needed <= names:
+  if state is None:  # CurrentScaling: the axes named, by default every axis a tensor varies over
+    names = needed if amax_axis_name is None else names
+  elif not needed <= names:
     raise ValueError(f"x, kernel or bias vary over the shard_map axes {sorted(needed)}, over "
                      f"which the state is replicated: pass them as amax_axis_name so every "
                      f"device keeps the same scale rings, got {amax_axis_name!r}")
@@ -325,9 +333,57 @@ def _block_linear_bwd(recipe, dtypes, res, gs):
 _block_linear.defvjp(_block_linear_fwd, _block_linear_bwd)
 
 
+def _mx_rows(v):
+  """v [M, C] with zero rows appended up to a multiple of 32: whole MXFP8 blocks along M for
+  wgrad (zeros change no block's amax and add nothing to a sum)."""
+  return jnp.pad(v, ((0, -v.shape[0] % MX_BLOCK), (0, 0)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _mxfp8_linear(x, kernels, biases, dtypes):
+  # Without a gradient: x along K (rowwise) and each kernel along K (its columns) only.
+  qx = mxfp8_quantize(x)
+  out = []
+  for kernel, bias in zip(kernels, biases):
+    qk = mxfp8_quantize(kernel, rowwise=False, columnwise=True)  # [N, K]
+    y = mxfp8_gemm(qx["data"], qx["scales"], qk["data_t"], qk["scales_t"], out_dtype=jnp.float32)
+    out.append((y if bias is None else y + bias.astype(jnp.float32)).astype(dtypes[1]))
+  return tuple(out)
+
+
+def _mxfp8_linear_fwd(x, kernels, biases, dtypes):
+  m = x.shape[0]
+  qx = mxfp8_quantize(_mx_rows(x), columnwise=True)  # along K (fprop) and along M (wgrad)
+  ys, saved = [], []
+  for kernel, bias in zip(kernels, biases):
+    qk = mxfp8_quantize(kernel, columnwise=True)  # along N (dgrad) and along K (fprop)
+    y = mxfp8_gemm(qx["data"], qx["scales"], qk["data_t"], qk["scales_t"], out_dtype=jnp.float32)
+    ys.append((y[:m] if bias is None else y[:m] + bias.astype(jnp.float32)).astype(dtypes[1]))
+    saved.append((qk["data"], qk["scales"]))
+  return tuple(ys), (qx["data_t"], qx["scales_t"], tuple(saved))
+
+
+def _mxfp8_linear_bwd(dtypes, res, gs):
+  qxt, sxt, saved = res
+  x_dtype, _, k_dtypes, b_dtypes = dtypes
+  dx, dks, dbs = None, [], []
+  for g, (qk, sk), k_dtype, b_dtype in zip(gs, saved, k_dtypes, b_dtypes):
+    qg = mxfp8_quantize(_mx_rows(g), columnwise=True)  # along N (dgrad) and along M (wgrad)
+    dxi = mxfp8_gemm(qg["data"], qg["scales"], qk, sk, out_dtype=jnp.float32)  # [M32, K]
+    dx = dxi if dx is None else dx + dxi
+    dks.append(mxfp8_gemm(qxt, sxt, qg["data_t"], qg["scales_t"], out_dtype=k_dtype))  # [K, N]
+    dbs.append(None if b_dtype is None else
+               jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype))
+  return dx[:gs[0].shape[0]].astype(x_dtype), tuple(dks), tuple(dbs)
+
+
+_mxfp8_linear.defvjp(_mxfp8_linear_fwd, _mxfp8_linear_bwd)
+
+
 _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have been made by it), a
-      ``CurrentScaling`` (stateless: each tensor's scale from its amax of this step) or a
-      ``BlockScaling`` (stateless; K and N multiples of 128). Each may set
+      ``CurrentScaling`` (stateless: each tensor's scale from its amax of this step), a
+      ``BlockScaling`` (stateless; K and N multiples of 128) or an ``MXFP8BlockScaling``
+      (stateless; K and N multiples of 32; GEMMs emulated, ``mxfp8_gemm``). Each may set
       ``fp8_min_intensity``: a linear below it runs in the compute dtype (BF16 GEMMs through
       XLA), its rings untouched, where the FP8 path would be slower
       (``check_fp8_min_intensity``). The per-tensor recipes' ``fast_accum_gemms`` name the
@@ -335,7 +391,7 @@ _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have bee
     amax_axis_name: under ``pmap`` / ``shard_map``, the axis (or axes) whose devices share the
       scales; amaxes are max-reduced over it so all devices hold identical rings (under
       CurrentScaling: quantize each tensor with one scale, its amax reduced before the
-      quantization, and every axis x, kernel or bias vary over is added). Under a
+      quantization; there None means every axis x, kernel or bias vary over). Under a
       type-checked ``shard_map`` it must include every axis x, kernel or bias vary over while
       the state is replicated. The default None means, where the types tell nothing (pmap,
       ``check_vma=False``), every manual axis; ``()`` means none (independent replicas, as in
@@ -356,16 +412,18 @@ _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have bee
       gradient comes back in x's dtype."""
 
 _RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under
-    BlockScaling), mismatched shapes, unsupported dtypes, rings that do not match the recipe,
-    amax_axis_name not a str or tuple of str or naming an axis that is not bound, axes missing
-    from amax_axis_name under shard_map, a state or amax axis given to BlockScaling, an
+    BlockScaling, 32 under MXFP8BlockScaling), mismatched shapes, unsupported dtypes, rings that
+    do not match the recipe, amax_axis_name not a str or tuple of str or naming an axis that is
+    not bound, axes missing from amax_axis_name under shard_map, a state given to a stateless
+    recipe or an amax axis to a block recipe, an Fp8Weight under MXFP8BlockScaling, more than
+    65535 * 32 rows M under MXFP8BlockScaling with a gradient (the blocks along M), an
     unknown norm, gamma / beta of the wrong shape or dtype or given without their norm,
     epsilon not > 0."""
 
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            state: LinearState | None = None,
-           recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling(),
+           recipe: Recipe = DelayedScaling(),
            amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
            gamma: jax.Array | None = None, beta: jax.Array | None = None,
            epsilon: float = 1e-6, dtype=None) -> jax.Array:
@@ -382,8 +440,7 @@ linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backwa
     bias: optional [N].
     state: under ``DelayedScaling``, the layer's ``LinearState`` (create with
       ``LinearState.create(recipe)``); differentiate with respect to it and pass that gradient
-      to ``jax_fp8.update_state`` for the next rings. Under ``CurrentScaling`` and
-      ``BlockScaling``: None.
+      to ``jax_fp8.update_state`` for the next rings. Under the other recipes: None.
 {_ARGS_DOC}
   Returns:
     [..., N] in ``dtype`` (default x's).
@@ -397,7 +454,7 @@ linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backwa
 
 
 def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState | None = None,
-                 recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling(),
+                 recipe: Recipe = DelayedScaling(),
                  amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
                  gamma: jax.Array | None = None, beta: jax.Array | None = None,
                  epsilon: float = 1e-6, dtype=None) -> tuple[jax.Array, ...]:
@@ -431,8 +488,7 @@ multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kern
     kernels: tuple / list of n [K, N_i] arrays, float32 / bfloat16 / float16.
     biases: None, or n entries each None or [N_i] float32 / bfloat16 / float16.
     state: under ``DelayedScaling``, a ``MultiLinearState`` (``MultiLinearState.create(n,
-      recipe)``), used as ``linear``'s state is. Under ``CurrentScaling`` and
-      ``BlockScaling``: None.
+      recipe)``), used as ``linear``'s state is. Under the other recipes: None.
 {_ARGS_DOC}
   Returns:
     tuple of n arrays [..., N_i] in ``dtype`` (default x's).
@@ -446,13 +502,33 @@ multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kern
   """
 
 
-RECIPES = (DelayedScaling, CurrentScaling, BlockScaling)
+STATELESS = (BlockScaling, MXFP8BlockScaling)  # and device-local: no amax is reduced
 
 
 def _check_recipe(recipe) -> None:
   if not isinstance(recipe, RECIPES):
-    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling or a BlockScaling, got "
-                    f"{type(recipe).__name__}")
+    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling or an "
+                    f"MXFP8BlockScaling, got {type(recipe).__name__}")
+
+
+def fp8_multiple(recipe) -> tuple[int, str]:
+  """The multiple that K and N (an MLP's F and D too) must be of on the FP8 path under
+  ``recipe``, and the rule in words for an error."""
+  if isinstance(recipe, BlockScaling):
+    return blockwise.BLOCK, (f"BlockScaling needs K and N multiples of {blockwise.BLOCK} (the "
+                             f"groups of x along K and of the gradient along N)")
+  if isinstance(recipe, MXFP8BlockScaling):
+    return MX_BLOCK, (f"MXFP8BlockScaling needs K and N multiples of {MX_BLOCK} (whole MXFP8 "
+                      f"blocks of x and the kernel along K, of the gradient and the kernel "
+                      f"along N)")
+  return DIM_MULTIPLE, f"K and N must be multiples of {DIM_MULTIPLE} for the FP8 GEMMs"
+
+
+def check_stateless(recipe, state, amax_axis_name) -> None:
+  """The block recipes take no state and reduce no amax: ValueError otherwise."""
+  if state is not None or amax_axis_name not in (None, ()):
+    raise ValueError(f"{type(recipe).__name__} is stateless: pass no state and no "
+                     f"amax_axis_name (its scales come from each device's own tensors)")
 
 
 def check_norm(x, norm_args):
@@ -534,18 +610,11 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), sum(ns), k)
   if fp8 and 0 in ns:
     raise ValueError(f"{kernel_names[ns.index(0)]} has N = 0 beside other kernels: leave it out")
-  multiple = blockwise.BLOCK if isinstance(recipe, BlockScaling) else DIM_MULTIPLE
+  multiple, why = fp8_multiple(recipe)
   if fp8 and (k % multiple or any(n % multiple for n in ns)):
-    raise ValueError(
-        f"BlockScaling needs K and N multiples of {multiple} (the groups of x along K and of "
-        f"the gradient along N), got K={k}, N={', '.join(map(str, ns))}"
-        if isinstance(recipe, BlockScaling) else
-        f"K and N must be multiples of {multiple} for the FP8 GEMMs, got K={k}, "
-        f"N={', '.join(map(str, ns))}")
-  if isinstance(recipe, BlockScaling):
-    if state is not None or amax_axis_name not in (None, ()):
-      raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
-                       "scales come from each device's own tensors)")
+    raise ValueError(f"{why}, got K={k}, N={', '.join(map(str, ns))}")
+  if isinstance(recipe, STATELESS):
+    check_stateless(recipe, state, amax_axis_name)
     rings = None
   elif isinstance(recipe, CurrentScaling):
     if state is not None:
@@ -589,7 +658,11 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   dtypes = (x.dtype, out_dtype, tuple(kernel.dtype for kernel in kernels),
             tuple(None if b is None else b.dtype for b in biases))
   x2 = x.reshape(math.prod(x.shape[:-1]), k)
-  ys = (_block_linear(x2, kernels, biases, recipe, dtypes) if rings is None else
-        _linear(x2, norm_params, kernels, biases, rings, amax_axis_name, dtypes,
-                recipe.fast_accum_gemms, norm, isinstance(recipe, CurrentScaling)))
+  if isinstance(recipe, BlockScaling):
+    ys = _block_linear(x2, kernels, biases, recipe, dtypes)
+  elif isinstance(recipe, MXFP8BlockScaling):
+    ys = _mxfp8_linear(x2, kernels, biases, dtypes)
+  else:
+    ys = _linear(x2, norm_params, kernels, biases, rings, amax_axis_name, dtypes,
+                 recipe.fast_accum_gemms, norm, isinstance(recipe, CurrentScaling))
   return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))

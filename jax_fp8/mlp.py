@@ -2,10 +2,11 @@
 gradient computed inside the cast-transposes that quantize them, so neither is ever stored in
 the compute dtype (TransformerEngine's LayerNormMLP fuses the same steps).
 
-Forward: x and both kernels are cast-transposed with their delayed-scaling rings (as in
-``jax_fp8.linear``); ``y = x @ kernel_in + bias_in`` in one FP8 GEMM (a gated activation's gate
-and up projections side by side in one kernel, one GEMM); ``activation_cast_transpose`` reads y
-once and writes ``act(y)`` in both FP8 layouts; ``out = act(y) @ kernel_out + bias_out``.
+Forward: x and both kernels are cast-transposed with their scale rings (as in
+``jax_fp8.linear``, delayed or current scaling); ``y = x @ kernel_in + bias_in`` in one FP8
+GEMM (a gated activation's gate and up projections side by side in one kernel, one GEMM);
+``activation_cast_transpose`` reads y once and writes ``act(y)`` in both FP8 layouts;
+``out = act(y) @ kernel_out + bias_out``.
 Saved: x's and act(y)'s transposed FP8 copies, the kernels' FP8 copies, and y.
 Backward: the output gradient g is cast-transposed (``dbias_out`` from the same read);
 ``dh = g @ kernel_out.T`` (dgrad), ``dkernel_out = act(y).T @ g`` (wgrad);
@@ -13,8 +14,9 @@ Backward: the output gradient g is cast-transposed (``dbias_out`` from the same 
 gradient dy in both FP8 layouts (``dbias_in`` from the same read); ``dx = dy @ kernel_in.T``,
 ``dkernel_in = x.T @ dy``.
 
-Under ``BlockScaling`` the MLP is the composition ``linear``, ``jax_fp8.activations.apply``,
-``linear`` (block-scaled GEMMs; the activation is XLA's, not fused).
+Under ``BlockScaling`` and ``MXFP8BlockScaling`` the MLP is the composition ``linear``,
+``jax_fp8.activations.apply``, ``linear`` (block-scaled GEMMs; the activation is XLA's, not
+fused).
 """
 
 from __future__ import annotations
@@ -27,15 +29,14 @@ import jax
 
 from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
-from .linear import (_amax_axes, _check_delayed, _check_recipe, _fp8_pays, _shared, check_norm,
-                     compute_dtype, gemm_input, input_grad, linear, normalized, quantize_input,
-                     scaled, zero_like)
-from .ops import blockwise
+from .linear import (STATELESS, _amax_axes, _check_delayed, _check_recipe, _fp8_pays, _shared,
+                     check_norm, check_stateless, compute_dtype, fp8_multiple, gemm_input,
+                     input_grad, linear, normalized, quantize_input, scaled, zero_like)
 from .ops._ring import check_ring
 from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
                                  cast_transpose_delayed)
-from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
-from .recipes import BlockScaling, CurrentScaling, DelayedScaling
+from .ops.gemm import gemm, gemm_bias, gemm_dtype
+from .recipes import CurrentScaling, DelayedScaling, Recipe
 from .state import ScaleRing
 
 _RINGS = ("x", "kernel_in", "grad_in", "hidden", "kernel_out", "grad_out")
@@ -137,7 +138,7 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
         bias_in: jax.Array | None = None, bias_out: jax.Array | None = None, *,
         activation: str = "swiglu", state: MlpState | None = None,
-        recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling(),
+        recipe: Recipe = DelayedScaling(),
         amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
         gamma: jax.Array | None = None, beta: jax.Array | None = None,
         epsilon: float = 1e-6, dtype=None) -> jax.Array:
@@ -155,10 +156,10 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
       (``jax_fp8.activations``).
     state: under ``DelayedScaling``, an ``MlpState`` (``MlpState.create(recipe)``), used as
       ``linear``'s state is (differentiate with respect to it, pass that gradient to
-      ``jax_fp8.update_state``). Under ``CurrentScaling`` and ``BlockScaling``: None.
+      ``jax_fp8.update_state``). Under the other recipes: None.
     recipe: ``DelayedScaling``, ``CurrentScaling`` (the activation's amax from XLA's
-      activation of the up projection, its gradient's likewise) or ``BlockScaling`` (K, N, F
-      and D multiples of 128). The FP8
+      activation of the up projection, its gradient's likewise), ``BlockScaling`` (K, N, F
+      and D multiples of 128) or ``MXFP8BlockScaling`` (multiples of 32). The FP8
       path runs where both GEMMs reach the recipe's ``fp8_min_intensity``; otherwise the MLP
       runs in x's dtype through XLA and the rings are untouched.
     amax_axis_name: as in ``linear``.
@@ -171,9 +172,10 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
     [..., D] in ``dtype`` (default x's).
   Raises:
     TypeError / ValueError at trace time: dtypes, shapes (N = 2F for a gated activation; on
-    the FP8 path K, F and D multiples of 16, or 128 under BlockScaling), unknown activation, a
-    state that is not an MlpState of the recipe's rings, a state or amax axis given to
-    BlockScaling, and the amax_axis_name and norm errors of ``linear``.
+    the FP8 path K, F and D multiples of 16, or 128 under BlockScaling, 32 under
+    MXFP8BlockScaling), unknown activation, a state that is not an MlpState of the recipe's
+    rings, a state given to a stateless recipe or an amax axis to a block recipe, and the
+    amax_axis_name and norm errors of ``linear``.
 
   Method: per-tensor delayed scaling as in ``linear`` (Micikevicius et al. 2022, NVIDIA
   TransformerEngine); gated activations after Shazeer 2020 (arXiv 2002.05202).
@@ -208,11 +210,9 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   _check_recipe(recipe)
   m = math.prod(x.shape[:-1])
   fp8 = _fp8_pays(recipe, m, n, k) and _fp8_pays(recipe, m, d, f)
-  block, current_ = isinstance(recipe, BlockScaling), isinstance(recipe, CurrentScaling)
+  block, current_ = isinstance(recipe, STATELESS), isinstance(recipe, CurrentScaling)
   if block:
-    if state is not None or amax_axis_name not in (None, ()):
-      raise ValueError("BlockScaling is stateless: pass no state and no amax_axis_name (its "
-                       "scales come from each device's own tensors)")
+    check_stateless(recipe, state, amax_axis_name)
   elif current_:
     if state is not None:
       raise ValueError("CurrentScaling is stateless: pass no state (each tensor's scale comes "
@@ -230,10 +230,11 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
     if want != have:
       raise ValueError(f"state rings (fmt, history_len, margin, algo) for {_RINGS} = {have} do "
                        f"not match the recipe's {want}")
-  multiple = blockwise.BLOCK if block else DIM_MULTIPLE
+  multiple, _ = fp8_multiple(recipe)
   if fp8 and any(v % multiple for v in (k, f, d)):
     raise ValueError(f"K, F and D must be multiples of {multiple} for the FP8 GEMMs"
-                     f"{' under BlockScaling' if block else ''}, got K={k}, F={f}, D={d}")
+                     f"{f' under {type(recipe).__name__}' if block else ''}, got K={k}, F={f}, "
+                     f"D={d}")
   if not block:  # checked on every path, as linear does
     axis = _amax_axes(x, (kernel_in, kernel_out), (bias_in, bias_out), state, amax_axis_name)
   if not fp8 or block or norm is None:  # else the norm's kernel reads x itself

@@ -101,18 +101,18 @@ class Linear(_Layer):
 
   Same constructor arguments as ``nnx.Linear`` less ``precision``, ``dot_general``,
   ``promote_dtype`` and ``preferred_element_type`` (the FP8 GEMMs decide them), plus
-  ``recipe`` (``DelayedScaling``, default, or ``BlockScaling``), ``amax_axis_name`` (as in
+  ``recipe`` (``DelayedScaling``, default, or any of ``linear``'s), ``amax_axis_name`` (as in
   ``jax_fp8.linear``), and ``norm`` (None, "rmsnorm" or "layernorm") with ``norm_epsilon``
   (1e-6): the input's norm fused into its FP8 quantization, as ``jax_fp8.flax.Dense``'s, with
   the parameters "gamma" [in] (ones) and, for LayerNorm, "beta" [in] (zeros), else None. Same
   parameters ("kernel" [in, out], "bias" [out]) and initializers.
   Under ``DelayedScaling`` the rings are the ``Fp8State`` "fp8_state" (a ``LinearState``);
-  under ``BlockScaling`` it is None. The kernel is quantized from its parameter dtype (f32
+  under the other recipes it is None. The kernel is quantized from its parameter dtype (f32
   master weights straight to FP8); inputs and outputs are in ``dtype``.
 
   Input ``[..., in_features]``; output ``[..., out_features]``; in and out multiples of 16
-  (128 under BlockScaling). Raises TypeError / ValueError for bad arguments, at construction
-  or at the call.
+  (128 under BlockScaling, 32 under MXFP8BlockScaling). Raises TypeError / ValueError for bad
+  arguments, at construction or at the call.
   """
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -143,7 +143,7 @@ class Mlp(nnx.Module):
   activation: gate and up side by side), "kernel_out" [hidden_features, out_features],
   "bias_in" [N] and "bias_out" [out_features] with ``use_bias`` (else None), with
   ``nnx.Linear``'s initializers; under ``DelayedScaling`` the ``Fp8State`` "fp8_state" holds
-  an ``MlpState`` (None under ``CurrentScaling`` and ``BlockScaling``).
+  an ``MlpState`` (None under the other recipes).
 
   Args: in_features (K), hidden_features (F), out_features (D; None: K), activation ("swiglu",
   default, "geglu", "silu" or "gelu"), and ``Linear``'s use_bias, dtype, param_dtype,

@@ -125,7 +125,8 @@ class BlockScaling:
 class CurrentScaling(PerTensorFormats):
   """Per-tensor current-scaling recipe (TransformerEngine's ``Float8CurrentScaling``): each
   tensor is quantized with the scale of its own amax in this step, ``amax * 2^margin /
-  fmt_max`` (``state.scale_from_amax``; 1 for an all-zero or non-finite tensor). Stateless.
+  fmt_max`` (``state.scale_from_amax``; 1 for an all-zero or non-finite tensor, so an inf
+  saturates to the format's largest value, while a NaN stays NaN). Stateless.
   The amax is XLA's reduction, one read of the tensor before the quantize kernel's (XLA may
   fuse it into the op that produced the tensor). Under ``pmap`` / ``shard_map`` it is
   max-reduced over the devices that share the tensor before anything is quantized, so every
@@ -155,3 +156,36 @@ class CurrentScaling(PerTensorFormats):
   def ring(self, fmt: str) -> ScaleRing:
     """The ring a quantization's scale is set in (``state.current``): one amax, most recent."""
     return ScaleRing.create(1, fmt, self.margin, "most_recent")
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling:
+  """MXFP8 recipe (OCP MX v1.0; TransformerEngine's ``MXFP8BlockScaling``): every GEMM operand in
+  1 x 32 blocks along the GEMM's contraction dimension, each with an E8M0 scale rounded up
+  (``mxfp8_quantize``), E4M3 elements for activations, weights and gradients: E5M2 gradients
+  diverged in public MXFP8 runs, so HYBRID is refused. Each operand is quantized from the
+  tensor itself in the direction its GEMM contracts (x along K for fprop and along M for wgrad,
+  the gradient along N and M, the kernel along K and N). Stateless. On Hopper, which has no MX
+  tensor cores, the GEMMs are emulated (``mxfp8_gemm``: the operands dequantized to bfloat16,
+  exactly, then a BF16 GEMM with f32 accumulation): the numerics are a Blackwell MX GEMM's, the
+  speed is BF16's plus the quantization passes.
+
+  Attributes:
+    fp8_format: "e4m3", the only format taken.
+    fp8_min_intensity: see ``check_fp8_min_intensity``; 0 (default): always MXFP8.
+  Raises:
+    TypeError / ValueError when built with a field out of range.
+  """
+
+  fp8_format: Literal["e4m3"] = "e4m3"
+  fp8_min_intensity: float = 0.0
+
+  def __post_init__(self):
+    if self.fp8_format != "e4m3":
+      raise ValueError(f"MXFP8BlockScaling.fp8_format must be 'e4m3' (E5M2 gradients diverged in "
+                       f"public MXFP8 runs; HYBRID is not offered), got {self.fp8_format!r}")
+    check_fp8_min_intensity(self)
+
+
+RECIPES = (DelayedScaling, CurrentScaling, BlockScaling, MXFP8BlockScaling)
+Recipe = DelayedScaling | CurrentScaling | BlockScaling | MXFP8BlockScaling  # any of RECIPES

@@ -226,6 +226,13 @@ def mxfp8_dequantize(data, scales, dtype=jnp.float32):
   return e8m0_apply(data.astype(jnp.float32), jnp.repeat(scales, MX_BLOCK, axis=1)).astype(dtype)
 
 
+def mxfp8_gemm(a, a_scales, b, b_scales, *, out_dtype=jnp.bfloat16):
+  """``a @ b.T`` of MXFP8 operands (a [M, K], b [N, K], scales [., K/32]) from their f32 values,
+  summed in f32 at full precision."""
+  return jnp.matmul(mxfp8_dequantize(a, a_scales), mxfp8_dequantize(b, b_scales).T,
+                    precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
+
+
 def _nvfp4_rowwise(x, global_scale, block_2d, bits=None):
   """x [R, C] f32 -> (data uint8 [R, C/2], scales E4M3 [R, C/16]); with ``block_2d`` one scale
   per 16 x 16 tile, repeated on each of its 16 rows; with ``bits`` (uint32 [R, C], 16-bit

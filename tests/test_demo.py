@@ -7,7 +7,7 @@ import pytest
 from jax_fp8.demo.__main__ import main
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "current", "block"])
+@pytest.mark.parametrize("recipe", ["delayed", "current", "block", "mxfp8"])
 def test_demo_smoke(tmp_path, recipe):
   # main raises SystemExit(1) if FP8 strays from BF16's validation loss
   main(["--preset", "smoke", "--recipe", recipe, "--out", str(tmp_path)])

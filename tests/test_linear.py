@@ -71,22 +71,16 @@ def test_forward_and_grads(platform, rng, dtype):
     assert rel(got.astype(jnp.float32), ref) < BWD_TOL + out, name
 
 
-def test_numerical_gradient(platform, rng):
-  """Every element of the FP8 gradients against central differences of the f32 loss (a
-  nonlinear one), normwise; and the check is sharp enough to see a factor-2 error in any of
-  them (a transposed one changes the shape: no operand here is square)."""
-  x, w, b, t = problem(rng, lead=(8,), k=16, n=32)
-  # The backward's quantization (BWD_TOL), and the forward's (FWD_TOL), which reaches
-  # dL/dz = t * tanh'(z) too; central differences add ~eps^2 and f32 noise, under 1e-3.
-  tol = BWD_TOL + FWD_TOL
-
+def check_numerical_gradient(fp8_linear, x, w, b, t, tol):
+  """Every element of the gradients of ``sum(tanh(fp8_linear(x, w, b)) * t)`` (a nonlinear
+  loss) against central differences of the f32 loss, normwise within ``tol``; and the check is
+  sharp enough to see a factor-2 error in any of them (a transposed one changes the shape: no
+  operand here is square)."""
   def f32_loss(x, w, b):
     return jnp.sum(jnp.tanh(x @ w + b) * t)
 
-  def fp8_loss(x, w, b):
-    return jnp.sum(jnp.tanh(jax_fp8.linear(x, w, b, state=jax_fp8.LinearState.create())) * t)
-
-  grads = jax.jit(jax.grad(fp8_loss, argnums=(0, 1, 2)))(x, w, b)
+  grads = jax.jit(jax.grad(lambda x, w, b: jnp.sum(jnp.tanh(fp8_linear(x, w, b)) * t),
+                           argnums=(0, 1, 2)))(x, w, b)
   eps = 1e-2
   for i, (v, g) in enumerate(zip((x, w, b), grads)):
     flat = np.asarray(v, np.float64).ravel()
@@ -104,6 +98,15 @@ def test_numerical_gradient(platform, rng):
     assert rel(g, numeric) < tol
     # Twice the gradient would fail the line above: its error is at least 1 - 2 * tol > tol.
     assert rel(2 * np.asarray(g), numeric) > tol
+
+
+def test_numerical_gradient(platform, rng):
+  # The backward's quantization (BWD_TOL), and the forward's (FWD_TOL), which reaches
+  # dL/dz = t * tanh'(z) too; central differences add ~eps^2 and f32 noise, under 1e-3.
+  x, w, b, t = problem(rng, lead=(8,), k=16, n=32)
+  check_numerical_gradient(
+      lambda x, w, b: jax_fp8.linear(x, w, b, state=jax_fp8.LinearState.create()),
+      x, w, b, t, BWD_TOL + FWD_TOL)
 
 
 def test_state_gradient_gives_next_ring(platform, rng):

@@ -569,3 +569,78 @@ def test_current_scaling_sharded_jit(problem, name):
     return (y, *vjp(g), ())
 
   check(step(*args), single_device_current(x, w, b, g), (x, w, b, g))
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "tensor_column"])
+def test_mxfp8_block_scaling_sharded_jit(problem, name):
+  """MXFP8BlockScaling under a plain sharded jit: the quantizers' sharding rules keep every
+  block whole, so the step equals one device's up to the order of the sums."""
+  x, w, b, g, _ = problem
+  recipe = jax_fp8.MXFP8BlockScaling()
+  _, args = sharded_jit_args(SHARDED_JIT[name], (x, w, b, g))
+
+  def step(x, w, b, g):
+    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe), x, w, b)
+    return (y, *vjp(g), ())
+
+  with jax.default_device(DEVICES[0]):
+    want = step(*jax.device_put((x, w, b, g), DEVICES[0]))
+  check(jax.jit(step)(*args), want, (x, w, b, g))
+
+
+def per_shard(v, factors):
+  """v [M, ...] with each device's rows (split over the data axis) times its own factor, so the
+  shards' amaxes differ and a device-local scale would show."""
+  return v * jnp.repeat(jnp.asarray(factors, jnp.float32), v.shape[0] // NDEV)[:, None]
+
+
+def close_to(got, want):
+  """Equal up to the order of f32 sums (any FP8 scale that differed would move elements by
+  an FP8 step, 2^-4 of themselves, far beyond this)."""
+  for a, r in zip(got, want):
+    r = np.asarray(r, np.float64)
+    assert np.max(np.abs(np.asarray(a, np.float64) - r)) <= 1e-4 * np.max(np.abs(r))
+
+
+@pytest.mark.parametrize("norm", [None, "rmsnorm"])
+def test_current_scaling_mlp_data_parallel(rng, norm):
+  """The fused MLP under CurrentScaling: the hidden activation's and its gradient's amaxes (from
+  XLA's activation) are reduced over the data axis too, so every device quantizes them with the
+  whole tensor's scales."""
+  x = per_shard(jnp.asarray(rng.standard_normal((M, K)), jnp.float32), range(1, NDEV + 1))
+  g = per_shard(jnp.asarray(rng.standard_normal((M, K)), jnp.float32), range(NDEV, 0, -1))
+  k_in = jnp.asarray(rng.standard_normal((K, 128)) / 8, jnp.float32)
+  k_out = jnp.asarray(rng.standard_normal((64, K)) / 8, jnp.float32)
+  kw = dict(recipe=CURRENT, norm=norm, gamma=jnp.ones(K) if norm else None)
+
+  def step(x, k_in, k_out, g, axis_name=None):
+    y, vjp = jax.vjp(lambda *a: jax_fp8.mlp(*a, amax_axis_name=axis_name, **kw), x, k_in, k_out)
+    return (y, *vjp(g))
+
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  run = jax.jit(jax.shard_map(lambda *a: step(*a, axis_name="data"), mesh=mesh,
+                              in_specs=(P("data"), P(), P(), P("data")),
+                              out_specs=(P("data"), P("data"), P(), P())))
+  with jax.default_device(DEVICES[0]):
+    want = step(*jax.device_put((x, k_in, k_out, g), DEVICES[0]))
+  close_to(run(x, k_in, k_out, g), want)
+
+
+def test_current_scaling_fp8_weight_and_replicas(problem):
+  """An Fp8Weight under CurrentScaling quantizes x with the whole batch's scale; with
+  amax_axis_name=() each device keeps its own scales (independent replicas), as one device
+  running its own shard would."""
+  x, w, b, _, _ = problem
+  x = per_shard(x, [4.0**i for i in range(NDEV)])
+  fw = jax_fp8.quantize_weight(w, CURRENT)
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  shard = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("data"),),  # noqa: E731
+                                          out_specs=P("data")))
+  one = lambda f, v: jax.jit(f)(jax.device_put(v, DEVICES[0]))  # noqa: E731
+  weight = lambda x: jax_fp8.linear(x, fw, b, recipe=CURRENT)  # noqa: E731
+  close_to([shard(lambda x: jax_fp8.linear(x, fw, b, recipe=CURRENT, amax_axis_name="data"))(x)],
+           [one(weight, x)])
+  replicas = shard(lambda x: jax_fp8.linear(x, w, b, recipe=CURRENT, amax_axis_name=()))(x)
+  pieces = [one(lambda v: jax_fp8.linear(v, w, b, recipe=CURRENT), p)
+            for p in jnp.split(x, NDEV)]
+  close_to([replicas], [jnp.concatenate(pieces)])

@@ -2,7 +2,7 @@
 
 Both runs start from the same parameters and see the same batches of Python standard-library
 source. The FP8 run puts every block matmul through ``jax_fp8.flax.Dense`` (``--recipe delayed``
-(default), ``current`` or ``block``); the BF16 run uses
+(default), ``current``, ``block`` or ``mxfp8``); the BF16 run uses
 ``flax.linen.Dense`` in bf16. Reported: step time and tokens/s (compile steps excluded), final
 train and validation loss, the speedup, a PNG of the loss curves and ``results.json``. Exit
 status 1 when the FP8 validation loss is worse than the BF16 one by more than ``--tolerance``.
@@ -197,8 +197,9 @@ def parse_args(argv):
                  help="allowed relative excess of the FP8 validation loss over BF16's")
   p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the batches")
   p.add_argument("--recipe", choices=list(RECIPES), default="delayed",
-                 help="FP8 recipe: per-tensor delayed or current scaling (HYBRID), or block "
-                      "scaling (DeepSeek-V3: 1x128 groups, 128x128 weight blocks)")
+                 help="FP8 recipe: per-tensor delayed or current scaling (HYBRID), block "
+                      "scaling (DeepSeek-V3: 1x128 groups, 128x128 weight blocks) or MXFP8 "
+                      "(1x32 E8M0 blocks; GEMMs emulated on Hopper)")
   p.add_argument("--only", choices=list(RUNS),
                  help="train this run only; compare it with the other's run-*.json in --out "
                       "when that one ran under the same settings")

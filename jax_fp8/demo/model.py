@@ -2,7 +2,7 @@
 
 With ``fp8=True`` every matmul inside the blocks is FP8 under ``recipe`` ("delayed": per-tensor
 delayed scaling, HYBRID; "current": per-tensor current scaling, HYBRID; "block": DeepSeek-style
-block scaling): the fused q/k/v projection and
+block scaling; "mxfp8": MXFP8 blocks, GEMMs emulated on Hopper): the fused q/k/v projection and
 the attention output projection are ``jax_fp8.flax.Dense``, the MLP a ``jax_fp8.flax.Mlp``;
 the LayerNorms before q/k/v and the MLP are those layers' own (``norm="layernorm"``), and
 under the per-tensor recipes they and the MLP's GELU are computed inside the FP8
@@ -27,14 +27,14 @@ import jax_fp8.flax
 
 COMPUTE = jnp.bfloat16
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling(),
-           "block": jax_fp8.BlockScaling()}
+           "block": jax_fp8.BlockScaling(), "mxfp8": jax_fp8.MXFP8BlockScaling()}
 INIT = nn.initializers.normal(0.02)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Model size and FP8 recipe. ``d_model`` must be a multiple of 16 (FP8 GEMM alignment; 128
-  under the block recipe, whose groups are 128 wide) and of ``n_heads``."""
+  under the block recipe, whose groups are 128 wide, 32 under MXFP8) and of ``n_heads``."""
 
   d_model: int
   n_heads: int
@@ -52,14 +52,15 @@ class Config:
   def __post_init__(self):
     if self.recipe not in RECIPES:
       raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
-    align = 128 if self.fp8 and self.recipe == "block" else 16
+    align = {"block": 128, "mxfp8": 32}.get(self.recipe, 16) if self.fp8 else 16
     if self.d_model % align or self.d_model % self.n_heads:
       raise ValueError(f"d_model={self.d_model} must be a multiple of {align} and of "
                        f"n_heads={self.n_heads}")
 
 
 def _fp8_kw(cfg: Config, norm: bool) -> dict:
-  axis = cfg.amax_axis_name if cfg.recipe != "block" else None  # block scaling: device-local
+  # the block recipes' scales are device-local: no amax to reduce
+  axis = cfg.amax_axis_name if cfg.recipe in ("delayed", "current") else None
   return dict(recipe=RECIPES[cfg.recipe], amax_axis_name=axis,
               norm="layernorm" if norm else None)
 

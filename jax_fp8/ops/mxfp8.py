@@ -115,3 +115,34 @@ def mxfp8_dequantize(data: jax.Array, scales: jax.Array, dtype=jnp.float32) -> j
     raise ValueError(f"scales must be data's shape with the last axis divided by {MX_BLOCK}, "
                      f"got data {data.shape} and scales {scales.shape}")
   return e8m0_apply(data.astype(jnp.float32), jnp.repeat(scales, MX_BLOCK, axis=-1)).astype(dtype)
+
+
+def mxfp8_gemm(a: jax.Array, a_scales: jax.Array, b: jax.Array, b_scales: jax.Array, *,
+               out_dtype=jnp.bfloat16) -> jax.Array:
+  """``a @ b.T`` of two MXFP8 operands (TN, as block-scaled GEMMs take them: both contract over
+  their last axis), each element times its block's E8M0 scale, summed in f32. Emulated on
+  Hopper, which has no MX tensor cores: both operands are dequantized to bfloat16 (exact for
+  E4M3 / E5M2 times a power of two, wherever the value stays a bfloat16 normal) and multiplied
+  by XLA's BF16 GEMM with f32 accumulation, so the result is the MX GEMM's (OCP MX v1.0) up to
+  the order of the f32 sums. A Blackwell GEMM with 32-element UE8M0 scales (cuBLASLt's
+  VEC32_UE8M0 mode) would take the same operands.
+
+  Args:
+    a: [M, K] float8_e4m3fn / float8_e5m2, with a_scales uint8 [M, K/32]: ``mxfp8_quantize``'s
+      ``data`` and ``scales`` (or ``data_t`` and ``scales_t``).
+    b: [N, K] likewise, with b_scales uint8 [N, K/32].
+    out_dtype: float32 / bfloat16 / float16.
+  Returns:
+    [M, N] in out_dtype.
+  Raises:
+    TypeError / ValueError at trace time: dtypes; operands that are not 2-D with one K; scales
+    not their data's shape with K divided by 32.
+  """
+  out_dtype = checks.dtype(out_dtype, "out_dtype", FLOAT_DTYPES)
+  a16 = mxfp8_dequantize(a, a_scales, jnp.bfloat16)
+  b16 = mxfp8_dequantize(b, b_scales, jnp.bfloat16)
+  if a16.ndim != 2 or b16.ndim != 2 or a16.shape[1] != b16.shape[1]:
+    raise ValueError(f"a [M, K] and b [N, K] must be 2-D with one K, got a {a16.shape} and b "
+                     f"{b16.shape}")
+  return jax.lax.dot_general(a16, b16, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32).astype(out_dtype)
