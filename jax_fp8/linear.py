@@ -507,8 +507,10 @@ STATELESS = (BlockScaling, MXFP8BlockScaling)  # and device-local: no amax is re
 
 def _check_recipe(recipe) -> None:
   if not isinstance(recipe, RECIPES):
+    got = (f"the class {recipe.__name__}: pass an instance, e.g. {recipe.__name__}()"
+           if isinstance(recipe, type) else type(recipe).__name__)
     raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling or an "
-                    f"MXFP8BlockScaling, got {type(recipe).__name__}")
+                    f"MXFP8BlockScaling, got {got}")
 
 
 def fp8_multiple(recipe) -> tuple[int, str]:
@@ -525,10 +527,14 @@ def fp8_multiple(recipe) -> tuple[int, str]:
 
 
 def check_stateless(recipe, state, amax_axis_name) -> None:
-  """The block recipes take no state and reduce no amax: ValueError otherwise."""
-  if state is not None or amax_axis_name not in (None, ()):
-    raise ValueError(f"{type(recipe).__name__} is stateless: pass no state and no "
-                     f"amax_axis_name (its scales come from each device's own tensors)")
+  """The block recipes take no state and reduce no amax: ValueError naming the argument
+  otherwise."""
+  name = type(recipe).__name__
+  if state is not None:
+    raise ValueError(f"{name} is stateless: pass state=None, got a {type(state).__name__}")
+  if amax_axis_name not in (None, ()):
+    raise ValueError(f"{name} reduces no amax (its block scales come from each device's own "
+                     f"tensors): pass amax_axis_name=None, got {amax_axis_name!r}")
 
 
 def check_norm(x, norm_args):

@@ -149,7 +149,7 @@ def test_errors(rng):
     jax_fp8.linear(x[..., :48], w[:48], recipe=MX)
   with pytest.raises(ValueError, match="MXFP8BlockScaling is stateless"):
     jax_fp8.linear(x, w, recipe=MX, state=jax_fp8.LinearState.create())
-  with pytest.raises(ValueError, match="MXFP8BlockScaling is stateless"):
+  with pytest.raises(ValueError, match="MXFP8BlockScaling reduces no amax.*got 'data'"):
     jax_fp8.linear(x, w, recipe=MX, amax_axis_name="data")
   with pytest.raises(ValueError, match="under MXFP8BlockScaling"):
     jax_fp8.mlp(x, jnp.zeros((64, 96)), jnp.zeros((48, 64)), recipe=MX)
@@ -158,6 +158,13 @@ def test_errors(rng):
   fw = jax_fp8.quantize_weight(w, jax_fp8.DelayedScaling())
   with pytest.raises(TypeError, match="under MXFP8BlockScaling pass the float kernel"):
     jax_fp8.linear(x, fw, recipe=MX)
-  with pytest.raises(ValueError, match="one K"):
-    q = jax_fp8.mxfp8_quantize(w)
+  q = jax_fp8.mxfp8_quantize(w)
+  with pytest.raises(ValueError, match="must share K"):
     jax_fp8.mxfp8_gemm(q["data"], q["scales"], q["data"][:, :64], q["scales"][:, :2])
+  with pytest.raises(ValueError, match=r"b_scales uint8.*got b float8_e4m3fn\[64, 96\] and "
+                                       r"b_scales float8_e4m3fn"):
+    jax_fp8.mxfp8_gemm(q["data"], q["scales"], q["data"], q["data"])  # scales swapped in
+  with pytest.raises(TypeError, match="b must be float8_e4m3fn or float8_e5m2, got float32"):
+    jax_fp8.mxfp8_gemm(q["data"], q["scales"], w, q["scales"])
+  with pytest.raises(TypeError, match=r"got the class CurrentScaling: pass an instance"):
+    jax_fp8.linear(x, w, recipe=jax_fp8.CurrentScaling)

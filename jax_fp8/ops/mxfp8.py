@@ -139,10 +139,19 @@ def mxfp8_gemm(a: jax.Array, a_scales: jax.Array, b: jax.Array, b_scales: jax.Ar
     not their data's shape with K divided by 32.
   """
   out_dtype = checks.dtype(out_dtype, "out_dtype", FLOAT_DTYPES)
+  a, b = checks.fp8_array(a, "a"), checks.fp8_array(b, "b")
+  for name, data, scales in (("a", a, a_scales), ("b", b, b_scales)):
+    scales = checks.array(scales, f"{name}_scales")
+    if (scales.dtype != jnp.uint8 or data.ndim != 2 or data.shape[1] % MX_BLOCK
+        or scales.shape != (data.shape[0], data.shape[1] // MX_BLOCK)):
+      raise ValueError(f"{name} must be [rows, K] with K a multiple of {MX_BLOCK} and "
+                       f"{name}_scales uint8 [rows, K/{MX_BLOCK}] (E8M0 bytes), got {name} "
+                       f"{data.dtype}{list(data.shape)} and {name}_scales "
+                       f"{scales.dtype}{list(scales.shape)}")
+  if a.shape[1] != b.shape[1]:
+    raise ValueError(f"a [M, K] and b [N, K] must share K, got a {list(a.shape)} and b "
+                     f"{list(b.shape)}")
   a16 = mxfp8_dequantize(a, a_scales, jnp.bfloat16)
   b16 = mxfp8_dequantize(b, b_scales, jnp.bfloat16)
-  if a16.ndim != 2 or b16.ndim != 2 or a16.shape[1] != b16.shape[1]:
-    raise ValueError(f"a [M, K] and b [N, K] must be 2-D with one K, got a {a16.shape} and b "
-                     f"{b16.shape}")
   return jax.lax.dot_general(a16, b16, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32).astype(out_dtype)
