@@ -346,7 +346,7 @@ def _mxfp8_linear(x, kernels, biases, dtypes):
   out = []
   for kernel, bias in zip(kernels, biases):
     qk = mxfp8_quantize(kernel, rowwise=False, columnwise=True)  # [N, K]
-    y = mxfp8_gemm(qx["data"], qx["scales"], qk["data_t"], qk["scales_t"], out_dtype=jnp.float32)
+    y = mxfp8_gemm(qx["data"], qk["data_t"], qx["scales"], qk["scales_t"], out_dtype=jnp.float32)
     out.append((y if bias is None else y + bias.astype(jnp.float32)).astype(dtypes[1]))
   return tuple(out)
 
@@ -357,7 +357,7 @@ def _mxfp8_linear_fwd(x, kernels, biases, dtypes):
   ys, saved = [], []
   for kernel, bias in zip(kernels, biases):
     qk = mxfp8_quantize(kernel, columnwise=True)  # along N (dgrad) and along K (fprop)
-    y = mxfp8_gemm(qx["data"], qx["scales"], qk["data_t"], qk["scales_t"], out_dtype=jnp.float32)
+    y = mxfp8_gemm(qx["data"], qk["data_t"], qx["scales"], qk["scales_t"], out_dtype=jnp.float32)
     ys.append((y[:m] if bias is None else y[:m] + bias.astype(jnp.float32)).astype(dtypes[1]))
     saved.append((qk["data"], qk["scales"]))
   return tuple(ys), (qx["data_t"], qx["scales_t"], tuple(saved))
@@ -369,9 +369,9 @@ def _mxfp8_linear_bwd(dtypes, res, gs):
   dx, dks, dbs = None, [], []
   for g, (qk, sk), k_dtype, b_dtype in zip(gs, saved, k_dtypes, b_dtypes):
     qg = mxfp8_quantize(_mx_rows(g), columnwise=True)  # along N (dgrad) and along M (wgrad)
-    dxi = mxfp8_gemm(qg["data"], qg["scales"], qk, sk, out_dtype=jnp.float32)  # [M32, K]
+    dxi = mxfp8_gemm(qg["data"], qk, qg["scales"], sk, out_dtype=jnp.float32)  # [M32, K]
     dx = dxi if dx is None else dx + dxi
-    dks.append(mxfp8_gemm(qxt, sxt, qg["data_t"], qg["scales_t"], out_dtype=k_dtype))  # [K, N]
+    dks.append(mxfp8_gemm(qxt, qg["data_t"], sxt, qg["scales_t"], out_dtype=k_dtype))  # [K, N]
     dbs.append(None if b_dtype is None else
                jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype))
   return dx[:gs[0].shape[0]].astype(x_dtype), tuple(dks), tuple(dbs)

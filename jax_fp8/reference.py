@@ -226,7 +226,7 @@ def mxfp8_dequantize(data, scales, dtype=jnp.float32):
   return e8m0_apply(data.astype(jnp.float32), jnp.repeat(scales, MX_BLOCK, axis=1)).astype(dtype)
 
 
-def mxfp8_gemm(a, a_scales, b, b_scales, *, out_dtype=jnp.bfloat16):
+def mxfp8_gemm(a, b, a_scales, b_scales, *, out_dtype=jnp.bfloat16):
   """``a @ b.T`` of MXFP8 operands (a [M, K], b [N, K], scales [., K/32]) from their f32 values,
   summed in f32 at full precision."""
   return jnp.matmul(mxfp8_dequantize(a, a_scales), mxfp8_dequantize(b, b_scales).T,

@@ -117,7 +117,7 @@ def mxfp8_dequantize(data: jax.Array, scales: jax.Array, dtype=jnp.float32) -> j
   return e8m0_apply(data.astype(jnp.float32), jnp.repeat(scales, MX_BLOCK, axis=-1)).astype(dtype)
 
 
-def mxfp8_gemm(a: jax.Array, a_scales: jax.Array, b: jax.Array, b_scales: jax.Array, *,
+def mxfp8_gemm(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: jax.Array, *,
                out_dtype=jnp.bfloat16) -> jax.Array:
   """``a @ b.T`` of two MXFP8 operands (TN, as block-scaled GEMMs take them: both contract over
   their last axis), each element times its block's E8M0 scale, summed in f32. Emulated on
@@ -125,12 +125,13 @@ def mxfp8_gemm(a: jax.Array, a_scales: jax.Array, b: jax.Array, b_scales: jax.Ar
   E4M3 / E5M2 times a power of two, wherever the value stays a bfloat16 normal) and multiplied
   by XLA's BF16 GEMM with f32 accumulation, so the result is the MX GEMM's (OCP MX v1.0) up to
   the order of the f32 sums. A Blackwell GEMM with 32-element UE8M0 scales (cuBLASLt's
-  VEC32_UE8M0 mode) would take the same operands.
+  VEC32_UE8M0 mode) would take the same operands. Arguments in ``gemm``'s order.
 
   Args:
-    a: [M, K] float8_e4m3fn / float8_e5m2, with a_scales uint8 [M, K/32]: ``mxfp8_quantize``'s
-      ``data`` and ``scales`` (or ``data_t`` and ``scales_t``).
-    b: [N, K] likewise, with b_scales uint8 [N, K/32].
+    a: [M, K] float8_e4m3fn / float8_e5m2: ``mxfp8_quantize``'s ``data`` (or ``data_t``).
+    b: [N, K] likewise.
+    a_scales, b_scales: uint8 [M, K/32] and [N, K/32], their E8M0 scales (``scales`` or
+      ``scales_t``).
     out_dtype: float32 / bfloat16 / float16.
   Returns:
     [M, N] in out_dtype.
