@@ -63,16 +63,12 @@ def as_f32(x: jax.Array) -> jax.Array:
 
 
 def amax(x: jax.Array, axis=None) -> jax.Array:
-  """max |x| in f32 over ``axis`` (all axes by default), NaN where x holds a NaN, subnormals
-  counting as zero (as ``as_f32``). One integer max over the magnitude bits in x's own dtype: a
-  NaN's bits exceed every number's, so no second reduction looks for NaNs (XLA's CPU max
-  reduction can drop them). Not differentiable (an amax only ever sets a scale)."""
-  x = jnp.asarray(x)
-  if x.dtype not in FLOAT_DTYPES:
-    x = x.astype(jnp.float32)
-  uint = jnp.uint32 if x.dtype.itemsize == 4 else jnp.uint16
-  magnitude = jax.lax.bitcast_convert_type(x, uint) & uint(np.iinfo(uint).max >> 1)
-  return as_f32(jax.lax.bitcast_convert_type(jnp.max(magnitude, axis=axis, initial=0), x.dtype))
+  """max |x| in f32 over ``axis`` (all axes by default), NaN where x holds a NaN. The NaN is
+  explicit: XLA's CPU max reduction can drop NaNs."""
+  a = jnp.abs(as_f32(x))
+  nan = jnp.isnan(a)
+  return jnp.where(jnp.any(nan, axis=axis), jnp.nan,
+                   jnp.max(jnp.where(nan, 0.0, a), axis=axis, initial=0.0))
 
 
 def apply_scales(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Array:
