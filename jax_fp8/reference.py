@@ -318,6 +318,15 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   return out
 
 
+def nvfp4_gemm(a, b, a_scales, b_scales, a_global_scale, b_global_scale, *,
+               out_dtype=jnp.bfloat16):
+  """``a @ b.T`` of NVFP4 operands (data uint8 [., K/2], scales [., K/16], global scales f32
+  []) from their f32 values, summed in f32 at full precision."""
+  return jnp.matmul(nvfp4_dequantize(a, a_scales, a_global_scale),
+                    nvfp4_dequantize(b, b_scales, b_global_scale).T,
+                    precision=jax.lax.Precision.HIGHEST).astype(out_dtype)
+
+
 def nvfp4_dequantize(data, scales, global_scale, dtype=jnp.float32):
   """``e2m1 * scale * global_scale`` in ``dtype``; data uint8 [R, C/2], scales [R, C/16]."""
   r, half = data.shape

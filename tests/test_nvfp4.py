@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HAS_CUDA, bits, block_scaled_data, on_cpu, poison_allocator
+from conftest import HAS_CUDA, bits, block_scaled_data, on_cpu, poison_allocator, summation_error
 
 import jax_fp8
 from jax_fp8 import _ffi, reference
@@ -479,6 +479,32 @@ def test_dequantize_round_trip(rng):
 
 
 X = jnp.ones((32, 64), jnp.float32)
+
+
+def test_gemm_is_exact_to_the_f32_sums(platform, rng):
+  """The emulated GEMM's bfloat16 operands (E2M1 times E4M3, global scales applied after the
+  sums) are exact: it equals the f32 GEMM of the dequantized operands up to the order of the f32
+  sums and the global scales' rounding, across a wide range of magnitudes."""
+  a = np.asarray(rng.standard_normal((48, 96)) * np.exp(rng.uniform(-20, 20, (48, 96))),
+                 np.float32)
+  b = np.asarray(rng.standard_normal((40, 96)), np.float32)
+  qa, qb = jax_fp8.nvfp4_quantize(a), jax_fp8.nvfp4_quantize(b)
+  args = (qa["data"], qb["data"], qa["scales"], qb["scales"], qa["global_scale"],
+          qb["global_scale"])
+  got = np.asarray(jax_fp8.nvfp4_gemm(*args, out_dtype=jnp.float32), np.float64)
+  fa, fb = (np.asarray(jax_fp8.nvfp4_dequantize(q["data"], q["scales"], q["global_scale"]),
+                       np.float64) for q in (qa, qb))
+  want = fa @ fb.T
+  # f32 sums in two orders; two roundings in each dequantized f32 value (scale times global
+  # scale, times the E2M1 value) and two in the emulation's global scales.
+  bound = (2 * summation_error(96) + 6 * 2.0**-24) * (np.abs(fa) @ np.abs(fb).T)
+  assert np.all(np.abs(got - want) <= bound)
+  ref = np.asarray(on_cpu(lambda *v: reference.nvfp4_gemm(*v, out_dtype=jnp.float32), *args))
+  assert np.all(np.abs(got - ref) <= bound)
+  with pytest.raises(ValueError, match=r"b_scales float8_e4m3fn \[rows, K/16\], got b uint8"):
+    jax_fp8.nvfp4_gemm(*args[:3], qb["scales"][:, :2], *args[4:])
+  with pytest.raises(ValueError, match="must share K"):
+    jax_fp8.nvfp4_gemm(args[0], args[1][:, :32], args[2], args[3][:, :4], *args[4:])
 
 
 @pytest.mark.parametrize("call,error,message", [

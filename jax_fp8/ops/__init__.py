@@ -8,12 +8,12 @@ from .cast_transpose import (CastTransposed, activation_cast_transpose,
                              norm_cast_transpose)
 from .gemm import gemm
 from .mxfp8 import mxfp8_dequantize, mxfp8_gemm, mxfp8_quantize
-from .nvfp4 import nvfp4_dequantize, nvfp4_kernel, nvfp4_quantize
+from .nvfp4 import nvfp4_dequantize, nvfp4_gemm, nvfp4_kernel, nvfp4_quantize
 from .quantize import DelayedQuantized, Quantized, dequantize, quantize, quantize_delayed
 
 __all__ = ["CastTransposed", "DelayedQuantized", "Quantized", "activation_cast_transpose",
            "activation_grad_cast_transpose", "block_quantize",
            "cast_transpose_delayed", "dequantize", "gemm", "group_cast_transpose",
            "group_quantize", "mxfp8_dequantize", "mxfp8_gemm", "mxfp8_quantize",
-           "norm_cast_transpose", "nvfp4_dequantize", "nvfp4_kernel", "nvfp4_quantize", "quantize",
-           "quantize_delayed"]
+           "norm_cast_transpose", "nvfp4_dequantize", "nvfp4_gemm", "nvfp4_kernel", "nvfp4_quantize",
+           "quantize", "quantize_delayed"]

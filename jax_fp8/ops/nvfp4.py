@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import _ffi, checks, sharding
-from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, as_f32,
+from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32,
                        hadamard_transform, nvfp4_global_scale, rht_signs)
 from ..philox import key_words
 
@@ -221,8 +221,8 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
 def nvfp4_dequantize(data: jax.Array, scales: jax.Array, global_scale, dtype=jnp.float32
                      ) -> jax.Array:
   """``e2m1 * scale * global_scale`` in ``dtype`` (each product in f32). Plain XLA, so it fuses
-  into its consumer; exact in bfloat16 (the NVFP4 recipe's GEMM emulation on Hopper) where the
-  product is a bfloat16 normal.
+  into its consumer. ``e2m1 * scale`` alone (``global_scale`` 1) is exact in bfloat16: at most
+  6 significant bits, within bfloat16's normals (``nvfp4_gemm`` emulates the GEMM so).
 
   Args:
     data: uint8 [..., C/2] (element 2i in the low nibble of byte i), ``data`` or ``data_t`` of
@@ -250,3 +250,49 @@ def nvfp4_dequantize(data: jax.Array, scales: jax.Array, global_scale, dtype=jnp
   values = jax.lax.bitcast_convert_type(codes.astype(jnp.uint4), jnp.float4_e2m1fn)
   step = jnp.repeat(scales.astype(jnp.float32), NVFP4_BLOCK, axis=-1) * global_scale
   return (values.astype(jnp.float32) * step).astype(dtype)
+
+
+def nvfp4_gemm(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: jax.Array,
+               a_global_scale, b_global_scale, *, out_dtype=jnp.bfloat16) -> jax.Array:
+  """``a @ b.T`` of two NVFP4 operands (TN, as block-scaled GEMMs take them: both contract over
+  their last axis), each element times its 16-element block's E4M3 scale and its tensor's
+  global scale, summed in f32. Emulated on Hopper, which has no FP4 tensor cores: each
+  operand's ``e2m1 * scale`` in bfloat16 (exact, see ``nvfp4_dequantize``), XLA's BF16 GEMM with
+  f32 accumulation, then the two global scales (``formats.apply_scales``: no intermediate
+  underflow or overflow). The result is the NVFP4 GEMM's up to the order of the f32 sums and
+  the global scales' rounding; a Blackwell GEMM with 16-element E4M3 scales (cuBLASLt's
+  VEC16_UE4M3 mode, the global scales in alpha) would take the same operands. Arguments in
+  ``gemm``'s order.
+
+  Args:
+    a: uint8 [M, K/2] (two E2M1 codes a byte): ``nvfp4_quantize``'s ``data`` (or ``data_t``).
+    b: uint8 [N, K/2] likewise.
+    a_scales, b_scales: float8_e4m3fn [M, K/16] and [N, K/16], their block scales.
+    a_global_scale, b_global_scale: f32 [], their global scales.
+    out_dtype: float32 / bfloat16 / float16.
+  Returns:
+    [M, N] in out_dtype.
+  Raises:
+    TypeError / ValueError at trace time: dtypes, shapes (2-D, one K, scales not K/16 wide),
+    naming the argument.
+  """
+  out_dtype = checks.dtype(out_dtype, "out_dtype", FLOAT_DTYPES)
+  operands = []
+  for name, data, scales, global_scale in (("a", a, a_scales, a_global_scale),
+                                           ("b", b, b_scales, b_global_scale)):
+    data, scales = checks.array(data, name), checks.array(scales, f"{name}_scales")
+    checks.scalar_f32(global_scale, f"{name}_global_scale")
+    if (data.dtype != jnp.uint8 or scales.dtype != jnp.float8_e4m3fn or data.ndim != 2
+        or scales.shape != (data.shape[0], 2 * data.shape[1] // NVFP4_BLOCK)
+        or 2 * data.shape[1] % NVFP4_BLOCK):
+      raise ValueError(f"{name} must be uint8 [rows, K/2] with K a multiple of {NVFP4_BLOCK} "
+                       f"and {name}_scales float8_e4m3fn [rows, K/{NVFP4_BLOCK}], got {name} "
+                       f"{data.dtype}{list(data.shape)} and {name}_scales "
+                       f"{scales.dtype}{list(scales.shape)}")
+    operands.append(nvfp4_dequantize(data, scales, jnp.float32(1), jnp.bfloat16))
+  if operands[0].shape[1] != operands[1].shape[1]:
+    raise ValueError(f"a [M, K/2] and b [N, K/2] must share K, got a {list(jnp.shape(a))} and b "
+                     f"{list(jnp.shape(b))}")
+  acc = jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+  return apply_scales(acc, a_global_scale, b_global_scale).astype(out_dtype)
