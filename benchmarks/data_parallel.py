@@ -35,7 +35,8 @@ from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
 import jax_fp8  # noqa: E402
 from jax_fp8.demo import data  # noqa: E402
-from jax_fp8.demo.__main__ import PRESETS, SKIP_STEPS, init_variables, make_loss, make_optimizer  # noqa: E402
+from jax_fp8.demo.__main__ import (PRESETS, SKIP_STEPS, init_variables, make_loss,  # noqa: E402
+                                   make_optimizer, step_key)
 from jax_fp8.demo.model import RECIPES, Transformer  # noqa: E402
 
 from .run import environment, write_results  # noqa: E402
@@ -53,18 +54,18 @@ def step_time(preset, cfg, devices, batches, seed: int) -> float:
   params, fp8_state = init_variables(cfg, seed)
   opt_state = tx.init(params)
 
-  def device_step(params, fp8_state, batch):
+  def device_step(params, fp8_state, batch, key):
     loss, (grads, state_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-        params, fp8_state, batch)
+        params, fp8_state, batch, key)
     grads = jax.tree.map(lambda g: g / n, grads)  # summed over the devices -> mean
     return grads, jax_fp8.update_state(fp8_state, state_grads), jax.lax.pmean(loss, AXIS)
 
-  sharded = jax.shard_map(device_step, mesh=mesh, in_specs=(P(), P(), P(AXIS)),
+  sharded = jax.shard_map(device_step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P()),
                           out_specs=(P(), P(), P()))
 
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2))  # the train state is donated
-  def train_step(params, opt_state, fp8_state, batch):
-    grads, fp8_state, loss = sharded(params, fp8_state, batch)
+  def train_step(params, opt_state, fp8_state, batch, key):
+    grads, fp8_state, loss = sharded(params, fp8_state, batch, key)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, fp8_state, loss
 
@@ -76,7 +77,7 @@ def step_time(preset, cfg, devices, batches, seed: int) -> float:
       jax.block_until_ready(params)
       t0 = time.perf_counter()
     params, opt_state, fp8_state, loss = train_step(
-        params, opt_state, fp8_state, jax.device_put(batch, batch_sharding))
+        params, opt_state, fp8_state, jax.device_put(batch, batch_sharding), step_key(seed, i))
   jax.block_until_ready((params, loss))
   return (time.perf_counter() - t0) / (len(batches) - SKIP_STEPS)
 

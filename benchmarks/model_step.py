@@ -32,8 +32,11 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
   cast-transposes (``norm="rmsnorm"``);
 - ``current_fused_norm_mlp`` (and ``_fast_all``): the same layers under ``CurrentScaling()``
   (each tensor's scale from its amax of this step, XLA's reduction before each quantization);
-- ``mxfp8_shared_input``: as ``block_shared_input`` under ``MXFP8BlockScaling()``, its GEMMs
-  emulated (BF16 GEMMs of the dequantized MXFP8 operands): the cost of the quantizations.
+- ``mxfp8_shared_input``, ``nvfp4_shared_input``: as ``block_shared_input`` under
+  ``MXFP8BlockScaling()`` and ``NVFP4BlockScaling()`` (every projection in NVFP4: no layer kept
+  in higher precision here), their GEMMs emulated (BF16 GEMMs of the dequantized operands): the
+  cost of the quantizations. NVFP4's stochastic rounding draws each step's key from a key
+  carried beside the state and folded once per step.
 
 Each step is one jitted call with its buffers donated. Time: the median of ``--windows``
 windows of ``--steps`` back-to-back steps (dispatch is asynchronous and a step lasts far longer
@@ -82,6 +85,8 @@ COMPUTE = jnp.bfloat16
 FLAX_FP8_COLLECTION = "_overwrite_with_gradient"  # Flax's FP8 scales and amax histories
 FAST_ALL = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
 CURRENT, MXFP8 = jax_fp8.CurrentScaling(), jax_fp8.MXFP8BlockScaling()
+NVFP4 = jax_fp8.NVFP4BlockScaling()
+SR_KEY = "stochastic_rounding_key"  # the entry of the carried collections that holds the key
 CURRENT_FAST_ALL = jax_fp8.CurrentScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
 
 
@@ -142,7 +147,10 @@ VARIANTS = {
                            functools.partial(MultiDense, recipe=BLOCK), None, False),
     "mxfp8_shared_input": (functools.partial(Dense, recipe=MXFP8),
                            functools.partial(MultiDense, recipe=MXFP8), None, False),
+    "nvfp4_shared_input": (functools.partial(Dense, recipe=NVFP4),
+                           functools.partial(MultiDense, recipe=NVFP4), None, False),
 }
+KEYED = ("nvfp4_shared_input",)  # the variants whose recipe draws a key (stochastic rounding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +233,8 @@ class Decoder(nn.Module):
   def __call__(self, tokens):
     cfg, pdt = self.cfg, jnp.dtype(self.cfg.param_dtype)
     x = nn.Embed(cfg.vocab, cfg.d_model, param_dtype=pdt, name="embed")(tokens).astype(COMPUTE)
-    layers = nn.scan(Layer, variable_axes={True: 0}, split_rngs={"params": True},
+    layers = nn.scan(Layer, variable_axes={True: 0},
+                     split_rngs={"params": True, jax_fp8.flax.SR_STREAM: True},
                      length=cfg.layers)
     x, _ = layers(cfg, self.variant, name="layers")(x, None)
     x = nn.RMSNorm(dtype=COMPUTE, name="final_norm")(x)
@@ -252,21 +261,29 @@ def setup(cfg: Config, variant: str, tx):
   model = Decoder(cfg, variant)
   tokens = jax.random.randint(jax.random.key(0), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
 
-  def loss_fn(params, other, tokens):
-    logits = model.apply({"params": params, **other}, tokens[:, :-1])
+  def loss_fn(params, other, tokens, key):
+    rngs = {} if key is None else {jax_fp8.flax.SR_STREAM: key}
+    logits = model.apply({"params": params, **other}, tokens[:, :-1], rngs=rngs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
   def step(params, opt_state, other, tokens):
+    other = dict(other)
+    key = other.pop(SR_KEY, None)
     loss, (grads, other_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, other,
-                                                                             tokens)
+                                                                             tokens, key)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state,
-            next_collections(other, other_grads), loss)
+    other = next_collections(other, other_grads)
+    if key is not None:
+      other[SR_KEY] = jax.random.fold_in(key, 1)  # the next step's
+    return optax.apply_updates(params, updates), opt_state, other, loss
 
   variables = jax.jit(model.init)(jax.random.key(1), tokens[:, :-1])
   params = variables.pop("params")
-  return step, (params, tx.init(params), dict(variables), tokens)
+  other = dict(variables)
+  if variant in KEYED:
+    other[SR_KEY] = jax.random.key(2)
+  return step, (params, tx.init(params), other, tokens)
 
 
 def measure(cfg: Config, name: str, steps: int, windows: int, profile_steps: int):

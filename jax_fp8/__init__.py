@@ -14,14 +14,16 @@ from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_t
                   dequantize, gemm, group_cast_transpose, group_quantize, mxfp8_dequantize,
                   mxfp8_gemm, mxfp8_quantize, norm_cast_transpose, nvfp4_dequantize, nvfp4_gemm,
                   nvfp4_kernel, nvfp4_quantize, quantize, quantize_delayed)
-from .recipes import BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling
+from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
+                      NVFP4BlockScaling)
 from .state import ScaleRing, combine_updates, share, update_state
 
 __version__ = "0.3.0.dev0"
 
 __all__ = [
     "BlockScaling", "CastTransposed", "CurrentScaling", "DelayedQuantized", "DelayedScaling",
-    "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState", "MultiLinearState", "Quantized",
+    "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState", "MultiLinearState",
+    "NVFP4BlockScaling", "Quantized",
     "ScaleRing",
     "activation_cast_transpose", "activation_grad_cast_transpose", "block_quantize",
     "cast_transpose_delayed",

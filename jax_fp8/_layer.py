@@ -12,7 +12,10 @@ from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState, linear, multi_linear
 from .mlp import mlp
-from .recipes import RECIPES, DelayedScaling
+from .recipes import RECIPES, DelayedScaling, draws_key
+
+# The Flax rng stream that NVFP4's stochastic rounding draws its key from, each call.
+SR_STREAM = "stochastic_rounding"
 
 
 def check_layer(name: str, features, use_bias, recipe, multi: bool, features_name="features"):
@@ -20,8 +23,8 @@ def check_layer(name: str, features, use_bias, recipe, multi: bool, features_nam
   a tuple (one layer of several outputs); ``features_name``: what the layer calls it.
   TypeError / ValueError naming the attribute."""
   if not isinstance(recipe, RECIPES):
-    raise TypeError(f"{name}.recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling "
-                    f"or an MXFP8BlockScaling, got {type(recipe).__name__}")
+    raise TypeError(f"{name}.recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling, "
+                    f"an MXFP8BlockScaling or an NVFP4BlockScaling, got {type(recipe).__name__}")
   if not multi:
     features = (checks.integer(features, f"{name}.{features_name}", lo=1),)
   elif isinstance(features, (tuple, list)) and features:
@@ -43,6 +46,13 @@ def check_norm_attr(name: str, norm, epsilon) -> bool:
   return norms.centered(norm)
 
 
+def linen_key(module, recipe):
+  """A linen module's key for ``recipe``'s stochastic rounding: the next of its
+  "stochastic_rounding" rng stream where the recipe draws one and ``apply`` was given the
+  stream, else None (a forward needs none; the backward then asks for it)."""
+  return module.make_rng(SR_STREAM) if draws_key(recipe) and module.has_rng(SR_STREAM) else None
+
+
 def create_state(recipe: DelayedScaling, outputs: int | None):
   """A fresh ``LinearState`` (``outputs`` None: one kernel) or ``MultiLinearState``."""
   return LinearState.create(recipe) if outputs is None else MultiLinearState.create(outputs, recipe)
@@ -62,13 +72,14 @@ def _layer_inputs(inputs, norm, dtype):
 
 
 def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, multi: bool,
-               norm_args=(None, None, None, 1e-6)):
+               norm_args=(None, None, None, 1e-6), key=None):
   """The layer's outputs (a tuple) in the compute dtype (``dtype``, or by Flax's rules when
   None): inputs (unless a norm reads them) and biases promoted to it, the kernels left in
   their parameter dtype (f32, bf16 or f16; or ``Fp8Weight``s, for inference), so f32 master
   weights are quantized straight from f32 (one rounding, no copy in ``dtype``) and get f32
   gradients from the wgrad GEMMs. ``norm_args``: (norm, gamma, beta, epsilon) of the fused
-  input norm, gamma and beta in their parameter dtype."""
+  input norm, gamma and beta in their parameter dtype. ``key``: for NVFP4's stochastic
+  rounding, or None."""
   arrays = tuple(k for k in kernels if not isinstance(k, Fp8Weight))  # Fp8Weight: inference
   dtype = dtypes.canonicalize_dtype(inputs, *arrays, *biases, dtype=dtype)
   biases = dtypes.promote_dtype(*biases, dtype=dtype)
@@ -76,7 +87,7 @@ def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, mu
   kernels = tuple(_readable(k, dtype) for k in kernels)
   kw = dict(state=state, recipe=recipe, amax_axis_name=amax_axis_name, norm=norm,
             gamma=_readable(gamma, dtype), beta=_readable(beta, dtype), epsilon=epsilon,
-            dtype=dtype)
+            dtype=dtype, key=key)
   inputs = _layer_inputs(inputs, norm, dtype)
   if multi:
     return multi_linear(inputs, kernels, tuple(biases), **kw)
@@ -84,7 +95,7 @@ def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, mu
 
 
 def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axis_name,
-             norm_args):
+             norm_args, key=None):
   """An ``Mlp`` layer's output: ``mlp`` with inputs and biases (``biases``: (bias_in,
   bias_out), None without bias) promoted to the compute dtype and the kernels (kernel_in,
   kernel_out) and the norm's parameters in their parameter dtype, as in ``call_layer``."""
@@ -95,4 +106,4 @@ def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axi
   return mlp(_layer_inputs(inputs, norm, dtype), *(_readable(k, dtype) for k in kernels),
              *biases, activation=activation, state=state, recipe=recipe,
              amax_axis_name=amax_axis_name, norm=norm, gamma=_readable(gamma, dtype),
-             beta=_readable(beta, dtype), epsilon=epsilon, dtype=dtype)
+             beta=_readable(beta, dtype), epsilon=epsilon, dtype=dtype, key=key)

@@ -42,35 +42,41 @@ import numpy as np
 from flax import nnx
 
 from . import nnx as fp8_nnx
-from ._layer import call_layer, create_state
+from ._layer import call_layer, create_state, linen_key
 from .flax import STATE_COLLECTION
 from .inference import Fp8Weight
 from .linear import fp8_multiple
-from .recipes import CROSSOVER_INTENSITY, RECIPES, DelayedScaling, Recipe
+from .recipes import CROSSOVER_INTENSITY, RECIPES, DelayedScaling, Recipe, draws_key
 
 HEAD_PATTERN = r"(^|/)(lm_head|head|logits|unembed|unembedding|output_projection)$"
 
 
 def convert(model, recipe: Recipe | None = None, *,
-            include: str | None = None, exclude: str | None = HEAD_PATTERN):
+            include: str | None = None, exclude: str | None = HEAD_PATTERN,
+            rngs: nnx.Rngs | None = None):
   """The model with its selected dense layers in FP8 (see the module docstring).
 
   Args:
     model: a ``flax.linen.Module`` (unbound) or a ``flax.nnx.Module``.
     recipe: the layers' recipe; None: ``DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY)``.
     include, exclude: regular expressions over a layer's path, or None.
+    rngs: NNX under a recipe with stochastic rounding (``NVFP4BlockScaling``): the
+      ``nnx.Rngs`` whose "stochastic_rounding" stream (or default stream) the converted
+      layers draw their keys from; None otherwise. (A converted linen model draws from the
+      "stochastic_rounding" stream given to ``apply``.)
   Returns:
     linen: a new module (apply it as the original, ``__call__`` only; variables gain
     "fp8_state" under ``DelayedScaling``). NNX: ``model`` itself, converted in place (or the
     replacement of a top-level ``nnx.Linear``).
   Raises:
     TypeError for a model that is neither, a bad recipe or patterns that are not str / None;
-    ValueError for a pattern that does not compile.
+    ValueError for a pattern that does not compile, rngs missing where an NNX model's recipe
+    draws keys, or given where it does not.
   """
   recipe = DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY) if recipe is None else recipe
   if not isinstance(recipe, RECIPES):
-    raise TypeError(f"recipe must be None, a DelayedScaling, a CurrentScaling, a BlockScaling or "
-                    f"an MXFP8BlockScaling, got {type(recipe).__name__}")
+    raise TypeError(f"recipe must be None, a DelayedScaling, a CurrentScaling, a BlockScaling, "
+                    f"an MXFP8BlockScaling or an NVFP4BlockScaling, got {type(recipe).__name__}")
   for name, pattern in (("include", include), ("exclude", exclude)):
     if pattern is not None and not isinstance(pattern, str):
       raise TypeError(f"{name} must be a regular expression (str) or None, got {pattern!r}")
@@ -78,8 +84,16 @@ def convert(model, recipe: Recipe | None = None, *,
       re.compile(pattern or "")
     except re.error as e:
       raise ValueError(f"{name} is not a valid regular expression: {pattern!r} ({e})") from None
+  if isinstance(model, nnx.Module) and draws_key(recipe) != (rngs is not None):
+    raise ValueError(f"rngs: an NNX model converted under {type(recipe).__name__}"
+                     f"{' with stochastic rounding needs an nnx.Rngs for its keys' if rngs is None else ' draws no keys: pass rngs=None'}")
+  if not isinstance(model, nnx.Module) and rngs is not None:
+    raise ValueError("rngs serves NNX models: a linen model draws its keys from the "
+                     "'stochastic_rounding' stream given to apply; pass rngs=None")
+  if rngs is not None and not isinstance(rngs, nnx.Rngs):
+    raise TypeError(f"rngs must be a flax.nnx.Rngs or None, got {type(rngs).__name__}")
   if isinstance(model, nnx.Module):
-    return _convert_nnx(model, recipe, include, exclude)
+    return _convert_nnx(model, recipe, include, exclude, rngs)
   if isinstance(model, nn.Module):
     return Converted(model, recipe, include, exclude)
   raise TypeError(f"model must be a flax.linen.Module or a flax.nnx.Module, got "
@@ -151,11 +165,11 @@ def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
   lead = x.shape[:x.ndim - (len(kernel_shape) - len(features))]
   y, = call_layer(x.reshape(*lead, k), (kernel,),
                   (None if bias is None else bias.reshape(n),), state, recipe, m.dtype, None,
-                  False)
+                  False, key=linen_key(m, recipe))
   return y.reshape(*lead, *features)
 
 
-def _convert_nnx(model, recipe, include, exclude):
+def _convert_nnx(model, recipe, include, exclude, rngs):
   new = {}  # id of a converted nnx.Linear -> its replacement (a module shared stays shared)
 
   def replacement(path, node):
@@ -169,8 +183,9 @@ def _convert_nnx(model, recipe, include, exclude):
                              use_bias=node.bias is not None, dtype=node.dtype,
                              param_dtype=node.param_dtype,
                              kernel_init=nnx.initializers.zeros_init(), recipe=recipe,
-                             rngs=nnx.Rngs(0))
+                             rngs=nnx.Rngs(0))  # for its placeholder parameters only
       layer.kernel, layer.bias = node.kernel, node.bias  # the same variables
+      layer.rngs = fp8_nnx.sr_stream(recipe, rngs)
       new[id(node)] = layer
     return new[id(node)]
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 from flax import serialization
 
 from . import activations, checks
-from ._layer import call_layer, call_mlp, check_layer, check_norm_attr, create_state
+from ._layer import (SR_STREAM, call_layer, call_mlp, check_layer, check_norm_attr, create_state,
+                     linen_key)
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState
 from .mlp import MlpState
@@ -92,7 +93,7 @@ class _Layer(nn.Module):
     # backward only, and init takes no gradient.
     axis = None if self.is_initializing() else self.amax_axis_name
     return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype, axis, multi,
-                      _norm_args(self, name, jnp.shape(inputs)[-1]))
+                      _norm_args(self, name, jnp.shape(inputs)[-1]), linen_key(self, self.recipe))
 
 
 class Dense(_Layer):
@@ -104,15 +105,19 @@ class Dense(_Layer):
   ``DelayedScaling`` the layer's scale rings live in the "fp8_state" variable collection as a
   ``LinearState`` named "linear": pass that collection to ``apply``, differentiate with
   respect to it, and pass that gradient to ``jax_fp8.update_state`` for the next rings. Under
-  the other recipes the layer has no state.
+  the other recipes the layer has no state. Under ``NVFP4BlockScaling`` with stochastic
+  rounding the gradient's rounding draws ``make_rng("stochastic_rounding")`` each call: pass
+  ``rngs={"stochastic_rounding": key}`` to ``apply``, a fresh key each step (``SR_STREAM``);
+  a forward without it runs, a gradient without it raises ValueError.
 
   Attributes:
     features: N, a multiple of 16 (128 under BlockScaling, 32 under MXFP8BlockScaling).
     use_bias, dtype, param_dtype, kernel_init, bias_init: as in ``nn.Dense``.
     recipe: ``DelayedScaling`` (per-tensor, default), ``CurrentScaling`` (per-tensor,
-      stateless), ``BlockScaling`` (DeepSeek-V3) or ``MXFP8BlockScaling``.
+      stateless), ``BlockScaling`` (DeepSeek-V3), ``MXFP8BlockScaling`` or
+      ``NVFP4BlockScaling``.
     amax_axis_name: replica axis for amax reduction under pmap / shard_map (the per-tensor
-      recipes).
+      recipes and NVFP4's global amaxes).
     norm: None (default), "rmsnorm" or "layernorm": the input is normalized first, in its own
       dtype (as ``nn.LayerNorm`` reads an f32 residual stream), the norm fused into its FP8
       quantization (``jax_fp8.linear``'s ``norm``; TransformerEngine's
@@ -211,4 +216,5 @@ class Mlp(nn.Module):
              if isinstance(self.recipe, DelayedScaling) else None)
     axis = None if self.is_initializing() else self.amax_axis_name
     return call_mlp(inputs, (kernel_in, kernel_out), biases, state, self.recipe, self.dtype,
-                    self.activation, axis, _norm_args(self, "Mlp", k))
+                    self.activation, axis, _norm_args(self, "Mlp", k),
+                    linen_key(self, self.recipe))

@@ -26,7 +26,8 @@ from .formats import FLOAT_DTYPES, amax
 from .ops.blockwise import BLOCK, block_quantize, group_quantize
 from .ops.gemm import DIM_MULTIPLE, expand_scales, gemm_bias
 from .ops.quantize import quantize, quantize_delayed
-from .recipes import BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling
+from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
+                      NVFP4BlockScaling)
 from .state import scale_from_amax
 
 
@@ -104,10 +105,10 @@ def dequantized(w: Fp8Weight, dtype) -> jax.Array:
 
 def check_weight(w: Fp8Weight, name: str, recipe) -> tuple[int, int]:
   """(K, N) of an Fp8Weight quantized for ``recipe``; TypeError / ValueError naming it (and
-  TypeError under MXFP8BlockScaling, which has no FP8 weights)."""
-  if isinstance(recipe, MXFP8BlockScaling):
+  TypeError under MXFP8BlockScaling and NVFP4BlockScaling, which have no FP8 weights)."""
+  if isinstance(recipe, (MXFP8BlockScaling, NVFP4BlockScaling)):
     raise TypeError(f"{name} is an Fp8Weight, which serves DelayedScaling, CurrentScaling and "
-                    f"BlockScaling; under MXFP8BlockScaling pass the float kernel")
+                    f"BlockScaling; under {type(recipe).__name__} pass the float kernel")
   q, scale = checks.array(w.q, f"{name}.q"), checks.array(w.scale, f"{name}.scale")
   if q.dtype != jnp.float8_e4m3fn or q.ndim != 2 or scale.dtype != jnp.float32:
     raise TypeError(f"{name} must hold float8_e4m3fn q [N, K] and a float32 scale, got "

@@ -17,7 +17,10 @@ gradient are group cast-transposed (1 x 128 groups both ways from one read), the
 block-quantized (128 x 128, whose transpose needs no requantization). Under
 ``MXFP8BlockScaling`` (stateless) x, the kernel and the gradient are each MXFP8-quantized in
 both directions from one read (1 x 32 blocks along each GEMM's contraction dimension) and the
-GEMMs are ``mxfp8_gemm`` (emulated on Hopper).
+GEMMs are ``mxfp8_gemm`` (emulated on Hopper). Under ``NVFP4BlockScaling`` (stateless but for
+its per-tensor global amaxes) the NVFP4 report's recipe: x along K and, through the Hadamard
+transform, along M; the kernel in 16 x 16 blocks; the gradient stochastically rounded along N
+and, transformed, along M; the GEMMs ``nvfp4_gemm`` (emulated on Hopper).
 """
 
 from __future__ import annotations
@@ -31,15 +34,17 @@ import jax
 import jax.numpy as jnp
 
 from . import checks, norms, sharding
-from .formats import FLOAT_DTYPES, MX_BLOCK, amax
+from .formats import FLOAT_DTYPES, MX_BLOCK, NVFP4_BLOCK, amax, as_f32, hadamard_transform
 from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
 from .ops._ring import check_ring
 from .ops.cast_transpose import cast_transpose_delayed, norm_cast_transpose
 from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
 from .ops.mxfp8 import mxfp8_gemm, mxfp8_quantize
+from .ops.nvfp4 import nvfp4_gemm, nvfp4_quantize
+from .philox import key_words
 from .recipes import (RECIPES, BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
-                      Recipe)
+                      NVFP4BlockScaling, Recipe, draws_key)
 from .state import ScaleRing, current
 
 
@@ -380,10 +385,115 @@ def _mxfp8_linear_bwd(dtypes, res, gs):
 _mxfp8_linear.defvjp(_mxfp8_linear_fwd, _mxfp8_linear_bwd)
 
 
+def _rows16(v):
+  """v [M, C] with zero rows appended up to a multiple of 16: whole NVFP4 blocks along M for
+  wgrad (zeros change no amax; the Hadamard transform, the same on both wgrad operands,
+  cancels in their product whatever the rows hold)."""
+  return jnp.pad(v, ((0, -v.shape[0] % NVFP4_BLOCK), (0, 0)))
+
+
+def _nvfp4_amaxes(v, recipe, axis_name, transformed: bool):
+  """nvfp4_quantize's global amax arguments for v: None (v's own) outside ``axis_name``, else
+  v's amax (and its transformed copy's, ``transformed``) max-reduced over the axes."""
+  if axis_name is None:
+    return {}
+  out = {"global_amax": sharding.pmax_keep_nan(amax(v), axis_name)}
+  if transformed:
+    out["global_amax_t"] = sharding.pmax_keep_nan(
+        amax(hadamard_transform(as_f32(v), recipe.rht_seed, axis=0)), axis_name)
+  return out
+
+
+def _nvfp4_x(x, recipe, axis_name, with_grad: bool):
+  """x [M, K] quantized along K (fprop, rounded to nearest) and, ``with_grad``, along M for
+  wgrad (M padded to 16, through the Hadamard transform under ``recipe.rht``)."""
+  if not with_grad:
+    return nvfp4_quantize(x, **_nvfp4_amaxes(x, recipe, axis_name, False))
+  x = _rows16(x)
+  rht = {"rht": True, "rht_seed": recipe.rht_seed} if recipe.rht else {}
+  return nvfp4_quantize(x, columnwise=True, **rht,
+                        **_nvfp4_amaxes(x, recipe, axis_name, recipe.rht))
+
+
+def _nvfp4_kernel(kernel, recipe, axis_name, with_grad: bool):
+  """The kernel [K, N] along K (fprop: ``data_t``) and, ``with_grad``, along N (dgrad:
+  ``data``), in 16 x 16 blocks under ``recipe.weight_block_2d``, rounded to nearest."""
+  return nvfp4_quantize(kernel, rowwise=with_grad, columnwise=True,
+                        block_2d=recipe.weight_block_2d,
+                        **_nvfp4_amaxes(kernel, recipe, axis_name, False))
+
+
+def _nvfp4_fprop(qx, qk, bias, m, dtype):
+  y = nvfp4_gemm(qx["data"], qk["data_t"], qx["scales"], qk["scales_t"], qx["global_scale"],
+                 qk["global_scale"], out_dtype=jnp.float32)[:m]
+  return (y if bias is None else y + bias.astype(jnp.float32)).astype(dtype)
+
+
+def device_key(words, axis_name):
+  """The key words folded with this device's index over ``axis_name`` (None: as given), so
+  that devices holding different parts of a tensor draw different bits at the same local
+  coordinates."""
+  if axis_name is None:
+    return words
+  return jax.random.fold_in(words, jax.lax.axis_index(axis_name))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _nvfp4_linear(x, kernels, biases, words, recipe, axis_name, dtypes):
+  qx = _nvfp4_x(x, recipe, axis_name, False)
+  return tuple(_nvfp4_fprop(qx, _nvfp4_kernel(k, recipe, axis_name, False), b, x.shape[0],
+                            dtypes[1]) for k, b in zip(kernels, biases))
+
+
+def _nvfp4_linear_fwd(x, kernels, biases, words, recipe, axis_name, dtypes):
+  qx = _nvfp4_x(x, recipe, axis_name, True)
+  ys, saved = [], []
+  for kernel, bias in zip(kernels, biases):
+    qk = _nvfp4_kernel(kernel, recipe, axis_name, True)
+    ys.append(_nvfp4_fprop(qx, qk, bias, x.shape[0], dtypes[1]))
+    saved.append((qk["data"], qk["scales"], qk["global_scale"]))
+  wgrad_x = (qx["data_t"], qx["scales_t"], qx["global_scale_t" if recipe.rht else "global_scale"])
+  return tuple(ys), (wgrad_x, tuple(saved), words)
+
+
+def _nvfp4_linear_bwd(recipe, axis_name, dtypes, res, gs):
+  (qxt, sxt, gxt), saved, words = res
+  x_dtype, _, k_dtypes, b_dtypes = dtypes
+  if recipe.stochastic_rounding and words is None:
+    raise ValueError("NVFP4BlockScaling(stochastic_rounding=True) rounds the gradients at "
+                     "random: pass key= (a fresh jax.random key each step) to linear / "
+                     "multi_linear / mlp, or rngs={'stochastic_rounding': key} to a Flax "
+                     "layer's apply")
+  rht = {"rht": True, "rht_seed": recipe.rht_seed} if recipe.rht else {}
+  dx, dks, dbs = None, [], []
+  for i, (g, (qk, sk, gk), k_dtype, b_dtype) in enumerate(zip(gs, saved, k_dtypes, b_dtypes)):
+    m, g16 = g.shape[0], _rows16(g)
+    sr = ({"stochastic_rounding": True,
+           "key": device_key(jax.random.fold_in(words, i), axis_name)}
+          if recipe.stochastic_rounding else {})
+    qg = nvfp4_quantize(g16, columnwise=True, **sr, **rht,
+                        **_nvfp4_amaxes(g16, recipe, axis_name, recipe.rht))  # along N and M
+    dxi = nvfp4_gemm(qg["data"], qk, qg["scales"], sk, qg["global_scale"], gk,
+                     out_dtype=jnp.float32)[:m]  # dgrad [M, K]
+    dx = dxi if dx is None else dx + dxi
+    dks.append(nvfp4_gemm(qxt, qg["data_t"], sxt, qg["scales_t"], gxt,
+                          qg["global_scale_t" if recipe.rht else "global_scale"],
+                          out_dtype=k_dtype))  # wgrad [K, N]
+    dbs.append(None if b_dtype is None else
+               jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype))
+  return dx.astype(x_dtype), tuple(dks), tuple(dbs), None
+
+
+_nvfp4_linear.defvjp(_nvfp4_linear_fwd, _nvfp4_linear_bwd)
+
+
 _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have been made by it), a
       ``CurrentScaling`` (stateless: each tensor's scale from its amax of this step), a
-      ``BlockScaling`` (stateless; K and N multiples of 128) or an ``MXFP8BlockScaling``
-      (stateless; K and N multiples of 32; GEMMs emulated, ``mxfp8_gemm``). Each may set
+      ``BlockScaling`` (stateless; K and N multiples of 128), an ``MXFP8BlockScaling``
+      (stateless; K and N multiples of 32; GEMMs emulated, ``mxfp8_gemm``) or an
+      ``NVFP4BlockScaling`` (stateless; K and N multiples of 16; GEMMs emulated,
+      ``nvfp4_gemm``; its global amaxes reduced over ``amax_axis_name`` as CurrentScaling's
+      amaxes are). Each may set
       ``fp8_min_intensity``: a linear below it runs in the compute dtype (BF16 GEMMs through
       XLA), its rings untouched, where the FP8 path would be slower
       (``check_fp8_min_intensity``). The per-tensor recipes' ``fast_accum_gemms`` name the
@@ -409,7 +519,12 @@ _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have bee
     epsilon: the norm's epsilon, a finite float > 0.
     dtype: the outputs' dtype, in which the GEMMs compute (float32, bfloat16, float16); None:
       x's. x is cast to it, unless a norm reads x (an f32 residual stream, say) first; x's
-      gradient comes back in x's dtype."""
+      gradient comes back in x's dtype.
+    key: under ``NVFP4BlockScaling`` with stochastic rounding, a JAX PRNG key (``jax.random.key``
+      or a raw uint32 [2]) for the gradients' rounding, a fresh one each step; kernel i's
+      gradient draws from ``fold_in(key, i)`` (under shard_map also folded with the device's
+      index along the amax axes). Only the backward uses it: a forward may omit it, a gradient
+      without it raises ValueError. None under the other recipes."""
 
 _RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under
     BlockScaling, 32 under MXFP8BlockScaling), mismatched shapes, unsupported dtypes, rings that
@@ -418,7 +533,8 @@ _RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple
     recipe or an amax axis to a block recipe, an Fp8Weight under MXFP8BlockScaling, more than
     65535 * 32 rows M under MXFP8BlockScaling with a gradient (the blocks along M), an
     unknown norm, gamma / beta of the wrong shape or dtype or given without their norm,
-    epsilon not > 0."""
+    epsilon not > 0, a key where the recipe draws none or that is not a PRNG key (or, when
+    differentiating, none where NVFP4BlockScaling's stochastic rounding needs one)."""
 
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
@@ -426,13 +542,13 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            recipe: Recipe = DelayedScaling(),
            amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
            gamma: jax.Array | None = None, beta: jax.Array | None = None,
-           epsilon: float = 1e-6, dtype=None) -> jax.Array:
+           epsilon: float = 1e-6, dtype=None, key: jax.Array | None = None) -> jax.Array:
   return _apply(x, (kernel,), (bias,), ("kernel",), ("bias",), state, LinearState, recipe,
-                amax_axis_name, (norm, gamma, beta, epsilon), dtype)[0]
+                amax_axis_name, (norm, gamma, beta, epsilon), dtype, key)[0]
 
 
-linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backward (delayed or
-  block scaling).
+linear.__doc__ = f"""``y = x @ kernel + bias`` with low-precision GEMMs forward and backward
+  (FP8 per-tensor or block scaling, MXFP8, NVFP4).
 
   Args:
     x: [..., K] float32 / bfloat16 / float16.
@@ -449,7 +565,8 @@ linear.__doc__ = f"""``y = x @ kernel + bias`` with FP8 GEMMs forward and backwa
 
   Method: per-tensor delayed scaling with the HYBRID format (Micikevicius et al. 2022;
   NVIDIA TransformerEngine); block scaling after the DeepSeek-V3 technical report
-  (arXiv 2412.19437, section 3.3).
+  (arXiv 2412.19437, section 3.3); MXFP8 after the OCP MX v1.0 spec; NVFP4 after NVIDIA's
+  NVFP4 pretraining report (arXiv 2509.25149).
   """
 
 
@@ -457,7 +574,8 @@ def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState 
                  recipe: Recipe = DelayedScaling(),
                  amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
                  gamma: jax.Array | None = None, beta: jax.Array | None = None,
-                 epsilon: float = 1e-6, dtype=None) -> tuple[jax.Array, ...]:
+                 epsilon: float = 1e-6, dtype=None,
+                 key: jax.Array | None = None) -> tuple[jax.Array, ...]:
   if not isinstance(kernels, (tuple, list)) or not kernels:
     raise TypeError(f"kernels must be a non-empty tuple or list of [K, N_i] arrays, got "
                     f"{'an empty ' if isinstance(kernels, (tuple, list)) else ''}"
@@ -472,7 +590,7 @@ def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState 
   return _apply(x, tuple(kernels), tuple(biases),
                 tuple(f"kernels[{i}]" for i in range(len(kernels))),
                 tuple(f"biases[{i}]" for i in range(len(kernels))), state, MultiLinearState,
-                recipe, amax_axis_name, (norm, gamma, beta, epsilon), dtype)
+                recipe, amax_axis_name, (norm, gamma, beta, epsilon), dtype, key)
 
 
 multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kernels sharing one
@@ -503,14 +621,15 @@ multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kern
 
 
 STATELESS = (BlockScaling, MXFP8BlockScaling)  # and device-local: no amax is reduced
+BLOCK_RECIPES = STATELESS + (NVFP4BlockScaling,)  # composed, not fused, in mlp
 
 
 def _check_recipe(recipe) -> None:
   if not isinstance(recipe, RECIPES):
     got = (f"the class {recipe.__name__}: pass an instance, e.g. {recipe.__name__}()"
            if isinstance(recipe, type) else type(recipe).__name__)
-    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling or an "
-                    f"MXFP8BlockScaling, got {got}")
+    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling, an "
+                    f"MXFP8BlockScaling or an NVFP4BlockScaling, got {got}")
 
 
 def fp8_multiple(recipe) -> tuple[int, str]:
@@ -523,6 +642,10 @@ def fp8_multiple(recipe) -> tuple[int, str]:
     return MX_BLOCK, (f"MXFP8BlockScaling needs K and N multiples of {MX_BLOCK} (whole MXFP8 "
                       f"blocks of x and the kernel along K, of the gradient and the kernel "
                       f"along N)")
+  if isinstance(recipe, NVFP4BlockScaling):
+    return NVFP4_BLOCK, (f"NVFP4BlockScaling needs K and N multiples of {NVFP4_BLOCK} (whole "
+                         f"NVFP4 blocks of x and the kernel along K, of the gradient and the "
+                         f"kernel along N)")
   return DIM_MULTIPLE, f"K and N must be multiples of {DIM_MULTIPLE} for the FP8 GEMMs"
 
 
@@ -535,6 +658,27 @@ def check_stateless(recipe, state, amax_axis_name) -> None:
   if amax_axis_name not in (None, ()):
     raise ValueError(f"{name} reduces no amax (its block scales come from each device's own "
                      f"tensors): pass amax_axis_name=None, got {amax_axis_name!r}")
+
+
+def check_key(recipe, key):
+  """The key words (uint32 [2]) that ``recipe``'s stochastic rounding draws from, or None;
+  ValueError for a key the recipe does not use or that is not a JAX PRNG key."""
+  if key is None:
+    return None
+  if not draws_key(recipe):
+    raise ValueError(f"key serves NVFP4BlockScaling's stochastic rounding of the gradients; "
+                     f"{type(recipe).__name__}"
+                     f"{'(stochastic_rounding=False)' if isinstance(recipe, NVFP4BlockScaling) else ''}"
+                     f" draws no random bits: pass key=None")
+  return key_words(key)
+
+
+def check_stateless_global(recipe, state) -> None:
+  """The recipes with per-tensor amaxes of this step (CurrentScaling, NVFP4BlockScaling's
+  global scales) take no state: ValueError otherwise."""
+  if state is not None:
+    raise ValueError(f"{type(recipe).__name__} is stateless: pass no state (each tensor's "
+                     f"scale comes from its own amax in this step)")
 
 
 def check_norm(x, norm_args):
@@ -574,7 +718,7 @@ def gemm_input(x, norm_params, norm, dtype):
 
 
 def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recipe,
-           amax_axis_name, norm_args, dtype):
+           amax_axis_name, norm_args, dtype, key):
   """``linear`` and ``multi_linear``: the arguments checked (``*_names``: how errors call the
   kernels and biases), then the FP8 (or, below ``fp8_min_intensity``, the plain) path."""
   x = checks.array(x, "x")
@@ -612,6 +756,7 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
       raise ValueError(f"{name} must be [{n}], got {list(biases[i].shape)}")
   biases = tuple(biases)
   _check_recipe(recipe)
+  words = check_key(recipe, key)
   # else XLA in the compute dtype, any shape
   fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), sum(ns), k)
   if fp8 and 0 in ns:
@@ -622,10 +767,12 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   if isinstance(recipe, STATELESS):
     check_stateless(recipe, state, amax_axis_name)
     rings = None
+  elif isinstance(recipe, NVFP4BlockScaling):
+    check_stateless_global(recipe, state)
+    amax_axis_name = _amax_axes(x, kernels, biases, None, amax_axis_name)
+    rings = None
   elif isinstance(recipe, CurrentScaling):
-    if state is not None:
-      raise ValueError("CurrentScaling is stateless: pass no state (each tensor's scale comes "
-                       "from its own amax in this step)")
+    check_stateless_global(recipe, state)
     amax_axis_name = _amax_axes(x, kernels, biases, None, amax_axis_name)
     rings = (recipe.ring(recipe.fwd_fmt), tuple(recipe.ring(recipe.fwd_fmt) for _ in kernels),
              tuple(recipe.ring(recipe.bwd_fmt) for _ in kernels))
@@ -668,6 +815,8 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     ys = _block_linear(x2, kernels, biases, recipe, dtypes)
   elif isinstance(recipe, MXFP8BlockScaling):
     ys = _mxfp8_linear(x2, kernels, biases, dtypes)
+  elif isinstance(recipe, NVFP4BlockScaling):
+    ys = _nvfp4_linear(x2, kernels, biases, words, recipe, amax_axis_name, dtypes)
   else:
     ys = _linear(x2, norm_params, kernels, biases, rings, amax_axis_name, dtypes,
                  recipe.fast_accum_gemms, norm, isinstance(recipe, CurrentScaling))

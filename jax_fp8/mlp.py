@@ -14,9 +14,9 @@ Backward: the output gradient g is cast-transposed (``dbias_out`` from the same 
 gradient dy in both FP8 layouts (``dbias_in`` from the same read); ``dx = dy @ kernel_in.T``,
 ``dkernel_in = x.T @ dy``.
 
-Under ``BlockScaling`` and ``MXFP8BlockScaling`` the MLP is the composition ``linear``,
-``jax_fp8.activations.apply``, ``linear`` (block-scaled GEMMs; the activation is XLA's, not
-fused).
+Under ``BlockScaling``, ``MXFP8BlockScaling`` and ``NVFP4BlockScaling`` the MLP is the
+composition ``linear``, ``jax_fp8.activations.apply``, ``linear`` (block-scaled GEMMs; the
+activation is XLA's, not fused).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import jax
 
 from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
-from .linear import (STATELESS, _amax_axes, _check_delayed, _check_recipe, _fp8_pays, _shared,
-                     check_norm, check_stateless, compute_dtype, fp8_multiple, gemm_input,
+from .linear import (BLOCK_RECIPES, STATELESS, _amax_axes, _check_delayed, _check_recipe,
+                     _fp8_pays, _shared, check_key, check_norm, check_stateless,
+                     check_stateless_global, compute_dtype, fp8_multiple, gemm_input,
                      input_grad, linear, normalized, quantize_input, scaled, zero_like)
 from .ops._ring import check_ring
 from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
@@ -141,7 +142,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
         recipe: Recipe = DelayedScaling(),
         amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
         gamma: jax.Array | None = None, beta: jax.Array | None = None,
-        epsilon: float = 1e-6, dtype=None) -> jax.Array:
+        epsilon: float = 1e-6, dtype=None, key: jax.Array | None = None) -> jax.Array:
   """``act(x @ kernel_in + bias_in) @ kernel_out + bias_out`` with FP8 GEMMs forward and
   backward, the activation and its gradient fused into the cast-transposes (see the module
   docstring).
@@ -159,7 +160,9 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
       ``jax_fp8.update_state``). Under the other recipes: None.
     recipe: ``DelayedScaling``, ``CurrentScaling`` (the activation's amax from XLA's
       activation of the up projection, its gradient's likewise), ``BlockScaling`` (K, N, F
-      and D multiples of 128) or ``MXFP8BlockScaling`` (multiples of 32). The FP8
+      and D multiples of 128), ``MXFP8BlockScaling`` (multiples of 32) or
+      ``NVFP4BlockScaling`` (multiples of 16; the two linears draw from ``key`` folded with 0
+      and 1). The FP8
       path runs where both GEMMs reach the recipe's ``fp8_min_intensity``; otherwise the MLP
       runs in x's dtype through XLA and the rings are untouched.
     amax_axis_name: as in ``linear``.
@@ -168,6 +171,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
       path.
     dtype: the compute dtype of the GEMMs and the activation, and the output's, as in
       ``linear``.
+    key: as in ``linear`` (``NVFP4BlockScaling``'s stochastic rounding only).
   Returns:
     [..., D] in ``dtype`` (default x's).
   Raises:
@@ -175,7 +179,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
     the FP8 path K, F and D multiples of 16, or 128 under BlockScaling, 32 under
     MXFP8BlockScaling), unknown activation, a state that is not an MlpState of the recipe's
     rings, a state given to a stateless recipe or an amax axis to a block recipe, and the
-    amax_axis_name and norm errors of ``linear``.
+    amax_axis_name, norm and key errors of ``linear``.
 
   Method: per-tensor delayed scaling as in ``linear`` (Micikevicius et al. 2022, NVIDIA
   TransformerEngine); gated activations after Shazeer 2020 (arXiv 2002.05202).
@@ -208,15 +212,14 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
     if b is not None and b.shape != (size,):
       raise ValueError(f"{name} must be [{size}], got {list(b.shape)}")
   _check_recipe(recipe)
+  check_key(recipe, key)
   m = math.prod(x.shape[:-1])
   fp8 = _fp8_pays(recipe, m, n, k) and _fp8_pays(recipe, m, d, f)
-  block, current_ = isinstance(recipe, STATELESS), isinstance(recipe, CurrentScaling)
-  if block:
+  block, current_ = isinstance(recipe, BLOCK_RECIPES), isinstance(recipe, CurrentScaling)
+  if isinstance(recipe, STATELESS):
     check_stateless(recipe, state, amax_axis_name)
-  elif current_:
-    if state is not None:
-      raise ValueError("CurrentScaling is stateless: pass no state (each tensor's scale comes "
-                       "from its own amax in this step)")
+  elif block or current_:
+    check_stateless_global(recipe, state)
   elif not isinstance(state, MlpState):
     raise TypeError(f"state must be a jax_fp8.MlpState, got {type(state).__name__}")
   else:
@@ -235,15 +238,18 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
     raise ValueError(f"K, F and D must be multiples of {multiple} for the FP8 GEMMs"
                      f"{f' under {type(recipe).__name__}' if block else ''}, got K={k}, F={f}, "
                      f"D={d}")
-  if not block:  # checked on every path, as linear does
+  if not isinstance(recipe, STATELESS):  # checked on every path, as linear does
     axis = _amax_axes(x, (kernel_in, kernel_out), (bias_in, bias_out), state, amax_axis_name)
   if not fp8 or block or norm is None:  # else the norm's kernel reads x itself
     x = gemm_input(x, norm_params, norm, out_dtype)
   if not fp8 or block:
-    lin = (functools.partial(linear, recipe=recipe) if fp8 else
-           lambda v, w, b: v @ w.astype(v.dtype) + (0 if b is None else b.astype(v.dtype)))
-    h = activations.apply(lin(x, kernel_in, bias_in), activation).astype(x.dtype)
-    return lin(h, kernel_out, bias_out)
+    keys = (None, None) if key is None else (jax.random.fold_in(key, 0),
+                                             jax.random.fold_in(key, 1))
+    axes = {} if isinstance(recipe, STATELESS) else {"amax_axis_name": axis or ()}
+    lin = (functools.partial(linear, recipe=recipe, **axes) if fp8 else
+           lambda v, w, b, key: v @ w.astype(v.dtype) + (0 if b is None else b.astype(v.dtype)))
+    h = activations.apply(lin(x, kernel_in, bias_in, key=keys[0]), activation).astype(x.dtype)
+    return lin(h, kernel_out, bias_out, key=keys[1])
   x, norm_params, kernel_in, kernel_out, bias_in, bias_out = sharding.vary_like(
       (x, norm_params, kernel_in, kernel_out, bias_in, bias_out), x, norm_params, kernel_in,
       kernel_out, bias_in, bias_out)

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import activations
-from ._layer import call_layer, call_mlp, check_layer, check_norm_attr, create_state
+from ._layer import SR_STREAM, call_layer, call_mlp, check_layer, check_norm_attr, create_state
 from .checks import integer
 from .mlp import MlpState
-from .recipes import DelayedScaling
+from .recipes import DelayedScaling, draws_key
 from .state import update_state
 
 
@@ -43,6 +43,17 @@ def _init_norm(module: nnx.Module, name: str, norm, epsilon, k: int, param_dtype
   module.norm, module.norm_epsilon = norm, epsilon
   module.gamma = None if norm is None else nnx.Param(jnp.ones((k,), param_dtype))
   module.beta = nnx.Param(jnp.zeros((k,), param_dtype)) if centered else None
+
+
+def sr_stream(recipe, rngs: nnx.Rngs):
+  """The rng stream a layer draws its stochastic rounding keys from (``rngs``'
+  "stochastic_rounding" stream, or its default), or None where ``recipe`` draws none."""
+  return getattr(rngs, SR_STREAM) if draws_key(recipe) else None
+
+
+def _key(module: nnx.Module):
+  """The next key of the layer's stochastic rounding stream, or None."""
+  return None if module.rngs is None else module.rngs()
 
 
 def _norm_args(module: nnx.Module):
@@ -80,6 +91,7 @@ class _Layer(nnx.Module):
               nnx.Param(bias_init(rngs.params(), (f,), param_dtype)) if use_bias else None)
     self.fp8_state = (Fp8State(create_state(recipe, len(features) if multi else None))
                       if isinstance(recipe, DelayedScaling) else None)
+    self.rngs = sr_stream(recipe, rngs)
     _init_norm(self, name, norm, norm_epsilon, in_features, param_dtype)
 
   def _outputs(self, inputs):
@@ -93,7 +105,7 @@ class _Layer(nnx.Module):
                    getattr(self, f"bias{sfx}").get_value() for sfx in self._names)
     state = None if self.fp8_state is None else self.fp8_state.get_value()
     return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype,
-                      self.amax_axis_name, self._multi, _norm_args(self))
+                      self.amax_axis_name, self._multi, _norm_args(self), _key(self))
 
 
 class Linear(_Layer):
@@ -107,8 +119,11 @@ class Linear(_Layer):
   the parameters "gamma" [in] (ones) and, for LayerNorm, "beta" [in] (zeros), else None. Same
   parameters ("kernel" [in, out], "bias" [out]) and initializers.
   Under ``DelayedScaling`` the rings are the ``Fp8State`` "fp8_state" (a ``LinearState``);
-  under the other recipes it is None. The kernel is quantized from its parameter dtype (f32
-  master weights straight to FP8); inputs and outputs are in ``dtype``.
+  under the other recipes it is None. Under ``NVFP4BlockScaling`` with stochastic rounding
+  each call draws its key from ``rngs``' "stochastic_rounding" stream (its default stream
+  where it has none), kept as the attribute "rngs" (None otherwise). The kernel is quantized
+  from its parameter dtype (f32 master weights straight to FP8); inputs and outputs are in
+  ``dtype``.
 
   Input ``[..., in_features]``; output ``[..., out_features]``; in and out multiples of 16
   (128 under BlockScaling, 32 under MXFP8BlockScaling). Raises TypeError / ValueError for bad
@@ -143,7 +158,7 @@ class Mlp(nnx.Module):
   activation: gate and up side by side), "kernel_out" [hidden_features, out_features],
   "bias_in" [N] and "bias_out" [out_features] with ``use_bias`` (else None), with
   ``nnx.Linear``'s initializers; under ``DelayedScaling`` the ``Fp8State`` "fp8_state" holds
-  an ``MlpState`` (None under the other recipes).
+  an ``MlpState`` (None under the other recipes); "rngs" as ``Linear``'s.
 
   Args: in_features (K), hidden_features (F), out_features (D; None: K), activation ("swiglu",
   default, "geglu", "silu" or "gelu"), and ``Linear``'s use_bias, dtype, param_dtype,
@@ -176,6 +191,7 @@ class Mlp(nnx.Module):
     self.bias_out = nnx.Param(bias_init(rngs.params(), (d,), param_dtype)) if use_bias else None
     self.fp8_state = (Fp8State(MlpState.create(recipe)) if isinstance(recipe, DelayedScaling)
                       else None)
+    self.rngs = sr_stream(recipe, rngs)
     _init_norm(self, "Mlp", norm, norm_epsilon, k, param_dtype)
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -186,7 +202,7 @@ class Mlp(nnx.Module):
     state = None if self.fp8_state is None else self.fp8_state.get_value()
     return call_mlp(inputs, (self.kernel_in.get_value(), self.kernel_out.get_value()), biases,
                     state, self.recipe, self.dtype, self.activation, self.amax_axis_name,
-                    _norm_args(self))
+                    _norm_args(self), _key(self))
 
 
 def update_fp8_state(model: nnx.Module, grads: nnx.State) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 from typing import Literal
 
 from . import checks
+from .formats import rht_signs
 from .state import ScaleRing, check_history_len, check_ring_params
 
 LINEAR_GEMMS = ("fprop", "dgrad", "wgrad")  # a linear's three GEMMs
@@ -187,5 +188,59 @@ class MXFP8BlockScaling:
     check_fp8_min_intensity(self)
 
 
-RECIPES = (DelayedScaling, CurrentScaling, BlockScaling, MXFP8BlockScaling)
-Recipe = DelayedScaling | CurrentScaling | BlockScaling | MXFP8BlockScaling  # any of RECIPES
+@dataclasses.dataclass(frozen=True)
+class NVFP4BlockScaling:
+  """NVFP4 recipe as NVIDIA's NVFP4 pretraining report publishes it (arXiv 2509.25149, section
+  4; TransformerEngine's ``NVFP4BlockScaling``): E2M1 elements, one E4M3 scale per block and
+  one f32 global scale per tensor (``nvfp4_quantize``). x and the output gradient in 1 x 16
+  blocks along each GEMM's contraction dimension, the kernel in 16 x 16 blocks (both of its
+  directions then hold the same numbers), rounded to nearest; the gradient stochastically
+  rounded in both of its copies; the two wgrad operands (x and the gradient along the tokens M)
+  through the same random Hadamard transform of each 16 rows, which cancels in their product.
+  The global amaxes are per tensor: under ``pmap`` / ``shard_map`` they are max-reduced over
+  ``amax_axis_name`` as ``CurrentScaling``'s amaxes are. Stateless, but with stochastic
+  rounding a linear takes a fresh PRNG key each step (its ``key``; a Flax layer's
+  "stochastic_rounding" rng stream). On Hopper, which has no FP4 tensor cores, the GEMMs are
+  emulated (``nvfp4_gemm``): the numerics are a Blackwell NVFP4 GEMM's, the speed BF16's plus
+  the quantization passes. The report keeps some layers (the last blocks, the embeddings and
+  the LM head) in higher precision: leave those layers out (``convert``'s ``exclude``, or
+  plain layers).
+
+  Attributes:
+    weight_block_2d: 16 x 16 kernel blocks (True, the report's) or 1 x 16 along each GEMM's
+      contraction; a bool.
+    stochastic_rounding: round the gradient's copies stochastically (True, the report's) or to
+      nearest; a bool.
+    rht: the random Hadamard transform of the wgrad operands (True, the report's); a bool.
+    rht_seed: the transform's sign seed (``formats.rht_signs``), an int in [0, 2^64).
+    fp8_min_intensity: below it a linear runs in its input's dtype (see
+      ``check_fp8_min_intensity``); 0 (default): always NVFP4.
+  Raises:
+    TypeError / ValueError when built with a field out of range.
+  """
+
+  weight_block_2d: bool = True
+  stochastic_rounding: bool = True
+  rht: bool = True
+  rht_seed: int = 0
+  fp8_min_intensity: float = 0.0
+
+  def __post_init__(self):
+    for name in ("weight_block_2d", "stochastic_rounding", "rht"):
+      checks.boolean(getattr(self, name), f"NVFP4BlockScaling.{name}")
+    try:
+      rht_signs(self.rht_seed)
+    except ValueError:
+      raise ValueError(f"NVFP4BlockScaling.rht_seed must be an int in [0, 2^64), got "
+                       f"{self.rht_seed!r}") from None
+    check_fp8_min_intensity(self)
+
+
+def draws_key(recipe) -> bool:
+  """Whether a linear under ``recipe`` takes a PRNG key (NVFP4's stochastic rounding)."""
+  return isinstance(recipe, NVFP4BlockScaling) and recipe.stochastic_rounding
+
+
+RECIPES = (DelayedScaling, CurrentScaling, BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
+Recipe = (DelayedScaling | CurrentScaling | BlockScaling | MXFP8BlockScaling
+          | NVFP4BlockScaling)  # any of RECIPES

@@ -1,4 +1,4 @@
-"""The main job's smallest preset, end to end (data, both models, report, exit status)."""
+"""The main job's smallest preset, end to end (data, the models, report, exit status)."""
 
 import json
 
@@ -7,29 +7,36 @@ import pytest
 from jax_fp8.demo.__main__ import main
 
 
-@pytest.mark.parametrize("recipe", ["delayed", "current", "block", "mxfp8"])
-def test_demo_smoke(tmp_path, recipe):
-  # main raises SystemExit(1) if FP8 strays from BF16's validation loss
-  main(["--preset", "smoke", "--recipe", recipe, "--out", str(tmp_path)])
+@pytest.mark.parametrize("recipes", [["delayed", "current"], ["block"], ["mxfp8", "nvfp4"]],
+                         ids="+".join)
+def test_demo_smoke(tmp_path, recipes):
+  # main raises SystemExit(1) if a recipe strays from BF16's validation loss
+  main(["--preset", "smoke", "--recipe", *recipes, "--out", str(tmp_path)])
   res = json.loads((tmp_path / "results.json").read_text())
-  assert res["recipe"] == recipe
+  assert res["recipes"] == recipes and set(res["speedup"]) == set(recipes)
   assert (tmp_path / "loss_curves.png").stat().st_size > 0
-  assert set(res["runs"]) == {"fp8", "bf16"} and res["passed"]
+  assert list(res["runs"]) == ["bf16", *recipes] and all(res["passed"].values())
   for run in res["runs"].values():
     assert len(run["train_losses"]) == 10 and run["val_loss"] < run["train_losses"][0]
 
 
 def test_demo_split_runs(tmp_path, capsys):
-  # --only trains one run; the second job compares with the first's file when the settings match
+  # --only trains one run; a later job compares the runs whose files match its settings
   out = str(tmp_path)
-  main(["--preset", "smoke", "--only", "fp8", "--out", out])
+  main(["--preset", "smoke", "--recipe", "delayed", "--only", "delayed", "--out", out])
   assert not (tmp_path / "results.json").exists()
   assert "run again with --only bf16" in capsys.readouterr().out
   main(["--preset", "smoke", "--only", "bf16", "--seed", "1", "--out", out])  # another seed
   assert not (tmp_path / "results.json").exists()
-  assert "run again with --only fp8" in capsys.readouterr().out
+  assert "run again with --only delayed" in capsys.readouterr().out
   main(["--preset", "smoke", "--only", "bf16", "--out", out])
   res = json.loads((tmp_path / "results.json").read_text())
-  fp8 = json.loads((tmp_path / "run-fp8.json").read_text())
-  assert res["runs"]["fp8"]["train_losses"] == fp8["train_losses"] and res["passed"]
-  assert res["seed"] == 0 and set(res["runs"]) == {"fp8", "bf16"}
+  fp8 = json.loads((tmp_path / "run-delayed.json").read_text())
+  assert res["runs"]["delayed"]["train_losses"] == fp8["train_losses"]
+  assert res["seed"] == 0 and list(res["runs"]) == ["bf16", "delayed"] and res["passed"]
+
+
+def test_demo_rejects_an_unknown_run(capsys):
+  with pytest.raises(SystemExit):
+    main(["--preset", "smoke", "--recipe", "current", "--only", "fp8"])
+  assert "--only must be bf16 or one of --recipe (current), got 'fp8'" in capsys.readouterr().err

@@ -644,3 +644,61 @@ def test_current_scaling_fp8_weight_and_replicas(problem):
   pieces = [one(lambda v: jax_fp8.linear(v, w, b, recipe=CURRENT), p)
             for p in jnp.split(x, NDEV)]
   close_to([replicas], [jnp.concatenate(pieces)])
+
+
+# NVFP4BlockScaling: the global amaxes are the whole tensors' (XLA's reduction under a sharded
+# jit; max-reduced over amax_axis_name under shard_map), so every device quantizes with one
+# global scale per tensor; the random bits follow global coordinates under a sharded jit (the
+# quantizer sees the whole tensor) and, under shard_map, the device's index along the reduced
+# axes is folded into the key so that devices draw their own bits.
+NV_KEY = jax.random.key(21)
+
+
+@pytest.mark.parametrize("name", ["data_parallel", "fsdp", "tensor_column"])
+def test_nvfp4_block_scaling_sharded_jit(problem, name):
+  """Under a plain sharded jit the step equals one device's, stochastic rounding included, up
+  to the order of the sums."""
+  x, w, b, g, _ = problem
+  x = per_shard(x, range(1, NDEV + 1))
+  recipe = jax_fp8.NVFP4BlockScaling()
+  _, args = sharded_jit_args(SHARDED_JIT[name], (x, w, b, g))
+
+  def step(x, w, b, g):
+    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe, key=NV_KEY), x, w, b)
+    return (y, *vjp(g))
+
+  with jax.default_device(DEVICES[0]):
+    want = step(*jax.device_put((x, w, b, g), DEVICES[0]))
+  close_to(jax.jit(step)(*args), want)
+
+
+def test_nvfp4_block_scaling_data_parallel(problem):
+  """Under shard_map over the batch: with round to nearest the step equals one device's (the
+  global amaxes reduced over "data" although the shards' differ; the Hadamard groups of 16
+  rows lie within each device's rows); with stochastic rounding every device draws its own
+  bits: devices holding the same rows get the same forward and different dgrads."""
+  x, w, b, g, _ = problem
+  x = per_shard(x, range(1, NDEV + 1))
+  mesh = Mesh(np.array(DEVICES), ("data",))
+
+  def step(x, w, b, g, recipe, key):
+    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe, key=key), x, w, b)
+    return (y, *vjp(g))  # dw, db summed over "data" (w, b are replicated)
+
+  def run(recipe, key, *args):
+    return jax.jit(jax.shard_map(lambda *a: step(*a, recipe, key), mesh=mesh,
+                                 in_specs=(P("data"), P(), P(), P("data")),
+                                 out_specs=(P("data"), P("data"), P(), P())))(*args)
+
+  nearest = jax_fp8.NVFP4BlockScaling(stochastic_rounding=False)
+  with jax.default_device(DEVICES[0]):
+    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=nearest),
+                     *jax.device_put((x, w, b), DEVICES[0]))
+    want = (y, *vjp(jax.device_put(g, DEVICES[0])))
+  close_to(run(nearest, None, x, w, b, g), want)
+  same = jnp.tile(x[:M // NDEV], (NDEV, 1))  # every device the same rows and gradient
+  same_g = jnp.tile(g[:M // NDEV], (NDEV, 1))
+  y, dx, _, _ = run(jax_fp8.NVFP4BlockScaling(), NV_KEY, same, w, b, same_g)
+  rows = M // NDEV
+  np.testing.assert_array_equal(y[:rows], y[rows:2 * rows])
+  assert not np.array_equal(dx[:rows], dx[rows:2 * rows])

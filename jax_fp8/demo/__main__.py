@@ -1,15 +1,18 @@
-"""``python -m jax_fp8.demo``: train one byte-level transformer twice, FP8 and BF16, and compare.
+"""``python -m jax_fp8.demo``: train one byte-level transformer in BF16 and under one or more
+FP8 recipes, and compare.
 
-Both runs start from the same parameters and see the same batches of Python standard-library
-source. The FP8 run puts every block matmul through ``jax_fp8.flax.Dense`` (``--recipe delayed``
-(default), ``current``, ``block`` or ``mxfp8``); the BF16 run uses
-``flax.linen.Dense`` in bf16. Reported: step time and tokens/s (compile steps excluded), final
-train and validation loss, the speedup, a PNG of the loss curves and ``results.json``. Exit
-status 1 when the FP8 validation loss is worse than the BF16 one by more than ``--tolerance``.
+Every run starts from the same parameters and sees the same batches of Python standard-library
+source. An FP8 run puts the block matmuls through ``jax_fp8`` layers under its recipe
+(``--recipe delayed`` (default), ``current``, ``block``, ``mxfp8``, ``nvfp4``, or several); the
+BF16 run uses the same layers' bf16 twins. Reported per run: step time and tokens/s (compile
+steps excluded), final train and validation loss, each recipe's speedup over BF16, one PNG of
+all loss curves and ``results.json``. Exit status 1 when a recipe's validation loss is worse
+than BF16's by more than ``--tolerance``.
 
-Each finished run is also kept as ``run-fp8.json`` / ``run-bf16.json`` beside them, with the
-settings it ran under; ``--only fp8`` (or ``bf16``) trains one run and compares it with the
-other's file when that one ran under the same settings, so a long run can be split over two jobs.
+Each finished run is also kept as ``run-<name>.json`` (``run-bf16.json``, ``run-delayed.json``,
+...) beside them, with the settings it ran under; ``--only NAME`` trains that run alone and
+compares the runs whose files ran under the same settings, so long runs can be split over
+jobs.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from jax_fp8.demo import data
 from jax_fp8.demo.model import RECIPES, Config, Transformer
 
 SKIP_STEPS = 2  # steps left out of the timing: compilation, then the first donated-buffer step
-RUNS = ("fp8", "bf16")
+BF16 = "bf16"  # the baseline run's name; the FP8 runs are named by their recipe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,25 +78,35 @@ def make_optimizer(preset: Preset, steps: int) -> optax.GradientTransformation:
 
 
 def make_loss(model: Transformer):
-  """``loss(params, fp8_state, batch)``: mean next-byte cross-entropy, f32 [].
+  """``loss(params, fp8_state, batch, key=None)``: mean next-byte cross-entropy, f32 [].
 
-  batch: uint8 [B, T + 1]. fp8_state: the model's "fp8_state" collection, ``{}`` for BF16.
+  batch: uint8 [B, T + 1]. fp8_state: the model's "fp8_state" collection, ``{}`` for BF16 and
+  the stateless recipes. key: this step's key for NVFP4's stochastic rounding (the layers'
+  "stochastic_rounding" rng stream), None where no gradient is taken.
   """
-  def loss(params, fp8_state, batch):
+  def loss(params, fp8_state, batch, key=None):
     tokens = batch.astype(jnp.int32)
-    logits = model.apply({"params": params, "fp8_state": fp8_state}, tokens[:, :-1])
+    rngs = {} if key is None else {jax_fp8.flax.SR_STREAM: key}
+    logits = model.apply({"params": params, "fp8_state": fp8_state}, tokens[:, :-1], rngs=rngs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   return loss
 
 
+def step_key(seed: int, step: int) -> jax.Array:
+  """The key of training step ``step``: the seed's key for stochastic rounding, folded with the
+  step (every layer folds in its own path)."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1), step)
+
+
 def make_train_step(model: Transformer, tx: optax.GradientTransformation):
-  """One jitted step for both variants: ``(params, opt_state, fp8_state, batch) -> (params,
-  opt_state, fp8_state, loss)``. The gradient with respect to the FP8 state is its next value."""
+  """One jitted step for every variant: ``(params, opt_state, fp8_state, batch, key) ->
+  (params, opt_state, fp8_state, loss)``. The gradient with respect to the FP8 state is its
+  next value."""
   loss_fn = make_loss(model)
 
-  def step(params, opt_state, fp8_state, batch):
+  def step(params, opt_state, fp8_state, batch, key):
     loss, (grads, state_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-        params, fp8_state, batch)
+        params, fp8_state, batch, key)
     fp8_state = jax_fp8.update_state(fp8_state, state_grads)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, fp8_state, loss
@@ -130,7 +143,8 @@ def train(name: str, cfg: Config, preset: Preset, batches: np.ndarray, val: np.n
   bar = tqdm(range(steps), desc=f"{name:>4}", unit="step", dynamic_ncols=True)
   t_start = time.perf_counter()
   for i in bar:
-    params, opt_state, fp8_state, loss = step_fn(params, opt_state, fp8_state, batches[i])
+    params, opt_state, fp8_state, loss = step_fn(params, opt_state, fp8_state, batches[i],
+                                                 step_key(seed, i))
     losses.append(loss)
     if i < SKIP_STEPS:  # untimed; the clock starts once the last of them has finished
       jax.block_until_ready(loss)
@@ -158,28 +172,28 @@ def train(name: str, cfg: Config, preset: Preset, batches: np.ndarray, val: np.n
 
 
 def plot(results: dict, path: str) -> None:
-  """Both training-loss curves (raw and smoothed) and the final validation losses, as a PNG."""
+  """Every run's training-loss curve (raw and smoothed) and final validation loss, as a PNG."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(8, 5))
-  for name, color in (("bf16", "tab:blue"), ("fp8", "tab:orange")):
-    r = results["runs"][name]
+  for i, (name, r) in enumerate(results["runs"].items()):
+    color = f"C{i}"
     y = np.asarray(r["train_losses"])
     w = max(1, len(y) // 20)
     smooth = np.convolve(y, np.ones(w) / w, mode="valid")
-    ax.plot(np.arange(len(y)), y, color=color, alpha=0.25, lw=0.8)
+    ax.plot(np.arange(len(y)), y, color=color, alpha=0.2, lw=0.8)
+    speedup = results["speedup"].get(name)
     ax.plot(np.arange(w - 1, len(y)), smooth, color=color, lw=2,
-            label=f"{name.upper()} train (mean of {w})")
+            label=f"{name} train (mean of {w})"
+                  + ("" if speedup is None else f", {speedup:.2f}x BF16's speed"))
     ax.scatter([len(y) - 1], [r["val_loss"]], color=color, marker="*", s=150, zorder=3,
-               edgecolor="black", label=f"{name.upper()} validation {r['val_loss']:.3f}")
+               edgecolor="black", label=f"{name} validation {r['val_loss']:.3f}")
   ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)",
-         title=f"jax_fp8 demo ({results['recipe']} scaling), preset {results['preset']} on "
-               f"{results['device']}: "
-               f"FP8 speedup {results['speedup']:.2f}x")
+         title=f"jax_fp8 demo, preset {results['preset']} on {results['device']}")
   ax.grid(True, alpha=0.3)
-  ax.legend()
+  ax.legend(fontsize="small")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -196,14 +210,20 @@ def parse_args(argv):
   p.add_argument("--tolerance", type=float, default=0.05,
                  help="allowed relative excess of the FP8 validation loss over BF16's")
   p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the batches")
-  p.add_argument("--recipe", choices=list(RECIPES), default="delayed",
-                 help="FP8 recipe: per-tensor delayed or current scaling (HYBRID), block "
-                      "scaling (DeepSeek-V3: 1x128 groups, 128x128 weight blocks) or MXFP8 "
-                      "(1x32 E8M0 blocks; GEMMs emulated on Hopper)")
-  p.add_argument("--only", choices=list(RUNS),
-                 help="train this run only; compare it with the other's run-*.json in --out "
-                      "when that one ran under the same settings")
+  p.add_argument("--recipe", choices=list(RECIPES), nargs="+", default=["delayed"],
+                 help="FP8 recipes, one run each: per-tensor delayed or current scaling "
+                      "(HYBRID), block scaling (DeepSeek-V3: 1x128 groups, 128x128 weight "
+                      "blocks), MXFP8 (1x32 E8M0 blocks) or NVFP4 (16-element blocks, the "
+                      "report's recipe; the last blocks in BF16); MXFP8 and NVFP4 GEMMs are "
+                      "emulated on Hopper")
+  p.add_argument("--only", help="train this run only (bf16 or one of the --recipe names); "
+                                "compare the runs whose run-*.json in --out ran under the same "
+                                "settings")
   args = p.parse_args(argv)
+  args.recipe = list(dict.fromkeys(args.recipe))  # each once, in the order given
+  if args.only not in (None, BF16, *args.recipe):
+    p.error(f"--only must be {BF16} or one of --recipe ({', '.join(args.recipe)}), got "
+            f"{args.only!r}")
   if args.steps is not None and args.steps <= SKIP_STEPS:
     p.error(f"--steps must be more than {SKIP_STEPS} (the untimed compile steps)")
   return args
@@ -233,17 +253,17 @@ def main(argv=None) -> None:
   print(f"data: {corpus.files} stdlib files, {len(corpus.train):,} train / {len(corpus.val):,} "
         f"validation bytes ({val.shape[0] * val.shape[1]} validation windows)")
 
-  print(f"FP8 recipe: {args.recipe}")
+  print(f"FP8 recipes: {', '.join(args.recipe)}")
   os.makedirs(args.out, exist_ok=True)
   settings = {"preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
               "device": device, "backend": jax.default_backend(), "jax_version": jax.__version__,
               "fp8_kernels_cuda": jax_fp8.cuda_available()}
   runs = {}
-  for run_name in RUNS:
-    run_settings = {**settings, **({"recipe": args.recipe} if run_name == "fp8" else {})}
+  for run_name in (BF16, *args.recipe):
+    run_settings = {**settings, **({} if run_name == BF16 else {"recipe": run_name})}
     path = os.path.join(args.out, f"run-{run_name}.json")
     if args.only in (None, run_name):
-      cfg = preset.config(fp8=run_name == "fp8", recipe=args.recipe)
+      cfg = preset.config(fp8=run_name != BF16, recipe="delayed" if run_name == BF16 else run_name)
       runs[run_name] = train(run_name, cfg, preset, batches, val, args.seed)
       with open(path, "w") as f:
         json.dump({"settings": run_settings, **runs[run_name]}, f, indent=2)
@@ -253,36 +273,40 @@ def main(argv=None) -> None:
       if kept.pop("settings") == run_settings:
         runs[run_name] = kept
         print(f"{run_name} run read from {path}")
-  if len(runs) < len(RUNS):
-    missing = next(n for n in RUNS if n not in runs)
-    print(f"no {missing} run under these settings in {args.out}: run again with --only "
-          f"{missing} to compare")
+  missing = [n for n in (BF16, *args.recipe) if n not in runs]
+  if missing:
+    print(f"no {', '.join(missing)} run under these settings in {args.out}: run again with "
+          f"--only {missing[0]} to compare")
     return
-  fp8, bf16 = runs["fp8"], runs["bf16"]
+  bf16 = runs[BF16]
   limit = bf16["val_loss"] * (1 + args.tolerance)
-  passed = bool(fp8["val_loss"] <= limit)
+  passed = {r: bool(runs[r]["val_loss"] <= limit) for r in args.recipe}
   results = {
-      **settings, "recipe": args.recipe,
-      "speedup": bf16["step_ms"] / fp8["step_ms"],
-      "tolerance": args.tolerance, "val_loss_limit": limit, "passed": passed, "runs": runs,
+      **settings, "recipes": args.recipe,
+      "speedup": {r: bf16["step_ms"] / runs[r]["step_ms"] for r in args.recipe},
+      "tolerance": args.tolerance, "val_loss_limit": limit, "passed": passed,
+      "runs": runs,
   }
 
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(results, f, indent=2)
   plot(results, os.path.join(args.out, "loss_curves.png"))
 
-  print(f"\n{'run':<5} {'step ms':>9} {'tokens/s':>11} {'1st step s':>10} {'train loss':>10} "
-        f"{'val loss':>9}")
+  print(f"\n{'run':<8} {'step ms':>9} {'tokens/s':>11} {'1st step s':>10} {'train loss':>10} "
+        f"{'val loss':>9} {'speedup':>8}")
   for run_name, r in runs.items():
-    print(f"{run_name:<5} {r['step_ms']:>9.2f} {r['tokens_per_s']:>11,.0f} "
-          f"{r['first_step_s']:>10.2f} {r['final_train_loss']:>10.4f} {r['val_loss']:>9.4f}")
-  print(f"speedup (bf16 step time / fp8 step time): {results['speedup']:.2f}x"
+    speedup = results["speedup"].get(run_name)
+    print(f"{run_name:<8} {r['step_ms']:>9.2f} {r['tokens_per_s']:>11,.0f} "
+          f"{r['first_step_s']:>10.2f} {r['final_train_loss']:>10.4f} {r['val_loss']:>9.4f} "
+          f"{'' if speedup is None else f'{speedup:.2f}x':>8}")
+  print("speedup: bf16 step time / the recipe's"
         + ("" if results["fp8_kernels_cuda"] else
            " (no CUDA kernels: the FP8 GEMMs are emulated, so only the losses are meaningful)"))
-  print(f"rule: FP8 val loss <= BF16 val loss x (1 + {args.tolerance:g}): "
-        f"{fp8['val_loss']:.4f} <= {limit:.4f} -> {'PASS' if passed else 'FAIL'}")
+  for r in args.recipe:
+    print(f"rule: {r} val loss <= BF16 val loss x (1 + {args.tolerance:g}): "
+          f"{runs[r]['val_loss']:.4f} <= {limit:.4f} -> {'PASS' if passed[r] else 'FAIL'}")
   print(f"wrote {args.out}/results.json and {args.out}/loss_curves.png")
-  if not passed:
+  if not all(passed.values()):
     raise SystemExit(1)
 
 

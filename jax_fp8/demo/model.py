@@ -2,7 +2,9 @@
 
 With ``fp8=True`` every matmul inside the blocks is FP8 under ``recipe`` ("delayed": per-tensor
 delayed scaling, HYBRID; "current": per-tensor current scaling, HYBRID; "block": DeepSeek-style
-block scaling; "mxfp8": MXFP8 blocks, GEMMs emulated on Hopper): the fused q/k/v projection and
+block scaling; "mxfp8": MXFP8 blocks; "nvfp4": the NVFP4 report's recipe, its last
+``NVFP4_BF16_SHARE`` of the blocks in BF16 as the report keeps them; MXFP8 and NVFP4 GEMMs
+emulated on Hopper): the fused q/k/v projection and
 the attention output projection are ``jax_fp8.flax.Dense``, the MLP a ``jax_fp8.flax.Mlp``;
 the LayerNorms before q/k/v and the MLP are those layers' own (``norm="layernorm"``), and
 under the per-tensor recipes they and the MLP's GELU are computed inside the FP8
@@ -27,7 +29,11 @@ import jax_fp8.flax
 
 COMPUTE = jnp.bfloat16
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling(),
-           "block": jax_fp8.BlockScaling(), "mxfp8": jax_fp8.MXFP8BlockScaling()}
+           "block": jax_fp8.BlockScaling(), "mxfp8": jax_fp8.MXFP8BlockScaling(),
+           "nvfp4": jax_fp8.NVFP4BlockScaling()}
+# The share of the last blocks that the NVFP4 report (arXiv 2509.25149) keeps in higher
+# precision (about 15% of the linear layers), rounded to whole blocks.
+NVFP4_BF16_SHARE = 0.15
 INIT = nn.initializers.normal(0.02)
 
 
@@ -49,6 +55,12 @@ class Config:
   def d_ff(self) -> int:
     return 4 * self.d_model
 
+  @property
+  def bf16_blocks(self) -> int:
+    """How many of the last blocks run in BF16 under an FP8 recipe (NVFP4's, see
+    ``NVFP4_BF16_SHARE``; none under the others)."""
+    return round(NVFP4_BF16_SHARE * self.n_layers) if self.fp8 and self.recipe == "nvfp4" else 0
+
   def __post_init__(self):
     if self.recipe not in RECIPES:
       raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
@@ -59,8 +71,9 @@ class Config:
 
 
 def _fp8_kw(cfg: Config, norm: bool) -> dict:
-  # the block recipes' scales are device-local: no amax to reduce
-  axis = cfg.amax_axis_name if cfg.recipe in ("delayed", "current") else None
+  # BlockScaling's and MXFP8's scales are device-local: no amax to reduce (NVFP4's global
+  # scales are per tensor)
+  axis = cfg.amax_axis_name if cfg.recipe in ("delayed", "current", "nvfp4") else None
   return dict(recipe=RECIPES[cfg.recipe], amax_axis_name=axis,
               norm="layernorm" if norm else None)
 
@@ -176,7 +189,8 @@ class Transformer(nn.Module):
     pos = nn.Embed(cfg.seq_len, cfg.d_model, embedding_init=INIT, name="pos_embed")
     x = x + pos(jnp.arange(tokens.shape[1]))[None]  # f32 residual stream [B, T, D]
     for i in range(cfg.n_layers):
-      x = Block(cfg, name=f"block_{i}")(x)
+      high = i >= cfg.n_layers - cfg.bf16_blocks
+      x = Block(dataclasses.replace(cfg, fp8=False) if high else cfg, name=f"block_{i}")(x)
     x = nn.LayerNorm(dtype=COMPUTE, name="ln_final")(x)
     # The LM head stays a plain bf16 nn.Dense in both variants: the logits feed the softmax
     # directly and are the most precision-sensitive matmul, as in common FP8 recipes.
