@@ -2,7 +2,7 @@
 # The one script for a GPU machine: build, GPU tests, benchmarks, sanitizers, demo. Logs go to
 # $OUT (one log per step; at most a few files, so they are easy to bring back). Usage:
 #   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [sanitize] [graphs] [demo]
-#     [demo-block] [dp] [model-step] [step-profile] [profile]
+#     [demo-block] [convergence] [dp] [model-step] [step-profile] [profile]
 # (default: tests bench demo; sanitize runs compute-sanitizer's memcheck, racecheck, initcheck
 # and synccheck over every variant of our kernels; step-profile traces the block train step
 # with the JAX profiler; profile runs Nsight Compute over our kernels). Optional environment:
@@ -61,6 +61,17 @@ for s in $steps; do
     demo-block) python3 -m jax_fp8.demo --preset gpu --recipe block --out "$OUT/demo-block" \
              > "$OUT/demo-block.log" 2>&1
            echo "demo-block exit $?"; tail -15 "$OUT/demo-block.log" ;;
+    # The recipes' 1500-step convergence runs against BF16 (CONVERGENCE_RECIPES, default
+    # "current mxfp8 nvfp4"), stopped after CONVERGENCE_MINUTES (default 8) and checkpointed in
+    # build/convergence, which a warm machine keeps: the same step in the next call resumes.
+    # Runs already in $CONVERGENCE_RUNS (a folder of run-*.json) are copied in and kept.
+    convergence) mkdir -p build/convergence
+           [ -n "${CONVERGENCE_RUNS:-}" ] && cp -n "$CONVERGENCE_RUNS"/run-*.json build/convergence/
+           python3 -m jax_fp8.demo --preset gpu --steps 1500 \
+             --recipe ${CONVERGENCE_RECIPES:-current mxfp8 nvfp4} --out build/convergence \
+             --stop-after ${CONVERGENCE_MINUTES:-8} > "$OUT/convergence.log" 2>&1
+           echo "convergence exit $?"; tr '\r' '\n' < "$OUT/convergence.log" | grep -v "step/s" | tail -15
+           cp build/convergence/*.json build/convergence/*.png "$OUT/" 2>/dev/null ;;
     # Every kernel variant of ours under compute-sanitizer (only kernels in namespace jax_fp8
     # are instrumented); JAX allocates each buffer with its own cudaMalloc, so memcheck sees
     # each buffer's exact bounds, and XLA's command buffers are off, so every kernel that

@@ -40,3 +40,25 @@ def test_demo_rejects_an_unknown_run(capsys):
   with pytest.raises(SystemExit):
     main(["--preset", "smoke", "--recipe", "current", "--only", "fp8"])
   assert "--only must be bf16 or one of --recipe (current), got 'fp8'" in capsys.readouterr().err
+
+
+def test_demo_resumes_a_stopped_run(tmp_path, capsys):
+  """--stop-after checkpoints a run in --out and the same command resumes it: a run trained in
+  segments of a few steps has the uninterrupted run's losses, bit for bit; each segment leaves
+  its own first two steps out of the timing; the checkpoints are gone once the runs finish."""
+  whole, parts = str(tmp_path / "whole"), str(tmp_path / "parts")
+  args = ["--preset", "smoke", "--steps", "6", "--recipe", "nvfp4"]
+  main([*args, "--out", whole])
+  calls = 0
+  while not (tmp_path / "parts" / "results.json").exists():
+    assert calls < 8, "the stopped runs do not advance"
+    main([*args, "--out", parts, "--stop-after", "1e-4"])  # stops after each segment's 3rd step
+    calls += 1
+  out = capsys.readouterr().out
+  assert "bf16 resumed at step 3" in out and "nvfp4 resumed at step 3" in out
+  a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("whole", "parts"))
+  for name in ("bf16", "nvfp4"):
+    assert b["runs"][name]["train_losses"] == a["runs"][name]["train_losses"]
+    assert b["runs"][name]["val_loss"] == a["runs"][name]["val_loss"]
+    assert b["runs"][name]["timed_steps"] == 6 - 2 * 2  # two segments of 3 steps
+  assert not list((tmp_path / "parts").glob("checkpoint-*"))

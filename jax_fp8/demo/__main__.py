@@ -12,7 +12,10 @@ than BF16's by more than ``--tolerance``.
 Each finished run is also kept as ``run-<name>.json`` (``run-bf16.json``, ``run-delayed.json``,
 ...) beside them, with the settings it ran under; ``--only NAME`` trains that run alone and
 compares the runs whose files ran under the same settings, so long runs can be split over
-jobs.
+jobs. ``--stop-after MINUTES`` stops a run that is still training at that point and
+checkpoints it (``checkpoint-<name>.msgpack`` and ``.json`` in ``--out``). The same command
+then resumes it, keeps the runs that already finished, and leaves each resumed segment's own
+first steps out of the timing.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import os
 import time
 
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,9 +132,41 @@ def init_variables(cfg: Config, seed: int):
   return variables["params"], variables.get("fp8_state", {})
 
 
+def _checkpoint_paths(out: str, name: str) -> tuple[str, str]:
+  """The files of run ``name``'s checkpoint in ``out``: its arrays (msgpack) and its progress
+  (JSON)."""
+  return (os.path.join(out, f"checkpoint-{name}.msgpack"),
+          os.path.join(out, f"checkpoint-{name}.json"))
+
+
+def _save_checkpoint(out, name, settings, arrays, progress) -> None:
+  data, meta = _checkpoint_paths(out, name)
+  with open(data, "wb") as f:
+    f.write(flax.serialization.to_bytes(arrays))
+  with open(meta, "w") as f:
+    json.dump({"settings": settings, **progress}, f)
+
+
+def _load_checkpoint(out, name, settings, arrays):
+  """(arrays, progress) of run ``name``'s checkpoint in ``out`` when it was saved under
+  ``settings``, else None. ``arrays``: the target structure."""
+  data, meta = _checkpoint_paths(out, name)
+  if not (os.path.exists(data) and os.path.exists(meta)):
+    return None
+  with open(meta) as f:
+    progress = json.load(f)
+  if progress.pop("settings") != settings:
+    return None
+  with open(data, "rb") as f:
+    return flax.serialization.from_bytes(arrays, f.read()), progress
+
+
 def train(name: str, cfg: Config, preset: Preset, batches: np.ndarray, val: np.ndarray,
-          seed: int) -> dict:
-  """Train one variant on ``batches`` (uint8 [steps, B, T + 1]); return its figures."""
+          seed: int, out: str, settings: dict, deadline: float | None = None) -> dict | None:
+  """Train one variant on ``batches`` (uint8 [steps, B, T + 1]); return its figures, or None
+  when ``deadline`` (a ``time.perf_counter()`` value) passed first: the run's state is then
+  checkpointed in ``out`` and a later call under the same ``settings`` resumes it (each
+  resumed segment leaves its own first ``SKIP_STEPS`` steps out of the timing)."""
   model = Transformer(cfg)
   steps = len(batches)
   tx = make_optimizer(preset, steps)
@@ -138,32 +174,59 @@ def train(name: str, cfg: Config, preset: Preset, batches: np.ndarray, val: np.n
   params, fp8_state = init_variables(cfg, seed)
   opt_state = tx.init(params)
   n_params = sum(p.size for p in jax.tree.leaves(params))
+  progress = {"step": 0, "train_losses": [], "timed_s": 0.0, "timed_steps": 0,
+              "first_step_s": None}
+  kept = _load_checkpoint(out, name, settings, (params, opt_state, fp8_state))
+  if kept is not None:
+    (params, opt_state, fp8_state), progress = kept
+    print(f"{name} resumed at step {progress['step']} from {_checkpoint_paths(out, name)[0]}")
 
-  losses = []
-  bar = tqdm(range(steps), desc=f"{name:>4}", unit="step", dynamic_ncols=True)
+  start = progress["step"]
+  losses = list(progress["train_losses"])
+  bar = tqdm(range(start, steps), desc=f"{name:>4}", unit="step", dynamic_ncols=True,
+             initial=start, total=steps)
   t_start = time.perf_counter()
+  t_timed = None
   for i in bar:
     params, opt_state, fp8_state, loss = step_fn(params, opt_state, fp8_state, batches[i],
                                                  step_key(seed, i))
     losses.append(loss)
-    if i < SKIP_STEPS:  # untimed; the clock starts once the last of them has finished
+    if i < start + SKIP_STEPS:  # untimed; the clock starts once the last of them has finished
       jax.block_until_ready(loss)
       t_timed = time.perf_counter()
       if i == 0:
-        first_step_s = t_timed - t_start  # compilation + one step
+        progress["first_step_s"] = t_timed - t_start  # compilation + one step
     if i % 10 == 0 or i == steps - 1:
       bar.set_postfix(loss=f"{float(loss):.4f}")
+    if (deadline is not None and i >= start + SKIP_STEPS and i < steps - 1
+        and time.perf_counter() > deadline):
+      jax.block_until_ready((params, loss))
+      progress["timed_s"] += time.perf_counter() - t_timed
+      progress["timed_steps"] += i + 1 - start - SKIP_STEPS
+      progress["step"] = i + 1
+      progress["train_losses"] = [float(v) for v in jax.device_get(losses)]
+      _save_checkpoint(out, name, settings, (params, opt_state, fp8_state), progress)
+      bar.close()
+      print(f"{name} stopped at step {i + 1} of {steps} (--stop-after): its state is in "
+            f"{_checkpoint_paths(out, name)[0]}; the same command resumes it")
+      return None
   jax.block_until_ready((params, loss))
-  step_s = (time.perf_counter() - t_timed) / (steps - SKIP_STEPS)
+  if t_timed is not None and steps - start > SKIP_STEPS:
+    progress["timed_s"] += time.perf_counter() - t_timed
+    progress["timed_steps"] += steps - start - SKIP_STEPS
   bar.close()
+  for path in _checkpoint_paths(out, name):
+    if os.path.exists(path):
+      os.remove(path)
 
   train_losses = [float(v) for v in jax.device_get(losses)]
   val_loss = float(make_eval(model)(params, fp8_state, val))
+  step_s = progress["timed_s"] / progress["timed_steps"]
   return {
       "params": n_params,
-      "first_step_s": first_step_s,
+      "first_step_s": progress["first_step_s"],
       "step_ms": 1e3 * step_s,
-      "timed_steps": steps - SKIP_STEPS,
+      "timed_steps": progress["timed_steps"],
       "tokens_per_s": preset.batch * preset.seq_len / step_s,
       "final_train_loss": float(np.mean(train_losses[-10:])),
       "val_loss": val_loss,
@@ -219,7 +282,13 @@ def parse_args(argv):
   p.add_argument("--only", help="train this run only (bf16 or one of the --recipe names); "
                                 "compare the runs whose run-*.json in --out ran under the same "
                                 "settings")
+  p.add_argument("--stop-after", type=float, metavar="MINUTES",
+                 help="stop training once this job has run this long, checkpointing the run "
+                      "in --out (the next run is not started); the same command resumes it and "
+                      "keeps the runs that finished")
   args = p.parse_args(argv)
+  if args.stop_after is not None and not args.stop_after > 0:
+    p.error(f"--stop-after must be a positive number of minutes, got {args.stop_after}")
   args.recipe = list(dict.fromkeys(args.recipe))  # each once, in the order given
   if args.only not in (None, BF16, *args.recipe):
     p.error(f"--only must be {BF16} or one of --recipe ({', '.join(args.recipe)}), got "
@@ -253,27 +322,45 @@ def main(argv=None) -> None:
   print(f"data: {corpus.files} stdlib files, {len(corpus.train):,} train / {len(corpus.val):,} "
         f"validation bytes ({val.shape[0] * val.shape[1]} validation windows)")
 
+  deadline = (None if args.stop_after is None else
+              time.perf_counter() + 60 * args.stop_after)
   print(f"FP8 recipes: {', '.join(args.recipe)}")
   os.makedirs(args.out, exist_ok=True)
   settings = {"preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
               "device": device, "backend": jax.default_backend(), "jax_version": jax.__version__,
               "fp8_kernels_cuda": jax_fp8.cuda_available()}
-  runs = {}
+  runs, stopped = {}, False
   for run_name in (BF16, *args.recipe):
     run_settings = {**settings, **({} if run_name == BF16 else {"recipe": run_name})}
     path = os.path.join(args.out, f"run-{run_name}.json")
-    if args.only in (None, run_name):
-      cfg = preset.config(fp8=run_name != BF16, recipe="delayed" if run_name == BF16 else run_name)
-      runs[run_name] = train(run_name, cfg, preset, batches, val, args.seed)
-      with open(path, "w") as f:
-        json.dump({"settings": run_settings, **runs[run_name]}, f, indent=2)
-    elif os.path.exists(path):
+    kept = None
+    if os.path.exists(path):
       with open(path) as f:
         kept = json.load(f)
-      if kept.pop("settings") == run_settings:
-        runs[run_name] = kept
-        print(f"{run_name} run read from {path}")
+      kept = kept if kept.pop("settings") == run_settings else None
+    train_it = args.only in (None, run_name)
+    if train_it and deadline is not None and kept is not None:
+      train_it = False  # a resumable job keeps the runs it finished before
+    if train_it and deadline is not None and time.perf_counter() > deadline:
+      print(f"{run_name} not started: --stop-after has passed")
+      stopped = True
+    elif train_it:
+      cfg = preset.config(fp8=run_name != BF16, recipe="delayed" if run_name == BF16 else run_name)
+      run = train(run_name, cfg, preset, batches, val, args.seed, args.out, run_settings,
+                  deadline)
+      if run is None:
+        stopped = True
+        continue
+      runs[run_name] = run
+      with open(path, "w") as f:
+        json.dump({"settings": run_settings, **runs[run_name]}, f, indent=2)
+    elif kept is not None:
+      runs[run_name] = kept
+      print(f"{run_name} run read from {path}")
   missing = [n for n in (BF16, *args.recipe) if n not in runs]
+  if stopped:
+    print(f"stopped before {', '.join(missing)} finished: run the same command again to go on")
+    return
   if missing:
     print(f"no {', '.join(missing)} run under these settings in {args.out}: run again with "
           f"--only {missing[0]} to compare")
