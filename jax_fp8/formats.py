@@ -13,6 +13,8 @@ Formats (Micikevicius et al., "FP8 Formats for Deep Learning", 2022): "e4m3" is
 from __future__ import annotations
 
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,12 +65,34 @@ def as_f32(x: jax.Array) -> jax.Array:
 
 
 def amax(x: jax.Array, axis=None) -> jax.Array:
-  """max |x| in f32 over ``axis`` (all axes by default), NaN where x holds a NaN. The NaN is
-  explicit: XLA's CPU max reduction can drop NaNs."""
+  """max |x| in f32 over ``axis`` (all axes by default), NaN where x holds a NaN, subnormals
+  counting as zero (as ``as_f32``). Not differentiable (an amax only ever sets a scale).
+
+  Two forms with the same results, chosen when the program is lowered: on the CPU
+  ``amax_and_nan_search``; elsewhere ``amax_of_bits``, one reduction where the other needs two
+  (3.6x faster on the H200). XLA:CPU of jax 0.12 emitted invalid LLVM IR for the second inside
+  the NVFP4 twin's fused block reductions."""
+  x = jnp.asarray(x)
+  return jax.lax.platform_dependent(x, cpu=functools.partial(amax_and_nan_search, axis=axis),
+                                    default=functools.partial(amax_of_bits, axis=axis))
+
+
+def amax_and_nan_search(x: jax.Array, axis=None) -> jax.Array:
+  """``amax`` as a max of |x| and a search for NaNs (XLA's CPU max reduction can drop them)."""
   a = jnp.abs(as_f32(x))
   nan = jnp.isnan(a)
   return jnp.where(jnp.any(nan, axis=axis), jnp.nan,
                    jnp.max(jnp.where(nan, 0.0, a), axis=axis, initial=0.0))
+
+
+def amax_of_bits(x: jax.Array, axis=None) -> jax.Array:
+  """``amax`` as one integer max over the magnitude bits in x's own float dtype (f32 for
+  others): a NaN's bits exceed every number's, so no second reduction looks for NaNs."""
+  if x.dtype not in FLOAT_DTYPES:
+    x = x.astype(jnp.float32)
+  uint = jnp.uint32 if x.dtype.itemsize == 4 else jnp.uint16
+  magnitude = jax.lax.bitcast_convert_type(x, uint) & uint(np.iinfo(uint).max >> 1)
+  return as_f32(jax.lax.bitcast_convert_type(jnp.max(magnitude, axis=axis, initial=0), x.dtype))
 
 
 def apply_scales(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.Array:

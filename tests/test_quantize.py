@@ -7,7 +7,7 @@ import pytest
 from conftest import bits, on_cpu, poison_allocator
 
 import jax_fp8
-from jax_fp8 import reference
+from jax_fp8 import formats, reference
 
 FMTS = ["e4m3", "e5m2"]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -219,3 +219,23 @@ def test_bad_inputs():
     jax_fp8.ScaleRing.create(0)
   with pytest.raises(ValueError, match="algo"):
     jax_fp8.ScaleRing.create(4, algo="mean")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_amax_forms_agree(rng, dtype):
+  """formats.amax's two forms (the CPU's max and NaN search, the other backends' one integer
+  max over the magnitude bits) give the same amaxes, whole and along each axis: NaN where a
+  NaN is (of either sign), inf, f32 subnormals as zero, -0 as 0."""
+  x = np.asarray(rng.standard_normal((6, 40)) * np.exp(rng.uniform(-30, 30, (6, 40))), np.float32)
+  x[0, 3], x[1, 5], x[2, 7] = np.nan, -np.inf, -np.nan
+  x[3] = np.float32(2.0**-130) * np.sign(x[3])  # f32 subnormals only: amax 0
+  x[4] = -0.0
+  x = jnp.asarray(x).astype(dtype)
+  f32 = np.abs(np.asarray(x.astype(jnp.float32), np.float64))
+  f32[f32 < np.finfo(np.float32).tiny] = 0.0
+  for axis in (None, 0, 1):
+    want = np.where(np.isnan(f32).any(axis=axis), np.nan, np.nanmax(f32, axis=axis, initial=0))
+    for form in (formats.amax_and_nan_search, formats.amax_of_bits, formats.amax):
+      got = np.asarray(jax.jit(form, static_argnums=1)(x, axis), np.float64)
+      np.testing.assert_array_equal(got, want)
