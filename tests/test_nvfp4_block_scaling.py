@@ -253,6 +253,30 @@ def test_multi_linear_mlp_and_layers(rng):
   assert not np.array_equal(step(model.layers[0]), step(model.layers[0]))
 
 
+def test_converted_linen_model_draws_from_the_stream():
+  """A linen model converted under NVFP4BlockScaling takes its keys from the
+  "stochastic_rounding" stream given to apply: one key, the same gradients; another, others;
+  none, the error that names the stream."""
+  import flax.linen as nn
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(32, name="out")(nn.relu(nn.Dense(64, name="hidden")(x)))
+
+  model = convert(Model(), NV)
+  x = jax.random.normal(jax.random.key(0), (16, 32))
+  params = model.init(jax.random.key(1), x)["params"]
+  grad = lambda rngs: jax.grad(lambda p: jnp.sum(  # noqa: E731
+      model.apply({"params": p}, x, rngs=rngs)**2))(params)["hidden"]["kernel"]
+  np.testing.assert_array_equal(grad({"stochastic_rounding": KEY}),
+                                grad({"stochastic_rounding": KEY}))
+  assert not np.array_equal(grad({"stochastic_rounding": KEY}),
+                            grad({"stochastic_rounding": jax.random.key(12)}))
+  with pytest.raises(ValueError, match="stochastic_rounding"):
+    grad({})
+
+
 @pytest.mark.parametrize("call,error,message", [
     (lambda: jax_fp8.NVFP4BlockScaling(rht=1), TypeError, r"NVFP4BlockScaling.rht must be a bool"),
     (lambda: jax_fp8.NVFP4BlockScaling(rht_seed=-1), ValueError,
