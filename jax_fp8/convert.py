@@ -84,6 +84,9 @@ def convert(model, recipe: Recipe | None = None, *,
       re.compile(pattern or "")
     except re.error as e:
       raise ValueError(f"{name} is not a valid regular expression: {pattern!r} ({e})") from None
+  if not isinstance(model, (nn.Module, nnx.Module)):
+    raise TypeError(f"model must be a flax.linen.Module or a flax.nnx.Module, got "
+                    f"{type(model).__name__}")
   if isinstance(model, nnx.Module) and draws_key(recipe) != (rngs is not None):
     raise ValueError(f"rngs: an NNX model converted under {type(recipe).__name__}"
                      f"{' with stochastic rounding needs an nnx.Rngs for its keys' if rngs is None else ' draws no keys: pass rngs=None'}")
@@ -94,10 +97,7 @@ def convert(model, recipe: Recipe | None = None, *,
     raise TypeError(f"rngs must be a flax.nnx.Rngs or None, got {type(rngs).__name__}")
   if isinstance(model, nnx.Module):
     return _convert_nnx(model, recipe, include, exclude, rngs)
-  if isinstance(model, nn.Module):
-    return Converted(model, recipe, include, exclude)
-  raise TypeError(f"model must be a flax.linen.Module or a flax.nnx.Module, got "
-                  f"{type(model).__name__}")
+  return Converted(model, recipe, include, exclude)
 
 
 def _selects(path: str, k: int, n: int, recipe, include, exclude) -> bool:

@@ -107,8 +107,9 @@ class Dense(_Layer):
   respect to it, and pass that gradient to ``jax_fp8.update_state`` for the next rings. Under
   the other recipes the layer has no state. Under ``NVFP4BlockScaling`` with stochastic
   rounding the gradient's rounding draws ``make_rng("stochastic_rounding")`` each call: pass
-  ``rngs={"stochastic_rounding": key}`` to ``apply``, a fresh key each step (``SR_STREAM``);
-  a forward without it runs, a gradient without it raises ValueError.
+  ``rngs={"stochastic_rounding": key}`` to ``apply``, a fresh key each step (``SR_STREAM``;
+  under ``nn.scan`` / ``nn.vmap`` also in ``split_rngs``); a forward without it runs, a
+  gradient without it raises ValueError.
 
   Attributes:
     features: N, a multiple of 16 (128 under BlockScaling, 32 under MXFP8BlockScaling).

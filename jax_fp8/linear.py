@@ -17,8 +17,8 @@ gradient are group cast-transposed (1 x 128 groups both ways from one read), the
 block-quantized (128 x 128, whose transpose needs no requantization). Under
 ``MXFP8BlockScaling`` (stateless) x, the kernel and the gradient are each MXFP8-quantized in
 both directions from one read (1 x 32 blocks along each GEMM's contraction dimension) and the
-GEMMs are ``mxfp8_gemm`` (emulated on Hopper). Under ``NVFP4BlockScaling`` (stateless but for
-its per-tensor global amaxes) the NVFP4 report's recipe: x along K and, through the Hadamard
+GEMMs are ``mxfp8_gemm`` (emulated on Hopper). Under ``NVFP4BlockScaling`` (stateless; a global
+amax per tensor and step) the NVFP4 report's recipe: x along K and, through the Hadamard
 transform, along M; the kernel in 16 x 16 blocks; the gradient stochastically rounded along N
 and, transformed, along M; the GEMMs ``nvfp4_gemm`` (emulated on Hopper).
 """
@@ -392,6 +392,17 @@ def _rows16(v):
   return jnp.pad(v, ((0, -v.shape[0] % NVFP4_BLOCK), (0, 0)))
 
 
+def _rht(recipe) -> dict:
+  """nvfp4_quantize's transform arguments for the wgrad operands' copies along M."""
+  return {"rht": True, "rht_seed": recipe.rht_seed} if recipe.rht else {}
+
+
+def _wgrad_copy(q, recipe):
+  """(data_t, scales_t, global scale) of an operand's copy along M: the transformed copy's own
+  global scale under ``recipe.rht``."""
+  return q["data_t"], q["scales_t"], q["global_scale_t" if recipe.rht else "global_scale"]
+
+
 def _nvfp4_amaxes(v, recipe, axis_name, transformed: bool):
   """nvfp4_quantize's global amax arguments for v: None (v's own) outside ``axis_name``, else
   v's amax (and its transformed copy's, ``transformed``) max-reduced over the axes."""
@@ -410,8 +421,7 @@ def _nvfp4_x(x, recipe, axis_name, with_grad: bool):
   if not with_grad:
     return nvfp4_quantize(x, **_nvfp4_amaxes(x, recipe, axis_name, False))
   x = _rows16(x)
-  rht = {"rht": True, "rht_seed": recipe.rht_seed} if recipe.rht else {}
-  return nvfp4_quantize(x, columnwise=True, **rht,
+  return nvfp4_quantize(x, columnwise=True, **_rht(recipe),
                         **_nvfp4_amaxes(x, recipe, axis_name, recipe.rht))
 
 
@@ -429,13 +439,22 @@ def _nvfp4_fprop(qx, qk, bias, m, dtype):
   return (y if bias is None else y + bias.astype(jnp.float32)).astype(dtype)
 
 
-def device_key(words, axis_name):
-  """The key words folded with this device's index over ``axis_name`` (None: as given), so
-  that devices holding different parts of a tensor draw different bits at the same local
-  coordinates."""
-  if axis_name is None:
-    return words
-  return jax.random.fold_in(words, jax.lax.axis_index(axis_name))
+def fold_key(words, data):
+  """Threefry key words (uint32 [2]) folded with ``data`` (an int or an int32 scalar), as
+  ``jax.random.fold_in`` folds a threefry key, whatever the default PRNG implementation."""
+  key = jax.random.wrap_key_data(words, impl="threefry2x32")
+  return jax.random.key_data(jax.random.fold_in(key, data))
+
+
+def gradient_key(words, i, g, axis_name):
+  """The key of kernel i's gradient g: the call's key folded with i, then with this device's
+  index along the axes g varies over (under a typed shard_map; under pmap or an untyped
+  shard_map, where the types tell nothing, along ``axis_name``), so that devices holding
+  different rows or columns of a gradient draw different bits at the same local coordinates
+  and replicas of one gradient draw the same."""
+  words = fold_key(words, i)
+  axes = tuple(sorted(sharding.varying_axes(g))) or axis_name
+  return words if not axes else fold_key(words, jax.lax.axis_index(axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -452,8 +471,7 @@ def _nvfp4_linear_fwd(x, kernels, biases, words, recipe, axis_name, dtypes):
     qk = _nvfp4_kernel(kernel, recipe, axis_name, True)
     ys.append(_nvfp4_fprop(qx, qk, bias, x.shape[0], dtypes[1]))
     saved.append((qk["data"], qk["scales"], qk["global_scale"]))
-  wgrad_x = (qx["data_t"], qx["scales_t"], qx["global_scale_t" if recipe.rht else "global_scale"])
-  return tuple(ys), (wgrad_x, tuple(saved), words)
+  return tuple(ys), (_wgrad_copy(qx, recipe), tuple(saved), words)
 
 
 def _nvfp4_linear_bwd(recipe, axis_name, dtypes, res, gs):
@@ -463,22 +481,20 @@ def _nvfp4_linear_bwd(recipe, axis_name, dtypes, res, gs):
     raise ValueError("NVFP4BlockScaling(stochastic_rounding=True) rounds the gradients at "
                      "random: pass key= (a fresh jax.random key each step) to linear / "
                      "multi_linear / mlp, or rngs={'stochastic_rounding': key} to a Flax "
-                     "layer's apply")
-  rht = {"rht": True, "rht_seed": recipe.rht_seed} if recipe.rht else {}
+                     "layer's apply (under nn.scan / nn.vmap also split_rngs="
+                     "{'stochastic_rounding': True})")
   dx, dks, dbs = None, [], []
   for i, (g, (qk, sk, gk), k_dtype, b_dtype) in enumerate(zip(gs, saved, k_dtypes, b_dtypes)):
     m, g16 = g.shape[0], _rows16(g)
-    sr = ({"stochastic_rounding": True,
-           "key": device_key(jax.random.fold_in(words, i), axis_name)}
+    sr = ({"stochastic_rounding": True, "key": gradient_key(words, i, g, axis_name)}
           if recipe.stochastic_rounding else {})
-    qg = nvfp4_quantize(g16, columnwise=True, **sr, **rht,
+    qg = nvfp4_quantize(g16, columnwise=True, **sr, **_rht(recipe),
                         **_nvfp4_amaxes(g16, recipe, axis_name, recipe.rht))  # along N and M
     dxi = nvfp4_gemm(qg["data"], qk, qg["scales"], sk, qg["global_scale"], gk,
                      out_dtype=jnp.float32)[:m]  # dgrad [M, K]
     dx = dxi if dx is None else dx + dxi
-    dks.append(nvfp4_gemm(qxt, qg["data_t"], sxt, qg["scales_t"], gxt,
-                          qg["global_scale_t" if recipe.rht else "global_scale"],
-                          out_dtype=k_dtype))  # wgrad [K, N]
+    qgt, sgt, ggt = _wgrad_copy(qg, recipe)
+    dks.append(nvfp4_gemm(qxt, qgt, sxt, sgt, gxt, ggt, out_dtype=k_dtype))  # wgrad [K, N]
     dbs.append(None if b_dtype is None else
                jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype))
   return dx.astype(x_dtype), tuple(dks), tuple(dbs), None
@@ -521,9 +537,9 @@ _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have bee
       x's. x is cast to it, unless a norm reads x (an f32 residual stream, say) first; x's
       gradient comes back in x's dtype.
     key: under ``NVFP4BlockScaling`` with stochastic rounding, a JAX PRNG key (``jax.random.key``
-      or a raw uint32 [2]) for the gradients' rounding, a fresh one each step; kernel i's
-      gradient draws from ``fold_in(key, i)`` (under shard_map also folded with the device's
-      index along the amax axes). Only the backward uses it: a forward may omit it, a gradient
+      or a raw uint32 [2], threefry) for the gradients' rounding, a fresh one each step;
+      kernel i's gradient draws from ``fold_in(key, i)``, under shard_map / pmap folded with
+      the device's index along the axes the gradient varies over (``gradient_key``). Only the backward uses it: a forward may omit it, a gradient
       without it raises ValueError. None under the other recipes."""
 
 _RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under
@@ -767,15 +783,12 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   if isinstance(recipe, STATELESS):
     check_stateless(recipe, state, amax_axis_name)
     rings = None
-  elif isinstance(recipe, NVFP4BlockScaling):
+  elif isinstance(recipe, (CurrentScaling, NVFP4BlockScaling)):  # amaxes of this step
     check_stateless_global(recipe, state)
     amax_axis_name = _amax_axes(x, kernels, biases, None, amax_axis_name)
-    rings = None
-  elif isinstance(recipe, CurrentScaling):
-    check_stateless_global(recipe, state)
-    amax_axis_name = _amax_axes(x, kernels, biases, None, amax_axis_name)
-    rings = (recipe.ring(recipe.fwd_fmt), tuple(recipe.ring(recipe.fwd_fmt) for _ in kernels),
-             tuple(recipe.ring(recipe.bwd_fmt) for _ in kernels))
+    rings = None if isinstance(recipe, NVFP4BlockScaling) else (
+        recipe.ring(recipe.fwd_fmt), tuple(recipe.ring(recipe.fwd_fmt) for _ in kernels),
+        tuple(recipe.ring(recipe.bwd_fmt) for _ in kernels))
   else:
     if not isinstance(state, state_cls):
       raise TypeError(f"state must be a jax_fp8.{state_cls.__name__}, got "

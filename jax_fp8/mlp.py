@@ -30,7 +30,7 @@ import jax
 from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
 from .linear import (BLOCK_RECIPES, STATELESS, _amax_axes, _check_delayed, _check_recipe,
-                     _fp8_pays, _shared, check_key, check_norm, check_stateless,
+                     _fp8_pays, _shared, check_key, check_norm, check_stateless, fold_key,
                      check_stateless_global, compute_dtype, fp8_multiple, gemm_input,
                      input_grad, linear, normalized, quantize_input, scaled, zero_like)
 from .ops._ring import check_ring
@@ -212,7 +212,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
     if b is not None and b.shape != (size,):
       raise ValueError(f"{name} must be [{size}], got {list(b.shape)}")
   _check_recipe(recipe)
-  check_key(recipe, key)
+  words = check_key(recipe, key)
   m = math.prod(x.shape[:-1])
   fp8 = _fp8_pays(recipe, m, n, k) and _fp8_pays(recipe, m, d, f)
   block, current_ = isinstance(recipe, BLOCK_RECIPES), isinstance(recipe, CurrentScaling)
@@ -243,8 +243,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   if not fp8 or block or norm is None:  # else the norm's kernel reads x itself
     x = gemm_input(x, norm_params, norm, out_dtype)
   if not fp8 or block:
-    keys = (None, None) if key is None else (jax.random.fold_in(key, 0),
-                                             jax.random.fold_in(key, 1))
+    keys = (None, None) if words is None else (fold_key(words, 0), fold_key(words, 1))
     axes = {} if isinstance(recipe, STATELESS) else {"amax_axis_name": axis or ()}
     lin = (functools.partial(linear, recipe=recipe, **axes) if fp8 else
            lambda v, w, b, key: v @ w.astype(v.dtype) + (0 if b is None else b.astype(v.dtype)))

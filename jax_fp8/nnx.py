@@ -47,8 +47,16 @@ def _init_norm(module: nnx.Module, name: str, norm, epsilon, k: int, param_dtype
 
 def sr_stream(recipe, rngs: nnx.Rngs):
   """The rng stream a layer draws its stochastic rounding keys from (``rngs``'
-  "stochastic_rounding" stream, or its default), or None where ``recipe`` draws none."""
-  return getattr(rngs, SR_STREAM) if draws_key(recipe) else None
+  "stochastic_rounding" stream, or its default), or None where ``recipe`` draws none;
+  ValueError where ``rngs`` has neither."""
+  if not draws_key(recipe):
+    return None
+  try:
+    return getattr(rngs, SR_STREAM)
+  except AttributeError:
+    raise ValueError(f"rngs has neither a {SR_STREAM!r} nor a 'default' stream, which "
+                     f"{type(recipe).__name__}'s stochastic rounding draws its keys from: "
+                     f"pass e.g. nnx.Rngs(0) or nnx.Rngs(params=0, {SR_STREAM}=1)") from None
 
 
 def _key(module: nnx.Module):

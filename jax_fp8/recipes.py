@@ -212,7 +212,8 @@ class NVFP4BlockScaling:
     stochastic_rounding: round the gradient's copies stochastically (True, the report's) or to
       nearest; a bool.
     rht: the random Hadamard transform of the wgrad operands (True, the report's); a bool.
-    rht_seed: the transform's sign seed (``formats.rht_signs``), an int in [0, 2^64).
+    rht_seed: the transform's sign seed (``formats.rht_signs``), an int in [0, 2^64); 0
+      without the transform.
     fp8_min_intensity: below it a linear runs in its input's dtype (see
       ``check_fp8_min_intensity``); 0 (default): always NVFP4.
   Raises:
@@ -233,6 +234,9 @@ class NVFP4BlockScaling:
     except ValueError:
       raise ValueError(f"NVFP4BlockScaling.rht_seed must be an int in [0, 2^64), got "
                        f"{self.rht_seed!r}") from None
+    if self.rht_seed and not self.rht:
+      raise ValueError(f"NVFP4BlockScaling.rht_seed is the Hadamard transform's seed: it needs "
+                       f"rht=True, got rht_seed={self.rht_seed!r} with rht=False")
     check_fp8_min_intensity(self)
 
 

@@ -702,3 +702,28 @@ def test_nvfp4_block_scaling_data_parallel(problem):
   rows = M // NDEV
   np.testing.assert_array_equal(y[:rows], y[rows:2 * rows])
   assert not np.array_equal(dx[:rows], dx[rows:2 * rows])
+
+
+def test_nvfp4_gradient_bits_follow_the_gradients_axes(problem):
+  """Over a data x model mesh with x and the gradient split over "data" and the kernel
+  replicated, every "model" replica holds the same gradient: they draw the same bits (the key
+  is folded only along the axes the gradient varies over, though the amax axes name both), so
+  their dx agree, while the "data" shards, given the same rows, draw their own."""
+  if NDEV < 4:
+    pytest.skip("needs a 2 x 2 mesh")
+  x, w, b, g, _ = problem
+  mesh = Mesh(np.array(DEVICES[:4]).reshape(2, 2), ("data", "model"))
+  rows = M // 2
+  same_x, same_g = jnp.tile(x[:rows], (2, 1)), jnp.tile(g[:rows], (2, 1))
+
+  def step(x, w, b, g):
+    _, vjp = jax.vjp(lambda x: jax_fp8.linear(x, w, b, recipe=jax_fp8.NVFP4BlockScaling(),
+                                              key=NV_KEY, amax_axis_name=("data", "model")), x)
+    return jax.lax.pcast(vjp(g)[0], "model", to="varying")[None]  # each device's dx
+
+  dx = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P(), P("data")),
+                             out_specs=P(("data", "model"))))(same_x, w, b, same_g)
+  dx = np.asarray(dx)  # [4, rows, K]: (data 0, model 0), (0, 1), (1, 0), (1, 1)
+  np.testing.assert_array_equal(dx[0], dx[1])
+  np.testing.assert_array_equal(dx[2], dx[3])
+  assert not np.array_equal(dx[0], dx[2])

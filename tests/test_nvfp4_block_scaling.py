@@ -37,15 +37,17 @@ def deq(q, direction=""):
 
 
 def grad_key(key, i):
-  """The key kernel i's gradient draws from: ``key`` folded with i (see ``linear``)."""
-  return jax.random.fold_in(jax.random.key_data(key), i)
+  """The key kernel i's gradient draws from on one device: ``key`` folded with i (see
+  ``linear``)."""
+  return jax.random.key_data(jax.random.fold_in(key, i))
 
 
-def twins(x2, w, t2, recipe=NV, key=KEY):
-  """The twins' quantizations of the three GEMMs' operands, as the recipe takes them."""
+def twins(x2, w, t2, recipe=NV, key=KEY, index=0):
+  """The twins' quantizations of the three GEMMs' operands, as the recipe takes them (the
+  gradient's as kernel ``index``'s)."""
   rht = {"rht": True, "rht_seed": recipe.rht_seed} if recipe.rht else {}
-  sr = ({"stochastic_rounding": True, "key": grad_key(key, 0)} if recipe.stochastic_rounding
-        else {})
+  sr = ({"stochastic_rounding": True, "key": grad_key(key, index)}
+        if recipe.stochastic_rounding else {})
   qx = reference.nvfp4_quantize(x2)
   qxt = reference.nvfp4_quantize(pad16(x2), rowwise=False, columnwise=True, **rht)
   qw = reference.nvfp4_quantize(w, columnwise=True, block_2d=recipe.weight_block_2d)
@@ -63,18 +65,20 @@ def within_order(got, a, b, extra=0.0):
   assert np.all(err <= bound), np.max(err / np.maximum(bound, 1e-300))
 
 
-@pytest.mark.parametrize("lead", [(4, 16), (4, 9)], ids=["M=64", "M=36"])
-def test_gemms_equal_the_twins(platform, rng, lead):
+@pytest.mark.parametrize("lead,recipe", [((4, 16), NV),
+                                         ((4, 9), jax_fp8.NVFP4BlockScaling(rht_seed=12345))],
+                         ids=["M=64", "M=36,rht_seed"])
+def test_gemms_equal_the_twins(platform, rng, lead, recipe):
   """fprop, dgrad and wgrad are the GEMMs of the twins' quantizations: x along K, the kernel
   in 16 x 16 blocks both ways, the gradient stochastically rounded along N (dgrad) and along M
-  (wgrad), x and the gradient along M through the same Hadamard transform (M padded with zero
-  rows to whole blocks), up to the order of the f32 sums."""
+  (wgrad), x and the gradient along M through the same Hadamard transform (the recipe's seed;
+  M padded with zero rows to whole blocks), up to the order of the f32 sums."""
   x, w, b, t = problem(rng, lead=lead, k=64, n=96)
-  f = lambda x, w, b: jax_fp8.linear(x, w, b, recipe=NV, key=KEY)  # noqa: E731
+  f = lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe, key=KEY)  # noqa: E731
   y, vjp = jax.jit(lambda x, w, b: jax.vjp(f, x, w, b))(x, w, b)
   dx, dw, db = vjp(t)
   x2, t2 = np.asarray(x).reshape(-1, 64), np.asarray(t).reshape(-1, 96)
-  qx, qxt, qw, qg = twins(x2, w, t2)
+  qx, qxt, qw, qg = twins(x2, w, t2, recipe)
   m = x2.shape[0]
   want_y = deq(qx) @ deq(qw, "_t").T
   within_order(np.asarray(y).reshape(-1, 96) - np.asarray(b), deq(qx), deq(qw, "_t").T,
@@ -98,48 +102,59 @@ def quantization_bound(v, blocks):
   return np.maximum(step / 4, a / 4) + 3 / 8 * step
 
 
-def test_forward_and_dgrad_against_f32_within_the_format(platform, rng):
-  """y and dx (stochastic rounding off) against f32: each operand's elements move by at most
-  ``quantization_bound`` (x and the gradient in 1 x 16 blocks along the contraction, the kernel
-  in 16 x 16 blocks), so a product's error is at most |da| |b| + |a| |db| + |da| |db| plus the
-  sums' order. The blocks' scales are E4M3 normals here (every block's amax above 2^-6 / 448
-  of the tensor's), as the bound assumes."""
-  recipe = jax_fp8.NVFP4BlockScaling(stochastic_rounding=False)
+def test_gemms_against_f32_within_the_format(platform, rng):
+  """y, dx and dkernel (stochastic rounding off) against f32: each operand's elements move by
+  at most ``quantization_bound`` (x and the gradient in 1 x 16 blocks along the contraction,
+  the kernel in 16 x 16 blocks; for wgrad x and the gradient after the Hadamard transform,
+  16 x 1 blocks of their transformed columns), so a product's error is at most
+  |da| |b| + |a| |db| + |da| |db| plus the sums' order; the transform, orthogonal, cancels in
+  wgrad's product, so dkernel is compared with f32's x.T @ g itself. The blocks' scales are E4M3
+  normals here (every block's amax above 2^-6 / 448 of the tensor's), as the bound assumes."""
+  recipe = jax_fp8.NVFP4BlockScaling(stochastic_rounding=False, rht_seed=12345)
   x = np.asarray(rng.standard_normal((64, 64)), np.float32)
   w = np.asarray(rng.standard_normal((64, 96)) / 8, np.float32)
   t = np.asarray(rng.standard_normal((64, 96)), np.float32)
   y, vjp = jax.jit(lambda x, w: jax.vjp(lambda x, w: jax_fp8.linear(x, w, recipe=recipe), x,
                                         w))(x, w)
-  dx = vjp(jnp.asarray(t))[0]
-  for a, b, ea, eb, got in ((x, w, quantization_bound(x, (1, 16)), quantization_bound(w, (16, 16)),
-                             y),
-                            (t, w.T, quantization_bound(t, (1, 16)),
-                             quantization_bound(w, (16, 16)).T, dx)):
-    for v, blocks in ((a, (1, 16)), (b, (16, 16))):
+  dx, dw = vjp(jnp.asarray(t))
+  hx, ht = (np.asarray(hadamard_transform(jnp.asarray(v), recipe.rht_seed, axis=0)).T
+            for v in (x, t))  # [K, M], [N, M]
+  cases = ((x, (1, 16), w, (16, 16), y, x.astype(np.float64) @ w),
+           (t, (1, 16), w.T, (16, 16), dx, t.astype(np.float64) @ w.T),
+           (hx, (1, 16), ht.T, (16, 1), dw, x.T.astype(np.float64) @ t))
+  for a, a_blocks, b, b_blocks, got, want in cases:
+    for v, blocks in ((a, a_blocks), (b, b_blocks)):
       v = np.abs(v)
       assert v.reshape(v.shape[0] // blocks[0], blocks[0], -1, blocks[1]).max(
           axis=(1, 3)).min() > 2.0**-6 / E4M3_MAX * v.max()
+    ea, eb = quantization_bound(a, a_blocks), quantization_bound(b, b_blocks)
     aa, ab = np.abs(a.astype(np.float64)), np.abs(b.astype(np.float64))
     bound = ea @ ab + aa @ eb + ea @ eb + 2 * summation_error(a.shape[1]) * ((aa + ea) @ (ab + eb))
-    err = np.abs(np.asarray(got, np.float64) - a.astype(np.float64) @ b)
+    err = np.abs(np.asarray(got, np.float64) - want)
     assert np.all(err <= bound), np.max(err / bound)
     assert np.max(err / bound) > 0.05  # the bound is not so loose that it checks nothing
 
 
-def sr_expectation(v, scales, global_scale):
-  """The mean of stochastic rounding of v [R, C] with these block scales [R, C/16]: each
-  element's q = v / step rounds up or down without bias, except beyond 6, where it saturates."""
+def sr_moments(v, scales, global_scale):
+  """The mean and variance of stochastic rounding of v [R, C] with these block scales
+  [R, C/16]: each element's q = v / step lies between two neighbours of the E2M1 grid, d apart
+  (d = 1/2, 1 or 2 steps below 2, 4 and 6), and rounds up with probability p (its distance
+  from the lower one over d): mean q, variance p (1 - p) d^2; beyond 6 it saturates (mean 6,
+  no variance)."""
   step = np.repeat(np.asarray(scales, np.float64), 16, 1) * float(global_scale)
-  q = np.asarray(v, np.float64) / np.where(step == 0, 1, step)
-  return np.clip(q, -E2M1_MAX, E2M1_MAX) * step, step
+  q = np.abs(np.asarray(v, np.float64) / np.where(step == 0, 1, step))
+  d = np.where(q < 2, 0.5, np.where(q < 4, 1.0, 2.0))
+  p = np.where(q >= E2M1_MAX, 0.0, q / d - np.floor(q / d))
+  mean = np.sign(v) * np.minimum(q, E2M1_MAX) * step
+  return mean, p * (1 - p) * (d * step)**2
 
 
 def test_stochastic_rounding_is_unbiased_through_the_backward(rng):
   """The mean of dgrad and wgrad over 256 keys approaches the GEMMs with the gradient's copies
   unrounded (each element's expectation under stochastic rounding: the element itself, clipped
-  at the block's 6 steps): within 6 standard deviations of that mean, each draw's variance at
-  most sum over the products of (operand * step / 2)^2. Round to nearest differs from the same
-  expectation by far more."""
+  at the block's 6 steps): within 6 standard deviations of that mean, each draw's variance the
+  sum of the products' (``sr_moments``; the draws of different elements are independent).
+  Round to nearest differs from the same expectation by far more."""
   m, k, n, draws = 32, 64, 48, 256
   x = np.asarray(rng.standard_normal((m, k)), np.float32)
   w = np.asarray(rng.standard_normal((k, n)) / 8, np.float32)
@@ -155,14 +170,14 @@ def test_stochastic_rounding_is_unbiased_through_the_backward(rng):
       x, w, recipe=jax_fp8.NVFP4BlockScaling(stochastic_rounding=False)), x, w)[1](t))(x, w)
   qx, qxt, qw, qg = twins(x, w, t, jax_fp8.NVFP4BlockScaling(stochastic_rounding=False))
   # dgrad: g along N (its scales as round to nearest sets them: they come from the amaxes)
-  g_mean, g_step = sr_expectation(t, qg["scales"], qg["global_scale"])
+  g_mean, g_var = sr_moments(t, qg["scales"], qg["global_scale"])
   wq = deq(qw)  # [K, N], the kernel as dgrad reads it
-  want_dx, var_dx = g_mean @ wq.T, (g_step / 2)**2 @ (wq**2).T
+  want_dx, var_dx = g_mean @ wq.T, g_var @ (wq**2).T
   # wgrad: the gradient's transformed copy along M, against x's (both through the transform)
   gt = np.asarray(hadamard_transform(jnp.asarray(t), NV.rht_seed, axis=0), np.float64).T
-  gt_mean, gt_step = sr_expectation(gt, qg["scales_t"], qg["global_scale_t"])
+  gt_mean, gt_var = sr_moments(gt, qg["scales_t"], qg["global_scale_t"])
   xq = deq(qxt, "_t")  # [K, M]
-  want_dw, var_dw = xq @ gt_mean.T, (xq**2) @ ((gt_step / 2)**2).T
+  want_dw, var_dw = xq @ gt_mean.T, (xq**2) @ gt_var.T
   for got, want, var, nearest in ((dx, want_dx, var_dx, rn[0]), (dw, want_dw, var_dw, rn[1])):
     mean = np.asarray(got, np.float64).mean(0)
     sigma = np.sqrt(var / draws) + 1e-6 * np.abs(want)
@@ -218,6 +233,10 @@ def test_multi_linear_mlp_and_layers(rng):
   np.testing.assert_array_equal(ys[0], y)
   np.testing.assert_array_equal(ys[1], jax_fp8.linear(x, w2, recipe=NV))
   np.testing.assert_array_equal(vjp((t, jnp.zeros((32, 32))))[0], vjp1(t)[0])
+  t2 = np.asarray(rng.standard_normal((32, 32)), np.float32)
+  dw2 = vjp((jnp.zeros((32, 96)), jnp.asarray(t2)))[1]  # kernel 1's gradient: the key folded with 1
+  _, qxt, _, qg = twins(np.asarray(x), w2, t2, index=1)
+  within_order(dw2, deq(qxt, "_t"), deq(qg, "_t").T)
 
   w_in = jnp.asarray(rng.standard_normal((64, 64)) / 8, jnp.float32)
   w_out = jnp.asarray(rng.standard_normal((32, 64)) / 8, jnp.float32)
@@ -281,6 +300,10 @@ def test_converted_linen_model_draws_from_the_stream():
     (lambda: jax_fp8.NVFP4BlockScaling(rht=1), TypeError, r"NVFP4BlockScaling.rht must be a bool"),
     (lambda: jax_fp8.NVFP4BlockScaling(rht_seed=-1), ValueError,
      r"NVFP4BlockScaling.rht_seed must be an int in \[0, 2\^64\), got -1"),
+    (lambda: jax_fp8.NVFP4BlockScaling(rht=False, rht_seed=3), ValueError,
+     "rht_seed=3 with rht=False"),
+    (lambda: jax_fp8.nnx.Linear(32, 16, recipe=NV, rngs=nnx.Rngs(params=0)), ValueError,
+     "rngs has neither a 'stochastic_rounding' nor a 'default' stream"),
     (lambda: jax_fp8.linear(jnp.ones((4, 40)), jnp.ones((40, 16)), recipe=NV), ValueError,
      "NVFP4BlockScaling needs K and N multiples of 16"),
     (lambda: jax_fp8.linear(jnp.ones((4, 32)), jnp.ones((32, 16)), recipe=NV,

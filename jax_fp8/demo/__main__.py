@@ -13,7 +13,7 @@ Each finished run is also kept as ``run-<name>.json`` (``run-bf16.json``, ``run-
 ...) beside them, with the settings it ran under; ``--only NAME`` trains that run alone and
 compares the runs whose files ran under the same settings, so long runs can be split over
 jobs. ``--stop-after MINUTES`` stops a run that is still training at that point and
-checkpoints it (``checkpoint-<name>.msgpack`` and ``.json`` in ``--out``). The same command
+checkpoints it (``checkpoint-<name>.msgpack`` in ``--out``). The same command
 then resumes it, keeps the runs that already finished, and leaves each resumed segment's own
 first steps out of the timing.
 """
@@ -132,33 +132,34 @@ def init_variables(cfg: Config, seed: int):
   return variables["params"], variables.get("fp8_state", {})
 
 
-def _checkpoint_paths(out: str, name: str) -> tuple[str, str]:
-  """The files of run ``name``'s checkpoint in ``out``: its arrays (msgpack) and its progress
-  (JSON)."""
-  return (os.path.join(out, f"checkpoint-{name}.msgpack"),
-          os.path.join(out, f"checkpoint-{name}.json"))
+def _checkpoint_path(out: str, name: str) -> str:
+  """Run ``name``'s checkpoint in ``out``: its arrays and its progress in one msgpack file."""
+  return os.path.join(out, f"checkpoint-{name}.msgpack")
 
 
 def _save_checkpoint(out, name, settings, arrays, progress) -> None:
-  data, meta = _checkpoint_paths(out, name)
-  with open(data, "wb") as f:
-    f.write(flax.serialization.to_bytes(arrays))
-  with open(meta, "w") as f:
-    json.dump({"settings": settings, **progress}, f)
+  """Written whole or not at all: to a temporary file, then renamed over the last one."""
+  path = _checkpoint_path(out, name)
+  data = flax.serialization.msgpack_serialize({
+      "arrays": flax.serialization.to_state_dict(arrays),
+      "progress": json.dumps({"settings": settings, **progress})})
+  with open(path + ".tmp", "wb") as f:
+    f.write(data)
+  os.replace(path + ".tmp", path)
 
 
 def _load_checkpoint(out, name, settings, arrays):
   """(arrays, progress) of run ``name``'s checkpoint in ``out`` when it was saved under
   ``settings``, else None. ``arrays``: the target structure."""
-  data, meta = _checkpoint_paths(out, name)
-  if not (os.path.exists(data) and os.path.exists(meta)):
+  path = _checkpoint_path(out, name)
+  if not os.path.exists(path):
     return None
-  with open(meta) as f:
-    progress = json.load(f)
+  with open(path, "rb") as f:
+    saved = flax.serialization.msgpack_restore(f.read())
+  progress = json.loads(saved["progress"])
   if progress.pop("settings") != settings:
     return None
-  with open(data, "rb") as f:
-    return flax.serialization.from_bytes(arrays, f.read()), progress
+  return flax.serialization.from_state_dict(arrays, saved["arrays"]), progress
 
 
 def train(name: str, cfg: Config, preset: Preset, batches: np.ndarray, val: np.ndarray,
@@ -179,7 +180,7 @@ def train(name: str, cfg: Config, preset: Preset, batches: np.ndarray, val: np.n
   kept = _load_checkpoint(out, name, settings, (params, opt_state, fp8_state))
   if kept is not None:
     (params, opt_state, fp8_state), progress = kept
-    print(f"{name} resumed at step {progress['step']} from {_checkpoint_paths(out, name)[0]}")
+    print(f"{name} resumed at step {progress['step']} from {_checkpoint_path(out, name)}")
 
   start = progress["step"]
   losses = list(progress["train_losses"])
@@ -208,16 +209,15 @@ def train(name: str, cfg: Config, preset: Preset, batches: np.ndarray, val: np.n
       _save_checkpoint(out, name, settings, (params, opt_state, fp8_state), progress)
       bar.close()
       print(f"{name} stopped at step {i + 1} of {steps} (--stop-after): its state is in "
-            f"{_checkpoint_paths(out, name)[0]}; the same command resumes it")
+            f"{_checkpoint_path(out, name)}; the same command resumes it")
       return None
   jax.block_until_ready((params, loss))
   if t_timed is not None and steps - start > SKIP_STEPS:
     progress["timed_s"] += time.perf_counter() - t_timed
     progress["timed_steps"] += steps - start - SKIP_STEPS
   bar.close()
-  for path in _checkpoint_paths(out, name):
-    if os.path.exists(path):
-      os.remove(path)
+  if os.path.exists(_checkpoint_path(out, name)):
+    os.remove(_checkpoint_path(out, name))
 
   train_losses = [float(v) for v in jax.device_get(losses)]
   val_loss = float(make_eval(model)(params, fp8_state, val))
@@ -283,9 +283,9 @@ def parse_args(argv):
                                 "compare the runs whose run-*.json in --out ran under the same "
                                 "settings")
   p.add_argument("--stop-after", type=float, metavar="MINUTES",
-                 help="stop training once this job has run this long, checkpointing the run "
-                      "in --out (the next run is not started); the same command resumes it and "
-                      "keeps the runs that finished")
+                 help="stop training once this job has run this long (after at least a few "
+                      "steps), checkpointing the run in --out (the next run is not started); the "
+                      "same command resumes it and keeps the runs that finished")
   args = p.parse_args(argv)
   if args.stop_after is not None and not args.stop_after > 0:
     p.error(f"--stop-after must be a positive number of minutes, got {args.stop_after}")
@@ -301,6 +301,8 @@ def parse_args(argv):
 def main(argv=None) -> None:
   """Run the demo; raises ``SystemExit(1)`` when FP8 misses the tolerance."""
   args = parse_args(argv)
+  deadline = (None if args.stop_after is None else
+              time.perf_counter() + 60 * args.stop_after)
   name = args.preset
   if name == "auto":
     name = "gpu" if jax.default_backend() == "gpu" else "cpu"
@@ -322,14 +324,12 @@ def main(argv=None) -> None:
   print(f"data: {corpus.files} stdlib files, {len(corpus.train):,} train / {len(corpus.val):,} "
         f"validation bytes ({val.shape[0] * val.shape[1]} validation windows)")
 
-  deadline = (None if args.stop_after is None else
-              time.perf_counter() + 60 * args.stop_after)
   print(f"FP8 recipes: {', '.join(args.recipe)}")
   os.makedirs(args.out, exist_ok=True)
   settings = {"preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
               "device": device, "backend": jax.default_backend(), "jax_version": jax.__version__,
               "fp8_kernels_cuda": jax_fp8.cuda_available()}
-  runs, stopped = {}, False
+  runs, stopped, trained = {}, False, False
   for run_name in (BF16, *args.recipe):
     run_settings = {**settings, **({} if run_name == BF16 else {"recipe": run_name})}
     path = os.path.join(args.out, f"run-{run_name}.json")
@@ -341,10 +341,11 @@ def main(argv=None) -> None:
     train_it = args.only in (None, run_name)
     if train_it and deadline is not None and kept is not None:
       train_it = False  # a resumable job keeps the runs it finished before
-    if train_it and deadline is not None and time.perf_counter() > deadline:
+    if train_it and trained and deadline is not None and time.perf_counter() > deadline:
       print(f"{run_name} not started: --stop-after has passed")
       stopped = True
     elif train_it:
+      trained = True  # a job trains at least one segment, however short --stop-after
       cfg = preset.config(fp8=run_name != BF16, recipe="delayed" if run_name == BF16 else run_name)
       run = train(run_name, cfg, preset, batches, val, args.seed, args.out, run_settings,
                   deadline)

@@ -273,15 +273,15 @@ def nvfp4_gemm(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: jax.Ar
   Returns:
     [M, N] in out_dtype.
   Raises:
-    TypeError / ValueError at trace time: dtypes, shapes (2-D, one K, scales not K/16 wide),
-    naming the argument.
+    TypeError at trace time: out_dtype, a global scale that is not an f32 scalar. ValueError:
+    the operands' dtypes and shapes (2-D, one K, scales not K/16 wide), naming the argument.
   """
   out_dtype = checks.dtype(out_dtype, "out_dtype", FLOAT_DTYPES)
-  operands = []
+  operands, global_scales = [], []
   for name, data, scales, global_scale in (("a", a, a_scales, a_global_scale),
                                            ("b", b, b_scales, b_global_scale)):
     data, scales = checks.array(data, name), checks.array(scales, f"{name}_scales")
-    checks.scalar_f32(global_scale, f"{name}_global_scale")
+    global_scale = checks.scalar_f32(global_scale, f"{name}_global_scale")
     if (data.dtype != jnp.uint8 or scales.dtype != jnp.float8_e4m3fn or data.ndim != 2
         or scales.shape != (data.shape[0], 2 * data.shape[1] // NVFP4_BLOCK)
         or 2 * data.shape[1] % NVFP4_BLOCK):
@@ -290,9 +290,10 @@ def nvfp4_gemm(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: jax.Ar
                        f"{data.dtype}{list(data.shape)} and {name}_scales "
                        f"{scales.dtype}{list(scales.shape)}")
     operands.append(nvfp4_dequantize(data, scales, jnp.float32(1), jnp.bfloat16))
+    global_scales.append(global_scale)
   if operands[0].shape[1] != operands[1].shape[1]:
     raise ValueError(f"a [M, K/2] and b [N, K/2] must share K, got a {list(jnp.shape(a))} and b "
                      f"{list(jnp.shape(b))}")
   acc = jax.lax.dot_general(*operands, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)
-  return apply_scales(acc, a_global_scale, b_global_scale).astype(out_dtype)
+  return apply_scales(acc, *global_scales).astype(out_dtype)
