@@ -42,8 +42,8 @@ STATE_FIELDS = ("type", "fp8_format", "history_len", "margin", "algo")
 
 def _recipe_dict(recipe) -> dict:
   if not isinstance(recipe, tuple(_RECIPES.values())):
-    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling or an "
-                    f"MXFP8BlockScaling, got {type(recipe).__name__}")
+    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling, an "
+                    f"MXFP8BlockScaling or an NVFP4BlockScaling, got {type(recipe).__name__}")
   fields = {k: list(v) if isinstance(v, tuple) else v
             for k, v in dataclasses.asdict(recipe).items()}
   return {"type": type(recipe).__name__, **fields}

@@ -101,7 +101,7 @@ def test_refuses_another_recipe_or_other_rings(rng, tmp_path):
   with pytest.raises(FileExistsError):
     checkpoint.save(tmp_path / "ckpt", state, RECIPE)
   with pytest.raises(TypeError, match="recipe must be a DelayedScaling, a CurrentScaling, a "
-                                      "BlockScaling or an MXFP8BlockScaling"):
+                                      "BlockScaling, an MXFP8BlockScaling or an NVFP4"):
     checkpoint.save(tmp_path / "other", state, "hybrid")
   with pytest.raises(FileNotFoundError, match="holds no jax_fp8 checkpoint"):
     checkpoint.restore(tmp_path, state, RECIPE)
