@@ -77,9 +77,13 @@ def _check_rings(rings: dict, recipe) -> None:
 def save(directory, state, recipe) -> None:
   """Save ``state`` (any pytree) and ``recipe`` (its layers' recipe, ``linear``'s choices)
   into ``directory``, which must not exist yet. Raises TypeError for another
-  recipe type, ValueError when the state's rings were not made by ``recipe``,
-  FileExistsError for an existing directory."""
+  recipe type, ValueError when the state's rings were not made by ``recipe`` or the state
+  holds no array, FileExistsError for an existing directory."""
   directory = pathlib.Path(directory).absolute()
+  if not jax.tree.leaves(state):
+    raise ValueError("state holds no array (the stateless recipes keep no FP8 state, e.g. an "
+                     "empty fp8_state collection): save a state with arrays, such as the "
+                     "parameters with the FP8 state")
   recipe_dict, rings = _recipe_dict(recipe), _rings(state)
   _check_rings(rings, recipe)
   meta = {"schema_version": SCHEMA_VERSION, "jax_fp8_version": __version__,

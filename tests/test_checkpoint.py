@@ -103,6 +103,8 @@ def test_refuses_another_recipe_or_other_rings(rng, tmp_path):
   with pytest.raises(TypeError, match="recipe must be a DelayedScaling, a CurrentScaling, a "
                                       "BlockScaling, an MXFP8BlockScaling or an NVFP4"):
     checkpoint.save(tmp_path / "other", state, "hybrid")
+  with pytest.raises(ValueError, match="state holds no array"):
+    checkpoint.save(tmp_path / "empty", {}, jax_fp8.NVFP4BlockScaling())
   with pytest.raises(FileNotFoundError, match="holds no jax_fp8 checkpoint"):
     checkpoint.restore(tmp_path, state, RECIPE)
   meta_path = tmp_path / "ckpt" / checkpoint.METADATA
