@@ -170,7 +170,11 @@ def named(mesh, *entries) -> NamedSharding:
 
 def pmax_keep_nan(v: jax.Array, over: tuple[str, ...]) -> jax.Array:
   """Max over the devices of ``over`` that returns NaN where any device holds one (a max
-  collective may drop NaNs), in one collective."""
+  collective may drop NaNs), in one collective. Where v's type says it varies over some of
+  ``over`` (a type-checked shard_map), only those: over the others every device holds the same
+  v (and jax 0.12 refuses a collective over axes of both kinds)."""
+  varying = varying_axes(v) & set(over)
+  over = tuple(a for a in over if a in varying) if varying else over
   if not over:
     return v
   nan = jnp.isnan(v)
