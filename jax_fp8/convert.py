@@ -183,7 +183,7 @@ def _convert_nnx(model, recipe, include, exclude, rngs):
                              use_bias=node.bias is not None, dtype=node.dtype,
                              param_dtype=node.param_dtype,
                              kernel_init=nnx.initializers.zeros_init(), recipe=recipe,
-                             rngs=nnx.Rngs(0))  # for its placeholder parameters only
+                             rngs=nnx.Rngs(0))  # its own parameters are replaced below
       layer.kernel, layer.bias = node.kernel, node.bias  # the same variables
       layer.rngs = fp8_nnx.sr_stream(recipe, rngs)
       new[id(node)] = layer
