@@ -10,7 +10,9 @@
 # python -m benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes, default "fp8
 # fast_all bf16"), NCU_KERNELS / NCU_SKIP / NCU_COUNT (profile's kernel-name regex, matching
 # launches skipped and profiled), SANITIZE_TOOLS (default all four), SANITIZE_KERNELS
-# (run_kernels.py's mode under the tools: coverage, the default, or one family, e.g. mxfp8).
+# (run_kernels.py's mode under the tools: coverage, the default, or one family, e.g. mxfp8),
+# SKIP_BUILD=1 (use the build a warm machine already has, e.g. for a second invocation that
+# runs beside a first one).
 set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
@@ -29,9 +31,11 @@ nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=c
 sampler=$!
 trap 'kill $sampler 2>/dev/null' EXIT
 t0=$(date +%s)
-python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
-echo "build $(( $(date +%s) - t0 )) s"
+if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log"; exit 1; }
+  echo "build $(( $(date +%s) - t0 )) s"
+fi
 python3 -c "import jax_fp8; print('cuda targets:', jax_fp8.cuda_available())"
 for s in $steps; do
   t0=$(date +%s)
