@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The one script for a GPU machine: build, GPU tests, benchmarks, sanitizers, demo. Logs go to
 # $OUT (one log per step; at most a few files, so they are easy to bring back). Usage:
-#   OUT=/tmp/out bash scripts/gpu_check.sh [tests] [bench] [sanitize] [graphs] [demo]
-#     [demo-block] [convergence] [dp] [model-step] [step-profile] [profile]
-# (default: tests bench demo; sanitize runs compute-sanitizer's memcheck, racecheck, initcheck
+#   OUT=/tmp/out bash scripts/gpu_check.sh STEP...
+# (at least one step: each costs device time, so none runs by default, and run without one the
+# script lists them; sanitize runs compute-sanitizer's memcheck, racecheck, initcheck
 # and synccheck over every variant of our kernels; step-profile traces the block train step
 # with the JAX profiler; profile runs Nsight Compute over our kernels). Optional environment:
 # TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case groups, see
@@ -16,7 +16,12 @@
 set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
-steps=${*:-tests bench demo}
+steps=$*
+known=" tests bench sanitize graphs demo demo-block convergence dp model-step step-profile profile "
+[ -n "$steps" ] || { echo "usage: bash scripts/gpu_check.sh STEP... (steps:$known)" >&2; exit 2; }
+for s in $steps; do
+  [[ $known == *" $s "* ]] || { echo "unknown step '$s' (steps:$known)" >&2; exit 2; }
+done
 {
   date -u
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv
