@@ -12,7 +12,7 @@ from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .linear import LinearState, MultiLinearState, linear, multi_linear
 from .mlp import mlp
-from .recipes import RECIPES, DelayedScaling, draws_key
+from .recipes import DelayedScaling, check_recipe, draws_key
 
 # The Flax rng stream that NVFP4's stochastic rounding draws its key from, each call.
 SR_STREAM = "stochastic_rounding"
@@ -22,9 +22,7 @@ def check_layer(name: str, features, use_bias, recipe, multi: bool, features_nam
   """(features as a tuple of ints, use_bias) of layer ``name``, checked; ``multi``: features is
   a tuple (one layer of several outputs); ``features_name``: what the layer calls it.
   TypeError / ValueError naming the attribute."""
-  if not isinstance(recipe, RECIPES):
-    raise TypeError(f"{name}.recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling, "
-                    f"an MXFP8BlockScaling or an NVFP4BlockScaling, got {type(recipe).__name__}")
+  check_recipe(recipe, f"{name}.recipe")
   if not multi:
     features = (checks.integer(features, f"{name}.{features_name}", lo=1),)
   elif isinstance(features, (tuple, list)) and features:

@@ -27,12 +27,11 @@ import jax
 import orbax.checkpoint as ocp
 
 from . import __version__
-from .recipes import RECIPES, DelayedScaling
+from .recipes import DelayedScaling, check_recipe
 from .state import ScaleRing
 
 SCHEMA_VERSION = 1
 METADATA = "jax_fp8.json"
-_RECIPES = {cls.__name__: cls for cls in RECIPES}
 
 
 # The recipe fields that define the FP8 state (the rest, e.g. fast_accum_gemms or
@@ -41,9 +40,7 @@ STATE_FIELDS = ("type", "fp8_format", "history_len", "margin", "algo")
 
 
 def _recipe_dict(recipe) -> dict:
-  if not isinstance(recipe, tuple(_RECIPES.values())):
-    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling, an "
-                    f"MXFP8BlockScaling or an NVFP4BlockScaling, got {type(recipe).__name__}")
+  check_recipe(recipe)
   fields = {k: list(v) if isinstance(v, tuple) else v
             for k, v in dataclasses.asdict(recipe).items()}
   return {"type": type(recipe).__name__, **fields}

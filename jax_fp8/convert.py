@@ -46,7 +46,7 @@ from ._layer import call_layer, create_state, linen_key
 from .flax import STATE_COLLECTION
 from .inference import Fp8Weight
 from .linear import fp8_multiple
-from .recipes import CROSSOVER_INTENSITY, RECIPES, DelayedScaling, Recipe, draws_key
+from .recipes import CROSSOVER_INTENSITY, DelayedScaling, Recipe, check_recipe, draws_key
 
 HEAD_PATTERN = r"(^|/)(lm_head|head|logits|unembed|unembedding|output_projection)$"
 
@@ -73,10 +73,8 @@ def convert(model, recipe: Recipe | None = None, *,
     ValueError for a pattern that does not compile, rngs missing where an NNX model's recipe
     draws keys, or given where it does not.
   """
+  check_recipe(recipe, none_ok=True)
   recipe = DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY) if recipe is None else recipe
-  if not isinstance(recipe, RECIPES):
-    raise TypeError(f"recipe must be None, a DelayedScaling, a CurrentScaling, a BlockScaling, "
-                    f"an MXFP8BlockScaling or an NVFP4BlockScaling, got {type(recipe).__name__}")
   for name, pattern in (("include", include), ("exclude", exclude)):
     if pattern is not None and not isinstance(pattern, str):
       raise TypeError(f"{name} must be a regular expression (str) or None, got {pattern!r}")

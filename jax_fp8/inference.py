@@ -27,7 +27,7 @@ from .ops.blockwise import BLOCK, block_quantize, group_quantize
 from .ops.gemm import DIM_MULTIPLE, expand_scales, gemm_bias
 from .ops.quantize import quantize, quantize_delayed
 from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
-                      NVFP4BlockScaling)
+                      NVFP4BlockScaling, check_recipe)
 from .state import scale_from_amax
 
 
@@ -57,15 +57,13 @@ def quantize_weight(kernel: jax.Array,
   if kernel.dtype not in FLOAT_DTYPES or kernel.ndim != 2:
     raise TypeError(f"kernel must be a float32 / bfloat16 / float16 [K, N] array, got "
                     f"{kernel.dtype}{list(kernel.shape)}")
+  check_recipe(recipe, allowed=(DelayedScaling, CurrentScaling, BlockScaling))
   if isinstance(recipe, BlockScaling):
     if kernel.shape[0] % BLOCK or kernel.shape[1] % BLOCK:
       raise ValueError(f"kernel's K and N must be multiples of {BLOCK} under BlockScaling, got "
                        f"{list(kernel.shape)}")
     qk, sk = block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
     return Fp8Weight(qk.T, sk.T)
-  if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling or a BlockScaling, got "
-                    f"{type(recipe).__name__}")
   k, n = kernel.shape
   if k % DIM_MULTIPLE or n % DIM_MULTIPLE:
     raise ValueError(f"kernel's K and N must be multiples of {DIM_MULTIPLE} for the FP8 GEMMs, got "

@@ -43,8 +43,8 @@ from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
 from .ops.mxfp8 import mxfp8_gemm, mxfp8_quantize
 from .ops.nvfp4 import nvfp4_gemm, nvfp4_quantize
 from .philox import key_words
-from .recipes import (RECIPES, BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
-                      NVFP4BlockScaling, Recipe, draws_key)
+from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
+                      NVFP4BlockScaling, Recipe, check_recipe, draws_key)
 from .state import ScaleRing, current
 
 
@@ -640,14 +640,6 @@ STATELESS = (BlockScaling, MXFP8BlockScaling)  # and device-local: no amax is re
 BLOCK_RECIPES = STATELESS + (NVFP4BlockScaling,)  # composed, not fused, in mlp
 
 
-def _check_recipe(recipe) -> None:
-  if not isinstance(recipe, RECIPES):
-    got = (f"the class {recipe.__name__}: pass an instance, e.g. {recipe.__name__}()"
-           if isinstance(recipe, type) else type(recipe).__name__)
-    raise TypeError(f"recipe must be a DelayedScaling, a CurrentScaling, a BlockScaling, an "
-                    f"MXFP8BlockScaling or an NVFP4BlockScaling, got {got}")
-
-
 def fp8_multiple(recipe) -> tuple[int, str]:
   """The multiple that K and N (an MLP's F and D too) must be of on the FP8 path under
   ``recipe``, and the rule in words for an error."""
@@ -746,7 +738,7 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   if any(weights) and not all(weights):
     raise TypeError("kernels must be all arrays or all Fp8Weight (inference), not a mix")
   if all(weights):
-    _check_recipe(recipe)
+    check_recipe(recipe)
     shapes = tuple(check_weight(w, name, recipe) for w, name in zip(kernels, kernel_names))
   else:
     kernels = tuple(checks.array(k, name) for k, name in zip(kernels, kernel_names))
@@ -771,7 +763,7 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     if biases[i].shape != (n,):
       raise ValueError(f"{name} must be [{n}], got {list(biases[i].shape)}")
   biases = tuple(biases)
-  _check_recipe(recipe)
+  check_recipe(recipe)
   words = check_key(recipe, key)
   # else XLA in the compute dtype, any shape
   fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), sum(ns), k)

@@ -29,7 +29,7 @@ import jax
 
 from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
-from .linear import (BLOCK_RECIPES, STATELESS, _amax_axes, _check_delayed, _check_recipe,
+from .linear import (BLOCK_RECIPES, STATELESS, _amax_axes, _check_delayed,
                      _fp8_pays, _shared, check_key, check_norm, check_stateless, fold_key,
                      check_stateless_global, compute_dtype, fp8_multiple, gemm_input,
                      input_grad, linear, normalized, quantize_input, scaled, zero_like)
@@ -37,7 +37,7 @@ from .ops._ring import check_ring
 from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
                                  cast_transpose_delayed)
 from .ops.gemm import gemm, gemm_bias, gemm_dtype
-from .recipes import CurrentScaling, DelayedScaling, Recipe
+from .recipes import CurrentScaling, DelayedScaling, Recipe, check_recipe
 from .state import ScaleRing
 
 _RINGS = ("x", "kernel_in", "grad_in", "hidden", "kernel_out", "grad_out")
@@ -211,7 +211,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   for name, b, size in (("bias_in", bias_in, n), ("bias_out", bias_out, d)):
     if b is not None and b.shape != (size,):
       raise ValueError(f"{name} must be [{size}], got {list(b.shape)}")
-  _check_recipe(recipe)
+  check_recipe(recipe)
   words = check_key(recipe, key)
   m = math.prod(x.shape[:-1])
   fp8 = _fp8_pays(recipe, m, n, k) and _fp8_pays(recipe, m, d, f)
