@@ -41,6 +41,8 @@ def check_params(norm, gamma, beta, k: int):
   """(gamma, beta) of a norm over rows of K, checked: gamma [K] and, for LayerNorm only, beta
   [K], each float32 / bfloat16 / float16. TypeError / ValueError naming the argument."""
   check(norm, "norm")
+  if gamma is None:
+    raise TypeError(f"norm={norm!r} needs gamma, its [K] scale, got None")
   gamma = checks.array(gamma, "gamma")
   want_beta = centered(norm)
   if want_beta != (beta is not None):

@@ -122,6 +122,8 @@ def test_bad_inputs():
   k = jnp.ones((32, 16))
   with pytest.raises(ValueError, match="epsilon must be a finite float > 0"):
     jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=0.0)
+  with pytest.raises(TypeError, match=r"norm='rmsnorm' needs gamma, its \[K\] scale, got None"):
+    jax_fp8.linear(x, k, state=state, norm="rmsnorm")
   with pytest.raises(TypeError, match="gamma and beta are a norm's parameters"):
     jax_fp8.linear(x, k, state=state, gamma=g)
   with pytest.raises(ValueError, match=r"gamma must be \[32\]"):
