@@ -100,13 +100,23 @@ def check_numerical_gradient(fp8_linear, x, w, b, t, tol):
     assert rel(2 * np.asarray(g), numeric) > tol
 
 
-def test_numerical_gradient(platform, rng):
-  # The backward's quantization (BWD_TOL), and the forward's (FWD_TOL), which reaches
-  # dL/dz = t * tanh'(z) too; central differences add ~eps^2 and f32 noise, under 1e-3.
-  x, w, b, t = problem(rng, lead=(8,), k=16, n=32)
-  check_numerical_gradient(
-      lambda x, w, b: jax_fp8.linear(x, w, b, state=jax_fp8.LinearState.create()),
-      x, w, b, t, BWD_TOL + FWD_TOL)
+@pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8"])
+def test_numerical_gradient(platform, rng, recipe):
+  # The backward's quantization and the forward's (FWD_TOL), which reaches dL/dz = t * tanh'(z)
+  # too; central differences add ~eps^2 and f32 noise, under 1e-3. The backward's: BWD_TOL under
+  # HYBRID (delayed and current scaling); under MXFP8 an E4M3 gradient and operand, FWD_TOL (a
+  # 1x32 block's RCEIL scale leaves each element an E4M3 normal, within 2^-4 of itself, or a
+  # subnormal off by at most 2^-10 of the scale, under 2^-17 of the block's amax).
+  x, w, b, t = problem(rng, lead=(8,), k=32, n=64)
+  fp8_linear, bwd_tol = {
+      "delayed": (lambda x, w, b: jax_fp8.linear(x, w, b, state=jax_fp8.LinearState.create()),
+                  BWD_TOL),
+      "current": (lambda x, w, b: jax_fp8.linear(x, w, b, recipe=jax_fp8.CurrentScaling()),
+                  BWD_TOL),
+      "mxfp8": (lambda x, w, b: jax_fp8.linear(x, w, b, recipe=jax_fp8.MXFP8BlockScaling()),
+                FWD_TOL),
+  }[recipe]
+  check_numerical_gradient(fp8_linear, x, w, b, t, bwd_tol + FWD_TOL)
 
 
 def test_state_gradient_gives_next_ring(platform, rng):
