@@ -227,7 +227,27 @@ def hadamard_transform(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
   that every implementation follows, so the bytes agree. Subnormal products and sums are
   flushed to zero on every backend (XLA's CPU does; a GPU would keep them). Orthogonal: the
   transpose of its matrix undoes it. f32, x's shape (``axis`` a multiple of 16 long); along
-  axis 0 of [R, C] it equals the transform of x.T's rows, transposed, without moving x."""
+  axis 0 of [R, C] it equals the transform of x.T's rows, transposed, without moving x.
+  ValueError for an axis out of range or not a multiple of 16 long."""
+  v, axis = _hadamard_outputs(x, seed, axis)
+  return jnp.stack(v, axis=axis + 1).reshape(x.shape)
+
+
+def hadamard_amax(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
+  """``amax(hadamard_transform(x, seed, axis))``, the same f32 bits (NaN where the transform
+  holds one), without forming the transform: the 16 outputs of each group are first reduced
+  to their largest magnitude, elementwise, so XLA evaluates each group's butterfly once. From
+  the formed transform its fused reduction evaluated the whole butterfly for every output
+  element, 16 times a group. ValueError as ``hadamard_transform``."""
+  def larger(a, b):  # the larger magnitude, NaN if either is (whatever XLA's max does)
+    return jnp.where(jnp.isnan(a) | (a > b), a, b)
+  return amax(functools.reduce(larger, map(jnp.abs, _hadamard_outputs(x, seed, axis)[0])))
+
+
+def _hadamard_outputs(x: jax.Array, seed: int, axis: int) -> tuple[list, int]:
+  """The transform's 16 outputs of every group along ``axis`` as 16 arrays (x's shape with that
+  axis 16 times shorter), so that each stage is elementwise and XLA fuses the transform (or
+  an amax of it) into one pass over x; and the axis, nonnegative."""
   shape = x.shape
   if not -x.ndim <= axis < x.ndim or shape[axis] % RHT_SIZE:
     raise ValueError(f"hadamard_transform takes groups of {RHT_SIZE} along an axis of x whose "
@@ -235,15 +255,13 @@ def hadamard_transform(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
   axis %= x.ndim
   groups = x.reshape(*shape[:axis], shape[axis] // RHT_SIZE, RHT_SIZE, *shape[axis + 1:])
   signs = rht_signs(seed) / 4
-  # The 16 elements of every group as 16 arrays, so that each stage is elementwise and XLA
-  # fuses the transform (and an amax of it) into one pass over x.
   v = [_flush_subnormal(jnp.take(groups, i, axis=axis + 1) * signs[i]) for i in range(RHT_SIZE)]
   h = 1
   while h < RHT_SIZE:
     for t in (t for j in range(0, RHT_SIZE, 2 * h) for t in range(j, j + h)):
       v[t], v[t + h] = _flush_subnormal(v[t] + v[t + h]), _flush_subnormal(v[t] - v[t + h])
     h *= 2
-  return jnp.stack(v, axis=axis + 1).reshape(shape)
+  return v, axis
 
 
 # The scale layout Blackwell's block-scaled GEMMs read (cuBLASLt's VEC16_UE4M3 / VEC32_UE8M0

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from . import checks, norms, sharding
-from .formats import FLOAT_DTYPES, MX_BLOCK, NVFP4_BLOCK, amax, as_f32, hadamard_transform
+from .formats import FLOAT_DTYPES, MX_BLOCK, NVFP4_BLOCK, amax, as_f32, hadamard_amax
 from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
 from .ops._ring import check_ring
@@ -411,7 +411,7 @@ def _nvfp4_amaxes(v, recipe, axis_name, transformed: bool):
   out = {"global_amax": sharding.pmax_keep_nan(amax(v), axis_name)}
   if transformed:
     out["global_amax_t"] = sharding.pmax_keep_nan(
-        amax(hadamard_transform(as_f32(v), recipe.rht_seed, axis=0)), axis_name)
+        hadamard_amax(as_f32(v), recipe.rht_seed, axis=0), axis_name)
   return out
 
 

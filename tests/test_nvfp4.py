@@ -10,7 +10,7 @@ import pytest
 from conftest import HAS_CUDA, bits, block_scaled_data, on_cpu, poison_allocator, summation_error
 
 import jax_fp8
-from jax_fp8 import _ffi, reference
+from jax_fp8 import _ffi, formats, reference
 from jax_fp8.ops import nvfp4 as nvfp4_ops
 from jax_fp8.formats import (NVFP4_BLOCK, e2m1_round_stochastic, hadamard_transform,
                              nvfp4_global_scale, rht_signs, swizzle_scales)
@@ -225,6 +225,38 @@ def test_hadamard_transform_along_any_axis(rng):
   for axis in (2, -3, 0):
     with pytest.raises(ValueError, match="groups of 16 along an axis"):
       hadamard_transform(jnp.ones((8, 32)), 9, axis=axis)
+
+
+def test_hadamard_amax_is_the_transforms_amax(platform, rng):
+  """hadamard_amax gives amax(hadamard_transform(.)) bit for bit under jit, along either axis:
+  subnormal sums flushed, a NaN or an infinity anywhere, all zeros; NaN where only some of a
+  group's outputs are (two infinities: inf - inf in the outputs where their signs differ);
+  the same error for a bad axis."""
+  x = block_scaled_data(rng, (64, 48), NVFP4_BLOCK, 38, jnp.float32)  # subnormal sums too
+  big = jnp.asarray(rng.standard_normal((32, 64)) * 1e37, jnp.float32)  # sums overflow to inf
+  # +inf at rows 0 and j of one column: along axis 0 the group's output k is
+  # s_0 inf + s_j (-1)^popcount(k & j) inf, NaN where the two signs differ. With s_j != s_0 and
+  # popcount(j) odd, output 0 is NaN and output 15 is not: a reduction that kept its last
+  # operand over a NaN would miss it.
+  signs = np.asarray(rht_signs(9))
+  j = next(j for j in range(1, 16) if signs[j] != signs[0] and bin(j).count("1") % 2)
+  two_infs = jnp.zeros((16, 32)).at[0, 3].set(jnp.inf).at[j, 3].set(jnp.inf)
+  cases = [x, x * 2.0**100, big, x.at[17, 5].set(jnp.nan), x.at[3, 40].set(jnp.inf),
+           two_infs, jnp.zeros((16, 32))]
+  for v in cases:
+    for axis in (0, -1):
+      if v.shape[axis % 2] % 16:
+        continue
+      got = jax.jit(lambda v: formats.hadamard_amax(v, 9, axis=axis))(v)
+      want = jax.jit(lambda v: formats.amax(hadamard_transform(v, 9, axis=axis)))(v)
+      got, want = np.asarray(got), np.asarray(want)
+      assert got.dtype == want.dtype == np.float32 and got.shape == want.shape == ()
+      assert np.isnan(got) == np.isnan(want) and (np.isnan(got) or got.view(np.uint32) ==
+                                                    want.view(np.uint32)), (axis, got, want)
+  assert np.isnan(np.asarray(formats.hadamard_amax(cases[3], 9, axis=0)))
+  assert np.isnan(np.asarray(formats.hadamard_amax(two_infs, 9, axis=0)))
+  with pytest.raises(ValueError, match="groups of 16 along an axis"):
+    formats.hadamard_amax(jnp.ones((8, 32)), 9, axis=0)
 
 
 def test_hadamard_transform_of_the_columnwise_copy(rng):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from .. import _ffi, checks, sharding
 from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32,
-                       hadamard_transform, nvfp4_global_scale, rht_signs)
+                       hadamard_amax, nvfp4_global_scale, rht_signs)
 from ..philox import key_words
 
 _MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y: row tiles of 16
@@ -182,7 +182,7 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   gs_t = gs
   if rht:
     gs_t = out["global_scale_t"] = nvfp4_global_scale(
-        amax(hadamard_transform(x32, rht_seed, axis=0)) if global_amax_t is None else
+        hadamard_amax(x32, rht_seed, axis=0) if global_amax_t is None else
         _global_amax(global_amax_t, "global_amax_t"))
   names = ["data", "scales"] * rowwise + ["data_t", "scales_t"] * columnwise
 
