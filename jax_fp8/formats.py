@@ -229,7 +229,7 @@ def hadamard_transform(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
   transpose of its matrix undoes it. f32, x's shape (``axis`` a multiple of 16 long); along
   axis 0 of [R, C] it equals the transform of x.T's rows, transposed, without moving x.
   ValueError for an axis out of range or not a multiple of 16 long."""
-  v, axis = _hadamard_outputs(x, seed, axis)
+  v, axis = _hadamard_outputs(x, seed, axis, "hadamard_transform")
   return jnp.stack(v, axis=axis + 1).reshape(x.shape)
 
 
@@ -241,16 +241,16 @@ def hadamard_amax(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
   element, 16 times a group. ValueError as ``hadamard_transform``."""
   def larger(a, b):  # the larger magnitude, NaN if either is (whatever XLA's max does)
     return jnp.where(jnp.isnan(a) | (a > b), a, b)
-  return amax(functools.reduce(larger, map(jnp.abs, _hadamard_outputs(x, seed, axis)[0])))
+  return amax(functools.reduce(larger, map(jnp.abs, _hadamard_outputs(x, seed, axis, "hadamard_amax")[0])))
 
 
-def _hadamard_outputs(x: jax.Array, seed: int, axis: int) -> tuple[list, int]:
+def _hadamard_outputs(x: jax.Array, seed: int, axis: int, name: str) -> tuple[list, int]:
   """The transform's 16 outputs of every group along ``axis`` as 16 arrays (x's shape with that
   axis 16 times shorter), so that each stage is elementwise and XLA fuses the transform (or
   an amax of it) into one pass over x; and the axis, nonnegative."""
   shape = x.shape
   if not -x.ndim <= axis < x.ndim or shape[axis] % RHT_SIZE:
-    raise ValueError(f"hadamard_transform takes groups of {RHT_SIZE} along an axis of x whose "
+    raise ValueError(f"{name} takes groups of {RHT_SIZE} along an axis of x whose "
                      f"length is a multiple of {RHT_SIZE}: got axis {axis} of shape {shape}")
   axis %= x.ndim
   groups = x.reshape(*shape[:axis], shape[axis] // RHT_SIZE, RHT_SIZE, *shape[axis + 1:])

@@ -256,8 +256,9 @@ def check_recipe(recipe, name: str = "recipe", allowed: tuple = RECIPES,
   where ``none_ok``); a recipe class given for an instance is told so."""
   if isinstance(recipe, allowed) or (none_ok and recipe is None):
     return
-  kinds = [("an " if c.__name__[0] in "MN" else "a ") + c.__name__ for c in allowed]
-  kinds = ", ".join((["None"] if none_ok else []) + kinds[:-1]) + " or " + kinds[-1]
+  kinds = ["None"] * none_ok + [("an " if c.__name__[0] in "MN" else "a ") + c.__name__
+                                for c in allowed]
+  kinds = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " or " + kinds[-1]
   got = (f"the class {recipe.__name__}: pass an instance, e.g. {recipe.__name__}()"
          if isinstance(recipe, type) else type(recipe).__name__)
   raise TypeError(f"{name} must be {kinds}, got {got}")

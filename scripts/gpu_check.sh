@@ -12,14 +12,14 @@
 # launches skipped and profiled), SANITIZE_TOOLS (default all four), SANITIZE_KERNELS
 # (run_kernels.py's mode under the tools: coverage, the default, or one family, e.g. mxfp8),
 # SKIP_BUILD=1 (use the build a warm machine already has, e.g. for a second invocation that
-# runs beside a first one).
+# runs beside a first one: give it its own OUT, and steps that keep out of the first one's).
 set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
-steps=$*
+steps=("$@")
 known=" tests bench sanitize graphs demo demo-block convergence dp model-step step-profile profile "
-[ -n "$steps" ] || { echo "usage: bash scripts/gpu_check.sh STEP... (steps:$known)" >&2; exit 2; }
-for s in $steps; do
+[ ${#steps[@]} -gt 0 ] || { echo "usage: bash scripts/gpu_check.sh STEP... (steps:$known)" >&2; exit 2; }
+for s in "${steps[@]}"; do
   [[ $known == *" $s "* ]] || { echo "unknown step '$s' (steps:$known)" >&2; exit 2; }
 done
 {
@@ -41,8 +41,8 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
     || { tail -40 "$OUT/build.log"; exit 1; }
   echo "build $(( $(date +%s) - t0 )) s"
 fi
-python3 -c "import jax_fp8; print('cuda targets:', jax_fp8.cuda_available())"
-for s in $steps; do
+python3 -c "import jax_fp8; print('cuda targets:', jax_fp8.cuda_available())" || exit 1
+for s in "${steps[@]}"; do
   t0=$(date +%s)
   case $s in
     # The CPU-parametrized cases run in CI; here the CUDA ones and those on the default device.

@@ -255,7 +255,7 @@ def test_hadamard_amax_is_the_transforms_amax(platform, rng):
                                                     want.view(np.uint32)), (axis, got, want)
   assert np.isnan(np.asarray(formats.hadamard_amax(cases[3], 9, axis=0)))
   assert np.isnan(np.asarray(formats.hadamard_amax(two_infs, 9, axis=0)))
-  with pytest.raises(ValueError, match="groups of 16 along an axis"):
+  with pytest.raises(ValueError, match="hadamard_amax takes groups of 16 along an axis"):
     formats.hadamard_amax(jnp.ones((8, 32)), 9, axis=0)
 
 
