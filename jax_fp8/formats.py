@@ -241,7 +241,8 @@ def hadamard_amax(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
   element, 16 times a group. ValueError as ``hadamard_transform``."""
   def larger(a, b):  # the larger magnitude, NaN if either is (whatever XLA's max does)
     return jnp.where(jnp.isnan(a) | (a > b), a, b)
-  return amax(functools.reduce(larger, map(jnp.abs, _hadamard_outputs(x, seed, axis, "hadamard_amax")[0])))
+  outputs, _ = _hadamard_outputs(x, seed, axis, "hadamard_amax")
+  return amax(functools.reduce(larger, map(jnp.abs, outputs)))
 
 
 def _hadamard_outputs(x: jax.Array, seed: int, axis: int, name: str) -> tuple[list, int]:

@@ -18,7 +18,8 @@ OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
 steps=("$@")
 known=" tests bench sanitize graphs demo demo-block convergence dp model-step step-profile profile "
-[ ${#steps[@]} -gt 0 ] || { echo "usage: bash scripts/gpu_check.sh STEP... (steps:$known)" >&2; exit 2; }
+[ ${#steps[@]} -gt 0 ] \
+  || { echo "usage: bash scripts/gpu_check.sh STEP... (steps:$known)" >&2; exit 2; }
 for s in "${steps[@]}"; do
   [[ $known == *" $s "* ]] || { echo "unknown step '$s' (steps:$known)" >&2; exit 2; }
 done
