@@ -32,6 +32,8 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
   cast-transposes (``norm="rmsnorm"``);
 - ``current_fused_norm_mlp`` (and ``_fast_all``): the same layers under ``CurrentScaling()``
   (each tensor's scale from its amax of this step, XLA's reduction before each quantization);
+- ``block_fused_norm_mlp``: the same layers under ``BlockScaling()``, the norms, SwiGLU and its
+  gradient inside the group cast-transposes;
 - ``mxfp8_shared_input``, ``nvfp4_shared_input``: as ``block_shared_input`` under
   ``MXFP8BlockScaling()`` and ``NVFP4BlockScaling()`` (every projection in NVFP4: no layer kept
   in higher precision here), their GEMMs emulated (BF16 GEMMs of the dequantized operands): the
@@ -145,6 +147,8 @@ VARIANTS = {
     "block": (functools.partial(Dense, recipe=BLOCK), None, None, False),
     "block_shared_input": (functools.partial(Dense, recipe=BLOCK),
                            functools.partial(MultiDense, recipe=BLOCK), None, False),
+    "block_fused_norm_mlp": (functools.partial(Dense, recipe=BLOCK),
+                             functools.partial(MultiDense, recipe=BLOCK), BLOCK, True),
     "mxfp8_shared_input": (functools.partial(Dense, recipe=MXFP8),
                            functools.partial(MultiDense, recipe=MXFP8), None, False),
     "nvfp4_shared_input": (functools.partial(Dense, recipe=NVFP4),

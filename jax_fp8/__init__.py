@@ -10,10 +10,12 @@ from .inference import Fp8Weight, quantize_weight, quantize_weights
 from .linear import LinearState, MultiLinearState, linear, multi_linear
 from .mlp import MlpState, mlp
 from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_transpose,
-                  activation_grad_cast_transpose, block_quantize, cast_transpose_delayed,
+                  activation_grad_cast_transpose, activation_grad_group_cast_transpose,
+                  activation_group_cast_transpose, block_quantize, cast_transpose_delayed,
                   dequantize, gemm, group_cast_transpose, group_quantize, mxfp8_dequantize,
-                  mxfp8_gemm, mxfp8_quantize, norm_cast_transpose, nvfp4_dequantize, nvfp4_gemm,
-                  nvfp4_kernel, nvfp4_quantize, quantize, quantize_delayed)
+                  mxfp8_gemm, mxfp8_quantize, norm_cast_transpose, norm_group_cast_transpose,
+                  nvfp4_dequantize, nvfp4_gemm, nvfp4_kernel, nvfp4_quantize, quantize,
+                  quantize_delayed)
 from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
                       NVFP4BlockScaling)
 from .state import ScaleRing, combine_updates, share, update_state
@@ -25,11 +27,12 @@ __all__ = [
     "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState", "MultiLinearState",
     "NVFP4BlockScaling", "Quantized",
     "ScaleRing",
-    "activation_cast_transpose", "activation_grad_cast_transpose", "block_quantize",
+    "activation_cast_transpose", "activation_grad_cast_transpose",
+    "activation_grad_group_cast_transpose", "activation_group_cast_transpose", "block_quantize",
     "cast_transpose_delayed",
     "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
     "group_cast_transpose", "group_quantize", "linear", "multi_linear", "mxfp8_dequantize",
     "mxfp8_gemm", "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_gemm", "nvfp4_kernel",
-    "nvfp4_quantize", "norm_cast_transpose", "quantize",
+    "nvfp4_quantize", "norm_cast_transpose", "norm_group_cast_transpose", "quantize",
     "mlp", "quantize_delayed", "quantize_weight", "quantize_weights", "share", "update_state",
 ]

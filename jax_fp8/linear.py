@@ -298,31 +298,40 @@ def _linear_bwd(axis_name, dtypes, fast_accum, norm, current_, res, gs):
 _linear.defvjp(_linear_fwd, _linear_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _block_linear(x, kernels, biases, recipe, dtypes):
-  del dtypes  # used by the backward only
+def block_quantize_input(x, norm_params, recipe, norm):
+  """x's group cast-transpose (1 x 128 groups along K, 128 x 1 along M, transposed), or with a
+  norm its norm's, the row statistics from XLA and the norm applied inside the kernel."""
+  if norm is None:
+    return blockwise.group_cast_transpose(x, **recipe.kwargs())
+  name, epsilon = norm
+  return blockwise.norm_group_cast_transpose(x, norms.stats(x, name, epsilon), *norm_params,
+                                             norm=name, **recipe.kwargs())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _block_linear(x, norm_params, kernels, biases, recipe, dtypes, norm):
   # Without a gradient no transposed copy is needed: the scales in cuBLASLt's layout.
-  qx, sx_col = blockwise.group_quantize(x, scale_layout="col", **recipe.kwargs())
+  qx, sx_col = blockwise.group_quantize(normalized(x, norm_params, norm), scale_layout="col",
+                                        **recipe.kwargs())
   out = []
   for kernel, bias in zip(kernels, biases):
     qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())
-    out.append(gemm_bias(qx, qk.T, sx_col.T, sk.T, bias, x.dtype))
+    out.append(gemm_bias(qx, qk.T, sx_col.T, sk.T, bias, dtypes[1]))
   return tuple(out)
 
 
-def _block_linear_fwd(x, kernels, biases, recipe, dtypes):
-  del dtypes
-  qx, sx, qxt, sxt = blockwise.group_cast_transpose(x, **recipe.kwargs())  # [M,K], [K,M128]
+def _block_linear_fwd(x, norm_params, kernels, biases, recipe, dtypes, norm):
+  qx, sx, qxt, sxt = block_quantize_input(x, norm_params, recipe, norm)  # [M,K], [K,M128]
   ys, saved = [], []
   for kernel, bias in zip(kernels, biases):
     qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
-    ys.append(gemm_bias(qx, qk.T, sx, sk.T, bias, x.dtype))
+    ys.append(gemm_bias(qx, qk.T, sx, sk.T, bias, dtypes[1]))
     saved.append((qk, sk))
-  return tuple(ys), (qxt, sxt, tuple(saved))
+  return tuple(ys), (qxt, sxt, tuple(saved), None if norm is None else (x, norm_params))
 
 
-def _block_linear_bwd(recipe, dtypes, res, gs):
-  qxt, sxt, saved = res
+def _block_linear_bwd(recipe, dtypes, norm, res, gs):
+  qxt, sxt, saved, normed = res
   x_dtype, _, k_dtypes, b_dtypes = dtypes
   dx, dks, dbs = None, [], []
   for g, (qk, sk), k_dtype, b_dtype in zip(gs, saved, k_dtypes, b_dtypes):
@@ -332,7 +341,8 @@ def _block_linear_bwd(recipe, dtypes, res, gs):
     dks.append(gemm(qxt, qgt, sxt, sgt, out_dtype=gemm_dtype(k_dtype)).astype(k_dtype))
     dbs.append(None if b_dtype is None else
                jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype))
-  return dx.astype(x_dtype), tuple(dks), tuple(dbs)
+  dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
+  return dx, dnorm, tuple(dks), tuple(dbs)
 
 
 _block_linear.defvjp(_block_linear_fwd, _block_linear_bwd)
@@ -524,9 +534,10 @@ _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have bee
       an ensemble under pmap). See ``_amax_axes``. Gradients of replicated inputs are summed
       over the axes they are replicated on, as JAX does for any op.
     norm: None, or "rmsnorm" / "layernorm" (``jax_fp8.norms``): x is normalized over K before
-      the GEMMs, from x in its own dtype. Under the per-tensor recipes on the FP8 path the norm is
-      applied inside x's cast-transpose (``norm_cast_transpose``), so it is never stored in
-      the compute dtype; its backward is XLA's. Elsewhere it is XLA's, then the GEMMs.
+      the GEMMs, from x in its own dtype. Under the per-tensor recipes and BlockScaling on the
+      FP8 path the norm is applied inside x's cast-transpose (``norm_cast_transpose``,
+      ``norm_group_cast_transpose``), so it is never stored in the compute dtype; its backward
+      is XLA's. Elsewhere it is XLA's, then the GEMMs.
       LayerNorm's variance is ``E[x^2] - mu^2`` (one pass, Flax's default), which loses
       precision where a row's mean dwarfs its spread.
     gamma: the norm's [K] gain, one per column (float32 / bfloat16 / float16); None without
@@ -637,7 +648,7 @@ multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kern
 
 
 STATELESS = (BlockScaling, MXFP8BlockScaling)  # and device-local: no amax is reduced
-BLOCK_RECIPES = STATELESS + (NVFP4BlockScaling,)  # composed, not fused, in mlp
+BLOCK_RECIPES = STATELESS + (NVFP4BlockScaling,)  # no scale rings
 
 
 def fp8_multiple(recipe) -> tuple[int, str]:
@@ -801,7 +812,9 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
                        f"recipe's {want}")
     amax_axis_name = _amax_axes(x, kernels, biases, state, amax_axis_name)
     rings = (named_x[1], tuple(r for _, r in named_k), tuple(r for _, r in named_g))
-  if not (fp8 and rings is not None and not all(weights) and norm is not None):
+  fused_norm = (fp8 and not all(weights) and norm is not None
+                and (rings is not None or isinstance(recipe, BlockScaling)))
+  if not fused_norm:
     x = gemm_input(x, norm_params, norm, out_dtype)  # else the norm's kernel reads x itself
   if all(weights):
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
@@ -817,7 +830,7 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
             tuple(None if b is None else b.dtype for b in biases))
   x2 = x.reshape(math.prod(x.shape[:-1]), k)
   if isinstance(recipe, BlockScaling):
-    ys = _block_linear(x2, kernels, biases, recipe, dtypes)
+    ys = _block_linear(x2, norm_params, kernels, biases, recipe, dtypes, norm)
   elif isinstance(recipe, MXFP8BlockScaling):
     ys = _mxfp8_linear(x2, kernels, biases, dtypes)
   elif isinstance(recipe, NVFP4BlockScaling):

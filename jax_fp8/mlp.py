@@ -14,9 +14,12 @@ Backward: the output gradient g is cast-transposed (``dbias_out`` from the same 
 gradient dy in both FP8 layouts (``dbias_in`` from the same read); ``dx = dy @ kernel_in.T``,
 ``dkernel_in = x.T @ dy``.
 
-Under ``BlockScaling``, ``MXFP8BlockScaling`` and ``NVFP4BlockScaling`` the MLP is the
-composition ``linear``, ``jax_fp8.activations.apply``, ``linear`` (block-scaled GEMMs; the
-activation is XLA's, not fused).
+Under ``BlockScaling`` the same steps run in 1 x 128 groups (x, the activation and the
+gradients; 128 x 128 blocks for the kernels): ``group_cast_transpose`` and its norm and
+activation forms (``jax_fp8.ops.blockwise``) in place of the cast-transposes, and the bias
+gradients by XLA (``dbias_in`` from dh and y). Under ``MXFP8BlockScaling`` and
+``NVFP4BlockScaling`` the MLP is the composition ``linear``, ``jax_fp8.activations.apply``,
+``linear`` (block-scaled GEMMs; the activation is XLA's, not fused).
 """
 
 from __future__ import annotations
@@ -26,18 +29,21 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 
 from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
 from .linear import (BLOCK_RECIPES, STATELESS, _amax_axes, _check_delayed,
-                     _fp8_pays, _shared, check_key, check_norm, check_stateless, fold_key,
-                     check_stateless_global, compute_dtype, fp8_multiple, gemm_input,
-                     input_grad, linear, normalized, quantize_input, scaled, zero_like)
+                     _fp8_pays, _shared, block_quantize_input, check_key, check_norm,
+                     check_stateless, fold_key, check_stateless_global, compute_dtype,
+                     fp8_multiple, gemm_input, input_grad, linear, normalized, quantize_input,
+                     scaled, zero_like)
+from .ops import blockwise
 from .ops._ring import check_ring
 from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
                                  cast_transpose_delayed)
 from .ops.gemm import gemm, gemm_bias, gemm_dtype
-from .recipes import CurrentScaling, DelayedScaling, Recipe, check_recipe
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling, Recipe, check_recipe
 from .state import ScaleRing
 
 _RINGS = ("x", "kernel_in", "grad_in", "hidden", "kernel_out", "grad_out")
@@ -136,6 +142,55 @@ def _mlp_bwd(activation, axis_name, dtypes, fast_accum, norm, current_, res, g):
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
+def _block_forward(x, norm_params, k_in, k_out, b_in, b_out, recipe, activation, norm,
+                   out_dtype):
+  """BlockScaling's forward (1 x 128 groups for x and the activation, 128 x 128 blocks for the
+  kernels): out, and what the backward needs."""
+  kw = recipe.kwargs()
+  qx, sx, qxt, sxt = block_quantize_input(x, norm_params, recipe, norm)  # [M, K], [K, M128]
+  qk_in, sk_in = blockwise.block_quantize(k_in, **kw)  # [K, N], [K/128, N/128]
+  y = gemm_bias(qx, qk_in.T, sx, sk_in.T, b_in, out_dtype)  # [M, N]
+  qh, sh, qht, sht = blockwise.activation_group_cast_transpose(y, activation=activation, **kw)
+  qk_out, sk_out = blockwise.block_quantize(k_out, **kw)  # [F, D], [F/128, D/128]
+  out = gemm_bias(qh, qk_out.T, sh, sk_out.T, b_out, out_dtype)  # [M, D]
+  return out, (qxt, sxt, qk_in, sk_in, y, qht, sht, qk_out, sk_out,
+               None if norm is None else (x, norm_params))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _block_mlp(x, norm_params, k_in, k_out, b_in, b_out, recipe, activation, dtypes, norm):
+  return _block_forward(x, norm_params, k_in, k_out, b_in, b_out, recipe, activation, norm,
+                        dtypes[1])[0]
+
+
+def _block_mlp_fwd(x, norm_params, k_in, k_out, b_in, b_out, recipe, activation, dtypes, norm):
+  return _block_forward(x, norm_params, k_in, k_out, b_in, b_out, recipe, activation, norm,
+                        dtypes[1])
+
+
+def _block_mlp_bwd(recipe, activation, dtypes, norm, res, g):
+  qxt, sxt, qk_in, sk_in, y, qht, sht, qk_out, sk_out, normed = res
+  x_dtype, _, k_in_dtype, k_out_dtype, b_in_dtype, b_out_dtype = dtypes
+  kw = recipe.kwargs()
+  qg, sg, qgt, sgt = blockwise.group_cast_transpose(g, **kw)  # [M, D], [D, M128]
+  dh = gemm(qg, qk_out, sg, sk_out, out_dtype=gemm_dtype(y.dtype)).astype(y.dtype)  # [M, F]
+  dk_out = gemm(qht, qgt, sht, sgt, out_dtype=gemm_dtype(k_out_dtype)).astype(k_out_dtype)
+  qdy, sdy, qdyt, sdyt = blockwise.activation_grad_group_cast_transpose(
+      dh, y, activation=activation, **kw)  # [M, N], [N, M128]
+  dx = gemm(qdy, qk_in, sdy, sk_in, out_dtype=gemm_dtype(x_dtype))  # [M, K]
+  dk_in = gemm(qxt, qdyt, sxt, sdyt, out_dtype=gemm_dtype(k_in_dtype)).astype(k_in_dtype)
+  # The bias gradients by XLA (the block kernels take no column sums): dy's from dh and y.
+  db_in = None if b_in_dtype is None else jnp.sum(
+      activations.grad(dh, y, activation), axis=0).astype(b_in_dtype)
+  db_out = None if b_out_dtype is None else jnp.sum(
+      g.astype(jnp.float32), axis=0).astype(b_out_dtype)
+  dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
+  return dx, dnorm, dk_in, dk_out, db_in, db_out
+
+
+_block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
+
+
 def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
         bias_in: jax.Array | None = None, bias_out: jax.Array | None = None, *,
         activation: str = "swiglu", state: MlpState | None = None,
@@ -167,8 +222,8 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
       runs in x's dtype through XLA and the rings are untouched.
     amax_axis_name: as in ``linear``.
     norm, gamma, beta, epsilon: the input's norm, as in ``linear`` (TransformerEngine's
-      LayerNormMLP): fused into x's cast-transpose under the per-tensor recipes on the FP8
-      path.
+      LayerNormMLP): fused into x's cast-transpose under the per-tensor recipes and
+      BlockScaling on the FP8 path.
     dtype: the compute dtype of the GEMMs and the activation, and the output's, as in
       ``linear``.
     key: as in ``linear`` (``NVFP4BlockScaling``'s stochastic rounding only).
@@ -240,9 +295,10 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
                      f"D={d}")
   if not isinstance(recipe, STATELESS):  # checked on every path, as linear does
     axis = _amax_axes(x, (kernel_in, kernel_out), (bias_in, bias_out), state, amax_axis_name)
-  if not fp8 or block or norm is None:  # else the norm's kernel reads x itself
+  fused_block = fp8 and isinstance(recipe, BlockScaling)
+  if not fp8 or (block and not fused_block) or norm is None:  # else the norm's kernel reads x
     x = gemm_input(x, norm_params, norm, out_dtype)
-  if not fp8 or block:
+  if not fp8 or (block and not fused_block):
     keys = (None, None) if words is None else (fold_key(words, 0), fold_key(words, 1))
     axes = {} if isinstance(recipe, STATELESS) else {"amax_axis_name": axis or ()}
     lin = (functools.partial(linear, recipe=recipe, **axes) if fp8 else
@@ -255,6 +311,10 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   dtypes = (x.dtype, out_dtype, kernel_in.dtype, kernel_out.dtype,
             None if bias_in is None else bias_in.dtype,
             None if bias_out is None else bias_out.dtype)
+  if fused_block:
+    out = _block_mlp(x.reshape(m, k), norm_params, kernel_in, kernel_out, bias_in, bias_out,
+                     recipe, activation, dtypes, norm)
+    return out.reshape(*x.shape[:-1], d)
   rings = (tuple(recipe.ring(recipe.bwd_fmt if name.startswith("grad") else recipe.fwd_fmt)
                  for name in _RINGS) if current_ else
            tuple(getattr(state, name) for name in _RINGS))

@@ -171,6 +171,27 @@ def group_cast_transpose(x, *, fmt="e4m3", eps=1e-10, ue8m0=False):
   return q, s, qt, st
 
 
+def norm_group_cast_transpose(x, row_stats, gamma, beta, *, norm: str, fmt="e4m3", eps=1e-10,
+                              ue8m0=False):
+  """group_cast_transpose of the f32 norm of x from its row statistics, each product and sum
+  rounded on its own as the kernels round them (``jax_fp8.norms.apply``)."""
+  return group_cast_transpose(norms.apply(x, row_stats, gamma, beta, norm), fmt=fmt, eps=eps,
+                              ue8m0=ue8m0)
+
+
+def activation_group_cast_transpose(y, *, activation: str, fmt="e4m3", eps=1e-10, ue8m0=False):
+  """group_cast_transpose of the f32 activation of y (``jax_fp8.activations.apply``)."""
+  return group_cast_transpose(activations.apply(y, activation), fmt=fmt, eps=eps, ue8m0=ue8m0)
+
+
+def activation_grad_group_cast_transpose(dh, y, *, activation: str, fmt="e4m3", eps=1e-10,
+                                         ue8m0=False):
+  """group_cast_transpose of the f32 gradient through the activation
+  (``jax_fp8.activations.grad``; [dgate | dup] when gated)."""
+  return group_cast_transpose(activations.grad(dh, y, activation), fmt=fmt, eps=eps,
+                              ue8m0=ue8m0)
+
+
 def block_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16) -> jax.Array:
   """Block-scaled ``a @ b.T`` in f32: a [M, K] with 1 x 128 scales a_scale [M, K/128]; b [N, K]
   with 128 x 128 scales [ceil(N/128), K/128] or 1 x 128 scales [N, K/128]."""

@@ -118,6 +118,7 @@ def test_model_step_benchmark(tmp_path):
   JSON as returned."""
   out = tmp_path / "model_step.json"
   variants = ["bf16", "flax_fp8", "delayed_shared_input", "block_shared_input",
+              "block_fused_norm_mlp",
               "delayed_fused_norm_mlp", "current_fused_norm_mlp", "nvfp4_shared_input"]
   res = model_step.main(["--quick", "--steps", "1", "--windows", "1", "--variants", *variants,
                          "--profile", "delayed_shared_input", "--profile-steps", "1",

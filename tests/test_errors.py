@@ -127,7 +127,9 @@ def test_amax_axis_name_unbound_under_pmap_and_shard_map():
 
 
 @pytest.mark.parametrize("op", ["quantize", "gemm", "group_quantize", "block_quantize",
-                                "group_cast_transpose", "quantize_delayed",
+                                "group_cast_transpose", "norm_group_cast_transpose",
+                                "activation_group_cast_transpose",
+                                "activation_grad_group_cast_transpose", "quantize_delayed",
                                 "cast_transpose_delayed"])
 def test_grad_names_the_op(op):
   calls = {
@@ -137,6 +139,12 @@ def test_grad_names_the_op(op):
       "group_quantize": lambda x: jax_fp8.group_quantize(x)[1].sum(),
       "block_quantize": lambda x: jax_fp8.block_quantize(x)[1].sum(),
       "group_cast_transpose": lambda x: jax_fp8.group_cast_transpose(x)[1].sum(),
+      "norm_group_cast_transpose": lambda x: jax_fp8.norm_group_cast_transpose(
+          x, jnp.ones((x.shape[0], 1)), jnp.ones(x.shape[1]), None, norm="rmsnorm")[1].sum(),
+      "activation_group_cast_transpose": lambda x: jax_fp8.activation_group_cast_transpose(
+          x, activation="gelu")[1].sum(),
+      "activation_grad_group_cast_transpose":
+          lambda x: jax_fp8.activation_grad_group_cast_transpose(x, x, activation="gelu")[1].sum(),
       "quantize_delayed": lambda x: jax_fp8.quantize_delayed(x, RING).amax,
       "cast_transpose_delayed": lambda x: jax_fp8.cast_transpose_delayed(x, RING).amax,
   }

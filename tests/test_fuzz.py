@@ -1,5 +1,5 @@
 """Property tests (hypothesis): on arbitrary inputs, NaN, inf and subnormals included, the
-quantize kernels (per-tensor and block-scaled) and the norm cast-transpose write the
+quantize kernels (per-tensor and block-scaled) and the norm cast-transposes write the
 reference's bytes and scales, and the rings advance as the reference's. Seeded from the tests' base seed (JAX_FP8_TEST_SEED, see
 conftest) and the test's name, with no example database: the same examples every run, so CI is
 repeatable; another base seed, or a larger max_examples, searches further."""
@@ -130,3 +130,20 @@ def test_block_ops_any_input(platform_name, data, rows, cols, ue8m0, transpose):
   with jax.default_device(jax.devices(platform_name)[0]):
     got = op(x, ue8m0=ue8m0)
   assert_same_outputs(got, on_cpu(lambda v: ref(v, ue8m0=ue8m0), x))
+
+
+@pytest.mark.parametrize("platform_name", PLATFORMS)
+@fuzz(max_examples=30)
+@given(data=st.data(), rows=st.integers(1, 140), cols=st.integers(1, 2),
+       norm=st.sampled_from(["rmsnorm", "layernorm"]), ue8m0=st.booleans())
+def test_norm_group_cast_transpose_any_input(platform_name, data, rows, cols, norm, ue8m0):
+  """The norm in 1 x 128 / 128 x 1 groups, from every f32 as test_norm_cast_transpose_any_input
+  draws them: the group scales and bytes the reference's."""
+  cols, per_row = 128 * cols, 2 if norm == "layernorm" else 1
+  args = tuple(jnp.asarray(data.draw(arrays(shape))) for shape in
+               ((rows, cols), (rows, per_row), (cols,)))
+  beta = jnp.asarray(data.draw(arrays((cols,)))) if norm == "layernorm" else None
+  with jax.default_device(jax.devices(platform_name)[0]):
+    got = jax_fp8.norm_group_cast_transpose(*args, beta, norm=norm, ue8m0=ue8m0)
+  assert_same_outputs(got, on_cpu(lambda *a: reference.norm_group_cast_transpose(
+      *a, norm=norm, ue8m0=ue8m0), *args, beta))

@@ -124,16 +124,70 @@ def test_numerical_gradient(platform, rng):
   assert abs(float(jnp.vdot(dx, v) - exact)) <= BWD_TOL * float(jnp.linalg.norm(dx))
 
 
-def test_block_scaling_and_below_min_intensity(rng):
-  """BlockScaling: the composition linear, activation, linear (stateless). Below
-  fp8_min_intensity: XLA in x's dtype, the rings untouched."""
-  x, k_in, k_out, _, _, _ = problem(rng, "swiglu", k=128, f=128, d=128)
+@pytest.mark.parametrize("activation", ACTS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("norm", [None, "rmsnorm"])
+def test_block_scaling_against_f32_and_unfused(platform, rng, activation, dtype, norm):
+  """BlockScaling: the activation, its gradient (and the norm) fused into the group
+  cast-transposes. Against the composition norm, linear, activation, linear under the same
+  recipe (the activation by the other platform's exp / tanh: within one e4m3 roundoff) and
+  against f32, with the bounds of the per-tensor test (every operand is E4M3 here, each within
+  its group's roundoff)."""
+  x, k_in, k_out, b_in, b_out, t = problem(rng, activation, k=256, f=128, d=128, dtype=dtype)
+  gamma = jnp.asarray(1 + 0.5 * rng.standard_normal(256), jnp.float32)
   block = jax_fp8.BlockScaling()
-  y = jax.jit(lambda *a: jax_fp8.mlp(*a, recipe=block))(x, k_in, k_out)
-  y_c = jax.jit(lambda x, k_in, k_out: jax_fp8.linear(
-      activations.apply(jax_fp8.linear(x, k_in, recipe=block), "swiglu"), k_out,
-      recipe=block))(x, k_in, k_out)
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(y_c))
+
+  def normed(x, gamma):
+    return x if norm is None else jax_fp8.norms.normalize(x, gamma, None, norm=norm,
+                                                          epsilon=1e-6)
+
+  if norm is not None:  # the norm's variant runs without biases
+    b_in, b_out = jnp.zeros_like(b_in), jnp.zeros_like(b_out)
+  biases = (lambda b_in, b_out: (b_in, b_out)) if norm is None else (lambda *_: (None, None))
+
+  def fused(x, k_in, k_out, b_in, b_out, gamma):
+    y = jax_fp8.mlp(x, k_in, k_out, *biases(b_in, b_out), activation=activation, recipe=block,
+                    **({} if norm is None else {"norm": norm, "gamma": gamma}))
+    return jnp.sum(y.astype(jnp.float32) * t), y
+
+  def unfused(x, k_in, k_out, b_in, b_out, gamma):
+    h = normed(x, gamma).astype(x.dtype)
+    b_in, b_out = biases(b_in, b_out)
+    h = activations.apply(jax_fp8.linear(h, k_in, b_in, recipe=block), activation)
+    y = jax_fp8.linear(h.astype(x.dtype), k_out, b_out, recipe=block)
+    return jnp.sum(y.astype(jnp.float32) * t), y
+
+  def exact(x, k_in, k_out, b_in, b_out, gamma):
+    return jnp.sum(mlp_f32(normed(x.astype(jnp.float32), gamma), k_in, k_out, b_in, b_out,
+                           activation) * t)
+
+  args = (x, k_in, k_out, b_in, b_out, gamma)
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=range(6), has_aux=True))  # noqa: E731
+  (_, y), g = grad(fused)(*args)
+  (_, y_u), g_u = grad(unfused)(*args)
+  want = jax.grad(exact, argnums=range(6))(*args)
+  hlo = jax.jit(jax.grad(lambda *a: fused(*a)[0], argnums=range(6))).lower(*args).as_text()
+  assert hlo.count("jax_fp8_group_cast_transpose") == 4  # x, act(y); g, dy: one each
+  assert hlo.count("norm = 1") == (norm is not None)  # x's, with the norm fused
+  assert y.shape == (3, 20, 128) and y.dtype == dtype
+  out = roundoff(dtype)  # the norm's and the activation's rounding to x's dtype when unfused
+  y32 = mlp_f32(normed(x.astype(jnp.float32), gamma), k_in, k_out, b_in, b_out, activation)
+  assert rel(y.astype(jnp.float32), y32) < FWD_TOL + out
+  assert rel(y.astype(jnp.float32), y_u.astype(jnp.float32)) < roundoff("e4m3") + 2 * out
+  names = ("dx", "dkernel_in", "dkernel_out", "dbias_in", "dbias_out", "dgamma")
+  unused = {"dgamma"} if norm is None else {"dbias_in", "dbias_out"}  # of this variant
+  for name, got, unf, w in zip(names, g, g_u, want):
+    if name in unused:
+      continue
+    assert got.dtype == (dtype if name == "dx" else jnp.float32), name
+    assert rel(got.astype(jnp.float32), w) < BWD_TOL + out, name
+    assert rel(got.astype(jnp.float32), unf.astype(jnp.float32)) < (
+        roundoff("e4m3") + roundoff("e5m2") + 2 * out), name
+
+
+def test_below_min_intensity(rng):
+  """Below fp8_min_intensity: XLA in x's dtype, the rings untouched."""
+  x, k_in, k_out, _, _, _ = problem(rng, "swiglu", k=128, f=128, d=128)
   high = jax_fp8.DelayedScaling(fp8_min_intensity=1e9)
   state = jax_fp8.MlpState.create(high)
   y, ds = jax.value_and_grad(lambda s: jnp.sum(jax_fp8.mlp(x, k_in, k_out, state=s,

@@ -403,6 +403,37 @@ def test_sharded_jit_norm_cast_transpose(rng, spec):
 
 
 @pytest.mark.parametrize("spec", [("data", None), (None, "data")], ids=["rows", "cols"])
+def test_sharded_jit_block_sources(rng, spec):
+  """Block scaling's group cast-transposes of a norm, an activation and the gradient through
+  it under a sharded jit, rows or columns split in whole 128-element groups (a gated
+  activation's columns kept whole), equal one device's byte for byte."""
+  n = 128 * len(DEVICES)
+  x = jnp.asarray(rng.standard_normal((n, n)) * 3, jnp.bfloat16)
+  y = jnp.asarray(rng.standard_normal((n, 2 * n)) * 3, jnp.bfloat16)
+  gamma = jnp.linspace(0.5, 1.5, n)
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  put = lambda v, s: jax.device_put(v, jax.sharding.NamedSharding(mesh, P(*s)))  # noqa: E731
+  row_stats = jax_fp8.norms.stats(x, "rmsnorm", 1e-6)
+  ops = [
+      (lambda x, st, g: jax_fp8.norm_group_cast_transpose(x, st, g, None, norm="rmsnorm"),
+       (x, row_stats, gamma), (spec, (spec[0], None), spec[1:])),
+      (lambda x: jax_fp8.activation_group_cast_transpose(x, activation="gelu"), (x,), (spec,)),
+      (lambda y: jax_fp8.activation_group_cast_transpose(y, activation="swiglu"), (y,), (spec,)),
+      (lambda dh, y: jax_fp8.activation_grad_group_cast_transpose(dh, y, activation="gelu"),
+       (x, y[:, :n]), (spec, spec)),
+      (lambda dh, y: jax_fp8.activation_grad_group_cast_transpose(dh, y, activation="swiglu"),
+       (x, y), (spec, spec)),
+  ]
+  for op, args, specs in ops:
+    got = jax.jit(op)(*(put(a, s) for a, s in zip(args, specs)))
+    with jax.default_device(DEVICES[0]):
+      want = jax.jit(op)(*args)
+    for g, w in zip(got, want, strict=True):
+      g, w = np.asarray(g), np.asarray(w)
+      np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+
+
+@pytest.mark.parametrize("spec", [("data", None), (None, "data")], ids=["rows", "cols"])
 @pytest.mark.parametrize("columnwise", [False, True])
 def test_sharded_jit_mxfp8_quantize(rng, spec, columnwise):
   """mxfp8_quantize under a sharded jit (rows or columns split in whole 32-element blocks)

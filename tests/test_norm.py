@@ -8,6 +8,8 @@ quantizations, x's from f32 values instead of values rounded to x's dtype, so wi
 roundoff of the output's scale) and against f32 (within the operands' roundoffs, as
 test_linear / test_mlp bound them); the norm's backward is XLA's on both paths."""
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -162,11 +164,21 @@ def output_and_grads(f, t, *args):
   return jax.jit(run)(*args)
 
 
+# recipe -> (linear under it, its state, K, N): BlockScaling's groups need multiples of 128.
+LINEAR_RECIPES = {
+    "delayed": (jax_fp8.linear, jax_fp8.LinearState.create(), 64, 48),
+    "block": (functools.partial(jax_fp8.linear, recipe=jax_fp8.BlockScaling()), None, 256, 128),
+}
+
+
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-def test_linear_matches_unfused_and_f32(platform, rng, norm, dtype):
-  x, kernel, gamma, beta, t = problem(rng, norm, dtype=dtype)
-  fused, unfused = fused_and_unfused(jax_fp8.linear, jax_fp8.LinearState.create(), norm)
+@pytest.mark.parametrize("recipe", list(LINEAR_RECIPES))
+def test_linear_matches_unfused_and_f32(platform, rng, norm, dtype, recipe):
+  """The norm fused into x's cast-transpose (per-tensor) or group cast-transpose (block)."""
+  layer, state, k, n = LINEAR_RECIPES[recipe]
+  x, kernel, gamma, beta, t = problem(rng, norm, k, n, dtype)
+  fused, unfused = fused_and_unfused(layer, state, norm)
   got = output_and_grads(fused, t, x, kernel, gamma, beta)
   ref = output_and_grads(unfused, t, x, kernel, gamma, beta)
 
@@ -215,8 +227,9 @@ def test_multi_linear_and_mlp_match_unfused(platform, rng, norm, layer):
 
 
 def test_fused_path_runs_one_cast_transpose_for_x(rng):
-  """Fused: x's norm is quantized by the kernel (no normalized copy of x goes in); the
-  BlockScaling and below-intensity paths are the composition itself."""
+  """Fused: x's norm is quantized by the kernel (no normalized copy of x goes in), under
+  BlockScaling in its group cast-transpose when differentiated (its forward alone quantizes
+  the norm by XLA: the same bytes); the below-intensity path is the composition itself."""
   x, kernel, gamma, beta, _ = problem(rng, "layernorm")
   f = lambda x: jax_fp8.linear(x, kernel, state=jax_fp8.LinearState.create(),  # noqa: E731
                                norm="layernorm", gamma=gamma, beta=beta)
@@ -226,10 +239,13 @@ def test_fused_path_runs_one_cast_transpose_for_x(rng):
   block = jax_fp8.BlockScaling()
   xb = jnp.asarray(rng.standard_normal((2, 128, 128)), jnp.float32)
   kb, gb = kernel.repeat(2, 0).repeat(8, 1)[:128, :128], jnp.linspace(0.5, 1.5, 128)
-  got = jax_fp8.linear(xb, kb, recipe=block, norm="rmsnorm", gamma=gb)
+  fb = lambda x: jax_fp8.linear(x, kb, recipe=block, norm="rmsnorm", gamma=gb)  # noqa: E731
+  hlo = jax.jit(lambda x: jax.vjp(fb, x)[0]).lower(xb).as_text()
+  assert hlo.count("jax_fp8_group_cast_transpose") == 1 and "norm = 1" in hlo
   want = jax_fp8.linear(norms.normalize(xb, gb, None, norm="rmsnorm", epsilon=1e-6), kb,
                         recipe=block)
-  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(fb(xb), want)
+  np.testing.assert_array_equal(jax.vjp(fb, xb)[0], want)
   slow = jax_fp8.DelayedScaling(fp8_min_intensity=1e6)
   got = jax_fp8.linear(x, kernel, state=jax_fp8.LinearState.create(slow), recipe=slow,
                        norm="layernorm", gamma=gamma, beta=beta)

@@ -1,5 +1,6 @@
 // CPU FFI handlers for jax_fp8_block_quantize and jax_fp8_group_cast_transpose: the same
-// numerics and layouts as the CUDA tile kernel (csrc/kernels/block_quantize.cuh), one thread.
+// numerics and layouts as the CUDA tile kernel (csrc/kernels/block_quantize.cuh), one thread,
+// the elements from the source (cpu_io.h source_value).
 // Arguments: block_quantize_args.h.
 #include <algorithm>
 
@@ -11,17 +12,17 @@ namespace {
 
 constexpr int64_t kTile = kBlockTile;
 
-// group_scale of the region [r0, r1) x [c0, c1) of x.
+// group_scale of the region [r0, r1) x [c0, c1) of what is quantized.
 float region_scale(const BlockQuantizeArgs& a, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-  return group_scale(amax_region(a.x, a.x_type, a.cols, r0, r1, c0, c1), a.eps, a.fmt, a.ue8m0);
+  return group_scale(source_amax(a.src, r0, r1, c0, c1), a.eps, a.fmt, a.ue8m0);
 }
 
 uint8_t quantized(const BlockQuantizeArgs& a, int64_t r, int64_t c, float inv) {
-  return float_to_fp8(load_f32(a.x, a.x_type, r * a.cols + c) * inv, a.fmt);
+  return float_to_fp8(source_value(a.src, r, c) * inv, a.fmt);
 }
 
 ffi::Error BlockQuantizeImpl(const BlockQuantizeArgs& a) {
-  const int64_t rows = a.rows, cols = a.cols;
+  const int64_t rows = a.src.rows, cols = a.src.cols;
   const int64_t br = (rows + kTile - 1) / kTile, bc = (cols + kTile - 1) / kTile;
   for (int64_t i = 0; i < br; ++i) {
     for (int64_t j = 0; j < bc; ++j) {
@@ -37,7 +38,7 @@ ffi::Error BlockQuantizeImpl(const BlockQuantizeArgs& a) {
 }
 
 ffi::Error GroupCastTransposeImpl(const BlockQuantizeArgs& a) {
-  const int64_t rows = a.rows, cols = a.cols;
+  const int64_t rows = a.src.rows, cols = a.src.cols;
   const int64_t rows128 = (rows + kTile - 1) / kTile * kTile;
   for (int64_t r = 0; r < rows; ++r) {  // 1 x 128 groups along rows; scales [C/128, R]
     for (int64_t g = 0; g < cols / kTile; ++g) {

@@ -10,31 +10,32 @@
 namespace jax_fp8 {
 namespace {
 
-template <typename T, bool kBlock2D>
-ffi::Error Launch(cudaStream_t stream, const BlockQuantizeArgs& a) {
-  // One block per 128 x 128 tile; the decoder checked the rows' tiles fit gridDim.y.
-  const dim3 grid(unsigned((a.cols + kBlockTile - 1) / kBlockTile),
-                  unsigned((a.rows + kBlockTile - 1) / kBlockTile));
-  launch_pdl(block_quantize_kernel<T, kBlock2D>, grid, kBlockThreads, stream,
-             static_cast<const T*>(a.x), a.rows, a.cols, a.eps, a.fmt, a.ue8m0, a.q, a.scales,
-             a.qt, a.scales_t);
+template <bool kBlock2D, typename Src>
+ffi::Error Launch(cudaStream_t stream, const BlockQuantizeArgs& a, Src src) {
+  // One block per 128 x 128 tile of the source; the decoder checked the rows' tiles fit
+  // gridDim.y.
+  const int64_t rows = a.src.rows, cols = a.src.cols / Src::kOutputs;
+  const dim3 grid(unsigned((cols + kBlockTile - 1) / kBlockTile),
+                  unsigned((rows + kBlockTile - 1) / kBlockTile));
+  launch_pdl(block_quantize_kernel<Src, kBlock2D>, grid, kBlockThreads, stream, src, rows, cols,
+             a.eps, a.fmt, a.ue8m0, a.q, a.scales, a.qt, a.scales_t);
   return last_error();
 }
 
-template <bool kBlock2D>
-ffi::Error Dispatch(cudaStream_t stream, const BlockQuantizeArgs& a) {
-  if (a.rows == 0) return ffi::Error::Success();
-  return dispatch_input(a.x_type, [&](auto t) {
-    return Launch<typename decltype(t)::type, kBlock2D>(stream, a);
+ffi::Error BlockQuantizeImpl(cudaStream_t stream, const BlockQuantizeArgs& a) {
+  if (a.src.rows == 0) return ffi::Error::Success();
+  return dispatch_input(a.src.x_type, [&](auto t) {
+    using T = typename decltype(t)::type;
+    return Launch<true>(stream, a, PlainSource<T>{static_cast<const T*>(a.src.x), a.src.cols});
   });
 }
 
-ffi::Error BlockQuantizeImpl(cudaStream_t stream, const BlockQuantizeArgs& a) {
-  return Dispatch<true>(stream, a);
-}
-
 ffi::Error GroupCastTransposeImpl(cudaStream_t stream, const BlockQuantizeArgs& a) {
-  return Dispatch<false>(stream, a);
+  if (a.src.rows == 0) return ffi::Error::Success();
+  return dispatch_input(a.src.x_type, [&](auto t) {
+    return with_source<typename decltype(t)::type>(
+        a.src, [&](auto src) { return Launch<false>(stream, a, src); });
+  });
 }
 
 }  // namespace

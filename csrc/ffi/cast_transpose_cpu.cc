@@ -2,8 +2,6 @@
 // thread. Arguments: cast_transpose_args.h.
 #include <cstring>
 
-#include "../activation.h"
-#include "../norm.h"
 #include "cast_transpose_args.h"
 #include "cpu_io.h"
 
@@ -11,33 +9,9 @@ namespace jax_fp8 {
 namespace {
 
 ffi::Error CastTransposeRingImpl(const CastTransposeArgs& a) {
-  const int64_t rows = a.rows, cols = a.cols, rows16 = a.rows16, xc = a.x_cols;
-  // Element (r, c) of what is quantized: the sources of cast_transpose.cuh, in their order of
-  // operations.
-  auto in = [&](const void* p, int64_t i) { return load_f32(p, a.x_type, i); };
-  const ActivationId act = a.activation;
-  const bool centered = a.norm == NormId::kLayer;
-  auto x = [&](int64_t r, int64_t c) -> float {
-    if (a.norm != NormId::kNone) {
-      const float* s = a.stats + r * (centered ? 2 : 1);
-      return norm_value(in(a.x, r * cols + c), centered ? s[0] : 0.0f, s[centered ? 1 : 0],
-                        a.affine[c], centered ? a.affine[cols + c] : 0.0f, centered);
-    }
-    if (act == ActivationId::kNone) return in(a.x, r * cols + c);
-    if (!a.grad) {
-      const float g = in(a.x, r * xc + c);
-      return a.gated ? activation(act, g) * in(a.x, r * xc + cols + c) : activation(act, g);
-    }
-    const int64_t ch = c % xc, y_cols = a.gated ? 2 * xc : xc;
-    const float d = in(a.x, r * xc + ch), g = in(a.y, r * y_cols + ch);
-    if (!a.gated) return d * activation_grad(act, g);
-    if (c >= xc) return d * activation(act, g);
-    return d * in(a.y, r * y_cols + xc + ch) * activation_grad(act, g);
-  };
-  uint32_t amax_bits = 0;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) amax_bits = std::max(amax_bits, abs_bits(x(r, c)));
-  const float amax = bits_float(amax_bits);
+  const int64_t rows = a.src.rows, cols = a.src.cols, rows16 = a.rows16;
+  auto x = [&](int64_t r, int64_t c) { return source_value(a.src, r, c); };
+  const float amax = source_amax(a.src, 0, rows, 0, cols);
   const float s = ring_scale_for_step(*a.ring.scale, *a.ring.steps, amax, a.fmt, a.ring.margin);
   const float inv = 1.0f / flush_subnormal(s);
   std::memset(a.qt, 0, size_t(cols * rows16));  // the padding columns of qt are zero

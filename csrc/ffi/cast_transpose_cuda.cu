@@ -14,48 +14,36 @@ ffi::Error Launch(cudaStream_t stream, const CastTransposeArgs& a, Src src) {
   auto* scratch = static_cast<QuantizeScratch*>(a.scratch);
   if (cudaMemsetAsync(scratch, 0, sizeof(QuantizeScratch), stream) != cudaSuccess)
     return ffi::Error::Internal("cudaMemsetAsync failed");
-  const int64_t cols = a.cols / Src::kOutputs;  // the source's columns, per output
-  const size_t n = size_t(a.rows) * cols;
+  const int64_t cols = a.src.cols / Src::kOutputs;  // the source's columns, per output
+  const size_t n = size_t(a.src.rows) * cols;
   launch_pdl(first_step_source_amax_kernel<Src>,
              grid_size(n, kQuantizeThreads * kElemsPerThread, 8), kQuantizeThreads, stream, src,
-             a.rows, cols, a.ring.steps, scratch);
+             a.src.rows, cols, a.ring.steps, scratch);
   // At least one row of tiles, so an empty x still records its (zero) amax; a persistent grid
   // over them of as many blocks as fit on the SMs at once (one wave: the kernel's registers
   // decide how many, so the count is queried rather than assumed).
   const size_t tiles = size_t((cols + kTile - 1) / kTile) *
-                       size_t(std::max<int64_t>(1, (a.rows + kTile - 1) / kTile));
+                       size_t(std::max<int64_t>(1, (a.src.rows + kTile - 1) / kTile));
   static const int per_sm =
       resident_blocks_per_sm(cast_transpose_kernel<Src, true, kDbias>, kTileThreads);
   launch_pdl(cast_transpose_kernel<Src, true, kDbias>, grid_size(tiles, 1, per_sm), kTileThreads,
-             stream, src, a.rows, cols, a.rows16, a.ring.scale, a.fmt, a.q, a.qt, a.amax,
+             stream, src, a.src.rows, cols, a.rows16, a.ring.scale, a.fmt, a.q, a.qt, a.amax,
              a.dbias_partial, scratch, a.ring);
   if constexpr (kDbias) {
-    const int64_t row_tiles = (a.rows + kTile - 1) / kTile;
-    launch_pdl(dbias_reduce_kernel, int((a.cols + kDbiasCols - 1) / kDbiasCols), kTileThreads,
-               stream, static_cast<const float*>(a.dbias_partial), row_tiles, a.cols, a.dbias);
+    const int64_t row_tiles = (a.src.rows + kTile - 1) / kTile;
+    launch_pdl(dbias_reduce_kernel, int((a.src.cols + kDbiasCols - 1) / kDbiasCols), kTileThreads,
+               stream, static_cast<const float*>(a.dbias_partial), row_tiles, a.src.cols, a.dbias);
   }
   return last_error();
 }
 
 ffi::Error CastTransposeRingImpl(cudaStream_t stream, const CastTransposeArgs& a) {
-  return dispatch_input(a.x_type, [&](auto t) {
-    using T = typename decltype(t)::type;
-    const T* x = static_cast<const T*>(a.x);
-    if (a.norm != NormId::kNone)
-      return Launch<false>(stream, a, NormSource<T>{x, a.stats, a.affine, a.cols,
-                                                    a.norm == NormId::kLayer});
-    if (a.activation == ActivationId::kNone) {
-      const PlainSource<T> src{x, a.cols};
-      return a.with_dbias ? Launch<true>(stream, a, src) : Launch<false>(stream, a, src);
-    }
-    if (!a.grad) return Launch<false>(stream, a, ActivationSource<T>{x, a.cols, a.activation, a.gated});
-    const T* y = static_cast<const T*>(a.y);
-    if (a.gated) {
-      const GatedActivationGradSource<T> src{x, y, a.x_cols, a.activation};
-      return a.with_dbias ? Launch<true>(stream, a, src) : Launch<false>(stream, a, src);
-    }
-    const ActivationGradSource<T> src{x, y, a.x_cols, a.activation};
-    return a.with_dbias ? Launch<true>(stream, a, src) : Launch<false>(stream, a, src);
+  return dispatch_input(a.src.x_type, [&](auto t) {
+    return with_source<typename decltype(t)::type>(a.src, [&](auto src) {
+      if constexpr (decltype(src)::kDbias)
+        if (a.with_dbias) return Launch<true>(stream, a, src);
+      return Launch<false>(stream, a, src);
+    });
   });
 }
 

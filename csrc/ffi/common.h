@@ -16,6 +16,8 @@
 
 namespace jax_fp8 {
 namespace ffi = xla::ffi;
+using F32Buffer = ffi::Buffer<ffi::F32>;
+using F32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
 
 inline bool is_fp8(ffi::DataType t) {
   return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E5M2;

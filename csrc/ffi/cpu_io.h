@@ -4,7 +4,10 @@
 
 #include <algorithm>
 
+#include "../activation.h"
+#include "../norm.h"
 #include "common.h"
+#include "source_args.h"
 
 namespace jax_fp8 {
 
@@ -32,6 +35,38 @@ inline float amax_region(const void* x, ffi::DataType t, int64_t cols, int64_t r
 // NaN-propagating max |x| over all n elements.
 inline float amax_of(const void* x, ffi::DataType t, size_t n) {
   return amax_region(x, t, 1, 0, 1, 0, int64_t(n));
+}
+
+// Element (r, c) of what a source quantizes (source_args.h), in the order of operations of
+// csrc/kernels/sources.cuh.
+inline float source_value(const SourceArgs& s, int64_t r, int64_t c) {
+  auto in = [&](const void* p, int64_t i) { return load_f32(p, s.x_type, i); };
+  const int64_t cols = s.cols, xc = s.x_cols;
+  const ActivationId act = s.activation;
+  if (s.norm != NormId::kNone) {
+    const bool centered = s.norm == NormId::kLayer;
+    const float* st = s.stats + r * (centered ? 2 : 1);
+    return norm_value(in(s.x, r * cols + c), centered ? st[0] : 0.0f, st[centered ? 1 : 0],
+                      s.affine[c], centered ? s.affine[cols + c] : 0.0f, centered);
+  }
+  if (act == ActivationId::kNone) return in(s.x, r * cols + c);
+  if (!s.grad) {
+    const float g = in(s.x, r * xc + c);
+    return s.gated ? activation(act, g) * in(s.x, r * xc + cols + c) : activation(act, g);
+  }
+  const int64_t ch = c % xc, y_cols = s.gated ? 2 * xc : xc;
+  const float d = in(s.x, r * xc + ch), g = in(s.y, r * y_cols + ch);
+  if (!s.gated) return d * activation_grad(act, g);
+  if (c >= xc) return d * activation(act, g);
+  return d * in(s.y, r * y_cols + xc + ch) * activation_grad(act, g);
+}
+
+// NaN-propagating max |v| over rows [r0, r1) and columns [c0, c1) of what a source quantizes.
+inline float source_amax(const SourceArgs& s, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  uint32_t m = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) m = std::max(m, abs_bits(source_value(s, r, c)));
+  return bits_float(m);
 }
 
 }  // namespace jax_fp8

@@ -12,9 +12,6 @@
 
 namespace jax_fp8 {
 
-using F32Buffer = ffi::Buffer<ffi::F32>;
-using F32Result = ffi::Result<ffi::Buffer<ffi::F32>>;
-
 inline ffi::Error DecodeRing(RingArgs& ring, F32Buffer history, F32Buffer scale, F32Buffer steps,
                              F32Result scale_used, F32Result history_out, F32Result scale_out,
                              F32Result steps_out, int64_t margin, int64_t algo, bool observe) {

@@ -2,7 +2,9 @@
 the FFI target (``csrc/ffi``), with a sharding rule for a plain sharded jit. Each op has a
 plain-jnp twin of the same name in ``jax_fp8.reference``."""
 
-from .blockwise import block_quantize, group_cast_transpose, group_quantize
+from .blockwise import (activation_grad_group_cast_transpose, activation_group_cast_transpose,
+                        block_quantize, group_cast_transpose, group_quantize,
+                        norm_group_cast_transpose)
 from .cast_transpose import (CastTransposed, activation_cast_transpose,
                              activation_grad_cast_transpose, cast_transpose_delayed,
                              norm_cast_transpose)
@@ -12,8 +14,9 @@ from .nvfp4 import nvfp4_dequantize, nvfp4_gemm, nvfp4_kernel, nvfp4_quantize
 from .quantize import DelayedQuantized, Quantized, dequantize, quantize, quantize_delayed
 
 __all__ = ["CastTransposed", "DelayedQuantized", "Quantized", "activation_cast_transpose",
-           "activation_grad_cast_transpose", "block_quantize",
+           "activation_grad_cast_transpose", "activation_grad_group_cast_transpose",
+           "activation_group_cast_transpose", "block_quantize",
            "cast_transpose_delayed", "dequantize", "gemm", "group_cast_transpose",
            "group_quantize", "mxfp8_dequantize", "mxfp8_gemm", "mxfp8_quantize",
-           "norm_cast_transpose", "nvfp4_dequantize", "nvfp4_gemm", "nvfp4_kernel", "nvfp4_quantize",
-           "quantize", "quantize_delayed"]
+           "norm_cast_transpose", "norm_group_cast_transpose", "nvfp4_dequantize", "nvfp4_gemm",
+           "nvfp4_kernel", "nvfp4_quantize", "quantize", "quantize_delayed"]

@@ -8,9 +8,13 @@ instead; the two differ by one ulp in about half of the non-UE8M0 scales.) A gro
 or inf gets a NaN / inf scale, so it dequantizes to NaN rather than to silent finite values. Source: DeepSeek-V3 technical
 report (arXiv 2412.19437), section 3.3; the per-token-group kernels of vLLM and SGLang.
 
+The group cast-transpose can also quantize a norm of x, an MLP's activation or the gradient
+through it on the way (``norm_group_cast_transpose`` and the activation ones; the sources of
+``jax_fp8.ops.sources``), as the per-tensor cast-transposes do.
+
 CUDA kernels: ``csrc/kernels/group_quantize.cuh`` and ``block_quantize.cuh`` (PDL-launched);
 FFI handlers ``csrc/ffi/group_quantize_*`` and ``block_quantize_*``; jnp twins of the same names
-in ``jax_fp8.reference``; tests: ``tests/test_blockwise.py``.
+in ``jax_fp8.reference``; tests: ``tests/test_blockwise.py``, ``tests/test_block_sources.py``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi, checks, sharding
+from . import sources
 from ..formats import fp8_dtype
 
 BLOCK = _ffi.CONSTANTS["block_tile"]  # the tile of block_quantize / group_cast_transpose: 128
@@ -171,12 +176,100 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
     TypeError / ValueError at trace time: dtype, rank, C, fmt or eps out of range, more than
     65535 * 128 rows.
   """
-  x = _check_2d(x, BLOCK, "the group size", "x")
+  return _group_cast_transpose("group_cast_transpose", sources.plain(x, BLOCK), fmt, eps, ue8m0)
+
+
+def norm_group_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
+                              beta: jax.Array | None, *, norm: str, fmt: str = "e4m3",
+                              eps: float = 1e-10, ue8m0: bool = False):
+  """``group_cast_transpose`` of the norm of x (``jax_fp8.norms``), computed in f32 inside the
+  kernel from one read of x and its row statistics: a block-scaled layer's input norm written
+  straight into its GEMMs' FP8 inputs, never stored in x's dtype.
+
+  Args:
+    x: [R, C] float32 / bfloat16 / float16, C a positive multiple of 128.
+    row_stats, gamma, beta, norm: as in ``jax_fp8.norm_cast_transpose``.
+    fmt, eps, ue8m0: as in ``group_quantize``.
+  Returns:
+    ``(q, scales, qt, scales_t)`` of the [R, C] norm, as ``group_cast_transpose``.
+  Raises:
+    TypeError / ValueError at trace time: as ``group_cast_transpose`` and
+    ``norm_cast_transpose``.
+
+  Byte-identical to ``jax_fp8.reference.norm_group_cast_transpose`` on every platform
+  (csrc/norm.h rounds each product and sum on its own).
+  """
+  return _group_cast_transpose("norm_group_cast_transpose",
+                               sources.norm(x, row_stats, gamma, beta, norm, BLOCK), fmt, eps,
+                               ue8m0)
+
+
+def activation_group_cast_transpose(y: jax.Array, *, activation: str, fmt: str = "e4m3",
+                                    eps: float = 1e-10, ue8m0: bool = False):
+  """``group_cast_transpose`` of ``activation(y)`` (``jax_fp8.activations``), computed in f32
+  inside the kernel from one read of the pre-activation: a block-scaled MLP's hidden activation
+  written straight into the down projection's FP8 inputs.
+
+  Args:
+    y: [R, C] float32 / bfloat16 / float16 ([R, 2C] = [gate | up] for "swiglu" / "geglu"), C
+      a positive multiple of 128.
+    activation: "silu", "gelu", "swiglu" or "geglu".
+    fmt, eps, ue8m0: as in ``group_quantize``.
+  Returns:
+    ``(q, scales, qt, scales_t)`` of the [R, C] activation, as ``group_cast_transpose``.
+  Raises:
+    TypeError / ValueError at trace time: as ``group_cast_transpose``, unknown activation.
+
+  The activation's exp and tanh differ between the CPU (libm) and the GPU (hardware
+  approximations): outputs match ``jax_fp8.reference.activation_group_cast_transpose`` within
+  the bound of docs/design.md ("The fused MLP"), as ``activation_cast_transpose``'s do.
+  """
+  return _group_cast_transpose("activation_group_cast_transpose",
+                               sources.activation(y, activation, BLOCK), fmt, eps, ue8m0)
+
+
+def activation_grad_group_cast_transpose(dh: jax.Array, y: jax.Array, *, activation: str,
+                                         fmt: str = "e4m3", eps: float = 1e-10,
+                                         ue8m0: bool = False):
+  """``group_cast_transpose`` of the gradient through ``activation``
+  (``jax_fp8.activations.grad``), computed in f32 inside the kernel from ``dh`` and the
+  pre-activation ``y``: the up projection's block-scaled output gradient in both directions
+  from one read of each.
+
+  Args:
+    dh: [R, C] float32 / bfloat16 / float16, the activation output's gradient; C a positive
+      multiple of 128.
+    y: the pre-activation, dh's dtype: [R, C], or [R, 2C] ([gate | up]) for a gated
+      activation.
+    activation: "silu", "gelu", "swiglu" or "geglu".
+    fmt, eps, ue8m0: as in ``group_quantize``.
+  Returns:
+    ``(q, scales, qt, scales_t)`` of the gradient, y's shape ([R, 2C] = [dgate | dup] when
+    gated; each 128-column group lies in one half), as ``group_cast_transpose``.
+  Raises:
+    TypeError / ValueError at trace time: as ``group_cast_transpose`` and
+    ``activation_grad_cast_transpose``.
+
+  Matches ``jax_fp8.reference.activation_grad_group_cast_transpose`` within the bound of
+  docs/design.md ("The fused MLP").
+  """
+  return _group_cast_transpose("activation_grad_group_cast_transpose",
+                               sources.activation_grad(dh, y, activation, BLOCK), fmt, eps,
+                               ue8m0)
+
+
+def _group_cast_transpose(op, source: sources.Source, fmt, eps, ue8m0):
+  """The group cast-transposes' kernel call on a checked source (``jax_fp8.ops.sources``)."""
+  rows, cols = source.shape(*source.inputs)
+  if -(-rows // BLOCK) > _MAX_TILE_ROWS:
+    name = "dh" if source.grad else "y" if source.activation else "x"
+    raise ValueError(f"{name} has {rows} rows; at most {_MAX_TILE_ROWS * BLOCK} (one row of the "
+                     f"kernel's grid per 128 rows)")
   qdt, eps = fp8_dtype(fmt), checks.group_eps(eps, fmt)
   ue8m0 = checks.boolean(ue8m0, "ue8m0")
 
-  def impl(x):
-    r, c = x.shape
+  def impl(*ins):
+    r, c = source.shape(*ins)
     r128 = -(-r // BLOCK) * BLOCK
     return jax.ffi.ffi_call(
         "jax_fp8_group_cast_transpose",
@@ -184,22 +277,25 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
          jax.ShapeDtypeStruct((c, r128), qdt),
          jax.ShapeDtypeStruct((r128 // BLOCK, c), jnp.float32)),
         vmap_method="sequential",
-    )(x, eps=eps, ue8m0=bool(ue8m0))
+    )(*source.kernel_args(*ins), eps=eps, ue8m0=bool(ue8m0), **source.attrs())
 
   def plan(mesh, shapes):
     # Rows split in multiples of 128 (qt's zero padding is then the global one), columns in
-    # multiples of 128 (whole groups); the transposed outputs split accordingly.
+    # multiples of 128 (whole groups) where the source allows it; the transposed outputs split
+    # accordingly.
     r, c = sharding.spec(shapes[0].sharding, 2)
-    r, c = sharding.even(mesh, r, x.shape[0], BLOCK), sharding.even(mesh, c, x.shape[1], BLOCK)
-    return impl, (sharding.named(mesh, r, c),), (
+    r = sharding.even(mesh, r, rows, BLOCK)
+    c = sharding.even(mesh, c, cols, BLOCK) if source.splits_columns() else None
+    return impl, source.shardings(mesh, r, c), (
         sharding.named(mesh, r, c), sharding.named(mesh, c, r), sharding.named(mesh, c, r),
         sharding.named(mesh, r, c))
 
-  padded = x.shape[0] % BLOCK != 0  # then qt's columns share no factor with x's rows
-  rf, rb = ("r", "pb") if padded else sharding.grouped("r", x.shape[0])
+  padded = rows % BLOCK != 0  # then qt's columns share no factor with x's rows
+  rf, rb = ("r", "pb") if padded else sharding.grouped("r", rows)
   qt_cols = "p" if padded else rf
   sizes = {"c1": BLOCK, **({} if padded else {"r1": BLOCK})}
-  rule = f"{rf} (cb c1) -> {rf} (cb c1), cb {rf}, (cb c1) {qt_cols}, {rb} (cb c1)"
-  q, s_col, qt, st_col = sharding.call("group_cast_transpose", impl, plan, rule, x, **sizes)
-  q, s_col, qt, st_col = sharding.vary_like((q, s_col, qt, st_col), x)
+  rule = (f"{source.rule(rf, '(cb c1)')} -> {rf} (cb c1), cb {rf}, (cb c1) {qt_cols}, "
+          f"{rb} (cb c1)")
+  q, s_col, qt, st_col = sharding.call(op, impl, plan, rule, *source.inputs, **sizes)
+  q, s_col, qt, st_col = sharding.vary_like((q, s_col, qt, st_col), *source.inputs)
   return q, s_col.T, qt, st_col.T

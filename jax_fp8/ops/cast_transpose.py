@@ -18,12 +18,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .. import _ffi, activations, checks, norms, sharding
+from .. import _ffi, checks, sharding
 from ..formats import amax, fp8_dtype
 from ..state import ScaleRing
-from . import _ring
+from . import _ring, sources
 
 _TILE_ROWS = _ffi.CONSTANTS["dbias_tile_rows"]  # rows of one dbias partial (the kernel's tile)
 _QT_ROWS = _ffi.CONSTANTS["qt_row_multiple"]  # qt's columns: R rounded up to this
@@ -69,9 +68,8 @@ def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = 
     TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16, ring
     not a valid ScaleRing, with_dbias or observe not a bool.
   """
-  x = checks.float_input(x)
-  _check_2d(x, "x", _COLS)
-  return _cast_transpose("cast_transpose_delayed", x, None, ring, with_dbias, observe, None)
+  return _cast_transpose("cast_transpose_delayed", sources.plain(x, _COLS), ring, with_dbias,
+                         observe)
 
 
 def activation_cast_transpose(y: jax.Array, ring: ScaleRing, *, activation: str,
@@ -97,11 +95,8 @@ def activation_cast_transpose(y: jax.Array, ring: ScaleRing, *, activation: str,
   ``jax_fp8.reference.activation_cast_transpose`` within the bound of docs/design.md ("The
   fused MLP"), not byte for byte.
   """
-  y = checks.float_input(y, "y")
-  gated = activations.check(activation)[1]
-  _check_2d(y, "y", 2 * _COLS if gated else _COLS,
-            " ([gate | up] of a gated activation)" if gated else "")
-  return _cast_transpose("activation_cast_transpose", y, None, ring, False, observe, activation)
+  return _cast_transpose("activation_cast_transpose", sources.activation(y, activation, _COLS),
+                         ring, False, observe)
 
 
 def activation_grad_cast_transpose(dh: jax.Array, y: jax.Array, ring: ScaleRing, *,
@@ -129,18 +124,9 @@ def activation_grad_cast_transpose(dh: jax.Array, y: jax.Array, ring: ScaleRing,
   Matches ``jax_fp8.reference.activation_grad_cast_transpose`` within the bound of
   docs/design.md ("The fused MLP"), as ``activation_cast_transpose`` does.
   """
-  dh = checks.float_input(dh, "dh")
-  y = checks.float_input(y, "y")
-  gated = activations.check(activation)[1]
-  _check_2d(dh, "dh", _COLS)
-  if y.dtype != dh.dtype:
-    raise TypeError(f"y must have dh's dtype {dh.dtype}, got {y.dtype}")
-  want = (dh.shape[0], dh.shape[1] * (2 if gated else 1))
-  if y.shape != want:
-    raise ValueError(f"y must be {list(want)} for dh {list(dh.shape)} under {activation!r}, "
-                     f"got {list(y.shape)}")
-  return _cast_transpose("activation_grad_cast_transpose", dh, y, ring, with_dbias, observe,
-                         activation)
+  return _cast_transpose("activation_grad_cast_transpose",
+                         sources.activation_grad(dh, y, activation, _COLS), ring, with_dbias,
+                         observe)
 
 
 def norm_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
@@ -168,51 +154,23 @@ def norm_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
   Byte-identical to ``jax_fp8.reference.norm_cast_transpose`` on every platform (csrc/norm.h
   rounds each product and sum on its own).
   """
-  x = checks.float_input(x)
-  _check_2d(x, "x", _COLS)
-  gamma, beta = norms.check_params(norm, gamma, beta, x.shape[1])
-  row_stats = checks.array(row_stats, "row_stats")
-  per_row = 2 if norms.centered(norm) else 1
-  if row_stats.dtype != jnp.float32:
-    raise TypeError(f"row_stats must be float32 (jax_fp8.norms.stats), got {row_stats.dtype}")
-  if row_stats.shape != (x.shape[0], per_row):
-    raise ValueError(f"row_stats must be [{x.shape[0]}, {per_row}] (jax_fp8.norms.stats under "
-                     f"{norm!r}), got {list(row_stats.shape)}")
-  affine = (jnp.stack([gamma, beta]) if beta is not None else gamma[None]).astype(jnp.float32)
-  return _cast_transpose("norm_cast_transpose", x, None, ring, False, observe, None, norm,
-                         row_stats, affine)
+  return _cast_transpose("norm_cast_transpose",
+                         sources.norm(x, row_stats, gamma, beta, norm, _COLS), ring, False,
+                         observe)
 
 
-def _check_2d(x, name: str, multiple: int, what: str = "") -> None:
-  if x.ndim != 2 or x.shape[1] <= 0 or x.shape[1] % multiple:
-    raise ValueError(f"{name} must be [R, C]{what} with C a positive multiple of {multiple}, "
-                     f"got shape {x.shape}")
-
-
-def _cast_transpose(op, x, y, ring, with_dbias, observe, activation,
-                    norm=None, row_stats=None, affine=None) -> CastTransposed:
-  """The ops' kernel call: x quantized (activation and norm None), or the activation (a name of
-  ``jax_fp8.activations``) of x, or with y the gradient through it (x = dh), or the norm (a
-  name of ``jax_fp8.norms``) of x from its row_stats [R, S] and affine [S, C] (f32)."""
+def _cast_transpose(op, source: sources.Source, ring, with_dbias, observe) -> CastTransposed:
+  """The ops' kernel call on a checked source (``jax_fp8.ops.sources``)."""
   leaves = _ring.check_ring(ring)
   with_dbias = checks.boolean(with_dbias, "with_dbias")
   observe = checks.boolean(observe, "observe")
   qdt = fp8_dtype(ring.fmt)
-  act_id, gated = (activations.check(activation) if activation is not None else
-                   (_ffi.CONSTANTS["activation_none"], False))
-  norm_id = norms.check(norm) if norm is not None else _ffi.CONSTANTS["norm_none"]
-  grad = y is not None
-  plain = activation is None and norm is None
-  out_cols = lambda x, y: (x.shape[1] if activation is None else y.shape[1] if grad  # noqa: E731
-                           else x.shape[1] // 2 if gated else x.shape[1])
-  rows, cols = x.shape[0], out_cols(x, y)
-  inputs = (x, y) if grad else (x, row_stats, affine) if norm is not None else (x,)
+  inputs = source.inputs
+  rows, cols = source.shape(*inputs)
 
   def impl(*args):
-    x, leaves = args[0], args[len(inputs):]
-    y = args[1] if grad else jnp.zeros((0,), x.dtype)
-    st, af = args[1:3] if norm is not None else (jnp.zeros((0, 0), jnp.float32),) * 2
-    rows, cols = x.shape[0], out_cols(x, y)  # of this piece, under a sharded jit
+    ins, leaves = args[:len(inputs)], args[len(inputs):]
+    rows, cols = source.shape(*ins)  # of this piece, under a sharded jit
     partial_rows, dbias_cols = (-(-rows // _TILE_ROWS), cols) if with_dbias else (0, 0)
     padded = -(-rows // _QT_ROWS) * _QT_ROWS
     q, qt, s, a, *moved, _, dbias, _ = jax.ffi.ffi_call(
@@ -222,28 +180,28 @@ def _cast_transpose(op, x, y, ring, with_dbias, observe, activation,
         + (jax.ShapeDtypeStruct((partial_rows, dbias_cols), jnp.float32),  # dbias partials
            jax.ShapeDtypeStruct((dbias_cols,), jnp.float32), _ring.SCRATCH),
         vmap_method="sequential",
-    )(x, y, st, af, *leaves, **_ring.kernel_attrs(ring, observe), with_dbias=with_dbias,
-      activation=np.int64(act_id), gated=gated, grad=grad, norm=np.int64(norm_id))
+    )(*source.kernel_args(*ins), *leaves, **_ring.kernel_attrs(ring, observe),
+      with_dbias=with_dbias, **source.attrs())
     return (q, qt, a, *moved, s) + ((dbias,) if with_dbias else ())
 
   def plan(mesh, shapes):
     # Rows split in multiples of 16 (qt's padding is then the global one), columns in
-    # multiples of 16 (the kernel's) where each output column needs only its own input
-    # columns (not across a gated activation's [gate | up] halves; a norm's row statistics
-    # come in whole); qt split as the output transposed; the ring replicated.
+    # multiples of 16 (the kernel's) where the source allows it; qt split as the output
+    # transposed; the ring replicated.
     r, c = sharding.spec(shapes[0].sharding, 2)
     r = sharding.even(mesh, r, rows, _QT_ROWS)
-    c = None if gated else sharding.even(mesh, c, cols, _COLS)
+    c = sharding.even(mesh, c, cols, _COLS) if source.splits_columns() else None
     over = sharding.axes(r, c)
 
     def lower(*args):
       xs, leaves = args[:len(inputs)], args[len(inputs):]
       # A fresh ring's scale from the global amax: of x itself, or of the kernel's own values
       # (this piece run once at scale 1), so it is the scale one device's kernel would take.
-      local_amax = (amax if plain else
+      local_amax = (amax if source.plain else
                     lambda xs: impl(*xs, jnp.zeros((1,), jnp.float32), jnp.ones((), jnp.float32),
                                     jnp.ones((), jnp.float32))[2])
-      s, ring_in = _ring.sharded_scale(xs[0] if plain else xs, ring, leaves, over, local_amax)
+      s, ring_in = _ring.sharded_scale(xs[0] if source.plain else xs, ring, leaves, over,
+                                       local_amax)
       # The kernel at scale s: a one-entry ring past its first step, whose update is dropped.
       outs = impl(*xs, jnp.zeros((1,), jnp.float32), s, jnp.ones((), jnp.float32))
       q, qt, a = outs[0], outs[1], sharding.pmax_keep_nan(outs[2], over)
@@ -252,20 +210,11 @@ def _cast_transpose(op, x, y, ring, with_dbias, observe, activation,
     rep = sharding.named(mesh)
     outs = (sharding.named(mesh, r, c), sharding.named(mesh, c, r)) + (rep,) * 5 + (
         (sharding.named(mesh, c),) if with_dbias else ())
-    ins = ((sharding.named(mesh, r, c),) * len(inputs) if norm is None else
-           (sharding.named(mesh, r, c), sharding.named(mesh, r, None),
-            sharding.named(mesh, None, c)))
-    return lower, ins + (rep, rep, rep), outs
+    return lower, source.shardings(mesh, r, c) + (rep, rep, rep), outs
 
   padded = rows % _QT_ROWS != 0
   p = "p" if padded else "r"
-  if norm is not None:  # elementwise, given each row's statistics and each column's affine
-    ins, out = "r c, r s, s c", "c"
-  elif activation is None or not gated:  # elementwise: the columns of x (and y) are the output's
-    ins, out = "r c" + (", r c" if grad else ""), "c"
-  else:  # gated: output columns come from both halves of the input's
-    ins, out = ("r h, r c" if grad else "r c2"), "c"
-  rule = (f"{ins}, l, , -> r {out}, {out} {p}, , l, , , " + (f", {out}" if with_dbias else ""))
+  rule = f"{source.rule('r', 'c')}, l, , -> r c, c {p}, , l, , , " + (", c" if with_dbias else "")
   outs = sharding.call(op, impl, plan, rule, *inputs, *leaves)
   q, qt, a, *moved = sharding.vary_like(outs, *inputs, ring)
   dbias = moved.pop() if with_dbias else None

@@ -1,0 +1,190 @@
+// Sources: what a cast-transpose quantizes (cast_transpose.cuh per tensor, block_quantize.cuh
+// in 128-element groups): x itself, an activation of x, the gradient through an activation
+// (csrc/activation.h), so an MLP's activation and its gradient cost no pass of their own, or a
+// norm of x (csrc/norm.h), so a layer's input norm costs none either. `with_source` builds the
+// one the FFI arguments name (csrc/ffi/source_args.h). Device code, and that host helper.
+#pragma once
+
+#include "../activation.h"
+#include "../ffi/source_args.h"
+#include "../norm.h"
+#include "quantize.cuh"
+
+namespace jax_fp8 {
+
+// Sources: element (r, c) of the [R, C] tensor to quantize, 16 consecutive columns at a time
+// (C % 16 == 0), loaded as raw vectors first (`load`, so the next tile's loads can be in
+// flight) and turned into f32 values later (`values`). Every value of an all-zero Raw is 0.
+// A source of kOutputs = 2 gives two tensors [R, C] from one read, quantized side by side as
+// [R, 2C]. kDbias: whether the source is a gradient whose column sums can be a bias gradient.
+
+// x [R, C] itself.
+template <typename T>
+struct PlainSource {
+  using Input = T;
+  static constexpr bool kOneInput = true;
+  static constexpr int kOutputs = 1;
+  static constexpr bool kDbias = true;
+  const T* x;
+  int64_t cols;
+  struct Raw {
+    Raw16<T> x;
+  };
+  __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
+    return {load_raw16(x + r * cols + c)};
+  }
+  __device__ __forceinline__ void values(const Raw& raw, float (&f)[1][kElemsPerThread]) const {
+    unpack16(raw.x, f[0]);
+  }
+};
+
+// act(y), y [R, C]; gated: act(gate) * up, y = [gate | up] [R, 2C].
+template <typename T>
+struct ActivationSource {
+  using Input = T;
+  static constexpr bool kOneInput = false;
+  static constexpr int kOutputs = 1;
+  static constexpr bool kDbias = false;
+  const T* y;
+  int64_t cols;  // C
+  ActivationId act;
+  bool gated;
+  struct Raw {
+    Raw16<T> a, b;
+  };
+  __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
+    Raw raw = {};
+    const T* row = y + r * (gated ? 2 * cols : cols);
+    raw.a = load_raw16(row + c);
+    if (gated) raw.b = load_raw16(row + cols + c);
+    return raw;
+  }
+  __device__ __forceinline__ void values(const Raw& raw, float (&f)[1][kElemsPerThread]) const {
+    float a[kElemsPerThread], b[kElemsPerThread];
+    unpack16(raw.a, a);
+    unpack16(raw.b, b);
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k)
+      f[0][k] = gated ? activation(act, a[k]) * b[k] : activation(act, a[k]);
+  }
+};
+
+// The gradient through the activation, from dh [R, C] and the pre-activation y [R, C]:
+// dh * act'(y).
+template <typename T>
+struct ActivationGradSource {
+  using Input = T;
+  static constexpr bool kOneInput = false;
+  static constexpr int kOutputs = 1;
+  static constexpr bool kDbias = true;
+  const T* dh;
+  const T* y;
+  int64_t cols;
+  ActivationId act;
+  struct Raw {
+    Raw16<T> dh, y;
+  };
+  __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
+    return {load_raw16(dh + r * cols + c), load_raw16(y + r * cols + c)};
+  }
+  __device__ __forceinline__ void values(const Raw& raw, float (&f)[1][kElemsPerThread]) const {
+    float d[kElemsPerThread], a[kElemsPerThread];
+    unpack16(raw.dh, d);
+    unpack16(raw.y, a);
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) f[0][k] = d[k] * activation_grad(act, a[k]);
+  }
+};
+
+// The gradient through a gated activation, from dh [R, C] and y = [gate | up] [R, 2C]: the two
+// outputs [dgate | dup] = [dh * up * act'(gate) | dh * act(gate)], from one read of each input.
+template <typename T>
+struct GatedActivationGradSource {
+  using Input = T;
+  static constexpr bool kOneInput = false;
+  static constexpr int kOutputs = 2;
+  static constexpr bool kDbias = true;
+  const T* dh;
+  const T* y;
+  int64_t cols;  // C
+  ActivationId act;
+  struct Raw {
+    Raw16<T> dh, gate, up;
+  };
+  __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
+    const T* row = y + r * 2 * cols;
+    return {load_raw16(dh + r * cols + c), load_raw16(row + c), load_raw16(row + cols + c)};
+  }
+  __device__ __forceinline__ void values(const Raw& raw, float (&f)[2][kElemsPerThread]) const {
+    float d[kElemsPerThread], g[kElemsPerThread], u[kElemsPerThread];
+    unpack16(raw.dh, d);
+    unpack16(raw.gate, g);
+    unpack16(raw.up, u);
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) {
+      f[0][k] = d[k] * u[k] * activation_grad(act, g[k]);
+      f[1][k] = d[k] * activation(act, g[k]);
+    }
+  }
+};
+
+// A norm of x [R, C] (csrc/norm.h) from its row statistics stats [R, S] and affine [S, C]
+// (S = 1: rsigma and gamma; centered, LayerNorm, S = 2: mu, rsigma and gamma, beta). gamma and
+// beta are read when the values are made (they stay in L1: every row tile reads the same
+// ones); an all-zero Raw has no affine row and gives zeros.
+template <typename T>
+struct NormSource {
+  using Input = T;
+  static constexpr bool kOneInput = false;
+  static constexpr int kOutputs = 1;
+  static constexpr bool kDbias = false;
+  const T* x;
+  const float* stats;
+  const float* affine;
+  int64_t cols;
+  bool centered;
+  struct Raw {
+    Raw16<T> x;
+    float mu, rsigma;
+    const float* gamma;  // affine + c; beta at gamma + cols
+  };
+  __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
+    const float* s = stats + r * (centered ? 2 : 1);
+    return {load_raw16(x + r * cols + c), centered ? s[0] : 0.0f, s[centered ? 1 : 0],
+            affine + c};
+  }
+  __device__ __forceinline__ void values(const Raw& raw, float (&f)[1][kElemsPerThread]) const {
+    if (raw.gamma == nullptr) {
+#pragma unroll
+      for (int k = 0; k < kElemsPerThread; ++k) f[0][k] = 0.0f;
+      return;
+    }
+    float v[kElemsPerThread];
+    unpack16(raw.x, v);
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; k += 4) {
+      const float4 g = __ldg(reinterpret_cast<const float4*>(raw.gamma + k));
+      const float4 b = centered ? __ldg(reinterpret_cast<const float4*>(raw.gamma + cols + k))
+                                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      f[0][k] = norm_value(v[k], raw.mu, raw.rsigma, g.x, b.x, centered);
+      f[0][k + 1] = norm_value(v[k + 1], raw.mu, raw.rsigma, g.y, b.y, centered);
+      f[0][k + 2] = norm_value(v[k + 2], raw.mu, raw.rsigma, g.z, b.z, centered);
+      f[0][k + 3] = norm_value(v[k + 3], raw.mu, raw.rsigma, g.w, b.w, centered);
+    }
+  }
+};
+
+// f(src) with the source `s` names, of input type T (the CUDA handlers' dispatch).
+template <typename T, typename F>
+auto with_source(const SourceArgs& s, F&& f) {
+  const T* x = static_cast<const T*>(s.x);
+  const T* y = static_cast<const T*>(s.y);
+  if (s.norm != NormId::kNone)
+    return f(NormSource<T>{x, s.stats, s.affine, s.cols, s.norm == NormId::kLayer});
+  if (s.activation == ActivationId::kNone) return f(PlainSource<T>{x, s.cols});
+  if (!s.grad) return f(ActivationSource<T>{x, s.cols, s.activation, s.gated});
+  if (s.gated) return f(GatedActivationGradSource<T>{x, y, s.x_cols, s.activation});
+  return f(ActivationGradSource<T>{x, y, s.x_cols, s.activation});
+}
+
+}  // namespace jax_fp8

@@ -1,0 +1,129 @@
+"""What a cast-transpose quantizes (``csrc/kernels/sources.cuh``): x itself, an activation of x,
+the gradient through an activation, or a norm of x. One description for the per-tensor
+cast-transposes (``cast_transpose``) and block scaling's group cast-transposes
+(``blockwise``): the argument checks, the kernel's inputs and attributes, and how the inputs
+shard.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _ffi, activations, checks, norms, sharding
+
+
+class Source(NamedTuple):
+  """A checked source: ``inputs`` (x; x and y under ``grad``; x, row_stats and affine under a
+  norm), the activation's and the norm's names (or None), and whether the activation is gated
+  and whether this is the gradient through it."""
+  inputs: tuple
+  activation: str | None
+  norm: str | None
+  gated: bool
+  grad: bool
+
+  @property
+  def plain(self) -> bool:
+    return self.activation is None and self.norm is None
+
+  def shape(self, *inputs) -> tuple[int, int]:
+    """[R, C] of what is quantized, from the inputs (or their local pieces)."""
+    x = inputs[0]
+    if self.activation is None:
+      return x.shape
+    if self.grad:
+      return inputs[1].shape
+    return (x.shape[0], x.shape[1] // 2 if self.gated else x.shape[1])
+
+  def kernel_args(self, *inputs) -> tuple:
+    """(x, y, stats, affine) as the FFI targets take them, with empty arrays for the unused."""
+    x = inputs[0]
+    y = inputs[1] if self.grad else jnp.zeros((0,), x.dtype)
+    st, af = inputs[1:3] if self.norm is not None else (jnp.zeros((0, 0), jnp.float32),) * 2
+    return x, y, st, af
+
+  def attrs(self) -> dict:
+    act = (activations.check(self.activation)[0] if self.activation is not None
+           else _ffi.CONSTANTS["activation_none"])
+    norm = norms.check(self.norm) if self.norm is not None else _ffi.CONSTANTS["norm_none"]
+    return {"activation": np.int64(act), "gated": self.gated, "grad": self.grad,
+            "norm": np.int64(norm)}
+
+  def splits_columns(self) -> bool:
+    """Whether each output column needs only its own input columns (not under a gated
+    activation, whose output columns read both halves of [gate | up])."""
+    return not self.gated
+
+  def rule(self, r: str, c: str) -> str:
+    """The inputs' Shardy factors, the output being [r, c]."""
+    if self.norm is not None:  # elementwise, given each row's statistics and each column's affine
+      return f"{r} {c}, {r} s, s {c}"
+    if not self.gated:  # elementwise: the columns of x (and y) are the output's
+      return f"{r} {c}" + (f", {r} {c}" if self.grad else "")
+    return f"{r} h, {r} {c}" if self.grad else f"{r} c2"  # both halves of the input's
+
+  def shardings(self, mesh, r, c) -> tuple:
+    """The inputs' shardings, the output split as [r, c]."""
+    if self.norm is not None:
+      return (sharding.named(mesh, r, c), sharding.named(mesh, r, None),
+              sharding.named(mesh, None, c))
+    return (sharding.named(mesh, r, c),) * len(self.inputs)
+
+
+def _check_2d(x, name: str, multiple: int, what: str = "") -> None:
+  if x.ndim != 2 or x.shape[1] <= 0 or x.shape[1] % multiple:
+    raise ValueError(f"{name} must be [R, C]{what} with C a positive multiple of {multiple}, "
+                     f"got shape {x.shape}")
+
+
+def plain(x, multiple: int) -> Source:
+  """x [R, C] itself, C a positive multiple of ``multiple``."""
+  x = checks.float_input(x)
+  _check_2d(x, "x", multiple)
+  return Source((x,), None, None, False, False)
+
+
+def activation(y, activation: str, multiple: int) -> Source:
+  """``activation(y)``: y [R, C], or [R, 2C] = [gate | up] under a gated activation."""
+  y = checks.float_input(y, "y")
+  gated = activations.check(activation)[1]
+  _check_2d(y, "y", 2 * multiple if gated else multiple,
+            " ([gate | up] of a gated activation)" if gated else "")
+  return Source((y,), activation, None, gated, False)
+
+
+def activation_grad(dh, y, activation: str, multiple: int) -> Source:
+  """The gradient through ``activation`` from dh [R, C] and the pre-activation y ([R, C], or
+  [R, 2C] under a gated activation, whose gradient is [dgate | dup] [R, 2C])."""
+  dh = checks.float_input(dh, "dh")
+  y = checks.float_input(y, "y")
+  gated = activations.check(activation)[1]
+  _check_2d(dh, "dh", multiple)
+  if y.dtype != dh.dtype:
+    raise TypeError(f"y must have dh's dtype {dh.dtype}, got {y.dtype}")
+  want = (dh.shape[0], dh.shape[1] * (2 if gated else 1))
+  if y.shape != want:
+    raise ValueError(f"y must be {list(want)} for dh {list(dh.shape)} under {activation!r}, "
+                     f"got {list(y.shape)}")
+  return Source((dh, y), activation, None, gated, True)
+
+
+def norm(x, row_stats, gamma, beta, norm: str, multiple: int) -> Source:
+  """The norm of x [R, C] from its row statistics (``jax_fp8.norms.stats``) and gamma (and
+  LayerNorm's beta) [C]."""
+  x = checks.float_input(x)
+  _check_2d(x, "x", multiple)
+  gamma, beta = norms.check_params(norm, gamma, beta, x.shape[1])
+  row_stats = checks.array(row_stats, "row_stats")
+  per_row = 2 if norms.centered(norm) else 1
+  if row_stats.dtype != jnp.float32:
+    raise TypeError(f"row_stats must be float32 (jax_fp8.norms.stats), got {row_stats.dtype}")
+  if row_stats.shape != (x.shape[0], per_row):
+    raise ValueError(f"row_stats must be [{x.shape[0]}, {per_row}] (jax_fp8.norms.stats under "
+                     f"{norm!r}), got {list(row_stats.shape)}")
+  affine = (jnp.stack([gamma, beta]) if beta is not None else gamma[None]).astype(jnp.float32)
+  return Source((x, row_stats, affine), None, norm, False, False)
+
