@@ -748,8 +748,8 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   weights = [isinstance(k, Fp8Weight) for k in kernels]
   if any(weights) and not all(weights):
     raise TypeError("kernels must be all arrays or all Fp8Weight (inference), not a mix")
+  check_recipe(recipe)
   if all(weights):
-    check_recipe(recipe)
     shapes = tuple(check_weight(w, name, recipe) for w, name in zip(kernels, kernel_names))
   else:
     kernels = tuple(checks.array(k, name) for k, name in zip(kernels, kernel_names))
@@ -774,7 +774,6 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     if biases[i].shape != (n,):
       raise ValueError(f"{name} must be [{n}], got {list(biases[i].shape)}")
   biases = tuple(biases)
-  check_recipe(recipe)
   words = check_key(recipe, key)
   # else XLA in the compute dtype, any shape
   fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), sum(ns), k)
