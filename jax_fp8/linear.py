@@ -534,10 +534,11 @@ _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have bee
       an ensemble under pmap). See ``_amax_axes``. Gradients of replicated inputs are summed
       over the axes they are replicated on, as JAX does for any op.
     norm: None, or "rmsnorm" / "layernorm" (``jax_fp8.norms``): x is normalized over K before
-      the GEMMs, from x in its own dtype. Under the per-tensor recipes and BlockScaling on the
-      FP8 path the norm is applied inside x's cast-transpose (``norm_cast_transpose``,
-      ``norm_group_cast_transpose``), so it is never stored in the compute dtype; its backward
-      is XLA's. Elsewhere it is XLA's, then the GEMMs.
+      the GEMMs, from x in its own dtype. On the FP8 path under the per-tensor recipes, and
+      under BlockScaling when differentiated, the norm is applied inside x's cast-transpose
+      (``norm_cast_transpose``, ``norm_group_cast_transpose``), so it is never stored in the
+      compute dtype; its backward is XLA's. Elsewhere (BlockScaling's forward alone too) it is
+      XLA's, then the quantization and the GEMMs.
       LayerNorm's variance is ``E[x^2] - mu^2`` (one pass, Flax's default), which loses
       precision where a row's mean dwarfs its spread.
     gamma: the norm's [K] gain, one per column (float32 / bfloat16 / float16); None without

@@ -126,58 +126,53 @@ def test_numerical_gradient(platform, rng):
 
 @pytest.mark.parametrize("activation", ACTS)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("norm", [None, "rmsnorm"])
+@pytest.mark.parametrize("norm", [None, "layernorm"])
 def test_block_scaling_against_f32_and_unfused(platform, rng, activation, dtype, norm):
-  """BlockScaling: the activation, its gradient (and the norm) fused into the group
-  cast-transposes. Against the composition norm, linear, activation, linear under the same
-  recipe (the activation by the other platform's exp / tanh: within one e4m3 roundoff) and
-  against f32, with the bounds of the per-tensor test (every operand is E4M3 here, each within
-  its group's roundoff)."""
+  """BlockScaling: the activation, its gradient (and the norm, here LayerNorm with gamma and
+  beta) fused into the group cast-transposes, with biases. Against the composition norm,
+  linear, activation, linear under the same recipe (the activation by the other platform's
+  exp / tanh: within one e4m3 roundoff) and against f32, with the bounds of the per-tensor test
+  (every operand is E4M3 here, each within its group's roundoff)."""
   x, k_in, k_out, b_in, b_out, t = problem(rng, activation, k=256, f=128, d=128, dtype=dtype)
   gamma = jnp.asarray(1 + 0.5 * rng.standard_normal(256), jnp.float32)
+  beta = jnp.asarray(0.5 * rng.standard_normal(256), jnp.float32)
   block = jax_fp8.BlockScaling()
+  norm_kw = {} if norm is None else {"norm": norm, "epsilon": 1e-6}
 
-  def normed(x, gamma):
-    return x if norm is None else jax_fp8.norms.normalize(x, gamma, None, norm=norm,
-                                                          epsilon=1e-6)
+  def normed(x, gamma, beta):
+    return x if norm is None else jax_fp8.norms.normalize(x, gamma, beta, **norm_kw)
 
-  if norm is not None:  # the norm's variant runs without biases
-    b_in, b_out = jnp.zeros_like(b_in), jnp.zeros_like(b_out)
-  biases = (lambda b_in, b_out: (b_in, b_out)) if norm is None else (lambda *_: (None, None))
-
-  def fused(x, k_in, k_out, b_in, b_out, gamma):
-    y = jax_fp8.mlp(x, k_in, k_out, *biases(b_in, b_out), activation=activation, recipe=block,
-                    **({} if norm is None else {"norm": norm, "gamma": gamma}))
+  def fused(x, k_in, k_out, b_in, b_out, gamma, beta):
+    y = jax_fp8.mlp(x, k_in, k_out, b_in, b_out, activation=activation, recipe=block,
+                    **({} if norm is None else {"gamma": gamma, "beta": beta, **norm_kw}))
     return jnp.sum(y.astype(jnp.float32) * t), y
 
-  def unfused(x, k_in, k_out, b_in, b_out, gamma):
-    h = normed(x, gamma).astype(x.dtype)
-    b_in, b_out = biases(b_in, b_out)
+  def unfused(x, k_in, k_out, b_in, b_out, gamma, beta):
+    h = normed(x, gamma, beta).astype(x.dtype)
     h = activations.apply(jax_fp8.linear(h, k_in, b_in, recipe=block), activation)
     y = jax_fp8.linear(h.astype(x.dtype), k_out, b_out, recipe=block)
     return jnp.sum(y.astype(jnp.float32) * t), y
 
-  def exact(x, k_in, k_out, b_in, b_out, gamma):
-    return jnp.sum(mlp_f32(normed(x.astype(jnp.float32), gamma), k_in, k_out, b_in, b_out,
+  def exact(x, k_in, k_out, b_in, b_out, gamma, beta):
+    return jnp.sum(mlp_f32(normed(x.astype(jnp.float32), gamma, beta), k_in, k_out, b_in, b_out,
                            activation) * t)
 
-  args = (x, k_in, k_out, b_in, b_out, gamma)
-  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=range(6), has_aux=True))  # noqa: E731
+  args = (x, k_in, k_out, b_in, b_out, gamma, beta)
+  grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=range(7), has_aux=True))  # noqa: E731
   (_, y), g = grad(fused)(*args)
   (_, y_u), g_u = grad(unfused)(*args)
-  want = jax.grad(exact, argnums=range(6))(*args)
-  hlo = jax.jit(jax.grad(lambda *a: fused(*a)[0], argnums=range(6))).lower(*args).as_text()
+  want = jax.grad(exact, argnums=range(7))(*args)
+  hlo = jax.jit(jax.grad(lambda *a: fused(*a)[0], argnums=range(7))).lower(*args).as_text()
   assert hlo.count("jax_fp8_group_cast_transpose") == 4  # x, act(y); g, dy: one each
-  assert hlo.count("norm = 1") == (norm is not None)  # x's, with the norm fused
+  assert hlo.count("norm = 2") == (norm is not None)  # x's, with the norm fused
   assert y.shape == (3, 20, 128) and y.dtype == dtype
   out = roundoff(dtype)  # the norm's and the activation's rounding to x's dtype when unfused
-  y32 = mlp_f32(normed(x.astype(jnp.float32), gamma), k_in, k_out, b_in, b_out, activation)
+  y32 = mlp_f32(normed(x.astype(jnp.float32), gamma, beta), k_in, k_out, b_in, b_out, activation)
   assert rel(y.astype(jnp.float32), y32) < FWD_TOL + out
   assert rel(y.astype(jnp.float32), y_u.astype(jnp.float32)) < roundoff("e4m3") + 2 * out
-  names = ("dx", "dkernel_in", "dkernel_out", "dbias_in", "dbias_out", "dgamma")
-  unused = {"dgamma"} if norm is None else {"dbias_in", "dbias_out"}  # of this variant
+  names = ("dx", "dkernel_in", "dkernel_out", "dbias_in", "dbias_out", "dgamma", "dbeta")
   for name, got, unf, w in zip(names, g, g_u, want):
-    if name in unused:
+    if norm is None and name in ("dgamma", "dbeta"):
       continue
     assert got.dtype == (dtype if name == "dx" else jnp.float32), name
     assert rel(got.astype(jnp.float32), w) < BWD_TOL + out, name

@@ -26,7 +26,8 @@ inline ffi::Error DecodeOutputs(BlockQuantizeArgs& a, ffi::Result<ffi::AnyBuffer
   if (qt_type != q->element_type()) return invalid("qt must be in q's dtype");
   const int64_t rows = a.src.rows, cols = a.src.cols;
   if ((rows + kBlockTile - 1) / kBlockTile > kMaxTileRows)
-    return invalid("x has more than 65535 * 128 rows");
+    return invalid("what is quantized has more than " +
+                   std::to_string(kMaxTileRows * kBlockTile) + " rows");
   if (int64_t(q->element_count()) != rows * cols) return invalid("q must be [R, C]");
   a.eps = eps;
   a.ue8m0 = ue8m0;

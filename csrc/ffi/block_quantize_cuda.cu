@@ -6,6 +6,7 @@
 #include "../kernels/block_quantize.cuh"
 #include "block_quantize_args.h"
 #include "launch.h"
+#include "sources_cuda.h"
 
 namespace jax_fp8 {
 namespace {

@@ -5,6 +5,7 @@
 #include "../kernels/cast_transpose.cuh"
 #include "cast_transpose_args.h"
 #include "launch.h"
+#include "sources_cuda.h"
 
 namespace jax_fp8 {
 namespace {

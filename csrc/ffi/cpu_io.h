@@ -23,13 +23,20 @@ inline float load_f32(const void* x, ffi::DataType t, size_t i) {
   }
 }
 
+// NaN-propagating max |value(r, c)| over rows [r0, r1) and columns [c0, c1).
+template <typename F>
+float amax_over(F&& value, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  uint32_t m = 0;
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t c = c0; c < c1; ++c) m = std::max(m, abs_bits(value(r, c)));
+  return bits_float(m);
+}
+
 // NaN-propagating max |x| over rows [r0, r1) and columns [c0, c1) of x viewed as [*, cols].
 inline float amax_region(const void* x, ffi::DataType t, int64_t cols, int64_t r0, int64_t r1,
                          int64_t c0, int64_t c1) {
-  uint32_t m = 0;
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t c = c0; c < c1; ++c) m = std::max(m, abs_bits(load_f32(x, t, r * cols + c)));
-  return bits_float(m);
+  return amax_over([&](int64_t r, int64_t c) { return load_f32(x, t, r * cols + c); }, r0, r1,
+                   c0, c1);
 }
 
 // NaN-propagating max |x| over all n elements.
@@ -63,10 +70,7 @@ inline float source_value(const SourceArgs& s, int64_t r, int64_t c) {
 
 // NaN-propagating max |v| over rows [r0, r1) and columns [c0, c1) of what a source quantizes.
 inline float source_amax(const SourceArgs& s, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-  uint32_t m = 0;
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t c = c0; c < c1; ++c) m = std::max(m, abs_bits(source_value(s, r, c)));
-  return bits_float(m);
+  return amax_over([&](int64_t r, int64_t c) { return source_value(s, r, c); }, r0, r1, c0, c1);
 }
 
 }  // namespace jax_fp8

@@ -1,12 +1,11 @@
 // Sources: what a cast-transpose quantizes (cast_transpose.cuh per tensor, block_quantize.cuh
 // in 128-element groups): x itself, an activation of x, the gradient through an activation
 // (csrc/activation.h), so an MLP's activation and its gradient cost no pass of their own, or a
-// norm of x (csrc/norm.h), so a layer's input norm costs none either. `with_source` builds the
-// one the FFI arguments name (csrc/ffi/source_args.h). Device code, and that host helper.
+// norm of x (csrc/norm.h), so a layer's input norm costs none either. Device code only: the
+// CUDA handlers build the one their arguments name with csrc/ffi/sources_cuda.h.
 #pragma once
 
 #include "../activation.h"
-#include "../ffi/source_args.h"
 #include "../norm.h"
 #include "quantize.cuh"
 
@@ -163,8 +162,9 @@ struct NormSource {
     unpack16(raw.x, v);
 #pragma unroll
     for (int k = 0; k < kElemsPerThread; k += 4) {
-      const float4 g = __ldg(reinterpret_cast<const float4*>(raw.gamma + k));
-      const float4 b = centered ? __ldg(reinterpret_cast<const float4*>(raw.gamma + cols + k))
+      // Plain loads: affine comes from the XLA op before this kernel (no __ldg under PDL).
+      const float4 g = *reinterpret_cast<const float4*>(raw.gamma + k);
+      const float4 b = centered ? *reinterpret_cast<const float4*>(raw.gamma + cols + k)
                                 : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       f[0][k] = norm_value(v[k], raw.mu, raw.rsigma, g.x, b.x, centered);
       f[0][k + 1] = norm_value(v[k + 1], raw.mu, raw.rsigma, g.y, b.y, centered);
@@ -173,18 +173,5 @@ struct NormSource {
     }
   }
 };
-
-// f(src) with the source `s` names, of input type T (the CUDA handlers' dispatch).
-template <typename T, typename F>
-auto with_source(const SourceArgs& s, F&& f) {
-  const T* x = static_cast<const T*>(s.x);
-  const T* y = static_cast<const T*>(s.y);
-  if (s.norm != NormId::kNone)
-    return f(NormSource<T>{x, s.stats, s.affine, s.cols, s.norm == NormId::kLayer});
-  if (s.activation == ActivationId::kNone) return f(PlainSource<T>{x, s.cols});
-  if (!s.grad) return f(ActivationSource<T>{x, s.cols, s.activation, s.gated});
-  if (s.gated) return f(GatedActivationGradSource<T>{x, y, s.x_cols, s.activation});
-  return f(ActivationGradSource<T>{x, y, s.x_cols, s.activation});
-}
 
 }  // namespace jax_fp8

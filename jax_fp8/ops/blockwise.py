@@ -34,15 +34,11 @@ _GROUP_SIZES = tuple(_ffi.CONSTANTS["group_sizes"])
 _MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y
 
 
-def _check_2d(x, multiple, what, name):
-  x = checks.float_input(x, name)
-  if x.ndim != 2 or x.shape[1] == 0 or x.shape[1] % multiple:
-    raise ValueError(f"{name} must be [R, C] with C a positive multiple of {multiple} ({what}), "
-                     f"got shape {x.shape}")
-  if -(-x.shape[0] // BLOCK) > _MAX_TILE_ROWS:
-    raise ValueError(f"{name} has {x.shape[0]} rows; at most {_MAX_TILE_ROWS * BLOCK} (one row "
-                     f"of the kernel's grid per 128 rows)")
-  return x
+def _check_rows(name: str, rows: int) -> None:
+  """CUDA's limit on gridDim.y: one row of the kernel's grid per 128 rows."""
+  if -(-rows // BLOCK) > _MAX_TILE_ROWS:
+    raise ValueError(f"{name} has {rows} rows; at most {_MAX_TILE_ROWS * BLOCK} (one row of the "
+                     f"kernel's grid per 128 rows)")
 
 
 def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", eps: float = 1e-10,
@@ -130,7 +126,8 @@ def block_quantize(w: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10, ue8m0
     TypeError / ValueError at trace time: dtype, rank, C, block, fmt or eps out of range,
     more than 65535 * 128 rows.
   """
-  w = _check_2d(w, _ffi.CONSTANTS["col_multiple"], "the kernel's 16-element vectors", "w")
+  w = sources.plain(w, _ffi.CONSTANTS["col_multiple"], "w").inputs[0]
+  _check_rows("w", w.shape[0])
   qdt, eps = fp8_dtype(fmt), checks.group_eps(eps, fmt)
   ue8m0 = checks.boolean(ue8m0, "ue8m0")
 
@@ -261,10 +258,7 @@ def activation_grad_group_cast_transpose(dh: jax.Array, y: jax.Array, *, activat
 def _group_cast_transpose(op, source: sources.Source, fmt, eps, ue8m0):
   """The group cast-transposes' kernel call on a checked source (``jax_fp8.ops.sources``)."""
   rows, cols = source.shape(*source.inputs)
-  if -(-rows // BLOCK) > _MAX_TILE_ROWS:
-    name = "dh" if source.grad else "y" if source.activation else "x"
-    raise ValueError(f"{name} has {rows} rows; at most {_MAX_TILE_ROWS * BLOCK} (one row of the "
-                     f"kernel's grid per 128 rows)")
+  _check_rows("dh" if source.grad else "y" if source.activation else "x", rows)
   qdt, eps = fp8_dtype(fmt), checks.group_eps(eps, fmt)
   ue8m0 = checks.boolean(ue8m0, "ue8m0")
 

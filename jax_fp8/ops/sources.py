@@ -16,7 +16,7 @@ from .. import _ffi, activations, checks, norms, sharding
 
 
 class Source(NamedTuple):
-  """A checked source: ``inputs`` (x; x and y under ``grad``; x, row_stats and affine under a
+  """A checked source: ``inputs`` (x; dh and y under ``grad``; x, row_stats and affine under a
   norm), the activation's and the norm's names (or None), and whether the activation is gated
   and whether this is the gradient through it."""
   inputs: tuple
@@ -63,7 +63,8 @@ class Source(NamedTuple):
       return f"{r} {c}, {r} s, s {c}"
     if not self.gated:  # elementwise: the columns of x (and y) are the output's
       return f"{r} {c}" + (f", {r} {c}" if self.grad else "")
-    return f"{r} h, {r} {c}" if self.grad else f"{r} c2"  # both halves of the input's
+    # every output column reads both halves of [gate | up]: y's columns are a factor of their own
+    return f"{r} h, {r} y2" if self.grad else f"{r} c2"
 
   def shardings(self, mesh, r, c) -> tuple:
     """The inputs' shardings, the output split as [r, c]."""
@@ -73,16 +74,18 @@ class Source(NamedTuple):
     return (sharding.named(mesh, r, c),) * len(self.inputs)
 
 
-def _check_2d(x, name: str, multiple: int, what: str = "") -> None:
-  if x.ndim != 2 or x.shape[1] <= 0 or x.shape[1] % multiple:
-    raise ValueError(f"{name} must be [R, C]{what} with C a positive multiple of {multiple}, "
+def _check_2d(x, name: str, multiple: int, gated: bool = False) -> None:
+  """x [R, C] (gated: [R, 2C], [gate | up]), C a positive multiple of ``multiple``."""
+  if x.ndim != 2 or x.shape[1] <= 0 or x.shape[1] % (2 * multiple if gated else multiple):
+    shape = "[R, 2C] ([gate | up] of a gated activation)" if gated else "[R, C]"
+    raise ValueError(f"{name} must be {shape} with C a positive multiple of {multiple}, "
                      f"got shape {x.shape}")
 
 
-def plain(x, multiple: int) -> Source:
-  """x [R, C] itself, C a positive multiple of ``multiple``."""
-  x = checks.float_input(x)
-  _check_2d(x, "x", multiple)
+def plain(x, multiple: int, name: str = "x") -> Source:
+  """x [R, C] itself, C a positive multiple of ``multiple`` (``name``: the argument's name)."""
+  x = checks.float_input(x, name)
+  _check_2d(x, name, multiple)
   return Source((x,), None, None, False, False)
 
 
@@ -90,8 +93,7 @@ def activation(y, activation: str, multiple: int) -> Source:
   """``activation(y)``: y [R, C], or [R, 2C] = [gate | up] under a gated activation."""
   y = checks.float_input(y, "y")
   gated = activations.check(activation)[1]
-  _check_2d(y, "y", 2 * multiple if gated else multiple,
-            " ([gate | up] of a gated activation)" if gated else "")
+  _check_2d(y, "y", multiple, gated)
   return Source((y,), activation, None, gated, False)
 
 
