@@ -74,10 +74,11 @@ for s in "${steps[@]}"; do
     # The recipes' 1500-step convergence runs against BF16 (CONVERGENCE_RECIPES, default
     # "current mxfp8 nvfp4"), stopped after CONVERGENCE_MINUTES (default 8) and checkpointed in
     # build/convergence, which a warm machine keeps: the same step in the next call resumes.
-    # Runs already in $CONVERGENCE_RUNS (a folder of run-*.json) are copied in and kept.
+    # Runs already in $CONVERGENCE_RUNS (a folder of run-*.json) are copied in and kept. JAX's
+    # persistent compilation cache, kept there too, spares a resumed segment the compilation.
     convergence) mkdir -p build/convergence
            [ -n "${CONVERGENCE_RUNS:-}" ] && cp -n "$CONVERGENCE_RUNS"/run-*.json build/convergence/
-           python3 -m jax_fp8.demo --preset gpu --steps 1500 \
+           JAX_COMPILATION_CACHE_DIR=build/convergence/jax_cache python3 -m jax_fp8.demo --preset gpu --steps 1500 \
              --recipe ${CONVERGENCE_RECIPES:-current mxfp8 nvfp4} --out build/convergence \
              --stop-after ${CONVERGENCE_MINUTES:-8} > "$OUT/convergence.log" 2>&1
            echo "convergence exit $?"; tr '\r' '\n' < "$OUT/convergence.log" | grep -v "step/s" | tail -15
