@@ -91,11 +91,11 @@ def device_time(fn, *args, iters: int = 20, repeats: int = 5, min_seconds: float
   with 1 + n chained calls minus that with one, divided by n (medians over ``repeats`` runs of
   at least ``iters`` iterations and ``min_seconds`` each). n is the first of 1, 2, 4, ...,
   ``max_calls`` whose difference is larger than the spread of either loop's runs (``per_call``).
-  On XLA:CPU, whose runtime overlaps chained calls, the one-call time (the CPU figures only
-  exercise the suite). Raises RuntimeError when no n up to ``max_calls`` resolves the call
-  against the timing noise."""
+  On XLA:CPU, whose runtime overlaps chained calls, the one-call loop's time over one run of
+  ``iters`` iterations, compiled once (the CPU figures only exercise the suite). Raises
+  RuntimeError when no n up to ``max_calls`` resolves the call against the timing noise."""
   if jax.default_backend() == "cpu":  # XLA:CPU runs independent thunks concurrently
-    return _loop_time(fn, args, 1, iters, repeats, min_seconds)
+    return _loop_time(fn, args, 1, iters, repeats=1, min_seconds=0.0)
   return per_call(lambda calls: _loop_times(fn, args, calls, iters, repeats, min_seconds),
                   max_calls)
 

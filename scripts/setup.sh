@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 pip_install() { "$PY" -m pip install --disable-pip-version-check -q "$@"; }
-pip_install "jax>=0.10" "flax>=0.12.8" orbax-checkpoint optax numpy matplotlib tqdm pytest hypothesis \
+pip_install "jax>=0.10" "flax>=0.12.8" orbax-checkpoint optax numpy matplotlib tqdm pytest pytest-xdist hypothesis \
   "scikit-build-core>=0.10" "nanobind>=2.0"
 if command -v nvcc >/dev/null; then
   cuda_inc="$(dirname "$(dirname "$(command -v nvcc)")")/include"

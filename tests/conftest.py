@@ -10,6 +10,9 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
+# pytest-xdist's workers share the GPU: each takes memory as it needs it, not 75% up front.
+if "PYTEST_XDIST_WORKER" in os.environ:
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # GEMM algorithm choices are timed in each test process and not written to the user's file.
 os.environ.setdefault("JAX_FP8_GEMM_CACHE", "")
 

@@ -35,7 +35,7 @@ def fuzz(max_examples: int):
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
-@fuzz(max_examples=80)
+@fuzz(max_examples=25)
 @given(x=st.integers(1, 300).flatmap(lambda n: arrays((n,))), scale=SCALES,
        fmt=st.sampled_from(["e4m3", "e5m2"]),
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]))
@@ -49,7 +49,7 @@ def test_quantize_any_input(platform_name, x, scale, fmt, dtype):
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
-@fuzz(max_examples=80)
+@fuzz(max_examples=25)
 @given(data=st.data(), rows=st.integers(0, 80), cols16=st.integers(1, 5),
        margin=st.integers(-4, 4), algo=st.sampled_from(["max", "most_recent"]),
        steps=st.integers(1, 3))
@@ -69,7 +69,7 @@ def test_cast_transpose_ring_any_input(platform_name, data, rows, cols16, margin
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
-@fuzz(max_examples=60)
+@fuzz(max_examples=20)
 @given(data=st.data(), rows=st.integers(1, 80), cols16=st.integers(1, 4),
        norm=st.sampled_from(["rmsnorm", "layernorm"]), steps=st.integers(1, 2))
 def test_norm_cast_transpose_any_input(platform_name, data, rows, cols16, norm, steps):
@@ -101,7 +101,7 @@ def assert_same_outputs(got, want):
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
-@fuzz(max_examples=60)
+@fuzz(max_examples=20)
 @given(data=st.data(), rows=st.integers(1, 140), groups=st.integers(1, 3),
        group_size=st.sampled_from([16, 32, 64, 128]), fmt=st.sampled_from(["e4m3", "e5m2"]),
        ue8m0=st.booleans(), layout=st.sampled_from(["row", "col", "col_tma"]),
@@ -116,7 +116,7 @@ def test_group_quantize_any_input(platform_name, data, rows, groups, group_size,
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
-@fuzz(max_examples=40)
+@fuzz(max_examples=15)
 @given(data=st.data(), rows=st.integers(1, 300), cols=st.integers(1, 2),
        ue8m0=st.booleans(), transpose=st.booleans())
 def test_block_ops_any_input(platform_name, data, rows, cols, ue8m0, transpose):
@@ -133,7 +133,7 @@ def test_block_ops_any_input(platform_name, data, rows, cols, ue8m0, transpose):
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
-@fuzz(max_examples=30)
+@fuzz(max_examples=12)
 @given(data=st.data(), rows=st.integers(1, 140), cols=st.integers(1, 2),
        norm=st.sampled_from(["rmsnorm", "layernorm"]), ue8m0=st.booleans())
 def test_norm_group_cast_transpose_any_input(platform_name, data, rows, cols, norm, ue8m0):

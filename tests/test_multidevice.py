@@ -615,7 +615,7 @@ def test_mxfp8_block_scaling_sharded_jit(problem, name):
     return (y, *vjp(g), ())
 
   with jax.default_device(DEVICES[0]):
-    want = step(*jax.device_put((x, w, b, g), DEVICES[0]))
+    want = jax.jit(step)(*jax.device_put((x, w, b, g), DEVICES[0]))
   check(jax.jit(step)(*args), want, (x, w, b, g))
 
 
@@ -653,7 +653,7 @@ def test_current_scaling_mlp_data_parallel(rng, norm):
                               in_specs=(P("data"), P(), P(), P("data")),
                               out_specs=(P("data"), P("data"), P(), P())))
   with jax.default_device(DEVICES[0]):
-    want = step(*jax.device_put((x, k_in, k_out, g), DEVICES[0]))
+    want = jax.jit(step)(*jax.device_put((x, k_in, k_out, g), DEVICES[0]))
   close_to(run(x, k_in, k_out, g), want)
 
 
@@ -699,7 +699,7 @@ def test_nvfp4_block_scaling_sharded_jit(problem, name):
     return (y, *vjp(g))
 
   with jax.default_device(DEVICES[0]):
-    want = step(*jax.device_put((x, w, b, g), DEVICES[0]))
+    want = jax.jit(step)(*jax.device_put((x, w, b, g), DEVICES[0]))
   close_to(jax.jit(step)(*args), want)
 
 

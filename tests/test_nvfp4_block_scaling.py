@@ -42,16 +42,21 @@ def grad_key(key, i):
   return jax.random.key_data(jax.random.fold_in(key, i))
 
 
+# The twin under jit: one compilation, where eager dispatch compiles each of its operations.
+nvfp4_twin = jax.jit(reference.nvfp4_quantize, static_argnames=(
+    "rowwise", "columnwise", "block_2d", "stochastic_rounding", "rht", "rht_seed"))
+
+
 def twins(x2, w, t2, recipe=NV, key=KEY, index=0):
   """The twins' quantizations of the three GEMMs' operands, as the recipe takes them (the
   gradient's as kernel ``index``'s)."""
   rht = {"rht": True, "rht_seed": recipe.rht_seed} if recipe.rht else {}
   sr = ({"stochastic_rounding": True, "key": grad_key(key, index)}
         if recipe.stochastic_rounding else {})
-  qx = reference.nvfp4_quantize(x2)
-  qxt = reference.nvfp4_quantize(pad16(x2), rowwise=False, columnwise=True, **rht)
-  qw = reference.nvfp4_quantize(w, columnwise=True, block_2d=recipe.weight_block_2d)
-  qg = reference.nvfp4_quantize(pad16(t2), columnwise=True, **sr, **rht)
+  qx = nvfp4_twin(x2)
+  qxt = nvfp4_twin(pad16(x2), rowwise=False, columnwise=True, **rht)
+  qw = nvfp4_twin(w, columnwise=True, block_2d=recipe.weight_block_2d)
+  qg = nvfp4_twin(pad16(t2), columnwise=True, **sr, **rht)
   return qx, qxt, qw, qg
 
 
@@ -215,8 +220,8 @@ def test_each_option_is_taken(rng):
     assert any(not np.array_equal(a, c) for a, c in zip(grads(recipe, key), base)), recipe
   # Without the transform, stochastic rounding or 2D blocks, wgrad is x's and t's 1 x 16
   # quantizations along M: the twins' exactly, up to the order of the sums.
-  qxt = reference.nvfp4_quantize(np.asarray(x), rowwise=False, columnwise=True)
-  qgt = reference.nvfp4_quantize(np.asarray(t), rowwise=False, columnwise=True)
+  qxt = nvfp4_twin(np.asarray(x), rowwise=False, columnwise=True)
+  qgt = nvfp4_twin(np.asarray(t), rowwise=False, columnwise=True)
   within_order(base[1], deq(qxt, "_t"), deq(qgt, "_t").T)
 
 
