@@ -140,46 +140,61 @@ def bench_mx_nvfp4(quick, ceil):
   return rows
 
 
-def bench_fused_sources(x, ring, ceil):
+def _cast_transpose_op(module, name, block):
+  """``module``'s cast-transpose ``name`` (per-tensor: "cast_transpose_delayed",
+  "activation_cast_transpose", ...) as ``f(*inputs, r, **kw)``: the per-tensor op on ring r
+  (its FP8 copies and amax), or with ``block`` its 1 x 128 group twin, which takes no ring."""
+  if not block:
+    return lambda *a, **kw: getattr(module, name)(*a, **kw)[:3]
+  group = getattr(module, name.replace("cast_transpose", "group_cast_transpose")
+                  .replace("_delayed", ""))
+  return lambda *a, **kw: group(*a[:-1], **kw)
+
+
+def bench_fused_sources(x, ring, ceil, block=False):
   """The fused cast-transposes (the MLP's SwiGLU, forward and gradient, x's shape [R, C] for
   the activation; the RMSNorm and LayerNorm of x with their row statistics by XLA) against the
   unfused path jax_fp8 takes without them (XLA's fusion writes the activation, its gradient or
-  the norm in bf16, our cast-transpose reads it) and the pure-jnp one. Bytes: forward reads
+  the norm in bf16, our cast-transpose reads it) and the pure-jnp one; per-tensor, or with
+  ``block`` the 1 x 128 group cast-transposes of block scaling. Bytes: forward reads
   [gate | up] and writes two FP8 copies (6 bytes an element of x); gradient reads dh and
   [gate | up] and writes two FP8 copies of [dgate | dup] (10); a norm reads x and writes two
   FP8 copies (4: the statistics' own read of x is not counted, so "of_copy" is against one
-  read)."""
+  read); block scaling adds its two f32 scales per 128 elements written."""
   y = jnp.concatenate([x, x[::-1]], axis=1)
   swiglu = lambda y: activations.apply(y, "swiglu").astype(y.dtype)  # noqa: E731
   grad = lambda dh, y: activations.grad(dh, y, "swiglu").astype(y.dtype)  # noqa: E731
   gamma = jnp.linspace(0.5, 1.5, x.shape[1], dtype=jnp.float32)
   beta = jnp.linspace(-0.5, 0.5, x.shape[1], dtype=jnp.float32)
+  ours, twin = (lambda name: _cast_transpose_op(m, name, block)  # noqa: E731
+                for m in (jax_fp8, reference))
+  plain, act, act_grad, norm_ct = map(ours, ("cast_transpose_delayed", "activation_cast_transpose",
+                                            "activation_grad_cast_transpose", "norm_cast_transpose"))
+  ref_act, ref_grad, ref_norm = map(twin, ("activation_cast_transpose",
+                                           "activation_grad_cast_transpose", "norm_cast_transpose"))
 
   def norm_cases(norm, b):
     normalized = lambda x: norms.normalize(x, gamma, b, norm=norm,  # noqa: E731
                                            epsilon=1e-6).astype(x.dtype)
     stats = lambda x: norms.stats(x, norm, 1e-6)  # noqa: E731
-    return (f"{norm}_cast_transpose", 4, (x,),
-            lambda x, r: jax_fp8.norm_cast_transpose(x, stats(x), gamma, b, r, norm=norm)[:3],
-            lambda x, r: jax_fp8.cast_transpose_delayed(normalized(x), r)[:3],
-            lambda x, r: reference.norm_cast_transpose(x, stats(x), gamma, b, r, norm=norm)[:3])
+    return (f"{norm}_cast_transpose", 4, 1, (x,),
+            lambda x, r: norm_ct(x, stats(x), gamma, b, r, norm=norm),
+            lambda x, r: plain(normalized(x), r),
+            lambda x, r: ref_norm(x, stats(x), gamma, b, r, norm=norm))
   cases = (
-      ("swiglu_cast_transpose", 6, (y,),
-       lambda y, r: jax_fp8.activation_cast_transpose(y, r, activation="swiglu")[:3],
-       lambda y, r: jax_fp8.cast_transpose_delayed(swiglu(y), r)[:3],
-       lambda y, r: reference.activation_cast_transpose(y, r, activation="swiglu")[:3]),
-      ("swiglu_grad_cast_transpose", 10, (x, y),
-       lambda dh, y, r: jax_fp8.activation_grad_cast_transpose(dh, y, r,
-                                                               activation="swiglu")[:3],
-       lambda dh, y, r: jax_fp8.cast_transpose_delayed(grad(dh, y), r)[:3],
-       lambda dh, y, r: reference.activation_grad_cast_transpose(dh, y, r,
-                                                                 activation="swiglu")[:3]),
+      ("swiglu_cast_transpose", 6, 1, (y,), lambda y, r: act(y, r, activation="swiglu"),
+       lambda y, r: plain(swiglu(y), r), lambda y, r: ref_act(y, r, activation="swiglu")),
+      ("swiglu_grad_cast_transpose", 10, 2, (x, y),
+       lambda dh, y, r: act_grad(dh, y, r, activation="swiglu"),
+       lambda dh, y, r: plain(grad(dh, y), r),
+       lambda dh, y, r: ref_grad(dh, y, r, activation="swiglu")),
       norm_cases("rmsnorm", None), norm_cases("layernorm", beta))
   rows = []
-  for name, per_elem, args, fused, unfused, jnp_path in cases:
+  for name, per_elem, written, args, fused, unfused, jnp_path in cases:
     t, tu, tj = (device_time(fn, *args, ring) for fn in (fused, unfused, jnp_path))
-    nbytes = per_elem * x.size
-    rows.append({"case": name, "shape": list(x.shape), "us": t * 1e6,
+    nbytes = per_elem * x.size + (written * x.size // 128 * 8 if block else 0)
+    rows.append({"case": name.replace("cast_transpose", "group_cast_transpose") if block
+                 else name, "shape": list(x.shape), "us": t * 1e6,
                  "TBps": nbytes / t / 1e12, "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"],
                  "unfused_us": tu * 1e6, "vs_unfused": tu / t, "jnp_us": tj * 1e6,
                  "vs_jnp": tj / t})
@@ -368,12 +383,13 @@ def print_table(results):
   print(f"\n{results['env']['device']}  jax {results['env']['jax']}  {results['env']['date']}")
   print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 GEMM {c['bf16_gemm_TFLOPs']:.0f} TFLOP/s"
         f" (timing loop control {c['timing_loop_overhead_us']:.1f} us/iteration, cancelled)")
-  print(f"{'case':<28}{'shape':<20}{'us':>10}  figures")
+  w = max([len(r["case"]) + 2 for r in results["rows"]] + [28])
+  print(f"{'case':<{w}}{'shape':<20}{'us':>10}  figures")
   for r in results["rows"]:
     figs = "  ".join(f"{k}={v:.3g}" for k, v in r.items()
                      if k not in ("case", "shape", "us") and isinstance(v, float))
     us = f"{r['us']:>10.1f}" if "us" in r else f"{'-':>10}"
-    print(f"{r['case']:<28}{'x'.join(map(str, r['shape'])):<20}{us}  {figs}")
+    print(f"{r['case']:<{w}}{'x'.join(map(str, r['shape'])):<20}{us}  {figs}")
 
 
 def main(argv=None):
@@ -394,6 +410,8 @@ def main(argv=None):
       "block_step": lambda: bench_block(q, ceil),
       "block_scaling": lambda: (
           block_scaled.bench_quantizers([(512, 512)] if q else QUANT_SHAPES, rand, ceil) +
+          [r for shape in ([(512, 512)] if q else QUANT_SHAPES) for r in bench_fused_sources(
+              rand(2, shape, jnp.bfloat16, 3.0), None, ceil, block=True)] +
           block_scaled.bench_gemm(QUICK_GEMM_SHAPES if q else GEMM_SHAPES, rand) +
           block_scaled.bench_linear(QUICK_GEMM_SHAPES if q else BLOCK_LINEAR_SHAPES,
                                     linear_problem, fwd_bwd) +

@@ -3,7 +3,8 @@
     python scripts/run_kernels.py profile    # each kernel a few times at 8192 x 8192 bf16 (ncu)
     python scripts/run_kernels.py coverage   # every variant of our kernels once on small,
                                              # ragged shapes (compute-sanitizer's four tools)
-    python scripts/run_kernels.py mxfp8      # coverage's MXFP8 part alone (nvfp4: NVFP4's)
+    python scripts/run_kernels.py mxfp8      # coverage's MXFP8 part alone (nvfp4: NVFP4's,
+                                             # block: the group cast-transpose's sources)
     python scripts/run_kernels.py gemm       # our cuBLASLt calls, every scale mode (memcheck)
 
 Inputs are copied from the host: initcheck reports buffers written by XLA's own kernels as
@@ -96,8 +97,33 @@ def coverage():
       jax.block_until_ready((jax_fp8.block_quantize(x, fmt=fmt),
                              jax_fp8.block_quantize(normal((shape[0], 144), dtype), fmt=fmt),
                              jax_fp8.group_cast_transpose(x, fmt=fmt)))
+  block()
   mxfp8()
   nvfp4()
+
+
+def block():
+  """The group cast-transpose of each source (a norm of x, an activation, the gradient through
+  one): every input dtype and format, UE8M0 scales, rows that are not a multiple of 128."""
+  rng = np.random.default_rng(3)
+  cpu, gpu = jax.devices("cpu")[0], jax.devices()[0]
+  for dtype, fmt in itertools.product(DTYPES, ("e4m3", "e5m2")):
+    for rows, ue8m0 in ((3, False), (257, True)):
+      host = lambda cols: (rng.standard_normal((rows, cols)) * 3).astype(dtype)
+      x, gamma, beta = host(256), host(256)[0].astype(np.float32), host(256)[1].astype(np.float32)
+      for norm, b in (("rmsnorm", None), ("layernorm", beta)):
+        # On the CPU, then copied: initcheck does not see what XLA's GPU kernels write.
+        row_stats = np.asarray(jax_fp8.norms.stats(jax.device_put(x, cpu), norm, 1e-6))
+        jax.block_until_ready(jax_fp8.norm_group_cast_transpose(
+            *jax.device_put((x, row_stats, gamma, b), gpu), norm=norm, fmt=fmt, ue8m0=ue8m0))
+      for activation in ("silu", "gelu", "swiglu", "geglu"):
+        y = jax.device_put(host(512 if activation.endswith("glu") else 256), gpu)
+        dh = jax.device_put(x, gpu)
+        jax.block_until_ready((
+            jax_fp8.activation_group_cast_transpose(y, activation=activation, fmt=fmt,
+                                                    ue8m0=ue8m0),
+            jax_fp8.activation_grad_group_cast_transpose(dh, y, activation=activation, fmt=fmt,
+                                                         ue8m0=ue8m0)))
 
 
 def mxfp8():
@@ -163,5 +189,5 @@ def nvfp4():
 
 
 if __name__ == "__main__":
-  {"profile": profile, "coverage": coverage, "mxfp8": mxfp8, "nvfp4": nvfp4,
-   "gemm": gemm}[sys.argv[1]]()
+  {"profile": profile, "coverage": coverage, "block": block, "mxfp8": mxfp8,
+   "nvfp4": nvfp4, "gemm": gemm}[sys.argv[1]]()
