@@ -166,12 +166,11 @@ def bench_fused_sources(x, ring, ceil, block=False):
   grad = lambda dh, y: activations.grad(dh, y, "swiglu").astype(y.dtype)  # noqa: E731
   gamma = jnp.linspace(0.5, 1.5, x.shape[1], dtype=jnp.float32)
   beta = jnp.linspace(-0.5, 0.5, x.shape[1], dtype=jnp.float32)
-  ours, twin = (lambda name: _cast_transpose_op(m, name, block)  # noqa: E731
-                for m in (jax_fp8, reference))
-  plain, act, act_grad, norm_ct = map(ours, ("cast_transpose_delayed", "activation_cast_transpose",
-                                            "activation_grad_cast_transpose", "norm_cast_transpose"))
-  ref_act, ref_grad, ref_norm = map(twin, ("activation_cast_transpose",
-                                           "activation_grad_cast_transpose", "norm_cast_transpose"))
+  plain, act, act_grad, norm_ct = (_cast_transpose_op(jax_fp8, name, block) for name in (
+      "cast_transpose_delayed", "activation_cast_transpose", "activation_grad_cast_transpose",
+      "norm_cast_transpose"))
+  ref_act, ref_grad, ref_norm = (_cast_transpose_op(reference, name, block) for name in (
+      "activation_cast_transpose", "activation_grad_cast_transpose", "norm_cast_transpose"))
 
   def norm_cases(norm, b):
     normalized = lambda x: norms.normalize(x, gamma, b, norm=norm,  # noqa: E731
