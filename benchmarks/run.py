@@ -46,7 +46,7 @@ AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=900.0)
 # (what XLA's FP8 dot, and so the pure-JAX FP8 path, does at default precision).
 FAST_ACCUM = {"fast_fprop": jax_fp8.DelayedScaling(fast_accum_gemms=("fprop",)),
               "fast_all": jax_fp8.DelayedScaling(fast_accum_gemms=LINEAR_GEMMS)}
-GROUPS = ["quantize", "mx_nvfp4", "gemm", "linear", "block_step", "block_scaling",
+GROUPS = ["quantize", "fused", "mx_nvfp4", "gemm", "linear", "block_step", "block_scaling",
           "crossover"]  # --only
 QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
 
@@ -98,7 +98,16 @@ def bench_quantize(quick, ceil):
       rows.append({"case": name, "shape": list(shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
                    "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"], "jnp_us": tj * 1e6,
                    "vs_jnp": tj / t})
-    rows += bench_fused_sources(x, ring, ceil)
+  return rows
+
+
+def bench_fused(quick, ceil):
+  """The fused cast-transposes, per-tensor and block-scaled (``bench_fused_sources``)."""
+  rows = []
+  for shape in ([(512, 512)] if quick else QUANT_SHAPES):
+    x = rand(2, shape, jnp.bfloat16, 3.0)
+    ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(16))[2]  # past step 0
+    rows += bench_fused_sources(x, ring, ceil) + bench_fused_sources(x, None, ceil, block=True)
   return rows
 
 
@@ -403,14 +412,13 @@ def main(argv=None):
   q = args.quick
   groups = {
       "quantize": lambda: bench_quantize(q, ceil),
+      "fused": lambda: bench_fused(q, ceil),
       "mx_nvfp4": lambda: bench_mx_nvfp4(q, ceil),
       "gemm": lambda: bench_gemm(q, ceil),
       "linear": lambda: bench_linear(q, ceil) + bench_memory(q),
       "block_step": lambda: bench_block(q, ceil),
       "block_scaling": lambda: (
           block_scaled.bench_quantizers([(512, 512)] if q else QUANT_SHAPES, rand, ceil) +
-          [r for shape in ([(512, 512)] if q else QUANT_SHAPES) for r in bench_fused_sources(
-              rand(2, shape, jnp.bfloat16, 3.0), None, ceil, block=True)] +
           block_scaled.bench_gemm(QUICK_GEMM_SHAPES if q else GEMM_SHAPES, rand) +
           block_scaled.bench_linear(QUICK_GEMM_SHAPES if q else BLOCK_LINEAR_SHAPES,
                                     linear_problem, fwd_bwd) +
