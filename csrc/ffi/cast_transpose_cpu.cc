@@ -10,8 +10,9 @@ namespace {
 
 ffi::Error CastTransposeRingImpl(const CastTransposeArgs& a) {
   const int64_t rows = a.src.rows, cols = a.src.cols, rows16 = a.rows16;
-  auto x = [&](int64_t r, int64_t c) { return source_value(a.src, r, c); };
-  const float amax = source_amax(a.src, 0, rows, 0, cols);
+  const std::vector<float> v = source_values(a.src);
+  auto x = [&](int64_t r, int64_t c) { return v[size_t(r * cols + c)]; };
+  const float amax = amax_over(x, 0, rows, 0, cols);
   const float s = ring_scale_for_step(*a.ring.scale, *a.ring.steps, amax, a.fmt, a.ring.margin);
   const float inv = 1.0f / flush_subnormal(s);
   std::memset(a.qt, 0, size_t(cols * rows16));  // the padding columns of qt are zero

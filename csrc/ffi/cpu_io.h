@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <vector>
 
 #include "../activation.h"
 #include "../norm.h"
@@ -68,9 +69,12 @@ inline float source_value(const SourceArgs& s, int64_t r, int64_t c) {
   return d * in(s.y, r * y_cols + xc + ch) * activation_grad(act, g);
 }
 
-// NaN-propagating max |v| over rows [r0, r1) and columns [c0, c1) of what a source quantizes.
-inline float source_amax(const SourceArgs& s, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
-  return amax_over([&](int64_t r, int64_t c) { return source_value(s, r, c); }, r0, r1, c0, c1);
+// What a source quantizes, [rows, cols] row-major: each element evaluated once.
+inline std::vector<float> source_values(const SourceArgs& s) {
+  std::vector<float> v(size_t(s.rows * s.cols));
+  for (int64_t r = 0; r < s.rows; ++r)
+    for (int64_t c = 0; c < s.cols; ++c) v[size_t(r * s.cols + c)] = source_value(s, r, c);
+  return v;
 }
 
 }  // namespace jax_fp8
