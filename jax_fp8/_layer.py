@@ -62,6 +62,21 @@ def _readable(a, dtype):
   return a if a is None or isinstance(a, Fp8Weight) or a.dtype in FLOAT_DTYPES else a.astype(dtype)
 
 
+def _compute_dtype(inputs, params, dtype):
+  """The compute dtype: ``dtype``, or where None the promotion of the inputs' and parameters'
+  dtypes by Flax's rules; TypeError where that is not float32 / bfloat16 / float16 (float64
+  parameters or inputs under x64)."""
+  out = jnp.dtype(dtypes.canonicalize_dtype(inputs, *params, dtype=dtype))
+  if out in FLOAT_DTYPES:
+    return out
+  if dtype is not None:
+    raise TypeError(f"the layer's dtype must be None, float32, bfloat16 or float16, got {out}")
+  given = ", ".join(f"{jnp.result_type(v)}" for v in (inputs, *params))
+  raise TypeError(f"the layer's dtype is None, so it would compute in {out}, the promotion of "
+                  f"its inputs' and parameters' dtypes ({given}); jax_fp8 computes in float32, "
+                  f"bfloat16 or float16: set the layer's dtype")
+
+
 def _layer_inputs(inputs, norm, dtype):
   """The inputs as the layer passes them: in the compute dtype, or with a norm in their own
   float dtype, which the norm reads (as ``nn.LayerNorm`` reads an f32 residual stream)."""
@@ -79,7 +94,7 @@ def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, mu
   input norm, gamma and beta in their parameter dtype. ``key``: for NVFP4's stochastic
   rounding, or None."""
   arrays = tuple(k for k in kernels if not isinstance(k, Fp8Weight))  # Fp8Weight: inference
-  dtype = dtypes.canonicalize_dtype(inputs, *arrays, *biases, dtype=dtype)
+  dtype = _compute_dtype(inputs, (*arrays, *(b for b in biases if b is not None)), dtype)
   biases = dtypes.promote_dtype(*biases, dtype=dtype)
   norm, gamma, beta, epsilon = norm_args
   kernels = tuple(_readable(k, dtype) for k in kernels)
@@ -98,7 +113,7 @@ def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axi
   bias_out), None without bias) promoted to the compute dtype and the kernels (kernel_in,
   kernel_out) and the norm's parameters in their parameter dtype, as in ``call_layer``."""
   present = tuple(b for b in biases if b is not None)
-  dtype = dtypes.canonicalize_dtype(inputs, *kernels, *present, dtype=dtype)
+  dtype = _compute_dtype(inputs, (*kernels, *present), dtype)
   biases = dtypes.promote_dtype(*biases, dtype=dtype)
   norm, gamma, beta, epsilon = norm_args
   return mlp(_layer_inputs(inputs, norm, dtype), *(_readable(k, dtype) for k in kernels),

@@ -60,18 +60,36 @@ def check_params(norm, gamma, beta, k: int):
 
 
 def check_epsilon(epsilon, name: str = "epsilon") -> float:
-  """epsilon as a Python float: a real number (Python or NumPy, not a bool), finite and > 0.
-  TypeError / ValueError naming it."""
+  """epsilon as a Python float: a real number (Python or NumPy, not a bool) that f32 holds as a
+  finite normal number (the kernels add it in f32 with subnormals flushed, so a smaller one is
+  0 there and a row of zeros would get an infinite rsigma). TypeError / ValueError naming it."""
   if isinstance(epsilon, (bool, np.bool_)) or not isinstance(epsilon, numbers.Real):
     raise TypeError(f"{name} must be a float > 0, got {type(epsilon).__name__} {epsilon!r}")
-  if not (math.isfinite(epsilon) and epsilon > 0):
-    raise ValueError(f"{name} must be a finite float > 0, got {epsilon!r}")
+  with np.errstate(over="ignore"):
+    e32 = np.float32(epsilon)
+  if not (math.isfinite(epsilon) and np.isfinite(e32) and e32 >= np.finfo(np.float32).tiny):
+    raise ValueError(f"{name} must be a finite float > 0 that is a normal f32 (at least "
+                     f"{np.finfo(np.float32).tiny:.4g}; the kernels add it in f32), got "
+                     f"{epsilon!r}")
   return float(epsilon)
 
 
 def stats(x: jax.Array, norm: str, epsilon: float) -> jax.Array:
   """The row statistics the kernels read, f32 [..., S]: RMSNorm ``[rsigma]`` (S = 1),
-  LayerNorm ``[mu, rsigma]`` (S = 2), over x's last axis."""
+  LayerNorm ``[mu, rsigma]`` (S = 2), over the last axis of ``x`` (float32 / bfloat16 /
+  float16 [..., C]).
+
+  Raises:
+    TypeError / ValueError at trace time: x not such an array, an unknown norm, an epsilon
+    ``check_epsilon`` refuses.
+  """
+  x = checks.array(x, "x")
+  if x.dtype not in FLOAT_DTYPES:
+    raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+  if x.ndim < 1:
+    raise ValueError("x must be [..., C], got a scalar")
+  check(norm)
+  epsilon = check_epsilon(epsilon)
   x = as_f32(x)
   if not centered(norm):
     return jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + epsilon)

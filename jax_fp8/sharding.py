@@ -33,6 +33,7 @@ scales' dimension through compound factors, so propagation shards both alike.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +96,7 @@ def call(op: str, impl, plan, rule: str, *args, reduction_factors=(), **factor_s
   if varying_axes(*args) or manual_axes():
     return _not_differentiable(op, impl)(*args)
   _check_auto_axes(args)
+  rule, factor_sizes = _one_group_plain(rule, args, jax.eval_shape(impl, *args), factor_sizes)
 
   def partition(mesh, arg_shapes, result_shape):
     lower, arg_shardings, result_shardings = plan(mesh, arg_shapes)
@@ -106,7 +108,8 @@ def call(op: str, impl, plan, rule: str, *args, reduction_factors=(), **factor_s
   partitioned = custom_partitioning(impl)
   partitioned.def_partition(partition, infer_sharding_from_operands=infer,
                             propagate_user_sharding=None, sharding_rule=rule,
-                            reduction_factors=tuple(reduction_factors), **factor_sizes)
+                            reduction_factors=_in_rule_order(reduction_factors, rule),
+                            **factor_sizes)
   batched = custom_vmap(partitioned)
 
   @batched.def_vmap
@@ -114,6 +117,34 @@ def call(op: str, impl, plan, rule: str, *args, reduction_factors=(), **factor_s
     outs = jax.vmap(impl, in_axes=[0 if b else None for b in in_batched])(*a)
     return outs, jax.tree.map(lambda _: True, outs)
   return _not_differentiable(op, batched)(*args)
+
+
+def _one_group_plain(rule: str, args, outputs, factor_sizes: dict) -> tuple[str, dict]:
+  """``rule`` and ``factor_sizes`` with each compound factor ``(nb n1)`` whose group count
+  ``nb`` is 1 (a grouped dimension of exactly one group) replaced by its inner factor, in every
+  operand (``(nb n8)`` too), since Shardy rejects a size-1 factor in a compound. ``nb`` stays
+  as the scales' size-1 dimension; the inner factors, now whole dimensions, lose their given
+  sizes."""
+  ins, outs = rule.split("->")
+  shapes = [jnp.shape(a) for a in args] + [o.shape for o in jax.tree.leaves(outputs)]
+  single = set()
+  for operand, shape in zip(ins.split(",") + outs.split(","), shapes, strict=True):
+    for dim, size in zip(re.findall(r"\([^)]*\)|\S+", operand), shape, strict=True):
+      if dim.startswith("("):
+        outer, *inner = dim[1:-1].split()
+        if size == math.prod(factor_sizes[f] for f in inner):
+          single.add(outer)
+  for outer in single:
+    rule = re.sub(rf"\({outer} (\w+)\)", r"\1", rule)
+  compounded = set(" ".join(re.findall(r"\(([^)]*)\)", rule)).split())
+  return rule, {f: n for f, n in factor_sizes.items() if f in compounded}
+
+
+def _in_rule_order(factors, rule: str) -> tuple[str, ...]:
+  """``factors`` in the order of their first use in ``rule`` (Shardy wants the special
+  factors' indices sorted)."""
+  order = list(dict.fromkeys(re.findall(r"\w+", rule)))
+  return tuple(sorted(factors, key=order.index))
 
 
 def _not_differentiable(op: str, fn):
@@ -124,8 +155,11 @@ def _not_differentiable(op: str, fn):
 
   def jvp(primals, tangents):
     raise TypeError(f"jax_fp8.{op} is not differentiable (its outputs are FP8 bytes and "
-                    f"scales); differentiate through jax_fp8.linear, whose custom_vjp runs FP8 "
-                    f"GEMMs forward and backward, or wrap the op in jax.lax.stop_gradient")
+                    f"scales); differentiate through jax_fp8.linear / mlp, whose custom_vjp runs "
+                    f"FP8 GEMMs forward and backward, or wrap the op in jax.lax.stop_gradient. "
+                    f"linear and mlp give first derivatives in reverse mode (grad, vjp) only: "
+                    f"a second derivative (jax.hessian, grad of grad) differentiates their "
+                    f"backward pass, whose quantization has no derivative")
   wrapped.defjvp(jvp)
   return wrapped
 

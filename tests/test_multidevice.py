@@ -433,6 +433,69 @@ def test_sharded_jit_block_sources(rng, spec):
       np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
 
 
+ONE_GROUP = {  # op, then its arguments' shapes with a grouped dimension of exactly one group
+    "activation_group_cast_transpose": (
+        lambda x: jax_fp8.activation_group_cast_transpose(x, activation="gelu"), [(128, 128)]),
+    "swiglu_group_cast_transpose": (
+        lambda x: jax_fp8.activation_group_cast_transpose(x, activation="swiglu"), [(128, 256)]),
+    "swiglu_grad_group_cast_transpose": (
+        lambda dh, y: jax_fp8.activation_grad_group_cast_transpose(dh, y, activation="swiglu"),
+        [(128, 128), (128, 256)]),
+    "norm_group_cast_transpose": (  # rsigma > 0 from any draw
+        lambda x, st: jax_fp8.norm_group_cast_transpose(
+            x, jnp.abs(st.astype(jnp.float32)) + 0.5, jnp.ones(x.shape[1]), None,
+            norm="rmsnorm"),
+        [(128, 128), (128, 1)]),
+    "group_quantize": (jax_fp8.group_quantize, [(128, 128)]),
+    "block_quantize": (jax_fp8.block_quantize, [(128, 128)]),
+    "mxfp8_quantize": (lambda x: jax_fp8.mxfp8_quantize(x, columnwise=True), [(32, 32)]),
+    "nvfp4_quantize": (lambda x: jax_fp8.nvfp4_quantize(x, columnwise=True), [(16, 16)]),
+}
+
+
+@pytest.mark.parametrize("name", ONE_GROUP)
+def test_sharded_jit_one_group(rng, name):
+  """A dimension of exactly one group (one scale) beside a split one lowers under a sharded jit
+  (Shardy takes no size-1 factor in a compound) and equals one device's byte for byte."""
+  op, shapes = ONE_GROUP[name]
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  for split in (0, 1):  # the grouped dimension beside the split one, then split itself
+    splits = [tuple(i == split and d > 1 for i, d in enumerate(s)) for s in shapes]
+    args = [jnp.asarray(rng.standard_normal(tuple(d * NDEV if on else d for d, on in zip(s, on)))
+                        * 3, jnp.bfloat16) for s, on in zip(shapes, splits)]
+    got = jax.jit(op)(*(jax.device_put(a, jax.sharding.NamedSharding(
+        mesh, P(*("data" if o else None for o in on)))) for a, on in zip(args, splits)))
+    with jax.default_device(DEVICES[0]):
+      want = jax.jit(op)(*args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_array_equal(np.asarray(g).reshape(-1).view(np.uint8),
+                                    np.asarray(w).reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("dims", [(1, 1, 1), (NDEV, 1, 1), (1, NDEV, 1), (1, 1, NDEV)],
+                         ids=["mkn", "m", "k", "n"])
+def test_block_scaling_sharded_jit_one_group(rng, dims):
+  """BlockScaling's linear with M, K and N each one 128-group, or one of them split over the
+  devices in whole groups, under a sharded jit equals one device's up to the order of sums."""
+  m, k, n = (128 * d for d in dims)
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((k, n)) / 8, jnp.float32)
+  g = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  split = [P("data" if dims[0] > 1 else None, "data" if dims[1] > 1 else None),
+           P("data" if dims[1] > 1 else None, "data" if dims[2] > 1 else None)]
+
+  def step(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: jax_fp8.linear(x, w, recipe=jax_fp8.BlockScaling()), x, w)
+    return (y, *vjp(g))
+
+  got = jax.jit(step)(*(jax.device_put(v, jax.sharding.NamedSharding(mesh, s))
+                        for v, s in zip((x, w), split)), g)
+  with jax.default_device(DEVICES[0]):
+    want = jax.jit(step)(x, w, g)
+  close_to(got, want)
+
+
 @pytest.mark.parametrize("spec", [("data", None), (None, "data")], ids=["rows", "cols"])
 @pytest.mark.parametrize("columnwise", [False, True])
 def test_sharded_jit_mxfp8_quantize(rng, spec, columnwise):

@@ -353,8 +353,17 @@ def test_epsilon_and_statistics_types():
   assert y.shape == (4, 16)
   with pytest.raises(TypeError, match="epsilon must be a float > 0, got str"):
     jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon="1e-6")
-  with pytest.raises(ValueError, match="epsilon must be a finite float > 0, got inf"):
+  with pytest.raises(ValueError, match="epsilon must be a finite float > 0 .*, got inf"):
     jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=float("inf"))
+  for eps in (1e-39, 1e39):  # 0 (a subnormal, flushed) and inf in f32
+    with pytest.raises(ValueError, match="epsilon must be a finite float > 0 that is a normal f32"):
+      jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=eps)
+  with pytest.raises(ValueError, match="normal f32 .*, got 1e-39"):
+    jax_fp8.norms.stats(x, "rmsnorm", 1e-39)
+  with pytest.raises(ValueError, match="norm must be one of"):
+    jax_fp8.norms.stats(x, "rms", 1e-6)
+  with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16, got int32"):
+    jax_fp8.norms.stats(x.astype(jnp.int32), "rmsnorm", 1e-6)
   with pytest.raises(TypeError, match="row_stats must be float32"):
     jax_fp8.norm_cast_transpose(x, jnp.ones((4, 1), jnp.bfloat16), g, None,
                                 jax_fp8.ScaleRing.create(4), norm="rmsnorm")
