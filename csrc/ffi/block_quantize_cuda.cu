@@ -13,10 +13,10 @@ namespace {
 
 template <bool kBlock2D, typename Src>
 ffi::Error Launch(cudaStream_t stream, const BlockQuantizeArgs& a, Src src) {
-  // One block per 128 x 128 tile of the source; the decoder checked the rows' tiles fit
-  // gridDim.y.
+  // One block per 128 x 128 tile of each output of the source; the decoder checked the rows'
+  // tiles fit gridDim.y.
   const int64_t rows = a.src.rows, cols = a.src.cols / Src::kOutputs;
-  const dim3 grid(unsigned((cols + kBlockTile - 1) / kBlockTile),
+  const dim3 grid(unsigned(Src::kOutputs * ((cols + kBlockTile - 1) / kBlockTile)),
                   unsigned((rows + kBlockTile - 1) / kBlockTile));
   launch_pdl(block_quantize_kernel<Src, kBlock2D>, grid, kBlockThreads, stream, src, rows, cols,
              a.eps, a.fmt, a.ue8m0, a.q, a.scales, a.qt, a.scales_t);
