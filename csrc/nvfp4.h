@@ -27,11 +27,13 @@ JF8_HD float e4m3_to_float(uint8_t b) {
 }
 
 // The 3-bit E2M1 magnitude code of a in [0, 6], rounded to nearest, ties to the even code.
-// E2M1's spacing is 0.5 below 2, 1 below 4 and 2 above, f32's ulp at 2^22, 2^23 and 2^24: adding
-// that power of two rounds a to a multiple k of its spacing (ties to even k, the even code), and
-// the sum's bits hold k in the mantissa and 2^22+e in the exponent; the code is k + 2e.
+// E2M1's spacing is 0.5 below 2, 1 below 4 and 2 above, f32's ulp at 2^22, 2^23 and 2^24 (2^22
+// times a's power of two, at least 1: integer operations on a's exponent field): adding that
+// power of two rounds a to a multiple k of its spacing (ties to even k, the even code), and the
+// sum's bits hold k in the mantissa and 2^22+e in the exponent; the code is k + 2e.
 JF8_HD uint32_t e2m1_magnitude(float a) {
-  const uint32_t t = float_bits(a + (a < 2.0f ? 0x1p22f : a < 4.0f ? 0x1p23f : 0x1p24f));
+  const uint32_t e = float_bits(a) & 0x7F800000u, one = 0x3F800000u;
+  const uint32_t t = float_bits(a + bits_float((e < one ? one : e) + (22u << 23)));
   return (t & 0xFu) + (t >> 22) - 298u;  // 298: 2^22's exponent field (149), times two
 }
 

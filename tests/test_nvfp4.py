@@ -390,11 +390,13 @@ def test_kernel_input_dtypes(platform, rng, dtype, option):
                            OPTIONS[option])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("option", ["rowwise_sr", "both", "both_2d", "both_sr", "both_rht_sr"])
-def test_kernel_special_values(platform, rng, option):
+def test_kernel_special_values(platform, rng, option, dtype):
   """With a given global amax (so a NaN does not make every scale NaN): NaN and infinity (their
-  blocks' scales NaN / 448), all-zero blocks, f32 subnormals (zero), blocks of 1e-30 and of the
-  largest f32 values, values at the E2M1 rounding ties; and without one, the NaN global scale."""
+  blocks' scales NaN / 448), all-zero blocks, subnormals (zero; the kernels read them unflushed
+  and flush them in use), blocks of 1e-30 and of the largest f32 values, values at the E2M1
+  rounding ties; and without one, the NaN global scale."""
   x = np.asarray(rng.standard_normal((64, 128)), np.float32)
   x[0, 5], x[40, 70], x[9, 100] = np.nan, np.inf, -np.inf
   x[32:48, 0:16] = 0.0
@@ -405,10 +407,11 @@ def test_kernel_special_values(platform, rng, option):
   extra = dict(global_amax=jnp.float32(100.0))
   if OPTIONS[option].get("rht"):
     extra["global_amax_t"] = jnp.float32(100.0)
-  _check_against_reference(jnp.asarray(x), {**OPTIONS[option], **extra})
-  _check_against_reference(jnp.asarray(x), OPTIONS[option])
+  x[5, 48:64] = -1e-39 * rng.uniform(0.5, 1.0, 16)  # a block of negative subnormals only
+  _check_against_reference(jnp.asarray(x, dtype), {**OPTIONS[option], **extra})
+  _check_against_reference(jnp.asarray(x, dtype), OPTIONS[option])
   finite = np.where(np.isfinite(x), x, 1.0)  # a tensor of tiny values: the clamped global scale
-  _check_against_reference(jnp.asarray(finite * np.float32(1e-37)), OPTIONS[option])
+  _check_against_reference(jnp.asarray(finite * np.float32(1e-37), dtype), OPTIONS[option])
 
 
 @pytest.mark.parametrize("option", ["rowwise", "both", "both_sr"])

@@ -15,6 +15,10 @@
 // column t, its columnwise block. A 16 x 16 tile's amax is reduced over the 16 threads that
 // share its columns (shuffles, then the warps through shared memory).
 //
+// Both read x without flushing its subnormals (load16<T, false>): every use of a value flushes
+// it, the products through nvfp4.h's .ftz arithmetic and the block maxima through the scale's
+// product, so the bytes are those of flushed inputs (the CPU handler's).
+//
 // Both launched with PDL; device code only; launched by csrc/ffi/nvfp4_quantize_cuda.cu.
 #pragma once
 
@@ -53,7 +57,7 @@ __global__ void __launch_bounds__(kNvfp4Threads)
 
   float v[kNvfp4Block];
   if (in) {
-    load16(x + r * cols + c, v);
+    load16<T, false>(x + r * cols + c, v);
   } else {
 #pragma unroll
     for (int k = 0; k < kNvfp4Block; ++k) v[k] = 0.0f;
@@ -129,7 +133,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < blocks; v += stride) {
     float f[kNvfp4Block];
-    load16(x + v * kNvfp4Block, f);
+    load16<T, false>(x + v * kNvfp4Block, f);
     unsigned m = 0;
 #pragma unroll
     for (int k = 0; k < kNvfp4Block; ++k) m = max(m, abs_bits(f[k]));

@@ -77,14 +77,17 @@ __device__ __forceinline__ Raw16<T> load_raw16(const T* p) {
   return r;
 }
 
-template <typename T>
+// kFlush false: subnormals kept, for a kernel whose every use of a value flushes it anyway
+// (the .ftz arithmetic of numerics.h, maxima of abs_bits that end in one).
+template <typename T, bool kFlush = true>
 __device__ __forceinline__ void unpack16(const Raw16<T>& r, float (&v)[kElemsPerThread]) {
   constexpr int kPerVec = 16 / sizeof(T);
 #pragma unroll
   for (int j = 0; j < Raw16<T>::kVecs; ++j) {
     const T* e = reinterpret_cast<const T*>(&r.v[j]);
 #pragma unroll
-    for (int k = 0; k < kPerVec; ++k) v[j * kPerVec + k] = to_float(e[k]);
+    for (int k = 0; k < kPerVec; ++k)
+      v[j * kPerVec + k] = kFlush ? to_float(e[k]) : static_cast<float>(e[k]);
   }
 }
 
@@ -111,9 +114,9 @@ __device__ __forceinline__ uint4 quantize16(const float (&f)[kElemsPerThread], f
 }
 
 // Loads 16 consecutive elements as f32 with 16-byte vector loads (same guarantee).
-template <typename T>
+template <typename T, bool kFlush = true>
 __device__ __forceinline__ void load16(const T* p, float (&v)[kElemsPerThread]) {
-  unpack16(load_raw16(p), v);
+  unpack16<T, kFlush>(load_raw16(p), v);
 }
 
 // Amax over x when the ring is on its first step; otherwise every block returns at once.
