@@ -76,9 +76,12 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
   """``params`` (a pytree: a linen "params" collection, or ``nnx.state(model, nnx.Param)`` to
   pass to ``nnx.update``) with every 2-D leaf named "kernel" or "kernel_<i>" (the kernels of
   jax_fp8's layers) that ``select(path, kernel)`` accepts (path: the keys joined by "/")
-  replaced by its ``Fp8Weight`` for ``recipe``; other leaves as they are. Quantize only the
+  replaced by its ``Fp8Weight`` for ``recipe``; other leaves as they are: ``Mlp``'s
+  ``kernel_in`` / ``kernel_out`` stay float (``mlp`` takes float kernels). Quantize only the
   kernels of layers that run through jax_fp8 (after ``jax_fp8.convert``: those its filter
-  chose; e.g. ``select=lambda path, kernel: "lm_head" not in path``)."""
+  chose; e.g. ``select=lambda path, kernel: "lm_head" not in path``). ``recipe``:
+  ``DelayedScaling``, ``CurrentScaling`` or ``BlockScaling`` (the layers then run with that
+  recipe; under ``DelayedScaling`` they still take their ``fp8_state`` for the inputs)."""
   if not callable(select):
     raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
 

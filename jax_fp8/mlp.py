@@ -33,6 +33,7 @@ import jax.numpy as jnp
 
 from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
+from .inference import Fp8Weight
 from .linear import (BLOCK_RECIPES, STATELESS, _amax_axes, _check_delayed,
                      _fp8_pays, _shared, block_quantize_input, check_key, check_norm,
                      check_stateless, fold_key, check_stateless_global, compute_dtype,
@@ -243,6 +244,11 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   _, gated = activations.check(activation)
   norm_params, norm = check_norm(x, (norm, gamma, beta, epsilon))
   out_dtype = compute_dtype(x, dtype)
+  for name, k in (("kernel_in", kernel_in), ("kernel_out", kernel_out)):
+    if isinstance(k, Fp8Weight):
+      raise TypeError(f"{name} is an Fp8Weight; mlp takes float kernels (Fp8Weight serves "
+                      f"linear and multi_linear, and quantize_weights leaves Mlp's kernels "
+                      f"float)")
   named = {"x": x, "kernel_in": checks.array(kernel_in, "kernel_in"),
            "kernel_out": checks.array(kernel_out, "kernel_out")}
   for name, v in (("bias_in", bias_in), ("bias_out", bias_out)):

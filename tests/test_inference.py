@@ -120,7 +120,20 @@ def test_errors(rng):
       (lambda: jax_fp8.quantize_weight(w, "e4m3"), TypeError, "recipe must be"),
       (lambda: jax_fp8.linear(x, jax_fp8.Fp8Weight(w8.q.astype(jnp.float8_e5m2), w8.scale),
                               recipe=block), TypeError, "kernel must hold float8_e4m3fn"),
+      (lambda: jax_fp8.mlp(x, w8, w.T[:, :128], activation="gelu", recipe=block), TypeError,
+       "kernel_in is an Fp8Weight; mlp takes float kernels"),
   ]
   for fn, exc, match in cases:
     with pytest.raises(exc, match=match):
       fn()
+
+
+def test_mlp_kernels_stay_float(rng):
+  """quantize_weights replaces Dense's kernel and leaves Mlp's kernel_in / kernel_out float
+  (mlp takes float kernels)."""
+  params = {"dense": {"kernel": jnp.ones((128, 128))},
+            "mlp": {"kernel_in": jnp.ones((128, 256)), "kernel_out": jnp.ones((128, 128))}}
+  out = jax_fp8.quantize_weights(params, jax_fp8.BlockScaling())
+  assert isinstance(out["dense"]["kernel"], jax_fp8.Fp8Weight)
+  assert out["mlp"]["kernel_in"] is params["mlp"]["kernel_in"]
+  assert out["mlp"]["kernel_out"] is params["mlp"]["kernel_out"]
