@@ -113,7 +113,8 @@ def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axi
   bias_out), None without bias) promoted to the compute dtype and the kernels (kernel_in,
   kernel_out) and the norm's parameters in their parameter dtype, as in ``call_layer``."""
   present = tuple(b for b in biases if b is not None)
-  dtype = _compute_dtype(inputs, (*kernels, *present), dtype)
+  arrays = tuple(k for k in kernels if not isinstance(k, Fp8Weight))  # mlp names an Fp8Weight
+  dtype = _compute_dtype(inputs, (*arrays, *present), dtype)
   biases = dtypes.promote_dtype(*biases, dtype=dtype)
   norm, gamma, beta, epsilon = norm_args
   return mlp(_layer_inputs(inputs, norm, dtype), *(_readable(k, dtype) for k in kernels),

@@ -65,13 +65,17 @@ def check_epsilon(epsilon, name: str = "epsilon") -> float:
   0 there and a row of zeros would get an infinite rsigma). TypeError / ValueError naming it."""
   if isinstance(epsilon, (bool, np.bool_)) or not isinstance(epsilon, numbers.Real):
     raise TypeError(f"{name} must be a float > 0, got {type(epsilon).__name__} {epsilon!r}")
+  try:
+    value = float(epsilon)
+  except OverflowError:  # an int beyond float's range
+    value = math.inf
   with np.errstate(over="ignore"):
-    e32 = np.float32(epsilon)
-  if not (math.isfinite(epsilon) and np.isfinite(e32) and e32 >= np.finfo(np.float32).tiny):
+    e32 = np.float32(value)
+  if not (np.isfinite(e32) and e32 >= np.finfo(np.float32).tiny):
     raise ValueError(f"{name} must be a finite float > 0 that is a normal f32 (at least "
                      f"{np.finfo(np.float32).tiny:.4g}; the kernels add it in f32), got "
                      f"{epsilon!r}")
-  return float(epsilon)
+  return value
 
 
 def stats(x: jax.Array, norm: str, epsilon: float) -> jax.Array:

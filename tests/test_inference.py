@@ -137,3 +137,9 @@ def test_mlp_kernels_stay_float(rng):
   assert isinstance(out["dense"]["kernel"], jax_fp8.Fp8Weight)
   assert out["mlp"]["kernel_in"] is params["mlp"]["kernel_in"]
   assert out["mlp"]["kernel_out"] is params["mlp"]["kernel_out"]
+  layer = jax_fp8.flax.Mlp(128, activation="gelu", recipe=jax_fp8.BlockScaling())
+  x = jnp.ones((4, 128))
+  p = layer.init(jax.random.key(0), x)["params"]
+  p = {**p, "kernel_in": jax_fp8.quantize_weight(p["kernel_in"], jax_fp8.BlockScaling())}
+  with pytest.raises(TypeError, match="kernel_in is an Fp8Weight; mlp takes float kernels"):
+    layer.apply({"params": p}, x)
