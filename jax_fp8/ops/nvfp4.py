@@ -28,8 +28,7 @@ from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32,
                        hadamard_amax, nvfp4_global_scale, rht_signs)
 from ..philox import key_words
 
-# The general kernel's row tiles, at most CUDA's limit on gridDim.y of them.
-_MAX_TILE_ROWS, _TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"], _ffi.CONSTANTS["nvfp4_tile_rows"]
+_MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y: row tiles of 16
 
 
 def _global_amax(v, name):
@@ -141,7 +140,7 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   Raises:
     TypeError at trace time: x's dtype, a flag that is not a bool. ValueError: shapes the
     rules above exclude, no direction asked for, an option without what it needs (or with
-    what it excludes), a global amax that is not a float scalar, more than 65535 * 64 rows
+    what it excludes), a global amax that is not a float scalar, more than 65535 * 16 rows
     for the general kernel (``nvfp4_kernel``).
   """
   x = checks.float_input(x)
@@ -172,9 +171,9 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   if (columnwise or block_2d) and r % NVFP4_BLOCK:
     raise ValueError(f"columnwise=True and block_2d=True need x's rows R a multiple of "
                      f"{NVFP4_BLOCK}, got shape {x.shape}")
-  if not specialised and -(-r // _TILE_ROWS) > _MAX_TILE_ROWS:
+  if not specialised and -(-r // NVFP4_BLOCK) > _MAX_TILE_ROWS:
     raise ValueError(f"x has {r} rows; the general kernel's grid takes at most "
-                     f"{_MAX_TILE_ROWS * _TILE_ROWS}")
+                     f"{_MAX_TILE_ROWS * NVFP4_BLOCK}")
   words = key_words(key) if stochastic_rounding else jnp.zeros(2, jnp.uint32)
 
   x32 = as_f32(x)
