@@ -357,8 +357,7 @@ OPTIONS = {
     "both_rht_sr": dict(columnwise=True, rht=True, rht_seed=2**40 + 5,
                         stochastic_rounding=True, key=KEY),
 }
-# Whole and partial 64 x 128 tiles (several, and R not a multiple of 64); rows that only 1D
-# rowwise blocks take.
+# Whole and partial 16 x 128 tiles, several of them; rows that only 1D rowwise blocks take.
 SHAPES = [(16, 32), (48, 160), (32, 256), (5, 64), (80, 160), (128, 128)]
 
 

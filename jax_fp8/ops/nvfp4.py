@@ -52,8 +52,7 @@ def nvfp4_kernel(*, rowwise: bool = True, columnwise: bool = False,
   The specialised kernel, ``nvfp4_rowwise_kernel``, keeps each thread's 16-element block in
   registers: no shared memory, no barrier, contiguous loads and stores, any number of rows. It
   takes rowwise 1 x 16 blocks only (any input dtype, stochastic rounding included). The general
-  kernel, ``nvfp4_quantize_kernel``, serves every case through a 64 x 128 tile (16 rows at a
-  time in shared memory).
+  kernel, ``nvfp4_quantize_kernel``, serves every case through a 16 x 128 shared-memory tile.
   Both write the same bytes. (The CPU handler is one loop for every case.)
 
   Returns:
