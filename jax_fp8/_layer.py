@@ -64,8 +64,10 @@ def _readable(a, dtype):
 
 def _compute_dtype(inputs, params, dtype):
   """The compute dtype: ``dtype``, or where None the promotion of the inputs' and parameters'
-  dtypes by Flax's rules; TypeError where that is not float32 / bfloat16 / float16 (float64
-  parameters or inputs under x64)."""
+  dtypes by Flax's rules (absent parameters and ``Fp8Weight``s, for inference, left out);
+  TypeError where that is not float32 / bfloat16 / float16 (float64 parameters or inputs under
+  x64)."""
+  params = tuple(p for p in params if p is not None and not isinstance(p, Fp8Weight))
   out = jnp.dtype(dtypes.canonicalize_dtype(inputs, *params, dtype=dtype))
   if out in FLOAT_DTYPES:
     return out
@@ -93,8 +95,7 @@ def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, mu
   gradients from the wgrad GEMMs. ``norm_args``: (norm, gamma, beta, epsilon) of the fused
   input norm, gamma and beta in their parameter dtype. ``key``: for NVFP4's stochastic
   rounding, or None."""
-  arrays = tuple(k for k in kernels if not isinstance(k, Fp8Weight))  # Fp8Weight: inference
-  dtype = _compute_dtype(inputs, (*arrays, *(b for b in biases if b is not None)), dtype)
+  dtype = _compute_dtype(inputs, (*kernels, *biases), dtype)
   biases = dtypes.promote_dtype(*biases, dtype=dtype)
   norm, gamma, beta, epsilon = norm_args
   kernels = tuple(_readable(k, dtype) for k in kernels)
@@ -112,9 +113,7 @@ def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axi
   """An ``Mlp`` layer's output: ``mlp`` with inputs and biases (``biases``: (bias_in,
   bias_out), None without bias) promoted to the compute dtype and the kernels (kernel_in,
   kernel_out) and the norm's parameters in their parameter dtype, as in ``call_layer``."""
-  present = tuple(b for b in biases if b is not None)
-  arrays = tuple(k for k in kernels if not isinstance(k, Fp8Weight))  # mlp names an Fp8Weight
-  dtype = _compute_dtype(inputs, (*arrays, *present), dtype)
+  dtype = _compute_dtype(inputs, (*kernels, *biases), dtype)
   biases = dtypes.promote_dtype(*biases, dtype=dtype)
   norm, gamma, beta, epsilon = norm_args
   return mlp(_layer_inputs(inputs, norm, dtype), *(_readable(k, dtype) for k in kernels),

@@ -27,7 +27,8 @@ Inside ``shard_map`` (each device's body is already local) and under ``vmap`` (w
 ``custom_partitioning`` cannot batch) the ops run their kernels directly. Meshes must have
 Auto axes (``jax.sharding.Mesh``'s default; ``jax.make_mesh`` makes Explicit ones unless told):
 Explicit axes raise a ValueError at trace time. The Shardy rules tie a grouped dimension to its
-scales' dimension through compound factors, so propagation shards both alike.
+scales' dimension through compound factors, so propagation shards both alike (a dimension of
+exactly one group takes a plain factor: ``call`` rewrites the rule, as Shardy asks).
 """
 
 from __future__ import annotations
