@@ -394,8 +394,9 @@ def print_table(results):
   w = max([len(r["case"]) + 2 for r in results["rows"]] + [28])
   print(f"{'case':<{w}}{'shape':<20}{'us':>10}  figures")
   for r in results["rows"]:
-    figs = "  ".join(f"{k}={v:.3g}" for k, v in r.items()
-                     if k not in ("case", "shape", "us") and isinstance(v, float))
+    figs = "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                     for k, v in r.items()
+                     if k not in ("case", "shape", "us") and isinstance(v, (float, str)))
     us = f"{r['us']:>10.1f}" if "us" in r else f"{'-':>10}"
     print(f"{r['case']:<{w}}{'x'.join(map(str, r['shape'])):<20}{us}  {figs}")
 
