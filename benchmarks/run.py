@@ -394,9 +394,8 @@ def print_table(results):
   w = max([len(r["case"]) + 2 for r in results["rows"]] + [28])
   print(f"{'case':<{w}}{'shape':<20}{'us':>10}  figures")
   for r in results["rows"]:
-    figs = "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in r.items()
-                     if k not in ("case", "shape", "us") and isinstance(v, (float, str)))
+    figs = "  ".join(f"{k}={v:.3g}" for k, v in r.items()
+                     if k not in ("case", "shape", "us") and isinstance(v, float))
     us = f"{r['us']:>10.1f}" if "us" in r else f"{'-':>10}"
     print(f"{r['case']:<{w}}{'x'.join(map(str, r['shape'])):<20}{us}  {figs}")
 

@@ -7,12 +7,10 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
-#include <algorithm>
 #include <cstring>
 #include <map>
 
 #include "constants_py.h"
-#include "ffi/gemm_cutlass.h"
 #include "ffi/gemm_lt.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -39,7 +37,7 @@ jax_fp8::GemmProblem gemm_problem(int64_t m, int64_t n, int64_t k, const std::st
           static_cast<jax_fp8::ScaleMode>(scale_mode)};
 }
 
-nb::bytes algo_bytes(const jax_fp8::GemmAlgorithm& algo) {
+nb::bytes algo_bytes(const cublasLtMatmulAlgo_t& algo) {
   return nb::bytes(reinterpret_cast<const char*>(&algo), sizeof(algo));
 }
 
@@ -76,8 +74,7 @@ NB_MODULE(_jax_fp8_cuda, m) {
   });
   // The identity of CUDA device `ordinal`'s kind (gemm_lt.h: device_identity).
   m.def("gemm_device", [](int ordinal) { return jax_fp8::device_identity(ordinal); });
-  // (candidate algorithms as bytes, their names, microseconds per run or -1, index of the
-  // fastest).
+  // (candidate algorithms as bytes, microseconds per run or -1, index of the fastest).
   m.def("gemm_tune", [](int device, int64_t m_, int64_t n, int64_t k, const std::string& a,
                         const std::string& b, const std::string& d, bool has_bias,
                         bool fast_accum, int64_t scale_mode) {
@@ -89,24 +86,17 @@ NB_MODULE(_jax_fp8_cuda, m) {
     }
     nb::list algos;
     for (const auto& algo : t.candidates) algos.append(algo_bytes(algo));
-    return nb::make_tuple(algos, t.names, t.us, t.best);
+    return nb::make_tuple(algos, t.us, t.best);
   });
   m.def("gemm_choose", [](const std::string& device, int64_t m_, int64_t n, int64_t k,
                           const std::string& a, const std::string& b, const std::string& d,
                           bool has_bias, bool fast_accum, int64_t scale_mode, nb::bytes algo) {
-    jax_fp8::GemmAlgorithm chosen;
+    cublasLtMatmulAlgo_t chosen;
     if (algo.size() != sizeof(chosen))
       throw nb::value_error(
-          ("a GEMM algorithm is " + std::to_string(sizeof(chosen)) + " bytes").c_str());
+          ("a cuBLASLt algorithm is " + std::to_string(sizeof(chosen)) + " bytes").c_str());
     std::memcpy(&chosen, algo.c_str(), sizeof(chosen));
-    const auto problem = gemm_problem(m_, n, k, a, b, d, has_bias, fast_accum, scale_mode);
-    if (chosen.is_cutlass()) {
-      const std::string name(chosen.cutlass, strnlen(chosen.cutlass, sizeof(chosen.cutlass)));
-      const auto known = jax_fp8::cutlass_configs(problem, 90);
-      if (name.size() == sizeof(chosen.cutlass) ||
-          std::find(known.begin(), known.end(), name) == known.end())
-        throw nb::value_error(("no CUTLASS configuration " + name + " for this GEMM").c_str());
-    }
-    jax_fp8::choose_algorithm(device, problem, chosen);
+    jax_fp8::choose_algorithm(device, gemm_problem(m_, n, k, a, b, d, has_bias, fast_accum,
+                                                   scale_mode), chosen);
   });
 }

@@ -30,13 +30,6 @@ done
   python3 -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"
 } > "$OUT/env.log" 2>&1
 export JAX_FP8_CUDA_ARCHS=${JAX_FP8_CUDA_ARCHS:-90a-real}
-# Wheels the machine lacks and cannot download (nvidia-cutlass for CUTLASS's headers), carried
-# in .whl/ (the device tool's README says how).
-if compgen -G ".whl/*.whl" > /dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
 # SM clock, power and temperature every half second while the steps run (sustained GEMM
 # loads may run below the boost clock).
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv -lms 500 \
@@ -110,21 +103,12 @@ for s in "${steps[@]}"; do
              echo "sanitize $tool exit $?"
              # Our cuBLASLt calls under memcheck only: racecheck's instrumentation failed with
              # an internal error ("failed to handle a hardware exception") inside cuBLASLt's
-             # block-scaled GEMM kernel, which is not ours. Our CUTLASS kernels (namespace
-             # cutlass) under memcheck and racecheck.
+             # block-scaled GEMM kernel, which is not ours.
              if [ $tool = memcheck ]; then
                XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
                  timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool memcheck \
                  --error-exitcode 99 python3 scripts/run_kernels.py gemm >> "$OUT/sanitize.log" 2>&1
                echo "sanitize memcheck (gemm) exit $?"
-             fi
-             if [ $tool = memcheck ] || [ $tool = racecheck ]; then
-               XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-                 XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}" \
-                 timeout ${SANITIZE_TIMEOUT:-150} compute-sanitizer --tool $tool \
-                 --kernel-name kns=cutlass --error-exitcode 99 \
-                 python3 scripts/run_kernels.py cutlass >> "$OUT/sanitize.log" 2>&1
-               echo "sanitize $tool (cutlass) exit $?"
              fi
            done
            grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit" "$OUT/sanitize.log" | tail -12 ;;

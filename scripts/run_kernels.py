@@ -6,14 +6,12 @@
     python scripts/run_kernels.py mxfp8      # coverage's MXFP8 part alone (nvfp4: NVFP4's,
                                              # block: the group cast-transpose's sources)
     python scripts/run_kernels.py gemm       # our cuBLASLt calls, every scale mode (memcheck)
-    python scripts/run_kernels.py cutlass    # every CUTLASS block-scaled GEMM configuration
 
 Inputs are copied from the host: initcheck reports buffers written by XLA's own kernels as
 uninitialized (it did for a slice and for jnp.zeros), never those written by a copy.
 """
 
 import itertools
-import os
 import sys
 
 import jax
@@ -158,31 +156,6 @@ def gemm():
       jax_fp8.gemm(a, b, one, one, bias=bias, out_dtype=jnp.float8_e4m3fn, out_scale=one),
       jax_fp8.gemm(qa, qb, sa, sb), jax_fp8.gemm(qa, qg, sa, sg, bias=bias)))
 
-def cutlass():
-  """Each CUTLASS configuration of the block-scaled GEMMs (sm_90), made the choice in turn for
-  both scale modes and output dtypes: M, N, K off the tiles (M padded to 4 rows)."""
-  from jax_fp8 import _ffi
-  from jax_fp8.ops import gemm_algorithms
-  os.environ[gemm_algorithms.AUTOTUNE_ENV] = "0"  # tracing must not choose again
-  ext = _ffi._jax_fp8_cuda
-  ordinal = jax.devices()[0].local_hardware_id
-  device = ext.gemm_device(ordinal)
-  rng = np.random.default_rng(3)
-  m, n, k = 300, 400, 1152
-  qa, sa = jax_fp8.group_quantize(jax.device_put(rng.standard_normal((m, k), np.float32)))
-  b32 = jax.device_put(rng.standard_normal((n, k), np.float32))
-  for mode, (qb, sb) in ((1, jax_fp8.block_quantize(b32)), (2, jax_fp8.group_quantize(b32))):
-    for out in (jnp.bfloat16, jnp.float32):
-      problem = (-(-m // 4) * 4, n, k, "float8_e4m3fn", "float8_e4m3fn", jnp.dtype(out).name,
-                 False, False, mode)
-      candidates, names, _, _ = ext.gemm_tune(ordinal, *problem)
-      for name, algorithm in zip(names, candidates):
-        if name.startswith("cutlass_"):
-          ext.gemm_choose(device, *problem, algorithm)
-          jax.block_until_ready(jax.jit(lambda *v: jax_fp8.gemm(*v, out_dtype=out))(
-              qa, qb, sa, sb))
-
-
 def nvfp4():
   """NVFP4 quantization: every input dtype, ragged rows (rowwise only), a partial 128-column
   tile, every direction, 2D tiles, stochastic rounding and the Hadamard transform, with the
@@ -217,4 +190,4 @@ def nvfp4():
 
 if __name__ == "__main__":
   {"profile": profile, "coverage": coverage, "block": block, "mxfp8": mxfp8,
-   "nvfp4": nvfp4, "gemm": gemm, "cutlass": cutlass}[sys.argv[1]]()
+   "nvfp4": nvfp4, "gemm": gemm}[sys.argv[1]]()

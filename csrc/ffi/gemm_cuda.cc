@@ -5,15 +5,13 @@
 //
 // The algorithm: the one chosen for this problem on this kind of device
 // (jax_fp8.ops.gemm_algorithms times the candidates while tracing, or reads an earlier run's
-// choice; for block-scaled GEMMs on sm_90 the candidates include jax_fp8's CUTLASS kernels,
-// gemm_cutlass.h), else cuBLASLt's first heuristic choice, found once per problem and pointer
+// choice), else cuBLASLt's first heuristic choice, found once per problem and pointer
 // alignment. Either way every execution of a given call issues the same device work, with no
 // timing, allocation or synchronization inside it.
 #include <map>
 #include <mutex>
 #include <tuple>
 
-#include "gemm_cutlass.h"
 #include "gemm_lt.h"
 #include "launch.h"
 
@@ -50,23 +48,13 @@ ffi::Error GemmImpl(cudaStream_t stream, const GemmArgs& g) {
   if (g.p.M == 0) return ffi::Error::Success();
   int dev = 0;
   cudaGetDevice(&dev);
-  const int align = common_alignment({g.a, g.b, g.d, g.bias});
-  GemmAlgorithm chosen;
-  bool tuned = align >= kTunedAlignment && chosen_algorithm(device_identity(dev), g.p, &chosen);
-  if (tuned && chosen.is_cutlass()) {  // its scales are read with 16-byte copies too
-    tuned = aligned16(g.a_scale) && aligned16(g.b_scale);
-    if (tuned) {
-      if (std::string e = run_cutlass(g, chosen.cutlass, stream); !e.empty())
-        return ffi::Error::Internal(e);
-      return last_error();
-    }
-  }
   const cublasLtHandle_t lt = lt_handle(dev);
   if (!lt) return ffi::Error::Internal("cublasLtCreate failed");
   LtGemm desc;
   if (std::string e = desc.describe(g); !e.empty()) return ffi::Error::Internal(e);
-  cublasLtMatmulAlgo_t algo = chosen.lt;
-  if (!tuned) {
+  const int align = common_alignment({g.a, g.b, g.d, g.bias});
+  cublasLtMatmulAlgo_t algo;
+  if (align < kTunedAlignment || !chosen_algorithm(device_identity(dev), g.p, &algo)) {
     std::string error;
     if (!heuristic_algorithm(dev, g.p, align, lt, desc, &algo, &error))
       return ffi::Error::Internal(error + " (scale mode " + std::to_string(int64_t(g.p.scale_mode)) +

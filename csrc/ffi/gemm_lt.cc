@@ -10,8 +10,6 @@
 #include "gemm_lt.h"
 
 #include <map>
-
-#include "gemm_cutlass.h"
 #include <mutex>
 
 namespace jax_fp8 {
@@ -32,8 +30,8 @@ std::mutex& lt_mutex() {
   return *mu;
 }
 
-std::map<std::pair<std::string, GemmProblem>, GemmAlgorithm>& chosen() {
-  static auto* c = new std::map<std::pair<std::string, GemmProblem>, GemmAlgorithm>;
+std::map<std::pair<std::string, GemmProblem>, cublasLtMatmulAlgo_t>& chosen() {
+  static auto* c = new std::map<std::pair<std::string, GemmProblem>, cublasLtMatmulAlgo_t>;
   return *c;  // never destroyed, like the handles: no static teardown order to respect
 }
 
@@ -74,8 +72,7 @@ const std::string& device_identity(int dev) {
   return (*names)[dev] = std::string(prop.name) + " (sm_" + std::to_string(prop.major) +
                          std::to_string(prop.minor) + ", " +
                          std::to_string(prop.multiProcessorCount) + " SMs, cuBLASLt " +
-                         std::to_string(cublasLtGetVersion()) + ", CUTLASS " +
-                         cutlass_version() + ", workspace " +
+                         std::to_string(cublasLtGetVersion()) + ", workspace " +
                          std::to_string(kGemmWorkspaceBytes >> 20) + " MiB)";
 }
 
@@ -168,12 +165,13 @@ std::string LtGemm::run(cublasLtHandle_t lt, const GemmArgs& g, const cublasLtMa
   return {};
 }
 
-void choose_algorithm(const std::string& device, const GemmProblem& p, const GemmAlgorithm& algo) {
+void choose_algorithm(const std::string& device, const GemmProblem& p,
+                      const cublasLtMatmulAlgo_t& algo) {
   std::lock_guard<std::mutex> lock(lt_mutex());
   chosen()[{device, p}] = algo;
 }
 
-bool chosen_algorithm(const std::string& device, const GemmProblem& p, GemmAlgorithm* algo) {
+bool chosen_algorithm(const std::string& device, const GemmProblem& p, cublasLtMatmulAlgo_t* algo) {
   std::lock_guard<std::mutex> lock(lt_mutex());
   auto it = chosen().find({device, p});
   if (it == chosen().end()) return false;

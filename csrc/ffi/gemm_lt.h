@@ -1,8 +1,6 @@
 // The cuBLASLt plumbing of jax_fp8_gemm, shared by its handler (gemm_cuda.cc) and by the timing
 // of its candidate algorithms (gemm_tuning.cc): handles, the matmul description of a GEMM, the
-// heuristic's candidates, and the algorithm chosen for each problem on each kind of device
-// (cuBLASLt's, or for block-scaled GEMMs on sm_90 one of jax_fp8's CUTLASS kernels,
-// gemm_cutlass.h).
+// heuristic's candidates, and the algorithm chosen for each problem on each kind of device.
 //
 // Row-major view: D[M, N] = (a_scale * b_scale) * A[M, K] . B[N, K]^T (+ bias[N]).
 // cuBLASLt is column-major, so it computes D^T[N, M]: its "A" is our B seen as a K x N
@@ -27,8 +25,8 @@ std::string lt_status(cublasStatus_t s, const char* call);
 cublasLtHandle_t lt_handle(int dev);
 
 // What identifies a kind of device to an algorithm choice: its name, compute capability, SM
-// count, cuBLASLt's and CUTLASS's versions and the workspace the algorithms may use, e.g.
-// "NVIDIA H200 (sm_90, 132 SMs, cuBLASLt 130100, CUTLASS 4.2.0, workspace 32 MiB)".
+// count, cuBLASLt's version and the workspace the algorithms may use, e.g.
+// "NVIDIA H200 (sm_90, 132 SMs, cuBLASLt 130100, workspace 32 MiB)".
 const std::string& device_identity(int dev);
 
 // The matmul description of one GEMM (its pointers included: scales, bias, D scale, amax-D).
@@ -50,35 +48,23 @@ struct LtGemm {
                   cudaStream_t stream) const;
 };
 
-// One algorithm of jax_fp8_gemm: the CUTLASS configuration named by `cutlass` (gemm_cutlass.h)
-// when it is not empty, else cuBLASLt's `lt`. jax_fp8/ops/gemm_algorithms.py records it as its
-// bytes (ALGORITHM_BYTES there).
-struct GemmAlgorithm {
-  char cutlass[56] = {};  // NUL-terminated
-  cublasLtMatmulAlgo_t lt{};
-  bool is_cutlass() const { return cutlass[0] != 0; }
-};
-static_assert(sizeof(GemmAlgorithm) == 120, "jax_fp8/ops/gemm_algorithms.py: ALGORITHM_BYTES");
-
 // Candidates are valid for pointers aligned to this many bytes (cuBLASLt's FP8 minimum); the
 // handler falls back to the heuristic's first choice for less-aligned pointers.
 constexpr int kTunedAlignment = 16;
 
 // The algorithm chosen for a problem on a kind of device (device_identity): set once per
 // process by jax_fp8.ops.gemm_algorithms (timed, or read from its file), read by the handler.
-void choose_algorithm(const std::string& device, const GemmProblem& p, const GemmAlgorithm& algo);
-bool chosen_algorithm(const std::string& device, const GemmProblem& p, GemmAlgorithm* algo);
+void choose_algorithm(const std::string& device, const GemmProblem& p,
+                      const cublasLtMatmulAlgo_t& algo);
+bool chosen_algorithm(const std::string& device, const GemmProblem& p, cublasLtMatmulAlgo_t* algo);
 
-// Each candidate's name ("cublaslt_<i>" for the heuristic's i-th, or the CUTLASS
-// configuration's), its time in microseconds (-1 where it failed to run) and the fastest's index.
+// Each candidate's time in microseconds (-1 where it failed to run) and the fastest's index.
 struct TunedGemm {
-  std::vector<GemmAlgorithm> candidates;
-  std::vector<std::string> names;
+  std::vector<cublasLtMatmulAlgo_t> candidates;
   std::vector<double> us;
   int best = -1;
 };
-// Times up to kTuneCandidates of cuBLASLt's candidates and every CUTLASS configuration that
-// can run p (gemm_cutlass.h) on device `dev`, on its own stream and its own
+// Times up to kTuneCandidates candidates for p on device `dev`, on its own stream and its own
 // buffers of random finite data; throws std::runtime_error when none runs. Never inside an XLA
 // computation: jax_fp8 calls it while tracing (gemm_tuning.cc).
 TunedGemm tune_gemm(int dev, const GemmProblem& p);

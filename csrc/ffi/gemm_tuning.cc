@@ -1,5 +1,4 @@
-// Timing of the candidate algorithms for one GEMM problem (gemm_lt.h: tune_gemm): cuBLASLt's,
-// and for block-scaled GEMMs on sm_90 jax_fp8's CUTLASS kernels (gemm_cutlass.h), as XLA
+// Timing of cuBLASLt's candidate algorithms for one GEMM problem (gemm_lt.h: tune_gemm), as XLA
 // autotunes its own GEMMs: jax_fp8.ops.gemm_algorithms calls it once per problem and kind of
 // device while tracing, outside any XLA computation (usually before the first step runs: work
 // already queued on the device is not waited for), and keeps the fastest for the process and in
@@ -12,7 +11,6 @@
 #include <random>
 #include <stdexcept>
 
-#include "gemm_cutlass.h"
 #include "gemm_lt.h"
 
 namespace jax_fp8 {
@@ -115,33 +113,17 @@ TunedGemm tune_gemm(int dev, const GemmProblem& p) {
   if (std::string e = desc.describe(g); !e.empty()) throw std::runtime_error(e);
   std::string error;
   TunedGemm t;
-  for (const auto& lt_algo : desc.candidates(lt, kTunedAlignment, kTuneCandidates, &error)) {
-    GemmAlgorithm algo;
-    algo.lt = lt_algo;
-    t.names.push_back("cublaslt_" + std::to_string(t.candidates.size()));
-    t.candidates.push_back(algo);
-  }
-  cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, dev), "cudaGetDeviceProperties");
-  for (const std::string& name : cutlass_configs(p, prop.major * 10 + prop.minor)) {
-    GemmAlgorithm algo;
-    name.copy(algo.cutlass, sizeof(algo.cutlass) - 1);
-    t.names.push_back(name);
-    t.candidates.push_back(algo);
-  }
+  t.candidates = desc.candidates(lt, kTunedAlignment, kTuneCandidates, &error);
   if (t.candidates.empty()) throw std::runtime_error(error);
 
   check(cudaStreamCreateWithFlags(&scope.stream, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaEventCreate(&scope.start), "cudaEventCreate");
   check(cudaEventCreate(&scope.stop), "cudaEventCreate");
   // Microseconds per run over `reps` back-to-back runs; negative when a run fails.
-  auto time = [&](const GemmAlgorithm& algo, int reps) {
+  auto time = [&](const cublasLtMatmulAlgo_t& algo, int reps) {
     cudaEventRecord(scope.start, scope.stream);
-    for (int r = 0; r < reps; ++r) {
-      const std::string e = algo.is_cutlass() ? run_cutlass(g, algo.cutlass, scope.stream)
-                                              : desc.run(lt, g, algo.lt, scope.stream);
-      if (!e.empty()) return -1.0;
-    }
+    for (int r = 0; r < reps; ++r)
+      if (!desc.run(lt, g, algo, scope.stream).empty()) return -1.0;
     cudaEventRecord(scope.stop, scope.stream);
     float ms = 0;
     if (cudaEventSynchronize(scope.stop) != cudaSuccess ||
@@ -168,7 +150,7 @@ TunedGemm tune_gemm(int dev, const GemmProblem& p) {
       t.best = static_cast<int>(i);
     }
   }
-  if (t.best < 0) throw std::runtime_error("none of the candidate algorithms ran");
+  if (t.best < 0) throw std::runtime_error("none of cuBLASLt's candidate algorithms ran");
   return t;
 }
 

@@ -1,14 +1,11 @@
-"""Which algorithm each CUDA GEMM runs: the candidates for a GEMM problem timed once, the
-fastest kept for the process and recorded in a file that later runs read, so that a problem
-runs the same algorithm, and gives the same bits, run after run (XLA's autotuning of its own
-GEMMs, with its results file, is the model). The candidates are up to 8 of cuBLASLt's heuristic
-list and, for block-scaled GEMMs with a bfloat16 or float32 output and no bias on sm_90, jax_fp8's
-CUTLASS 3.x kernels (``csrc/ffi/gemm_cutlass.cu``: cooperative 128 x 128 x 128 and pingpong
-64 x 128 x 128 tiles, with the same f32 promotion at every 128-element group of K).
+"""Which cuBLASLt algorithm each CUDA GEMM runs: cuBLASLt's candidates for a GEMM problem timed
+once, the fastest kept for the process and recorded in a file that later runs read, so that a
+problem runs the same algorithm, and gives the same bits, run after run (XLA's autotuning of
+its own GEMMs, with its results file, is the model).
 
 A problem is what fixes the choice: M, N, K, the operand and output dtypes, the bias, fast
 accumulation and the scale mode, on a kind of device (name, compute capability, SM count,
-cuBLASLt and CUTLASS versions, workspace size). ``jax_fp8.gemm`` calls :func:`select` while it traces a CUDA
+cuBLASLt version, workspace size). ``jax_fp8.gemm`` calls :func:`select` while it traces a CUDA
 GEMM (also when the jit is placed on a CPU of a machine with GPUs: tracing cannot tell); the
 timing (``csrc/ffi/gemm_tuning.cc``) runs then, outside any XLA computation, on buffers and a
 stream of its own, on the first of JAX's GPUs of each kind, at most once per problem in a
@@ -20,15 +17,14 @@ Environment (read at each trace):
   ``JAX_FP8_GEMM_AUTOTUNE``: ``1`` (default) times the candidates; ``0`` takes cuBLASLt's
   first heuristic choice, untimed, for problems not chosen yet in this process, and neither
   reads nor writes the file.
-  ``JAX_FP8_GEMM_CACHE``: the file of choices (JSON lines with each candidate's name and time,
-  appended under a file lock; the first record of a problem wins, also for processes that
-  timed it at the same time); default ``$XDG_CACHE_HOME/jax_fp8/gemm_algorithms.jsonl`` (``~/.cache``
+  ``JAX_FP8_GEMM_CACHE``: the file of choices (JSON lines with every candidate's time, appended
+  under a file lock; the first record of a problem wins, also for processes that timed it at
+  the same time); default ``$XDG_CACHE_HOME/jax_fp8/gemm_algorithms.jsonl`` (``~/.cache``
   when unset); empty: no file, so each process times again and may choose differently.
 
 Where the timing cannot run (no free device memory for its buffers), a warning says so and the
 GEMM takes cuBLASLt's first heuristic choice, not recorded; a file that cannot be read or
-written, lines that are not records, and records of a CUTLASS configuration this build lacks
-are skipped with a warning (the last are timed again).
+written, or lines that are not records, are skipped with a warning.
 """
 
 from __future__ import annotations
@@ -69,7 +65,7 @@ def cache_path() -> pathlib.Path | None:
   return pathlib.Path(value) if value else None
 
 
-ALGORITHM_BYTES = 120  # sizeof(GemmAlgorithm), csrc/ffi/gemm_lt.h
+ALGORITHM_BYTES = 64  # sizeof(cublasLtMatmulAlgo_t)
 
 
 def _parse(path: pathlib.Path, text: str, warn: bool = True) -> dict:
@@ -157,28 +153,21 @@ def select(problem: tuple) -> None:
   if not autotune() or not _ffi.cuda_available():
     return
   path = cache_path()
-  ext = _ffi._jax_fp8_cuda
   with _lock:
     for ordinal, device in _devices():
       key = (device, problem)
       if key in _installed:
         continue
-      _installed.add(key)
       algorithm = _read(path).get(key)
-      if algorithm is not None:
-        try:
-          ext.gemm_choose(device, *problem, algorithm)
-          continue
-        except ValueError as e:
-          warnings.warn(f"{path} records for the GEMM {problem} on {device} an algorithm this "
-                        f"build lacks ({e}); timed again, not recorded", stacklevel=3)
-      try:
-        candidates, names, us, best = ext.gemm_tune(ordinal, *problem)
-      except RuntimeError as e:
-        warnings.warn(f"could not time the algorithms for the GEMM {problem} on {device} "
-                      f"({e}); it runs cuBLASLt's first heuristic choice", stacklevel=3)
-        continue
-      chosen = candidates[best]
       if algorithm is None:
-        chosen = _record(path, key, chosen, dict(zip(names, us)))
-      ext.gemm_choose(device, *problem, chosen)
+        try:
+          candidates, us, best = _ffi._jax_fp8_cuda.gemm_tune(ordinal, *problem)
+        except RuntimeError as e:
+          warnings.warn(f"could not time cuBLASLt's algorithms for the GEMM {problem} on "
+                        f"{device} ({e}); it runs cuBLASLt's first heuristic choice",
+                        stacklevel=3)
+          _installed.add(key)
+          continue
+        algorithm = _record(path, key, candidates[best], us)
+      _ffi._jax_fp8_cuda.gemm_choose(device, *problem, algorithm)
+      _installed.add(key)
