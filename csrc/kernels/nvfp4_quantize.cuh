@@ -4,7 +4,8 @@
 // nvfp4_rowwise_kernel, the specialised one: rowwise 1 x 16 blocks only (data [R, C/2], scales
 // [R, C/16]). Register-resident: thread v of a grid-stride loop quantizes block v of x (its 16
 // consecutive elements) and stores its 8 code bytes and its scale byte, so a warp's loads and
-// stores are contiguous; no shared memory, no barrier.
+// stores are contiguous; no shared memory, no barrier. Each thread loads its next block before
+// it quantizes the current one, so two blocks' loads are in flight a thread.
 //
 // nvfp4_quantize_kernel, the general one: any direction, 1 x 16 blocks along the rows (data [R,
 // C/2], scales [R, C/16]) and, from the same read, 16 x 1 blocks along the columns, written
@@ -169,9 +170,14 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   const uint32_t k0 = key[0], k1 = key[1];
   const int64_t row_blocks = cols / kNvfp4Block, blocks = rows * row_blocks;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; v < blocks; v += stride) {
+  int64_t v = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  Raw16<T> next;  // the following block's loads, in flight while this one is quantized
+  if (v < blocks) next = load_raw16(x + v * kNvfp4Block);
+  for (; v < blocks; v += stride) {
+    const Raw16<T> raw = next;
+    if (v + stride < blocks) next = load_raw16(x + (v + stride) * kNvfp4Block);
     float f[kNvfp4Block];
-    load16<T, false>(x + v * kNvfp4Block, f);
+    unpack16<T, false>(raw, f);
     unsigned m = 0;
 #pragma unroll
     for (int k = 0; k < kNvfp4Block; ++k) m = max(m, abs_bits(f[k]));
