@@ -5,7 +5,8 @@ Every device holds the parameters and the FP8 scale rings; each takes a slice of
 scans over microbatches of it. The rings see every microbatch's amax through `jax_fp8.share`
 (combined by max) and the amaxes are max-reduced over the devices, so all devices end each step
 with identical rings; parameter gradients are summed over the devices by JAX (they are
-replicated inputs of the shard_map).
+replicated inputs of the shard_map). The kernels are quantized once per step, not once per
+microbatch (`jax_fp8.flax.cast_kernels`).
 
 Runs on whatever devices exist; on a CPU, fake eight of them:
 
@@ -25,6 +26,8 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8
+import jax_fp8.flax
+from jax_fp8 import DelayedScaling
 from jax_fp8.flax import Dense
 
 AXIS = "data"
@@ -63,10 +66,12 @@ def main(steps=30):
       # Varying from here on, so that the gradients are summed over the devices once, after
       # the scan, rather than in every microbatch.
       params = jax.lax.pcast(params, (AXIS,), to="varying")
+      # The kernels quantized once for all microbatches (their rings observe this cast).
+      cast = jax_fp8.flax.cast_kernels(params, state, DelayedScaling(), amax_axis_name=AXIS)
 
       def body(_, mb):
         xm, ym, sm = mb
-        return None, loss_fn(params, sm, xm, ym)
+        return None, loss_fn(cast, sm, xm, ym)
       _, losses = jax.lax.scan(body, None, (xb, yb, jax_fp8.share(state, MICROBATCHES)))
       return jnp.mean(losses)
 

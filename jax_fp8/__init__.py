@@ -7,7 +7,8 @@ extra and is imported on its own: ``import jax_fp8.flax``.
 from ._ffi import cuda_available
 from .formats import fp8_dtype, fp8_max
 from .inference import Fp8Weight, quantize_weight, quantize_weights
-from .linear import LinearState, MultiLinearState, linear, multi_linear
+from .linear import (CastKernel, LinearState, MultiLinearState, cast_kernel, linear,
+                     multi_linear)
 from .mlp import MlpState, mlp
 from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_transpose,
                   activation_grad_cast_transpose, activation_grad_group_cast_transpose,
@@ -23,13 +24,13 @@ from .state import ScaleRing, combine_updates, share, update_state
 __version__ = "0.3.0.dev0"
 
 __all__ = [
-    "BlockScaling", "CastTransposed", "CurrentScaling", "DelayedQuantized", "DelayedScaling",
+    "BlockScaling", "CastKernel", "CastTransposed", "CurrentScaling", "DelayedQuantized", "DelayedScaling",
     "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState", "MultiLinearState",
     "NVFP4BlockScaling", "Quantized",
     "ScaleRing",
     "activation_cast_transpose", "activation_grad_cast_transpose",
     "activation_grad_group_cast_transpose", "activation_group_cast_transpose", "block_quantize",
-    "cast_transpose_delayed",
+    "cast_kernel", "cast_transpose_delayed",
     "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
     "group_cast_transpose", "group_quantize", "linear", "multi_linear", "mxfp8_dequantize",
     "mxfp8_gemm", "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_gemm", "nvfp4_kernel",

@@ -10,7 +10,7 @@ from flax.linen import dtypes
 from . import checks, norms
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
-from .linear import LinearState, MultiLinearState, linear, multi_linear
+from .linear import CastKernel, LinearState, MultiLinearState, linear, multi_linear
 from .mlp import mlp
 from .recipes import DelayedScaling, check_recipe, draws_key
 
@@ -57,17 +57,21 @@ def create_state(recipe: DelayedScaling, outputs: int | None):
 
 
 def _readable(a, dtype):
-  """A parameter in a dtype the kernels read: its own, or (float64 under x64) ``dtype``; None
-  and ``Fp8Weight`` as they are."""
-  return a if a is None or isinstance(a, Fp8Weight) or a.dtype in FLOAT_DTYPES else a.astype(dtype)
+  """A parameter in a dtype the kernels read: its own, or (float64 under x64) ``dtype``; None,
+  ``Fp8Weight`` and ``CastKernel`` as they are."""
+  if a is None or isinstance(a, (Fp8Weight, CastKernel)) or a.dtype in FLOAT_DTYPES:
+    return a
+  return a.astype(dtype)
 
 
 def _compute_dtype(inputs, params, dtype):
   """The compute dtype: ``dtype``, or where None the promotion of the inputs' and parameters'
-  dtypes by Flax's rules (absent parameters and ``Fp8Weight``s, for inference, left out);
+  dtypes by Flax's rules (absent parameters and ``Fp8Weight``s, for inference, left out; a
+  ``CastKernel`` counts as its float kernel);
   TypeError where that is not float32 / bfloat16 / float16 (float64 parameters or inputs under
   x64)."""
-  params = tuple(p for p in params if p is not None and not isinstance(p, Fp8Weight))
+  params = tuple(p.kernel if isinstance(p, CastKernel) else p for p in params
+                 if p is not None and not isinstance(p, Fp8Weight))
   out = jnp.dtype(dtypes.canonicalize_dtype(inputs, *params, dtype=dtype))
   if out in FLOAT_DTYPES:
     return out
@@ -90,9 +94,9 @@ def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, mu
                norm_args=(None, None, None, 1e-6), key=None):
   """The layer's outputs (a tuple) in the compute dtype (``dtype``, or by Flax's rules when
   None): inputs (unless a norm reads them) and biases promoted to it, the kernels left in
-  their parameter dtype (f32, bf16 or f16; or ``Fp8Weight``s, for inference), so f32 master
-  weights are quantized straight from f32 (one rounding, no copy in ``dtype``) and get f32
-  gradients from the wgrad GEMMs. ``norm_args``: (norm, gamma, beta, epsilon) of the fused
+  their parameter dtype (f32, bf16 or f16; ``CastKernel``s, cast once per step; or
+  ``Fp8Weight``s, for inference), so f32 master weights are quantized straight from f32 (one
+  rounding, no copy in ``dtype``) and get f32 gradients from the wgrad GEMMs. ``norm_args``: (norm, gamma, beta, epsilon) of the fused
   input norm, gamma and beta in their parameter dtype. ``key``: for NVFP4's stochastic
   rounding, or None."""
   dtype = _compute_dtype(inputs, (*kernels, *biases), dtype)

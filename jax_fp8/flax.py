@@ -18,9 +18,9 @@ from . import activations, checks
 from ._layer import (SR_STREAM, call_layer, call_mlp, check_layer, check_norm_attr, create_state,
                      linen_key)
 from .inference import Fp8Weight
-from .linear import LinearState, MultiLinearState
+from .linear import CastKernel, LinearState, MultiLinearState, cast_kernel
 from .mlp import MlpState
-from .recipes import DelayedScaling, Recipe
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling, Recipe, check_recipe
 from .state import ScaleRing
 
 STATE_COLLECTION = "fp8_state"
@@ -40,6 +40,16 @@ _register(ScaleRing, ("amax_history", "scale", "steps"))
 _register(LinearState, ("x", "kernel", "grad"))
 _register(MultiLinearState, ("x", "kernels", "grads"))
 _register(MlpState, tuple(f.name for f in dataclasses.fields(MlpState)))
+
+
+def _kernel(module: nn.Module, name: str, shape):
+  """The module's kernel parameter ``name``: a stored ``Fp8Weight`` (inference) or
+  ``CastKernel`` (``cast_kernels``) as it is, else ``module.param`` of ``shape``."""
+  if module.has_variable("params", name):
+    stored = module.get_variable("params", name)
+    if isinstance(stored, (Fp8Weight, CastKernel)):
+      return stored
+  return module.param(name, module.kernel_init, shape, module.param_dtype)
 
 
 def _norm_args(module: nn.Module, name: str, k: int):
@@ -76,14 +86,8 @@ class _Layer(nn.Module):
     if jnp.ndim(inputs) < 1:
       raise ValueError(f"{name} inputs must be [..., K], got a scalar")
     suffix = (lambda i: f"_{i}") if multi else (lambda i: "")
-    def kernel(i, f):  # an Fp8Weight (inference) is taken as stored: it has its own shapes
-      name = f"kernel{suffix(i)}"
-      if self.has_variable("params", name):
-        stored = self.get_variable("params", name)
-        if isinstance(stored, Fp8Weight):
-          return stored
-      return self.param(name, self.kernel_init, (jnp.shape(inputs)[-1], f), self.param_dtype)
-    kernels = tuple(kernel(i, f) for i, f in enumerate(features))
+    kernels = tuple(_kernel(self, f"kernel{suffix(i)}", (jnp.shape(inputs)[-1], f))
+                    for i, f in enumerate(features))
     biases = tuple(self.param(f"bias{suffix(i)}", self.bias_init, (f,), self.param_dtype)
                    if use_bias else None for i, f in enumerate(features))
     state = (self.variable(STATE_COLLECTION, "linear", create_state, self.recipe,
@@ -208,8 +212,7 @@ class Mlp(nn.Module):
     d = k if self.out_features is None else checks.integer(self.out_features,
                                                            "Mlp.out_features", lo=1)
     n = 2 * f if gated else f
-    kernel_in = self.param("kernel_in", self.kernel_init, (k, n), self.param_dtype)
-    kernel_out = self.param("kernel_out", self.kernel_init, (f, d), self.param_dtype)
+    kernel_in, kernel_out = _kernel(self, "kernel_in", (k, n)), _kernel(self, "kernel_out", (f, d))
     biases = ((self.param("bias_in", self.bias_init, (n,), self.param_dtype),
                self.param("bias_out", self.bias_init, (d,), self.param_dtype))
               if use_bias else (None, None))
@@ -219,3 +222,86 @@ class Mlp(nn.Module):
     return call_mlp(inputs, (kernel_in, kernel_out), biases, state, self.recipe, self.dtype,
                     self.activation, axis, _norm_args(self, "Mlp", k),
                     linen_key(self, self.recipe))
+
+
+def _ring(state, name: str):
+  """The scale ring of kernel parameter ``name`` in a linen module's "fp8_state" entries
+  (``state``: a mapping, or None), or None where the module has none for it."""
+  if not hasattr(state, "get"):
+    return None
+  linear, mlp = state.get("linear"), state.get("mlp")
+  if name == "kernel" and isinstance(linear, LinearState):
+    return linear.kernel
+  if name.startswith("kernel_") and name[7:].isdigit() and isinstance(linear, MultiLinearState):
+    i = int(name[7:])
+    return linear.kernels[i] if i < len(linear.kernels) else None
+  if name in ("kernel_in", "kernel_out") and isinstance(mlp, MlpState):
+    return getattr(mlp, name)
+  return None
+
+
+def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
+                 amax_axis_name: str | tuple[str, ...] | None = None,
+                 select: Callable = lambda path, kernel: True):
+  """``params`` (a linen "params" collection) with the kernels of jax_fp8's layers replaced by
+  their ``jax_fp8.CastKernel`` (``jax_fp8.cast_kernel``), which the layers then use without
+  quantizing them again: call it once per step, inside the differentiated function and
+  outside the ``lax.scan`` over microbatches, and apply the model in the scan's body with the
+  result as its "params" (``fp8_state``: ``jax_fp8.share``d copies, as without it). The
+  gradients with respect to ``params`` and ``fp8_state`` are those of the uncast model; the
+  kernels are quantized once per step instead of once per microbatch.
+
+  Args:
+    params: the "params" collection: nested mappings whose kernel leaves are named "kernel"
+      (``Dense``), "kernel_<i>" (``MultiDense``) or "kernel_in" / "kernel_out" (``Mlp``),
+      [K, N], or [L, ..., K, N] when stacked by ``nn.scan`` / ``nn.vmap`` (cast layer by
+      layer).
+    fp8_state: under ``DelayedScaling`` the "fp8_state" collection (unshared): a kernel is cast
+      where its layer's state holds its ring, other leaves (e.g. a ``flax.linen.Dense``'s
+      kernel) stay as they are. Under ``CurrentScaling`` and ``BlockScaling``: None, and every
+      kernel leaf so named is cast: leave out the layers that do not run through jax_fp8 with
+      ``select``.
+    recipe: the layers' recipe: ``DelayedScaling``, ``CurrentScaling`` or ``BlockScaling``.
+    amax_axis_name: as in ``jax_fp8.cast_kernel``.
+    select: ``select(path, kernel) -> bool`` (path: the keys joined by "/"): False keeps that
+      kernel as it is.
+  Returns:
+    ``params`` with those leaves replaced, the mappings rebuilt as plain dicts.
+  Raises:
+    TypeError / ValueError: select not callable, fp8_state missing under DelayedScaling or
+    given under a stateless recipe, and ``jax_fp8.cast_kernel``'s errors for a kernel.
+  """
+  if not callable(select):
+    raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
+  check_recipe(recipe, allowed=(DelayedScaling, CurrentScaling, BlockScaling))
+  delayed = isinstance(recipe, DelayedScaling)
+  if delayed and fp8_state is None:
+    raise TypeError("cast_kernels under DelayedScaling takes the \"fp8_state\" collection, "
+                    "whose kernel rings the casts observe: pass fp8_state")
+  if not delayed and fp8_state is not None:
+    raise ValueError(f"{type(recipe).__name__} is stateless: pass fp8_state=None")
+
+  def cast(kernel, ring):
+    fn = lambda k, r: cast_kernel(k, r, recipe=recipe, amax_axis_name=amax_axis_name)
+    for _ in range(jnp.ndim(kernel) - 2):  # layers stacked on leading axes
+      fn = jax.vmap(fn, in_axes=(0, None if ring is None else 0))
+    return fn(kernel, ring)
+
+  def walk(node, state, path):
+    out = {}
+    for name, value in node.items():
+      where = f"{path}/{name}" if path else name
+      if hasattr(value, "items"):
+        out[name] = walk(value, state.get(name) if hasattr(state, "get") else None, where)
+        continue
+      is_kernel = (name in ("kernel", "kernel_in", "kernel_out") or
+                   (name.startswith("kernel_") and name[7:].isdigit()))
+      ring = _ring(state, name) if delayed else None
+      wanted = (is_kernel and jnp.ndim(value) >= 2 and not isinstance(value, CastKernel)
+                and (ring is not None or not delayed) and select(where, value))
+      out[name] = cast(value, ring) if wanted else value
+    return out
+  if not hasattr(params, "items"):
+    raise TypeError(f"params must be a linen \"params\" collection (a mapping), got "
+                    f"{type(params).__name__}")
+  return walk(params, fp8_state, "")

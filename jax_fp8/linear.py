@@ -113,6 +113,130 @@ class MultiLinearState:
             tuple((f"state.grads[{i}]", r) for i, r in enumerate(self.grads)))
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["kernel", "q", "qt", "scale"],
+                   meta_fields=["recipe"])
+@dataclasses.dataclass(frozen=True)
+class CastKernel:
+  """A kernel with its FP8 copies, made once by ``cast_kernel`` for several uses in one step
+  (the microbatches of a ``lax.scan``, a tied layer), which ``linear``, ``multi_linear`` and
+  ``mlp`` take in place of the kernel and use without quantizing it again.
+
+  Attributes:
+    kernel: the float kernel [K, N] itself, through which its gradient flows.
+    q: float8_e4m3fn [K, N], the kernel quantized (dgrad's operand; under BlockScaling also the
+      forward's).
+    qt: float8_e4m3fn [N, K], the same bytes transposed (the forward's operand under the
+      per-tensor recipes); None under BlockScaling (its 128 x 128 blocks serve both GEMMs).
+    scale: float32 dequantization step: [] (per-tensor) or [K/128, N/128] (BlockScaling).
+    recipe: static, the recipe it was cast for; a layer running another raises ValueError.
+  """
+
+  kernel: jax.Array
+  q: jax.Array
+  qt: jax.Array | None
+  scale: jax.Array
+  recipe: Recipe
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _cast(kernel, ring, recipe, axis_name):
+  return _cast_fwd(kernel, ring, recipe, axis_name)[0]
+
+
+def _cast_fwd(kernel, ring, recipe, axis_name):
+  if isinstance(recipe, BlockScaling):
+    q, scale = blockwise.block_quantize(kernel, **recipe.kwargs())
+    return (kernel, q, None, scale), None
+  current_ = isinstance(recipe, CurrentScaling)
+  q, qt, scale, observed = kernel_fp8(kernel, None, recipe.ring(recipe.fwd_fmt) if current_
+                                      else ring, current_, axis_name)
+  return (kernel, q, qt, scale), None if current_ else _shared(observed, ring, axis_name)
+
+
+def _cast_bwd(recipe, axis_name, observed, cts):
+  return cts[0], observed  # the kernel's gradient as it came; the ring's observation
+
+
+_cast.defvjp(_cast_fwd, _cast_bwd)
+
+
+def cast_kernel(kernel: jax.Array, ring: ScaleRing | None = None, *,
+                recipe: DelayedScaling | CurrentScaling | BlockScaling = DelayedScaling(),
+                amax_axis_name: str | tuple[str, ...] | None = None) -> CastKernel:
+  """``kernel`` quantized once for several uses in one step, e.g. outside a ``lax.scan`` over
+  microbatches, whose body then passes the ``CastKernel`` to ``linear`` / ``multi_linear`` /
+  ``mlp`` in place of the kernel: those quantize x and the gradients per microbatch, the
+  kernel not again (TransformerEngine's weight caching across microbatches).
+
+  Differentiate through it as through the kernel: the kernel's gradient (the microbatches'
+  wgrads, summed) flows back to ``kernel``; under ``DelayedScaling`` ``ring``'s gradient is
+  this cast's observation, and the layers give the kernel rings of their (``share``d) state a
+  zero one, so ``update_state`` advances the ring once per step by this cast's amax.
+
+  Args:
+    kernel: [K, N] float32 / bfloat16 / float16 (f32 master weights quantized straight from
+      f32), K and N multiples of 16 (128 under BlockScaling).
+    ring: under ``DelayedScaling``, the kernel's ring in the layer's state (``state.kernel``,
+      ``state.kernels[i]``, ``state.kernel_in`` / ``kernel_out`` of an ``MlpState``), outside
+      ``share``; under the stateless recipes None.
+    recipe: ``DelayedScaling`` (default), ``CurrentScaling`` (the kernel's amax of this step)
+      or ``BlockScaling`` (128 x 128 blocks); the layers using the cast must run the same.
+    amax_axis_name: as in ``linear``: the axes over which devices share the ring (or, under
+      ``CurrentScaling``, hold parts of the kernel), the amax max-reduced over them.
+  Returns:
+    ``CastKernel``.
+  Raises:
+    TypeError / ValueError at trace time: kernel's dtype, rank, K or N not multiples of 16
+    (128 under BlockScaling); another recipe (MXFP8BlockScaling, NVFP4BlockScaling: their
+    layers quantize the kernel themselves); under DelayedScaling a ring that is missing, not a
+    ``ScaleRing`` or not of the recipe's format, history length, margin and algo; a ring
+    given to a stateless recipe; amax_axis_name as ``linear`` raises them.
+  """
+  kernel = checks.array(kernel, "kernel")
+  if kernel.dtype not in FLOAT_DTYPES or kernel.ndim != 2:
+    raise TypeError(f"kernel must be a float32 / bfloat16 / float16 [K, N] array, got "
+                    f"{kernel.dtype}{list(kernel.shape)}")
+  check_recipe(recipe, allowed=(DelayedScaling, CurrentScaling, BlockScaling))
+  multiple, why = fp8_multiple(recipe)
+  if kernel.shape[0] % multiple or kernel.shape[1] % multiple:
+    raise ValueError(f"{why}, got kernel {list(kernel.shape)}")
+  if isinstance(recipe, DelayedScaling):
+    if not isinstance(ring, ScaleRing):
+      raise TypeError(f"ring must be the kernel's jax_fp8.ScaleRing under DelayedScaling (e.g. "
+                      f"state.kernel), got {type(ring).__name__}")
+    check_ring(ring, "ring")
+    want = (recipe.fwd_fmt, recipe.history_len, recipe.margin, recipe.algo)
+    have = (ring.fmt, jnp.shape(ring.amax_history)[0], ring.margin, ring.algo)
+    if want != have:
+      raise ValueError(f"ring (fmt, history_len, margin, algo) = {have} does not match the "
+                       f"recipe's {want}")
+  elif ring is not None:
+    raise ValueError(f"{type(recipe).__name__} is stateless: pass ring=None, got a "
+                     f"{type(ring).__name__}")
+  if isinstance(recipe, BlockScaling):
+    check_stateless(recipe, None, amax_axis_name)
+    axis = None
+  else:
+    axis = _amax_axes(None, kernel, None, ring, amax_axis_name)
+  kernel, *fp8 = _cast(kernel, ring, recipe, axis)
+  fp8 = sharding.vary_like(jax.lax.stop_gradient(tuple(fp8)), kernel)
+  return CastKernel(kernel, *fp8, recipe)
+
+
+def check_cast(cast, name: str, recipe):
+  """A ``CastKernel``'s FP8 copies as the recipe's GEMMs take them ((q, qt, scale) per-tensor,
+  (q, scale) under BlockScaling); TypeError for another type beside it, ValueError when it
+  was cast for another recipe."""
+  if not isinstance(cast, CastKernel):
+    raise TypeError(f"{name} is a {type(cast).__name__} beside CastKernel kernels: pass all "
+                    f"kernels through cast_kernel or none")
+  if cast.recipe != recipe:
+    raise ValueError(f"{name} was cast for {cast.recipe}, but the layer runs {recipe}: cast it "
+                     f"with the layer's recipe")
+  return (cast.q, cast.scale) if isinstance(recipe, BlockScaling) else (cast.q, cast.qt,
+                                                                         cast.scale)
+
+
 def _axis_names(amax_axis_name) -> set:
   """The names in amax_axis_name (None, a str or a tuple / list of str), each bound here;
   TypeError / ValueError otherwise."""
@@ -239,8 +363,18 @@ def input_grad(dx, x, norm_params, norm, x_dtype):
   return dx, tuple(grads)
 
 
-def _forward(x, norm_params, kernels, biases, rings, fast_accum, norm, out_dtype, current_,
-             axis_name):
+def kernel_fp8(kernel, cast, ring, current_, axis_name):
+  """(q [K, N], qt [N, K], scale, the ring's observation) of a kernel for the per-tensor GEMMs:
+  its cast-transpose, or ``cast`` (a ``CastKernel``'s (q, qt, scale), its ring observed by
+  ``cast_kernel``'s backward) with a zero observation."""
+  if cast is not None:
+    return (*cast, zero_like(ring))
+  ck = cast_transpose_delayed(kernel, scaled(ring, kernel, current_, axis_name), observe=True)
+  return ck.q, ck.qt, ck.scale, ck.ring
+
+
+def _forward(x, norm_params, kernels, casts, biases, rings, fast_accum, norm, out_dtype,
+             current_, axis_name):
   """ys = x @ kernel_i + bias_i in FP8 (in out_dtype), what the backward needs, and the x and
   kernel rings' observations."""
   rx, rks, _ = rings
@@ -248,27 +382,27 @@ def _forward(x, norm_params, kernels, biases, rings, fast_accum, norm, out_dtype
     rx = scaled(rx, normalized(x, norm_params, norm), current_, axis_name)
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
   cx = quantize_input(x, norm_params, rx, norm)  # q [M, K], qt [K, M16] e4m3
-  cks = [cast_transpose_delayed(k, scaled(r, k, current_, axis_name), observe=True)
-         for k, r in zip(kernels, rks)]  # [K, N]
-  ys = tuple(gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, out_dtype, "fprop" in fast_accum)
-             for ck, b in zip(cks, biases))
-  saved = (cx.qt, cx.scale, tuple(ck.q for ck in cks), tuple(ck.scale for ck in cks),
+  cks = [kernel_fp8(k, c, r, current_, axis_name)
+         for k, c, r in zip(kernels, casts, rks)]  # (q [K, N], qt, scale, observation)
+  ys = tuple(gemm_bias(cx.q, qt, cx.scale, sk, b, out_dtype, "fprop" in fast_accum)
+             for (_, qt, sk, _), b in zip(cks, biases))
+  saved = (cx.qt, cx.scale, tuple(ck[0] for ck in cks), tuple(ck[2] for ck in cks),
            None if norm is None else (x, norm_params))
-  return ys, saved, (cx.ring, tuple(ck.ring for ck in cks))
+  return ys, saved, (cx.ring, tuple(ck[3] for ck in cks))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
-def _linear(x, norm_params, kernels, biases, rings, axis_name, dtypes, fast_accum, norm,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _linear(x, norm_params, kernels, casts, biases, rings, axis_name, dtypes, fast_accum, norm,
             current_):
-  return _forward(x, norm_params, kernels, biases, rings, fast_accum, norm, dtypes[1], current_,
-                  axis_name)[0]
+  return _forward(x, norm_params, kernels, casts, biases, rings, fast_accum, norm, dtypes[1],
+                  current_, axis_name)[0]
 
 
-def _linear_fwd(x, norm_params, kernels, biases, rings, axis_name, dtypes, fast_accum, norm,
-                current_):
+def _linear_fwd(x, norm_params, kernels, casts, biases, rings, axis_name, dtypes, fast_accum,
+                norm, current_):
   # dtypes: x's, the outputs', the kernels' and the biases', static
-  ys, saved, observations = _forward(x, norm_params, kernels, biases, rings, fast_accum, norm,
-                                     dtypes[1], current_, axis_name)
+  ys, saved, observations = _forward(x, norm_params, kernels, casts, biases, rings, fast_accum,
+                                     norm, dtypes[1], current_, axis_name)
   # Current scaling drops the observations: its blank rings get zero gradients.
   observations = (zero_like(rings[:2]) if current_ else
                   _shared(observations, rings[:2], axis_name))
@@ -292,7 +426,7 @@ def _linear_bwd(axis_name, dtypes, fast_accum, norm, current_, res, gs):
     rgs.append(cg.ring)
   rgs = grad_rings if current_ else _shared(tuple(rgs), grad_rings, axis_name)
   dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
-  return dx, dnorm, tuple(dks), tuple(dbs), (rx, rks, rgs)
+  return dx, dnorm, tuple(dks), None, tuple(dbs), (rx, rks, rgs)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -308,23 +442,29 @@ def block_quantize_input(x, norm_params, recipe, norm):
                                              norm=name, **recipe.kwargs())
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _block_linear(x, norm_params, kernels, biases, recipe, dtypes, norm):
+def block_kernel_fp8(kernel, cast, recipe):
+  """(q [K, N], scale [K/128, N/128]) of a kernel in 128 x 128 blocks: its block quantization,
+  or ``cast`` (a ``CastKernel``'s (q, scale))."""
+  return cast if cast is not None else blockwise.block_quantize(kernel, **recipe.kwargs())
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _block_linear(x, norm_params, kernels, casts, biases, recipe, dtypes, norm):
   # Without a gradient no transposed copy is needed: the scales in cuBLASLt's layout.
   qx, sx_col = blockwise.group_quantize(normalized(x, norm_params, norm), scale_layout="col",
                                         **recipe.kwargs())
   out = []
-  for kernel, bias in zip(kernels, biases):
-    qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())
+  for kernel, cast, bias in zip(kernels, casts, biases):
+    qk, sk = block_kernel_fp8(kernel, cast, recipe)
     out.append(gemm_bias(qx, qk.T, sx_col.T, sk.T, bias, dtypes[1]))
   return tuple(out)
 
 
-def _block_linear_fwd(x, norm_params, kernels, biases, recipe, dtypes, norm):
+def _block_linear_fwd(x, norm_params, kernels, casts, biases, recipe, dtypes, norm):
   qx, sx, qxt, sxt = block_quantize_input(x, norm_params, recipe, norm)  # [M,K], [K,M128]
   ys, saved = [], []
-  for kernel, bias in zip(kernels, biases):
-    qk, sk = blockwise.block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
+  for kernel, cast, bias in zip(kernels, casts, biases):
+    qk, sk = block_kernel_fp8(kernel, cast, recipe)  # [K, N], [K/128, N/128]
     ys.append(gemm_bias(qx, qk.T, sx, sk.T, bias, dtypes[1]))
     saved.append((qk, sk))
   return tuple(ys), (qxt, sxt, tuple(saved), None if norm is None else (x, norm_params))
@@ -342,7 +482,7 @@ def _block_linear_bwd(recipe, dtypes, norm, res, gs):
     dbs.append(None if b_dtype is None else
                jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype))
   dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
-  return dx, dnorm, tuple(dks), tuple(dbs)
+  return dx, dnorm, tuple(dks), None, tuple(dbs)
 
 
 _block_linear.defvjp(_block_linear_fwd, _block_linear_bwd)
@@ -749,6 +889,10 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   weights = [isinstance(k, Fp8Weight) for k in kernels]
   if any(weights) and not all(weights):
     raise TypeError("kernels must be all arrays or all Fp8Weight (inference), not a mix")
+  casts = (None,) * len(kernels)
+  if any(isinstance(k, CastKernel) for k in kernels):
+    casts = tuple(check_cast(c, name, recipe) for c, name in zip(kernels, kernel_names))
+    kernels = tuple(c.kernel for c in kernels)
   check_recipe(recipe)
   if all(weights):
     shapes = tuple(check_weight(w, name, recipe) for w, name in zip(kernels, kernel_names))
@@ -824,18 +968,18 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))
   if not fp8:
     return tuple(_linear_in_dtype(x, kernel, bias) for kernel, bias in zip(kernels, biases))
-  x, norm_params, kernels, biases = sharding.vary_like((x, norm_params, kernels, biases), x,
-                                                       norm_params, kernels, biases)
+  x, norm_params, kernels, casts, biases = sharding.vary_like(
+      (x, norm_params, kernels, casts, biases), x, norm_params, kernels, casts, biases)
   dtypes = (x.dtype, out_dtype, tuple(kernel.dtype for kernel in kernels),
             tuple(None if b is None else b.dtype for b in biases))
   x2 = x.reshape(math.prod(x.shape[:-1]), k)
   if isinstance(recipe, BlockScaling):
-    ys = _block_linear(x2, norm_params, kernels, biases, recipe, dtypes, norm)
+    ys = _block_linear(x2, norm_params, kernels, casts, biases, recipe, dtypes, norm)
   elif isinstance(recipe, MXFP8BlockScaling):
     ys = _mxfp8_linear(x2, kernels, biases, dtypes)
   elif isinstance(recipe, NVFP4BlockScaling):
     ys = _nvfp4_linear(x2, kernels, biases, words, recipe, amax_axis_name, dtypes)
   else:
-    ys = _linear(x2, norm_params, kernels, biases, rings, amax_axis_name, dtypes,
+    ys = _linear(x2, norm_params, kernels, casts, biases, rings, amax_axis_name, dtypes,
                  recipe.fast_accum_gemms, norm, isinstance(recipe, CurrentScaling))
   return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))

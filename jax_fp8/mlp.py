@@ -34,11 +34,11 @@ import jax.numpy as jnp
 from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
-from .linear import (BLOCK_RECIPES, STATELESS, _amax_axes, _check_delayed,
-                     _fp8_pays, _shared, block_quantize_input, check_key, check_norm,
-                     check_stateless, fold_key, check_stateless_global, compute_dtype,
-                     fp8_multiple, gemm_input, input_grad, linear, normalized, quantize_input,
-                     scaled, zero_like)
+from .linear import (BLOCK_RECIPES, STATELESS, CastKernel, _amax_axes, _check_delayed,
+                     _fp8_pays, _shared, block_kernel_fp8, block_quantize_input, check_cast,
+                     check_key, check_norm, check_stateless, fold_key, check_stateless_global,
+                     compute_dtype, fp8_multiple, gemm_input, input_grad, kernel_fp8, linear,
+                     normalized, quantize_input, scaled, zero_like)
 from .ops import blockwise
 from .ops._ring import check_ring
 from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
@@ -73,8 +73,8 @@ class MlpState:
     return cls(fwd, fwd, bwd, fwd, fwd, bwd)
 
 
-def _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_accum, norm,
-             out_dtype, current_, axis_name):
+def _forward(x, norm_params, k_in, k_out, casts, b_in, b_out, rings, activation, fast_accum,
+             norm, out_dtype, current_, axis_name):
   """out, what the backward needs, and the forward rings' observations (x, kernel_in, hidden,
   kernel_out). Under current scaling (``current_``) each ring is first set to its tensor's
   scale (``linear.scaled``; the activation's amax from XLA's activation of y)."""
@@ -83,31 +83,31 @@ def _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_a
   if current_:
     rx = scaled(rx, normalized(x, norm_params, norm), current_, axis_name)
   cx = quantize_input(x, norm_params, rx, norm)  # [M, K], [K, M16]
-  ck_in = cast_transpose_delayed(k_in, scaled(rk_in, k_in, current_, axis_name),
-                                 observe=True)  # [K, N], [N, K]
-  y = gemm_bias(cx.q, ck_in.qt, cx.scale, ck_in.scale, b_in, out_dtype, fast)  # [M, N]
+  qk_in, qkt_in, sk_in, ok_in = kernel_fp8(k_in, casts[0], rk_in, current_,
+                                           axis_name)  # [K, N], [N, K]
+  y = gemm_bias(cx.q, qkt_in, cx.scale, sk_in, b_in, out_dtype, fast)  # [M, N]
   if current_:
     rh = scaled(rh, activations.apply(y, activation), current_, axis_name)
   ch = activation_cast_transpose(y, rh, activation=activation, observe=True)  # [M, F], [F, M16]
-  ck_out = cast_transpose_delayed(k_out, scaled(rk_out, k_out, current_, axis_name),
-                                  observe=True)  # [F, D], [D, F]
-  out = gemm_bias(ch.q, ck_out.qt, ch.scale, ck_out.scale, b_out, out_dtype, fast)  # [M, D]
-  saved = (cx.qt, cx.scale, ck_in.q, ck_in.scale, y, ch.qt, ch.scale, ck_out.q, ck_out.scale,
+  qk_out, qkt_out, sk_out, ok_out = kernel_fp8(k_out, casts[1], rk_out, current_,
+                                               axis_name)  # [F, D], [D, F]
+  out = gemm_bias(ch.q, qkt_out, ch.scale, sk_out, b_out, out_dtype, fast)  # [M, D]
+  saved = (cx.qt, cx.scale, qk_in, sk_in, y, ch.qt, ch.scale, qk_out, sk_out,
            None if norm is None else (x, norm_params))
-  return out, saved, (cx.ring, ck_in.ring, ch.ring, ck_out.ring)
+  return out, saved, (cx.ring, ok_in, ch.ring, ok_out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11, 12))
-def _mlp(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
+def _mlp(x, norm_params, k_in, k_out, casts, b_in, b_out, rings, activation, axis_name, dtypes,
          fast_accum, norm, current_):
-  return _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, fast_accum,
-                  norm, dtypes[1], current_, axis_name)[0]
+  return _forward(x, norm_params, k_in, k_out, casts, b_in, b_out, rings, activation,
+                  fast_accum, norm, dtypes[1], current_, axis_name)[0]
 
 
-def _mlp_fwd(x, norm_params, k_in, k_out, b_in, b_out, rings, activation, axis_name, dtypes,
-             fast_accum, norm, current_):
-  out, saved, observed = _forward(x, norm_params, k_in, k_out, b_in, b_out, rings, activation,
-                                  fast_accum, norm, dtypes[1], current_, axis_name)
+def _mlp_fwd(x, norm_params, k_in, k_out, casts, b_in, b_out, rings, activation, axis_name,
+             dtypes, fast_accum, norm, current_):
+  out, saved, observed = _forward(x, norm_params, k_in, k_out, casts, b_in, b_out, rings,
+                                  activation, fast_accum, norm, dtypes[1], current_, axis_name)
   forward_rings, grad_rings = tuple(rings[i] for i in (0, 1, 3, 4)), (rings[2], rings[5])
   if current_:  # the observations are dropped: the blank rings get zero gradients
     return out, (saved, zero_like(grad_rings), zero_like(forward_rings))
@@ -137,36 +137,38 @@ def _mlp_bwd(activation, axis_name, dtypes, fast_accum, norm, current_, res, g):
   rg = grad_rings if current_ else _shared((cdy.ring, cg.ring), grad_rings, axis_name)
   ox, ok_in, oh, ok_out = observed
   dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
-  return (dx, dnorm, dk_in, dk_out, db_in, db_out, (ox, ok_in, rg[0], oh, ok_out, rg[1]))
+  return (dx, dnorm, dk_in, dk_out, None, db_in, db_out, (ox, ok_in, rg[0], oh, ok_out, rg[1]))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
-def _block_forward(x, norm_params, k_in, k_out, b_in, b_out, recipe, activation, norm,
+def _block_forward(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, activation, norm,
                    out_dtype):
   """BlockScaling's forward (1 x 128 groups for x and the activation, 128 x 128 blocks for the
   kernels): out, and what the backward needs."""
   kw = recipe.kwargs()
   qx, sx, qxt, sxt = block_quantize_input(x, norm_params, recipe, norm)  # [M, K], [K, M128]
-  qk_in, sk_in = blockwise.block_quantize(k_in, **kw)  # [K, N], [K/128, N/128]
+  qk_in, sk_in = block_kernel_fp8(k_in, casts[0], recipe)  # [K, N], [K/128, N/128]
   y = gemm_bias(qx, qk_in.T, sx, sk_in.T, b_in, out_dtype)  # [M, N]
   qh, sh, qht, sht = blockwise.activation_group_cast_transpose(y, activation=activation, **kw)
-  qk_out, sk_out = blockwise.block_quantize(k_out, **kw)  # [F, D], [F/128, D/128]
+  qk_out, sk_out = block_kernel_fp8(k_out, casts[1], recipe)  # [F, D], [F/128, D/128]
   out = gemm_bias(qh, qk_out.T, sh, sk_out.T, b_out, out_dtype)  # [M, D]
   return out, (qxt, sxt, qk_in, sk_in, y, qht, sht, qk_out, sk_out,
                None if norm is None else (x, norm_params))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _block_mlp(x, norm_params, k_in, k_out, b_in, b_out, recipe, activation, dtypes, norm):
-  return _block_forward(x, norm_params, k_in, k_out, b_in, b_out, recipe, activation, norm,
-                        dtypes[1])[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _block_mlp(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, activation, dtypes,
+               norm):
+  return _block_forward(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, activation,
+                        norm, dtypes[1])[0]
 
 
-def _block_mlp_fwd(x, norm_params, k_in, k_out, b_in, b_out, recipe, activation, dtypes, norm):
-  return _block_forward(x, norm_params, k_in, k_out, b_in, b_out, recipe, activation, norm,
-                        dtypes[1])
+def _block_mlp_fwd(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, activation, dtypes,
+                   norm):
+  return _block_forward(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, activation,
+                        norm, dtypes[1])
 
 
 def _block_mlp_bwd(recipe, activation, dtypes, norm, res, g):
@@ -186,7 +188,7 @@ def _block_mlp_bwd(recipe, activation, dtypes, norm, res, g):
   db_out = None if b_out_dtype is None else jnp.sum(
       g.astype(jnp.float32), axis=0).astype(b_out_dtype)
   dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
-  return dx, dnorm, dk_in, dk_out, db_in, db_out
+  return dx, dnorm, dk_in, dk_out, None, db_in, db_out
 
 
 _block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
@@ -244,6 +246,12 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   _, gated = activations.check(activation)
   norm_params, norm = check_norm(x, (norm, gamma, beta, epsilon))
   out_dtype = compute_dtype(x, dtype)
+  casts = (None, None)
+  if isinstance(kernel_in, CastKernel) or isinstance(kernel_out, CastKernel):
+    check_recipe(recipe)
+    casts = (check_cast(kernel_in, "kernel_in", recipe),
+             check_cast(kernel_out, "kernel_out", recipe))
+    kernel_in, kernel_out = kernel_in.kernel, kernel_out.kernel
   for name, k in (("kernel_in", kernel_in), ("kernel_out", kernel_out)):
     if isinstance(k, Fp8Weight):
       raise TypeError(f"{name} is an Fp8Weight; mlp takes float kernels (Fp8Weight serves "
@@ -311,19 +319,19 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
            lambda v, w, b, key: v @ w.astype(v.dtype) + (0 if b is None else b.astype(v.dtype)))
     h = activations.apply(lin(x, kernel_in, bias_in, key=keys[0]), activation).astype(x.dtype)
     return lin(h, kernel_out, bias_out, key=keys[1])
-  x, norm_params, kernel_in, kernel_out, bias_in, bias_out = sharding.vary_like(
-      (x, norm_params, kernel_in, kernel_out, bias_in, bias_out), x, norm_params, kernel_in,
-      kernel_out, bias_in, bias_out)
+  x, norm_params, kernel_in, kernel_out, casts, bias_in, bias_out = sharding.vary_like(
+      (x, norm_params, kernel_in, kernel_out, casts, bias_in, bias_out), x, norm_params,
+      kernel_in, kernel_out, casts, bias_in, bias_out)
   dtypes = (x.dtype, out_dtype, kernel_in.dtype, kernel_out.dtype,
             None if bias_in is None else bias_in.dtype,
             None if bias_out is None else bias_out.dtype)
   if fused_block:
-    out = _block_mlp(x.reshape(m, k), norm_params, kernel_in, kernel_out, bias_in, bias_out,
-                     recipe, activation, dtypes, norm)
+    out = _block_mlp(x.reshape(m, k), norm_params, kernel_in, kernel_out, casts, bias_in,
+                     bias_out, recipe, activation, dtypes, norm)
     return out.reshape(*x.shape[:-1], d)
   rings = (tuple(recipe.ring(recipe.bwd_fmt if name.startswith("grad") else recipe.fwd_fmt)
                  for name in _RINGS) if current_ else
            tuple(getattr(state, name) for name in _RINGS))
-  out = _mlp(x.reshape(m, k), norm_params, kernel_in, kernel_out, bias_in, bias_out, rings,
-             activation, axis, dtypes, recipe.fast_accum_gemms, norm, current_)
+  out = _mlp(x.reshape(m, k), norm_params, kernel_in, kernel_out, casts, bias_in, bias_out,
+             rings, activation, axis, dtypes, recipe.fast_accum_gemms, norm, current_)
   return out.reshape(*x.shape[:-1], d)
