@@ -30,6 +30,9 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
 - ``delayed_fused_norm_mlp`` (and ``_fast_all``): as ``delayed_fused_mlp`` (and its fast
   variant), the RMSNorms before q / k / v and the MLP fused into those layers' input
   cast-transposes (``norm="rmsnorm"``);
+- ``delayed_fused_norm_mlp_cast_kernels``: as ``delayed_fused_norm_mlp``, its kernels
+  quantized once per step (``jax_fp8.flax.cast_kernels``) rather than once per microbatch: the
+  same as ``delayed_fused_norm_mlp`` at one microbatch;
 - ``current_fused_norm_mlp`` (and ``_fast_all``): the same layers under ``CurrentScaling()``
   (each tensor's scale from its amax of this step, XLA's reduction before each quantization);
 - ``block_fused_norm_mlp``: the same layers under ``BlockScaling()``, the norms, SwiGLU and its
@@ -40,7 +43,9 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
   cost of the quantizations. NVFP4's stochastic rounding draws each step's key from a key
   carried beside the state and folded once per step.
 
-Each step is one jitted call with its buffers donated. Time: the median of ``--windows``
+With ``--microbatches`` n the step scans over n microbatches of ``--batch`` / n sequences,
+accumulating the gradients (jax_fp8's state ``jax_fp8.share``d among them). Each step is one
+jitted call with its buffers donated. Time: the median of ``--windows``
 windows of ``--steps`` back-to-back steps (dispatch is asynchronous and a step lasts far longer
 than its dispatch, so the device never waits for the host); compile seconds and temp bytes
 from the compiled step. ``--profile`` also traces ``--profile-steps`` steps of the named
@@ -50,7 +55,8 @@ the device's work by kind (GEMMs, attention, our kernels, XLA's fusions) and its
 (``benchmarks.step_profile``).
 
     python -m benchmarks.model_step [--d-model 4096] [--heads 32] [--ffn 14336] [--layers 4]
-        [--seq 2048] [--batch 8] [--vocab 32000] [--param-dtype float32|bfloat16]
+        [--seq 2048] [--batch 8] [--vocab 32000] [--microbatches 1]
+        [--param-dtype float32|bfloat16]
         [--attention cudnn|xla|default] [--variants NAME ...] [--profile [NAME ...]]
         [--steps 8] [--windows 3] [--profile-steps 3] [--quick] [--out PATH]
 
@@ -139,6 +145,9 @@ VARIANTS = {
     "delayed_fused_norm_mlp_fast_all": (
         functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
         FAST_ALL, True),
+    "delayed_fused_norm_mlp_cast_kernels": (
+        functools.partial(Dense, recipe=DELAYED), functools.partial(MultiDense, recipe=DELAYED),
+        DELAYED, True),
     "current_fused_norm_mlp": (functools.partial(Dense, recipe=CURRENT),
                                functools.partial(MultiDense, recipe=CURRENT), CURRENT, True),
     "current_fused_norm_mlp_fast_all": (
@@ -155,6 +164,8 @@ VARIANTS = {
                            functools.partial(MultiDense, recipe=NVFP4), None, False),
 }
 KEYED = ("nvfp4_shared_input",)  # the variants whose recipe draws a key (stochastic rounding)
+# The variants whose kernels are cast once per step (jax_fp8.flax.cast_kernels) -> recipe.
+CAST_KERNELS = {"delayed_fused_norm_mlp_cast_kernels": DELAYED}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +177,7 @@ class Config:
   seq: int = 2048
   batch: int = 8
   vocab: int = 32000
+  microbatches: int = 1
   param_dtype: str = "float32"
   attention: str = "cudnn"  # jax.nn.dot_product_attention's implementation; "default": None
 
@@ -265,10 +277,30 @@ def setup(cfg: Config, variant: str, tx):
   model = Decoder(cfg, variant)
   tokens = jax.random.randint(jax.random.key(0), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
 
-  def loss_fn(params, other, tokens, key):
+  def micro_loss(params, other, tokens, key):
     rngs = {} if key is None else {jax_fp8.flax.SR_STREAM: key}
     logits = model.apply({"params": params, **other}, tokens[:, :-1], rngs=rngs)
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+  def loss_fn(params, other, tokens, key):
+    """The mean loss of the microbatches, scanned over with jax_fp8's state shared among them
+    (Flax's FP8 collection, closed over, combines its gradients by max itself)."""
+    if variant in CAST_KERNELS:
+      params = jax_fp8.flax.cast_kernels(params, other[STATE_COLLECTION], CAST_KERNELS[variant])
+    mb = cfg.microbatches
+    if mb == 1:
+      return micro_loss(params, other, tokens, key)
+    rest = {k: v for k, v in other.items() if k != STATE_COLLECTION}
+    state = other.get(STATE_COLLECTION)
+
+    def body(total, xs):
+      part, shared, i = xs
+      collections = rest if shared is None else {**rest, STATE_COLLECTION: shared}
+      return total + micro_loss(params, collections, part,
+                                None if key is None else jax.random.fold_in(key, i)), None
+    xs = (tokens.reshape(mb, cfg.batch // mb, -1),
+          None if state is None else jax_fp8.share(state, mb), jnp.arange(mb))
+    return jax.lax.scan(body, 0.0, xs)[0] / mb
 
   @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
   def step(params, opt_state, other, tokens):
@@ -360,9 +392,11 @@ def main(argv=None):
       p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
   cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
   if args.quick:
-    if cfg != Config():
-      p.error("--quick runs its own tiny model: give no model flags with it")
-    cfg = QUICK
+    if cfg != dataclasses.replace(Config(), microbatches=cfg.microbatches):
+      p.error("--quick runs its own tiny model: give no model flags but --microbatches with it")
+    cfg = dataclasses.replace(QUICK, microbatches=cfg.microbatches)
+  if cfg.microbatches < 1 or cfg.batch % cfg.microbatches:
+    p.error(f"--microbatches ({cfg.microbatches}) must be >= 1 and divide --batch ({cfg.batch})")
   if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
     p.error(f"--d-model ({cfg.d_model}) must be a multiple of --heads ({cfg.heads}) with an even "
             f"head size")

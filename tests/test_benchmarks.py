@@ -137,6 +137,18 @@ def test_model_step_benchmark(tmp_path):
   assert res["rows"][2]["profile"][0]["us_per_step"] > 0
 
 
+def test_model_step_microbatches(tmp_path):
+  """With microbatches, the variant whose kernels are cast once per step trains as the one
+  quantizing them per microbatch (the same loss: the same bits), beside BF16 and Flax's FP8."""
+  variants = ["bf16", "flax_fp8", "delayed_fused_norm_mlp", "delayed_fused_norm_mlp_cast_kernels"]
+  res = model_step.main(["--quick", "--microbatches", "2", "--steps", "1", "--windows", "1",
+                         "--variants", *variants, "--out", str(tmp_path / "model_step.json")])
+  assert res["config"]["microbatches"] == 2
+  losses = {r["variant"]: r["loss"] for r in res["rows"]}
+  assert all(0 < v < 10 for v in losses.values())
+  assert losses["delayed_fused_norm_mlp_cast_kernels"] == losses["delayed_fused_norm_mlp"]
+
+
 def test_inference_benchmark(tmp_path):
   """The FP8-weights inference benchmark end to end at its quick shapes."""
   out = tmp_path / "inference.json"
