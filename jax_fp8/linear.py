@@ -228,8 +228,9 @@ def check_cast(cast, name: str, recipe):
   (q, scale) under BlockScaling); TypeError for another type beside it, ValueError when it
   was cast for another recipe."""
   if not isinstance(cast, CastKernel):
-    raise TypeError(f"{name} is a {type(cast).__name__} beside CastKernel kernels: pass all "
-                    f"kernels through cast_kernel or none")
+    got = "an array" if isinstance(cast, jax.Array) else f"a {type(cast).__name__}"
+    raise TypeError(f"{name} is {got} beside CastKernel kernels: pass all kernels through "
+                    f"cast_kernel or none")
   if cast.recipe != recipe:
     raise ValueError(f"{name} was cast for {cast.recipe}, but the layer runs {recipe}: cast it "
                      f"with the layer's recipe")
@@ -698,7 +699,8 @@ _RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple
     BlockScaling, 32 under MXFP8BlockScaling), mismatched shapes, unsupported dtypes, rings that
     do not match the recipe, amax_axis_name not a str or tuple of str or naming an axis that is
     not bound, axes missing from amax_axis_name under shard_map, a state given to a stateless
-    recipe or an amax axis to a block recipe, an Fp8Weight under MXFP8BlockScaling, more than
+    recipe or an amax axis to a block recipe, an Fp8Weight under MXFP8BlockScaling, a
+    CastKernel cast for another recipe or beside a plain kernel, more than
     65535 * 32 rows M under MXFP8BlockScaling with a gradient (the blocks along M), an
     unknown norm, gamma / beta of the wrong shape or dtype or given without their norm,
     epsilon not > 0, a key where the recipe draws none or that is not a PRNG key (or, when
@@ -720,7 +722,9 @@ linear.__doc__ = f"""``y = x @ kernel + bias`` with low-precision GEMMs forward 
 
   Args:
     x: [..., K] float32 / bfloat16 / float16.
-    kernel: [K, N] (Flax layout), float32 / bfloat16 / float16, quantized from its own dtype.
+    kernel: [K, N] (Flax layout), float32 / bfloat16 / float16, quantized from its own dtype;
+      or its ``CastKernel`` (``cast_kernel``: quantized once for the step's microbatches), or
+      an ``Fp8Weight`` (inference).
     bias: optional [N].
     state: under ``DelayedScaling``, the layer's ``LinearState`` (create with
       ``LinearState.create(recipe)``); differentiate with respect to it and pass that gradient
@@ -771,7 +775,8 @@ multi_linear.__doc__ = f"""``y_i = x @ kernels[i] + biases[i]`` for several kern
 
   Args:
     x: [..., K] float32 / bfloat16 / float16.
-    kernels: tuple / list of n [K, N_i] arrays, float32 / bfloat16 / float16.
+    kernels: tuple / list of n [K, N_i] arrays, float32 / bfloat16 / float16 (or all
+      ``CastKernel``s, or all ``Fp8Weight``s, as in ``linear``).
     biases: None, or n entries each None or [N_i] float32 / bfloat16 / float16.
     state: under ``DelayedScaling``, a ``MultiLinearState`` (``MultiLinearState.create(n,
       recipe)``), used as ``linear``'s state is. Under the other recipes: None.

@@ -209,7 +209,8 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
     x: [..., K] float32 / bfloat16 / float16.
     kernel_in: [K, N] float32 / bfloat16 / float16; N = F, or 2F for a gated activation
       (columns [gate | up]).
-    kernel_out: [F, D] float32 / bfloat16 / float16.
+    kernel_out: [F, D] float32 / bfloat16 / float16. Either kernel may be its ``CastKernel``
+      (``cast_kernel``, quantized once for the step's microbatches; then both are).
     bias_in: optional [N]; bias_out: optional [D].
     activation: "silu", "gelu" (tanh approximation), "swiglu" or "geglu"
       (``jax_fp8.activations``).

@@ -14,6 +14,8 @@ X = jnp.ones((32, 128), jnp.float32)
 S = jnp.float32(1)
 RING = jax_fp8.ScaleRing.create(4)
 E4 = jnp.ones((32, 128), jnp.float8_e4m3fn)
+W = jnp.ones((128, 16), jnp.float32)
+CURRENT = jax_fp8.CurrentScaling()
 
 CASES = {
     # arguments used before they were checked
@@ -97,6 +99,40 @@ CASES = {
                                                       state=jax_fp8.LinearState.create(),
                                                       amax_axis_name="data"), ValueError,
                                "amax_axis_name names the axis 'data', which is not bound"),
+    # cast_kernel / CastKernel / cast_kernels
+    "cast_kernel MXFP8": (lambda: jax_fp8.cast_kernel(W, recipe=jax_fp8.MXFP8BlockScaling()),
+                          TypeError, "recipe must be a DelayedScaling, a CurrentScaling or a "
+                                     "BlockScaling, got MXFP8BlockScaling"),
+    "cast_kernel no ring": (lambda: jax_fp8.cast_kernel(W), TypeError,
+                            "ring must be the kernel's jax_fp8.ScaleRing under DelayedScaling"),
+    "cast_kernel ring stateless": (lambda: jax_fp8.cast_kernel(W, RING, recipe=CURRENT),
+                                   ValueError, "CurrentScaling is stateless: pass ring=None"),
+    "cast_kernel ring history": (lambda: jax_fp8.cast_kernel(W, RING), ValueError,
+                                 r"ring \(fmt, history_len, margin, algo\) = \('e4m3', 4, 0, "
+                                 r"'max'\) does not match the recipe's \('e4m3', 16, 0, 'max'\)"),
+    "cast_kernel int kernel": (lambda: jax_fp8.cast_kernel(jnp.ones((128, 16), jnp.int32),
+                                                           recipe=CURRENT), TypeError,
+                               r"kernel must be a float32 / bfloat16 / float16 \[K, N\] array, "
+                               r"got int32\[128, 16\]"),
+    "cast_kernel block K": (lambda: jax_fp8.cast_kernel(W, recipe=jax_fp8.BlockScaling()),
+                            ValueError, r"BlockScaling needs K and N multiples of 128.*got "
+                                        r"kernel \[128, 16\]"),
+    "linear cast for another recipe": (
+        lambda: jax_fp8.linear(X, jax_fp8.cast_kernel(W, recipe=CURRENT),
+                               state=jax_fp8.LinearState.create()), ValueError,
+        "kernel was cast for CurrentScaling.* but the layer runs DelayedScaling"),
+    "multi_linear cast beside array": (
+        lambda: jax_fp8.multi_linear(X, (jax_fp8.cast_kernel(W, recipe=CURRENT), W),
+                                     recipe=CURRENT), TypeError,
+        r"kernels\[1\] is an array beside CastKernel kernels"),
+    "cast_kernels no state": (lambda: jax_fp8.flax.cast_kernels({"kernel": W}), TypeError,
+                              "cast_kernels under DelayedScaling takes the \"fp8_state\""),
+    "cast_kernels state stateless": (
+        lambda: jax_fp8.flax.cast_kernels({"kernel": W}, {}, CURRENT), ValueError,
+        "CurrentScaling is stateless: pass fp8_state=None"),
+    "cast_kernels select": (lambda: jax_fp8.flax.cast_kernels({"kernel": W}, None, CURRENT,
+                                                              select="all"), TypeError,
+                            "select must be a callable"),
 }
 
 
