@@ -24,8 +24,8 @@ from .state import ScaleRing, combine_updates, share, update_state
 __version__ = "0.3.0.dev0"
 
 __all__ = [
-    "BlockScaling", "CastKernel", "CastTransposed", "CurrentScaling", "DelayedQuantized", "DelayedScaling",
-    "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState", "MultiLinearState",
+    "BlockScaling", "CastKernel", "CastTransposed", "CurrentScaling", "DelayedQuantized",
+    "DelayedScaling", "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState", "MultiLinearState",
     "NVFP4BlockScaling", "Quantized",
     "ScaleRing",
     "activation_cast_transpose", "activation_grad_cast_transpose",

@@ -96,9 +96,9 @@ def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, mu
   None): inputs (unless a norm reads them) and biases promoted to it, the kernels left in
   their parameter dtype (f32, bf16 or f16; ``CastKernel``s, cast once per step; or
   ``Fp8Weight``s, for inference), so f32 master weights are quantized straight from f32 (one
-  rounding, no copy in ``dtype``) and get f32 gradients from the wgrad GEMMs. ``norm_args``: (norm, gamma, beta, epsilon) of the fused
-  input norm, gamma and beta in their parameter dtype. ``key``: for NVFP4's stochastic
-  rounding, or None."""
+  rounding, no copy in ``dtype``) and get f32 gradients from the wgrad GEMMs. ``norm_args``:
+  (norm, gamma, beta, epsilon) of the fused input norm, gamma and beta in their parameter
+  dtype. ``key``: for NVFP4's stochastic rounding, or None."""
   dtype = _compute_dtype(inputs, (*kernels, *biases), dtype)
   biases = dtypes.promote_dtype(*biases, dtype=dtype)
   norm, gamma, beta, epsilon = norm_args

@@ -12,6 +12,7 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import serialization
 
 from . import activations, checks
@@ -47,6 +48,9 @@ def _kernel(module: nn.Module, name: str, shape):
   ``CastKernel`` (``cast_kernels``) as it is, else ``module.param`` of ``shape``."""
   if module.has_variable("params", name):
     stored = module.get_variable("params", name)
+    if isinstance(stored, CastKernel) and jnp.shape(stored.kernel) != tuple(shape):
+      raise ValueError(f"{type(module).__name__}'s {name} is a CastKernel of a "
+                       f"{list(jnp.shape(stored.kernel))} kernel; the layer's is {list(shape)}")
     if isinstance(stored, (Fp8Weight, CastKernel)):
       return stored
   return module.param(name, module.kernel_init, shape, module.param_dtype)
@@ -224,6 +228,13 @@ class Mlp(nn.Module):
                     linen_key(self, self.recipe))
 
 
+def _is_kernel(name: str) -> bool:
+  """Whether a parameter's name is that of a jax_fp8 layer's kernel: "kernel" (``Dense``),
+  "kernel_<i>" (``MultiDense``), "kernel_in" / "kernel_out" (``Mlp``)."""
+  return (name in ("kernel", "kernel_in", "kernel_out")
+          or (name.startswith("kernel_") and name[7:].isdigit()))
+
+
 def _ring(state, name: str):
   """The scale ring of kernel parameter ``name`` in a linen module's "fp8_state" entries
   (``state``: a mapping, or None), or None where the module has none for it."""
@@ -268,8 +279,10 @@ def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
   Returns:
     ``params`` with those leaves replaced, the mappings rebuilt as plain dicts.
   Raises:
-    TypeError / ValueError: select not callable, fp8_state missing under DelayedScaling or
-    given under a stateless recipe, and ``jax_fp8.cast_kernel``'s errors for a kernel.
+    TypeError / ValueError: params not a mapping, select not callable or not returning a bool,
+    fp8_state missing under DelayedScaling or given under a stateless recipe, no kernel
+    finding its ring in fp8_state under DelayedScaling (the collections passed at the wrong
+    level), and ``jax_fp8.cast_kernel``'s errors for a kernel, prefixed with its path.
   """
   if not callable(select):
     raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
@@ -287,6 +300,8 @@ def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
       fn = jax.vmap(fn, in_axes=(0, None if ring is None else 0))
     return fn(kernel, ring)
 
+  found = []
+
   def walk(node, state, path):
     out = {}
     for name, value in node.items():
@@ -294,14 +309,28 @@ def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
       if hasattr(value, "items"):
         out[name] = walk(value, state.get(name) if hasattr(state, "get") else None, where)
         continue
-      is_kernel = (name in ("kernel", "kernel_in", "kernel_out") or
-                   (name.startswith("kernel_") and name[7:].isdigit()))
       ring = _ring(state, name) if delayed else None
-      wanted = (is_kernel and jnp.ndim(value) >= 2 and not isinstance(value, CastKernel)
-                and (ring is not None or not delayed) and select(where, value))
-      out[name] = cast(value, ring) if wanted else value
+      out[name] = value
+      if (not _is_kernel(name) or not isinstance(value, (jax.Array, np.ndarray))
+          or jnp.ndim(value) < 2
+          or (delayed and ring is None)):
+        continue
+      chosen = select(where, value)
+      if not isinstance(chosen, bool):
+        raise TypeError(f"select must return a bool, got {type(chosen).__name__} for {where}")
+      if chosen:
+        try:
+          out[name] = cast(value, ring)
+        except (TypeError, ValueError) as e:
+          raise type(e)(f"{where}: {e}") from None
+        found.append(where)
     return out
   if not hasattr(params, "items"):
     raise TypeError(f"params must be a linen \"params\" collection (a mapping), got "
                     f"{type(params).__name__}")
-  return walk(params, fp8_state, "")
+  out = walk(params, fp8_state, "")
+  if delayed and not found:
+    raise ValueError("no kernel of params found its ring in fp8_state: pass the \"params\" "
+                     "and \"fp8_state\" collections themselves (variables[\"params\"], "
+                     "variables[\"fp8_state\"]), of a model with jax_fp8 layers")
+  return out

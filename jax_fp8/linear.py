@@ -38,7 +38,7 @@ from .formats import FLOAT_DTYPES, MX_BLOCK, NVFP4_BLOCK, amax, as_f32, hadamard
 from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
 from .ops._ring import check_ring
-from .ops.cast_transpose import cast_transpose_delayed, norm_cast_transpose
+from .ops.cast_transpose import CastTransposed, cast_transpose_delayed, norm_cast_transpose
 from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
 from .ops.mxfp8 import mxfp8_gemm, mxfp8_quantize
 from .ops.nvfp4 import nvfp4_gemm, nvfp4_quantize
@@ -113,13 +113,14 @@ class MultiLinearState:
             tuple((f"state.grads[{i}]", r) for i, r in enumerate(self.grads)))
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["kernel", "q", "qt", "scale"],
-                   meta_fields=["recipe"])
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["kernel", "q", "qt", "scale", "uses"], meta_fields=["recipe"])
 @dataclasses.dataclass(frozen=True)
 class CastKernel:
   """A kernel with its FP8 copies, made once by ``cast_kernel`` for several uses in one step
-  (the microbatches of a ``lax.scan``, a tied layer), which ``linear``, ``multi_linear`` and
-  ``mlp`` take in place of the kernel and use without quantizing it again.
+  (the microbatches of a ``lax.scan``; a tied layer whose uses share one state through
+  ``share``), which ``linear``, ``multi_linear`` and ``mlp`` take in place of the kernel and
+  use without quantizing it again.
 
   Attributes:
     kernel: the float kernel [K, N] itself, through which its gradient flows.
@@ -128,13 +129,18 @@ class CastKernel:
     qt: float8_e4m3fn [N, K], the same bytes transposed (the forward's operand under the
       per-tensor recipes); None under BlockScaling (its 128 x 128 blocks serve both GEMMs).
     scale: float32 dequantization step: [] (per-tensor) or [K/128, N/128] (BlockScaling).
-    recipe: static, the recipe it was cast for; a layer running another raises ValueError.
+    uses: float32 [] zero, whose gradient counts the layers' FP8 uses of the cast: the ring
+      gets the cast's observation only where it is nonzero (a layer below
+      ``fp8_min_intensity`` runs XLA's GEMM on ``kernel`` and leaves the ring as it is).
+    recipe: static, the recipe it was cast for; a layer running one of another ``cast_recipe``
+      raises ValueError.
   """
 
   kernel: jax.Array
   q: jax.Array
   qt: jax.Array | None
   scale: jax.Array
+  uses: jax.Array
   recipe: Recipe
 
 
@@ -144,17 +150,21 @@ def _cast(kernel, ring, recipe, axis_name):
 
 
 def _cast_fwd(kernel, ring, recipe, axis_name):
+  uses = jnp.zeros((), jnp.float32)
   if isinstance(recipe, BlockScaling):
     q, scale = blockwise.block_quantize(kernel, **recipe.kwargs())
-    return (kernel, q, None, scale), None
+    return (kernel, q, None, scale, uses), None
   current_ = isinstance(recipe, CurrentScaling)
-  q, qt, scale, observed = kernel_fp8(kernel, None, recipe.ring(recipe.fwd_fmt) if current_
-                                      else ring, current_, axis_name)
-  return (kernel, q, qt, scale), None if current_ else _shared(observed, ring, axis_name)
+  ck = kernel_fp8(kernel, None, recipe.ring(recipe.fwd_fmt) if current_ else ring, current_,
+                  axis_name)
+  observed = None if current_ else _shared(ck.ring, ring, axis_name)
+  return (kernel, ck.q, ck.qt, ck.scale, uses), observed
 
 
 def _cast_bwd(recipe, axis_name, observed, cts):
-  return cts[0], observed  # the kernel's gradient as it came; the ring's observation
+  # The kernel's gradient as it came; the ring's observation where an FP8 GEMM used the cast.
+  used = cts[4] > 0
+  return cts[0], jax.tree.map(lambda o: jnp.where(used, o, jnp.zeros_like(o)), observed)
 
 
 _cast.defvjp(_cast_fwd, _cast_bwd)
@@ -170,8 +180,10 @@ def cast_kernel(kernel: jax.Array, ring: ScaleRing | None = None, *,
 
   Differentiate through it as through the kernel: the kernel's gradient (the microbatches'
   wgrads, summed) flows back to ``kernel``; under ``DelayedScaling`` ``ring``'s gradient is
-  this cast's observation, and the layers give the kernel rings of their (``share``d) state a
-  zero one, so ``update_state`` advances the ring once per step by this cast's amax.
+  this cast's observation (none where no FP8 GEMM used the cast), and the layers give the
+  kernel rings of their (``share``d) state a zero one, so ``update_state`` advances the ring
+  once per step by this cast's amax. Layers that do not share that ring (two layers with
+  states of their own on one cast) leave theirs as they are.
 
   Args:
     kernel: [K, N] float32 / bfloat16 / float16 (f32 master weights quantized straight from
@@ -180,7 +192,8 @@ def cast_kernel(kernel: jax.Array, ring: ScaleRing | None = None, *,
       ``state.kernels[i]``, ``state.kernel_in`` / ``kernel_out`` of an ``MlpState``), outside
       ``share``; under the stateless recipes None.
     recipe: ``DelayedScaling`` (default), ``CurrentScaling`` (the kernel's amax of this step)
-      or ``BlockScaling`` (128 x 128 blocks); the layers using the cast must run the same.
+      or ``BlockScaling`` (128 x 128 blocks); the layers using the cast must run a recipe of
+      the same ``cast_recipe``.
     amax_axis_name: as in ``linear``: the axes over which devices share the ring (or, under
       ``CurrentScaling``, hold parts of the kernel), the amax max-reduced over them.
   Returns:
@@ -204,12 +217,7 @@ def cast_kernel(kernel: jax.Array, ring: ScaleRing | None = None, *,
     if not isinstance(ring, ScaleRing):
       raise TypeError(f"ring must be the kernel's jax_fp8.ScaleRing under DelayedScaling (e.g. "
                       f"state.kernel), got {type(ring).__name__}")
-    check_ring(ring, "ring")
-    want = (recipe.fwd_fmt, recipe.history_len, recipe.margin, recipe.algo)
-    have = (ring.fmt, jnp.shape(ring.amax_history)[0], ring.margin, ring.algo)
-    if want != have:
-      raise ValueError(f"ring (fmt, history_len, margin, algo) = {have} does not match the "
-                       f"recipe's {want}")
+    check_rings((("ring", ring),), (recipe.fwd_fmt,), recipe)
   elif ring is not None:
     raise ValueError(f"{type(recipe).__name__} is stateless: pass ring=None, got a "
                      f"{type(ring).__name__}")
@@ -218,24 +226,72 @@ def cast_kernel(kernel: jax.Array, ring: ScaleRing | None = None, *,
     axis = None
   else:
     axis = _amax_axes(None, kernel, None, ring, amax_axis_name)
-  kernel, *fp8 = _cast(kernel, ring, recipe, axis)
-  fp8 = sharding.vary_like(jax.lax.stop_gradient(tuple(fp8)), kernel)
-  return CastKernel(kernel, *fp8, recipe)
+  kernel, q, qt, scale, uses = _cast(kernel, ring, recipe, axis)
+  # No gradient flows into the FP8 copies (none accumulates over the microbatches either).
+  q, qt, scale = sharding.vary_like(jax.lax.stop_gradient((q, qt, scale)), kernel)
+  return CastKernel(kernel, q, qt, scale, uses, recipe)
+
+
+def cast_recipe(recipe) -> tuple:
+  """What of ``recipe`` decides a ``CastKernel``'s bytes and its ring's protocol: the recipe's
+  type and its forward format and margin (per-tensor) or its quantizers' arguments
+  (BlockScaling). A layer takes casts made under a recipe with the same ``cast_recipe``."""
+  if isinstance(recipe, BlockScaling):
+    return type(recipe), tuple(sorted(recipe.kwargs().items()))
+  return type(recipe), recipe.fwd_fmt, recipe.margin
 
 
 def check_cast(cast, name: str, recipe):
-  """A ``CastKernel``'s FP8 copies as the recipe's GEMMs take them ((q, qt, scale) per-tensor,
-  (q, scale) under BlockScaling); TypeError for another type beside it, ValueError when it
-  was cast for another recipe."""
+  """A ``CastKernel``'s (FP8 copies..., uses) as the recipe's GEMMs take them ((q, qt, scale,
+  uses) per-tensor, (q, scale, uses) under BlockScaling); TypeError for another type beside
+  it or fields of the wrong dtype or shape, ValueError when it was cast for another
+  recipe."""
   if not isinstance(cast, CastKernel):
     got = "an array" if isinstance(cast, jax.Array) else f"a {type(cast).__name__}"
     raise TypeError(f"{name} is {got} beside CastKernel kernels: pass all kernels through "
                     f"cast_kernel or none")
-  if cast.recipe != recipe:
+  if cast_recipe(cast.recipe) != cast_recipe(recipe):
     raise ValueError(f"{name} was cast for {cast.recipe}, but the layer runs {recipe}: cast it "
                      f"with the layer's recipe")
-  return (cast.q, cast.scale) if isinstance(recipe, BlockScaling) else (cast.q, cast.qt,
-                                                                         cast.scale)
+  k, n = jnp.shape(cast.kernel)
+  block = isinstance(recipe, BlockScaling)
+  want = {"q": (jnp.float8_e4m3fn, (k, n)), "qt": None if block else (jnp.float8_e4m3fn, (n, k)),
+          "scale": (jnp.float32, (k // blockwise.BLOCK, n // blockwise.BLOCK) if block else ()),
+          "uses": (jnp.float32, ())}
+  for field, spec in want.items():
+    v = getattr(cast, field)
+    have = None if v is None else (jnp.result_type(v), jnp.shape(v))
+    if have != (spec if spec is None else (jnp.dtype(spec[0]), spec[1])):
+      raise TypeError(f"{name}.{field} must be {'None' if spec is None else spec} for a "
+                      f"[{k}, {n}] kernel under {type(recipe).__name__} (cast_kernel's), got "
+                      f"{have}")
+  fp8 = (cast.q, cast.scale) if block else (cast.q, cast.qt, cast.scale)
+  return (*fp8, cast.uses)
+
+
+def cast_uses(casts):
+  """The ``uses`` of a layer's ``casts`` (each None or (FP8 copies..., uses)), kept as
+  residuals for ``cast_grads``."""
+  return tuple(None if c is None else c[-1] for c in casts)
+
+
+def cast_grads(uses, fields: int):
+  """The cotangent of a layer's ``casts`` in its backward, from their ``cast_uses``
+  (``fields``: the FP8 copies' count): one use each, none for the copies."""
+  return tuple(None if u is None else (None,) * fields + (jnp.ones_like(u),) for u in uses)
+
+
+def check_rings(named, fmts, recipe) -> None:
+  """The (name, ring) pairs ``named`` valid ScaleRings of the formats ``fmts`` and of the
+  recipe's history length, margin and algo; TypeError / ValueError naming them otherwise."""
+  for name, ring in named:
+    check_ring(ring, name)
+  want = tuple((f, recipe.history_len, recipe.margin, recipe.algo) for f in fmts)
+  have = tuple((r.fmt, jnp.shape(r.amax_history)[0], r.margin, r.algo) for _, r in named)
+  if want != have:
+    raise ValueError(f"rings (fmt, history_len, margin, algo) for "
+                     f"({', '.join(name for name, _ in named)}) = {have} do not match the "
+                     f"recipe's {want}")
 
 
 def _axis_names(amax_axis_name) -> set:
@@ -364,14 +420,14 @@ def input_grad(dx, x, norm_params, norm, x_dtype):
   return dx, tuple(grads)
 
 
-def kernel_fp8(kernel, cast, ring, current_, axis_name):
-  """(q [K, N], qt [N, K], scale, the ring's observation) of a kernel for the per-tensor GEMMs:
-  its cast-transpose, or ``cast`` (a ``CastKernel``'s (q, qt, scale), its ring observed by
-  ``cast_kernel``'s backward) with a zero observation."""
+def kernel_fp8(kernel, cast, ring, current_, axis_name) -> CastTransposed:
+  """A kernel for the per-tensor GEMMs (q [K, N], qt [N, K], scale, and as ``ring`` the ring's
+  observation): its cast-transpose, or ``cast`` (a ``CastKernel``'s (q, qt, scale, uses), its
+  ring observed by ``cast_kernel``'s backward) with a zero observation."""
   if cast is not None:
-    return (*cast, zero_like(ring))
-  ck = cast_transpose_delayed(kernel, scaled(ring, kernel, current_, axis_name), observe=True)
-  return ck.q, ck.qt, ck.scale, ck.ring
+    q, qt, scale, _ = cast
+    return CastTransposed(q, qt, None, zero_like(ring), None, scale)
+  return cast_transpose_delayed(kernel, scaled(ring, kernel, current_, axis_name), observe=True)
 
 
 def _forward(x, norm_params, kernels, casts, biases, rings, fast_accum, norm, out_dtype,
@@ -384,12 +440,12 @@ def _forward(x, norm_params, kernels, casts, biases, rings, fast_accum, norm, ou
   # Cast-transposes: one read each gives both FP8 layouts (Hopper's FP8 GEMMs are TN-only).
   cx = quantize_input(x, norm_params, rx, norm)  # q [M, K], qt [K, M16] e4m3
   cks = [kernel_fp8(k, c, r, current_, axis_name)
-         for k, c, r in zip(kernels, casts, rks)]  # (q [K, N], qt, scale, observation)
-  ys = tuple(gemm_bias(cx.q, qt, cx.scale, sk, b, out_dtype, "fprop" in fast_accum)
-             for (_, qt, sk, _), b in zip(cks, biases))
-  saved = (cx.qt, cx.scale, tuple(ck[0] for ck in cks), tuple(ck[2] for ck in cks),
-           None if norm is None else (x, norm_params))
-  return ys, saved, (cx.ring, tuple(ck[3] for ck in cks))
+         for k, c, r in zip(kernels, casts, rks)]  # [K, N]
+  ys = tuple(gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, out_dtype, "fprop" in fast_accum)
+             for ck, b in zip(cks, biases))
+  saved = (cx.qt, cx.scale, tuple(ck.q for ck in cks), tuple(ck.scale for ck in cks),
+           None if norm is None else (x, norm_params), cast_uses(casts))
+  return ys, saved, (cx.ring, tuple(ck.ring for ck in cks))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
@@ -411,7 +467,7 @@ def _linear_fwd(x, norm_params, kernels, casts, biases, rings, axis_name, dtypes
 
 
 def _linear_bwd(axis_name, dtypes, fast_accum, norm, current_, res, gs):
-  qxt, sx, qks, sks, normed, grad_rings, rx, rks = res
+  qxt, sx, qks, sks, normed, uses, grad_rings, rx, rks = res
   x_dtype, _, k_dtypes, b_dtypes = dtypes
   dx, dks, dbs, rgs = None, [], [], []
   for g, qk, sk, ring, k_dtype, b_dtype in zip(gs, qks, sks, grad_rings, k_dtypes, b_dtypes):
@@ -427,7 +483,7 @@ def _linear_bwd(axis_name, dtypes, fast_accum, norm, current_, res, gs):
     rgs.append(cg.ring)
   rgs = grad_rings if current_ else _shared(tuple(rgs), grad_rings, axis_name)
   dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
-  return dx, dnorm, tuple(dks), None, tuple(dbs), (rx, rks, rgs)
+  return dx, dnorm, tuple(dks), cast_grads(uses, 3), tuple(dbs), (rx, rks, rgs)
 
 
 _linear.defvjp(_linear_fwd, _linear_bwd)
@@ -445,8 +501,8 @@ def block_quantize_input(x, norm_params, recipe, norm):
 
 def block_kernel_fp8(kernel, cast, recipe):
   """(q [K, N], scale [K/128, N/128]) of a kernel in 128 x 128 blocks: its block quantization,
-  or ``cast`` (a ``CastKernel``'s (q, scale))."""
-  return cast if cast is not None else blockwise.block_quantize(kernel, **recipe.kwargs())
+  or ``cast``'s (a ``CastKernel``'s (q, scale, uses))."""
+  return cast[:2] if cast is not None else blockwise.block_quantize(kernel, **recipe.kwargs())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -468,11 +524,12 @@ def _block_linear_fwd(x, norm_params, kernels, casts, biases, recipe, dtypes, no
     qk, sk = block_kernel_fp8(kernel, cast, recipe)  # [K, N], [K/128, N/128]
     ys.append(gemm_bias(qx, qk.T, sx, sk.T, bias, dtypes[1]))
     saved.append((qk, sk))
-  return tuple(ys), (qxt, sxt, tuple(saved), None if norm is None else (x, norm_params))
+  return tuple(ys), (qxt, sxt, tuple(saved), None if norm is None else (x, norm_params),
+                     cast_uses(casts))
 
 
 def _block_linear_bwd(recipe, dtypes, norm, res, gs):
-  qxt, sxt, saved, normed = res
+  qxt, sxt, saved, normed, uses = res
   x_dtype, _, k_dtypes, b_dtypes = dtypes
   dx, dks, dbs = None, [], []
   for g, (qk, sk), k_dtype, b_dtype in zip(gs, saved, k_dtypes, b_dtypes):
@@ -483,7 +540,7 @@ def _block_linear_bwd(recipe, dtypes, norm, res, gs):
     dbs.append(None if b_dtype is None else
                jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype))
   dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
-  return dx, dnorm, tuple(dks), None, tuple(dbs)
+  return dx, dnorm, tuple(dks), cast_grads(uses, 2), tuple(dbs)
 
 
 _block_linear.defvjp(_block_linear_fwd, _block_linear_bwd)
@@ -891,14 +948,14 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
   norm_params, norm = check_norm(x, norm_args)
   out_dtype = compute_dtype(x, dtype)
-  weights = [isinstance(k, Fp8Weight) for k in kernels]
-  if any(weights) and not all(weights):
-    raise TypeError("kernels must be all arrays or all Fp8Weight (inference), not a mix")
+  check_recipe(recipe)
   casts = (None,) * len(kernels)
   if any(isinstance(k, CastKernel) for k in kernels):
     casts = tuple(check_cast(c, name, recipe) for c, name in zip(kernels, kernel_names))
     kernels = tuple(c.kernel for c in kernels)
-  check_recipe(recipe)
+  weights = [isinstance(k, Fp8Weight) for k in kernels]
+  if any(weights) and not all(weights):
+    raise TypeError("kernels must be all arrays or all Fp8Weight (inference), not a mix")
   if all(weights):
     shapes = tuple(check_weight(w, name, recipe) for w, name in zip(kernels, kernel_names))
   else:
@@ -949,16 +1006,8 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     if len(named_k) != len(kernels) or len(named_g) != len(kernels):
       raise ValueError(f"state holds {len(named_k)} kernel and {len(named_g)} gradient rings "
                        f"for {len(kernels)} kernels")
-    named = (named_x,) + named_k + named_g
-    for name, ring in named:
-      check_ring(ring, name)
-    fmts = (recipe.fwd_fmt,) * (1 + len(kernels)) + (recipe.bwd_fmt,) * len(kernels)
-    want = tuple((f, recipe.history_len, recipe.margin, recipe.algo) for f in fmts)
-    have = tuple((r.fmt, jnp.shape(r.amax_history)[0], r.margin, r.algo) for _, r in named)
-    if want != have:
-      raise ValueError(f"state rings (fmt, history_len, margin, algo) for "
-                       f"({', '.join(name for name, _ in named)}) = {have} do not match the "
-                       f"recipe's {want}")
+    check_rings((named_x,) + named_k + named_g,
+                (recipe.fwd_fmt,) * (1 + len(kernels)) + (recipe.bwd_fmt,) * len(kernels), recipe)
     amax_axis_name = _amax_axes(x, kernels, biases, state, amax_axis_name)
     rings = (named_x[1], tuple(r for _, r in named_k), tuple(r for _, r in named_g))
   fused_norm = (fp8 and not all(weights) and norm is not None

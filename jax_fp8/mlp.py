@@ -35,12 +35,12 @@ from . import activations, checks, sharding
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .linear import (BLOCK_RECIPES, STATELESS, CastKernel, _amax_axes, _check_delayed,
-                     _fp8_pays, _shared, block_kernel_fp8, block_quantize_input, check_cast,
-                     check_key, check_norm, check_stateless, fold_key, check_stateless_global,
-                     compute_dtype, fp8_multiple, gemm_input, input_grad, kernel_fp8, linear,
-                     normalized, quantize_input, scaled, zero_like)
+                     _fp8_pays, _shared, block_kernel_fp8, block_quantize_input, cast_grads,
+                     cast_uses, check_cast, check_key, check_norm, check_rings, check_stateless,
+                     fold_key, check_stateless_global, compute_dtype, fp8_multiple, gemm_input,
+                     input_grad, kernel_fp8, linear, normalized, quantize_input, scaled,
+                     zero_like)
 from .ops import blockwise
-from .ops._ring import check_ring
 from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
                                  cast_transpose_delayed)
 from .ops.gemm import gemm, gemm_bias, gemm_dtype
@@ -83,18 +83,16 @@ def _forward(x, norm_params, k_in, k_out, casts, b_in, b_out, rings, activation,
   if current_:
     rx = scaled(rx, normalized(x, norm_params, norm), current_, axis_name)
   cx = quantize_input(x, norm_params, rx, norm)  # [M, K], [K, M16]
-  qk_in, qkt_in, sk_in, ok_in = kernel_fp8(k_in, casts[0], rk_in, current_,
-                                           axis_name)  # [K, N], [N, K]
-  y = gemm_bias(cx.q, qkt_in, cx.scale, sk_in, b_in, out_dtype, fast)  # [M, N]
+  ck_in = kernel_fp8(k_in, casts[0], rk_in, current_, axis_name)  # [K, N], [N, K]
+  y = gemm_bias(cx.q, ck_in.qt, cx.scale, ck_in.scale, b_in, out_dtype, fast)  # [M, N]
   if current_:
     rh = scaled(rh, activations.apply(y, activation), current_, axis_name)
   ch = activation_cast_transpose(y, rh, activation=activation, observe=True)  # [M, F], [F, M16]
-  qk_out, qkt_out, sk_out, ok_out = kernel_fp8(k_out, casts[1], rk_out, current_,
-                                               axis_name)  # [F, D], [D, F]
-  out = gemm_bias(ch.q, qkt_out, ch.scale, sk_out, b_out, out_dtype, fast)  # [M, D]
-  saved = (cx.qt, cx.scale, qk_in, sk_in, y, ch.qt, ch.scale, qk_out, sk_out,
-           None if norm is None else (x, norm_params))
-  return out, saved, (cx.ring, ok_in, ch.ring, ok_out)
+  ck_out = kernel_fp8(k_out, casts[1], rk_out, current_, axis_name)  # [F, D], [D, F]
+  out = gemm_bias(ch.q, ck_out.qt, ch.scale, ck_out.scale, b_out, out_dtype, fast)  # [M, D]
+  saved = (cx.qt, cx.scale, ck_in.q, ck_in.scale, y, ch.qt, ch.scale, ck_out.q, ck_out.scale,
+           None if norm is None else (x, norm_params), cast_uses(casts))
+  return out, saved, (cx.ring, ck_in.ring, ch.ring, ck_out.ring)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11, 12, 13))
@@ -115,7 +113,7 @@ def _mlp_fwd(x, norm_params, k_in, k_out, casts, b_in, b_out, rings, activation,
 
 
 def _mlp_bwd(activation, axis_name, dtypes, fast_accum, norm, current_, res, g):
-  (qxt, sx, qk_in, sk_in, y, qht, sh, qk_out, sk_out, normed), grad_rings, observed = res
+  (qxt, sx, qk_in, sk_in, y, qht, sh, qk_out, sk_out, normed, uses), grad_rings, observed = res
   rg_in, rg_out = grad_rings
   x_dtype, _, k_in_dtype, k_out_dtype, b_in_dtype, b_out_dtype = dtypes
   cg = cast_transpose_delayed(g, scaled(rg_out, g, current_, axis_name),
@@ -137,7 +135,8 @@ def _mlp_bwd(activation, axis_name, dtypes, fast_accum, norm, current_, res, g):
   rg = grad_rings if current_ else _shared((cdy.ring, cg.ring), grad_rings, axis_name)
   ox, ok_in, oh, ok_out = observed
   dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
-  return (dx, dnorm, dk_in, dk_out, None, db_in, db_out, (ox, ok_in, rg[0], oh, ok_out, rg[1]))
+  return (dx, dnorm, dk_in, dk_out, cast_grads(uses, 3), db_in, db_out,
+          (ox, ok_in, rg[0], oh, ok_out, rg[1]))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -155,7 +154,7 @@ def _block_forward(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, acti
   qk_out, sk_out = block_kernel_fp8(k_out, casts[1], recipe)  # [F, D], [F/128, D/128]
   out = gemm_bias(qh, qk_out.T, sh, sk_out.T, b_out, out_dtype)  # [M, D]
   return out, (qxt, sxt, qk_in, sk_in, y, qht, sht, qk_out, sk_out,
-               None if norm is None else (x, norm_params))
+               None if norm is None else (x, norm_params), cast_uses(casts))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
@@ -172,7 +171,7 @@ def _block_mlp_fwd(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, acti
 
 
 def _block_mlp_bwd(recipe, activation, dtypes, norm, res, g):
-  qxt, sxt, qk_in, sk_in, y, qht, sht, qk_out, sk_out, normed = res
+  qxt, sxt, qk_in, sk_in, y, qht, sht, qk_out, sk_out, normed, uses = res
   x_dtype, _, k_in_dtype, k_out_dtype, b_in_dtype, b_out_dtype = dtypes
   kw = recipe.kwargs()
   qg, sg, qgt, sgt = blockwise.group_cast_transpose(g, **kw)  # [M, D], [D, M128]
@@ -188,7 +187,7 @@ def _block_mlp_bwd(recipe, activation, dtypes, norm, res, g):
   db_out = None if b_out_dtype is None else jnp.sum(
       g.astype(jnp.float32), axis=0).astype(b_out_dtype)
   dx, dnorm = input_grad(dx, *(normed or (None, (None, None))), norm, x_dtype)
-  return dx, dnorm, dk_in, dk_out, None, db_in, db_out
+  return dx, dnorm, dk_in, dk_out, cast_grads(uses, 2), db_in, db_out
 
 
 _block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
@@ -209,8 +208,8 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
     x: [..., K] float32 / bfloat16 / float16.
     kernel_in: [K, N] float32 / bfloat16 / float16; N = F, or 2F for a gated activation
       (columns [gate | up]).
-    kernel_out: [F, D] float32 / bfloat16 / float16. Either kernel may be its ``CastKernel``
-      (``cast_kernel``, quantized once for the step's microbatches; then both are).
+    kernel_out: [F, D] float32 / bfloat16 / float16. Or both kernels ``CastKernel``s
+      (``cast_kernel``, quantized once for the step's microbatches).
     bias_in: optional [N]; bias_out: optional [D].
     activation: "silu", "gelu" (tanh approximation), "swiglu" or "geglu"
       (``jax_fp8.activations``).
@@ -247,9 +246,9 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   _, gated = activations.check(activation)
   norm_params, norm = check_norm(x, (norm, gamma, beta, epsilon))
   out_dtype = compute_dtype(x, dtype)
+  check_recipe(recipe)
   casts = (None, None)
   if isinstance(kernel_in, CastKernel) or isinstance(kernel_out, CastKernel):
-    check_recipe(recipe)
     casts = (check_cast(kernel_in, "kernel_in", recipe),
              check_cast(kernel_out, "kernel_out", recipe))
     kernel_in, kernel_out = kernel_in.kernel, kernel_out.kernel
@@ -281,7 +280,6 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   for name, b, size in (("bias_in", bias_in, n), ("bias_out", bias_out, d)):
     if b is not None and b.shape != (size,):
       raise ValueError(f"{name} must be [{size}], got {list(b.shape)}")
-  check_recipe(recipe)
   words = check_key(recipe, key)
   m = math.prod(x.shape[:-1])
   fp8 = _fp8_pays(recipe, m, n, k) and _fp8_pays(recipe, m, d, f)
@@ -293,16 +291,9 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   elif not isinstance(state, MlpState):
     raise TypeError(f"state must be a jax_fp8.MlpState, got {type(state).__name__}")
   else:
-    for name in _RINGS:
-      check_ring(getattr(state, name), f"state.{name}")
-    want = tuple((fmt, recipe.history_len, recipe.margin, recipe.algo) for fmt in
-                 (recipe.fwd_fmt, recipe.fwd_fmt, recipe.bwd_fmt, recipe.fwd_fmt,
-                  recipe.fwd_fmt, recipe.bwd_fmt))
-    have = tuple((r.fmt, r.amax_history.shape[0], r.margin, r.algo)
-                 for r in (getattr(state, name) for name in _RINGS))
-    if want != have:
-      raise ValueError(f"state rings (fmt, history_len, margin, algo) for {_RINGS} = {have} do "
-                       f"not match the recipe's {want}")
+    check_rings(tuple((f"state.{name}", getattr(state, name)) for name in _RINGS),
+                tuple(recipe.bwd_fmt if name.startswith("grad") else recipe.fwd_fmt
+                      for name in _RINGS), recipe)
   multiple, _ = fp8_multiple(recipe)
   if fp8 and any(v % multiple for v in (k, f, d)):
     raise ValueError(f"K, F and D must be multiples of {multiple} for the FP8 GEMMs"

@@ -113,8 +113,9 @@ def test_kernels_leave_the_scan(rng, name):
 
 
 def test_forward_only_and_below_min_intensity(rng):
-  """Without a gradient the cast layer gives the uncast one's output; below
-  ``fp8_min_intensity`` the layer runs XLA's GEMM on the cast's float kernel."""
+  """Without a gradient the cast layer gives the uncast one's output. Below
+  ``fp8_min_intensity`` the layer runs XLA's GEMM on the cast's float kernel, and the kernel's
+  ring is left as it is, as the uncast layer leaves it: no FP8 GEMM used the cast."""
   x, (kernel,) = _problem(rng, "linear")
   state = jax_fp8.LinearState.create()
   cast = jax_fp8.cast_kernel(kernel, state.kernel)
@@ -124,6 +125,13 @@ def test_forward_only_and_below_min_intensity(rng):
   np.testing.assert_array_equal(
       jax_fp8.linear(x, jax_fp8.cast_kernel(kernel, state.kernel, recipe=high), state=state,
                      recipe=high), x @ kernel)
+  nxt = [jax_fp8.update_state(state, jax.grad(_scanned_loss("linear", x, high, cast),
+                                              argnums=1)([kernel], state))
+         for cast in (False, True)]
+  for got, want, kept in zip(jax.tree.leaves(nxt[1]), jax.tree.leaves(nxt[0]),
+                             jax.tree.leaves(state)):
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, kept)
 
 
 class _Block(nn.Module):
@@ -175,3 +183,28 @@ def test_flax_cast_kernels(platform, rng, name):
              for cast in (False, True)]
   for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_flax_cast_kernels_errors(rng):
+  """Collections passed at the wrong level, a CastKernel of another shape in a layer, and a
+  kernel the recipe cannot cast (its path named) raise; an Fp8Weight leaf stays as it is."""
+  recipe = RECIPES["delayed"]
+  model = _Model(recipe)
+  x = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
+  variables = model.init(jax.random.key(0), x)
+  params, state = variables["params"], variables["fp8_state"]
+  with pytest.raises(ValueError, match="no kernel of params found its ring in fp8_state"):
+    jf.cast_kernels(params, {"fp8_state": state}, recipe)
+  with pytest.raises(ValueError, match="no kernel of params found its ring in fp8_state"):
+    jf.cast_kernels(variables, state, recipe)
+  with pytest.raises(ValueError, match=r"head/kernel: K and N must be multiples of 16"):
+    jf.cast_kernels(params, None, RECIPES["current"])
+  layer = jf.Dense(128, use_bias=False, recipe=recipe)
+  small = layer.init(jax.random.key(0), x[:, :64])
+  ck = jax_fp8.cast_kernel(jnp.ones((128, 128)), small["fp8_state"]["linear"].kernel)
+  with pytest.raises(ValueError, match=r"Dense's kernel is a CastKernel of a \[128, 128\] "
+                                       r"kernel; the layer's is \[64, 128\]"):
+    layer.apply({"params": {"kernel": ck}, "fp8_state": small["fp8_state"]}, x[:, :64])
+  weights = {"dense": {"kernel": jax_fp8.quantize_weight(jnp.ones((128, 128)), recipe)}}
+  cast = jf.cast_kernels({**params, **weights}, state, recipe)
+  assert cast["dense"]["kernel"] is weights["dense"]["kernel"]

@@ -108,8 +108,9 @@ CASES = {
     "cast_kernel ring stateless": (lambda: jax_fp8.cast_kernel(W, RING, recipe=CURRENT),
                                    ValueError, "CurrentScaling is stateless: pass ring=None"),
     "cast_kernel ring history": (lambda: jax_fp8.cast_kernel(W, RING), ValueError,
-                                 r"ring \(fmt, history_len, margin, algo\) = \('e4m3', 4, 0, "
-                                 r"'max'\) does not match the recipe's \('e4m3', 16, 0, 'max'\)"),
+                                 r"rings \(fmt, history_len, margin, algo\) for \(ring\) = "
+                                 r"\(\('e4m3', 4, 0, 'max'\),\) do not match the recipe's "
+                                 r"\(\('e4m3', 16, 0, 'max'\),\)"),
     "cast_kernel int kernel": (lambda: jax_fp8.cast_kernel(jnp.ones((128, 16), jnp.int32),
                                                            recipe=CURRENT), TypeError,
                                r"kernel must be a float32 / bfloat16 / float16 \[K, N\] array, "
@@ -130,6 +131,10 @@ CASES = {
     "cast_kernels state stateless": (
         lambda: jax_fp8.flax.cast_kernels({"kernel": W}, {}, CURRENT), ValueError,
         "CurrentScaling is stateless: pass fp8_state=None"),
+    "cast_kernels select None": (
+        lambda: jax_fp8.flax.cast_kernels({"d": {"kernel": W}}, None, CURRENT,
+                                          select=lambda path, kernel: None), TypeError,
+        "select must return a bool, got NoneType for d/kernel"),
     "cast_kernels select": (lambda: jax_fp8.flax.cast_kernels({"kernel": W}, None, CURRENT,
                                                               select="all"), TypeError,
                             "select must be a callable"),
