@@ -65,9 +65,6 @@ constexpr int kMxBlock = 32;
 // NVFP4's block: one E4M3 scale per kNvfp4Block consecutive elements, or per kNvfp4Block x
 // kNvfp4Block tile (csrc/nvfp4.h).
 constexpr int kNvfp4Block = 16;
-// Rows of the general NVFP4 kernel's tile: four blocks, so each column's codes of a tile fill a
-// 32-byte sector of data_t.
-constexpr int kNvfp4TileRows = 4 * kNvfp4Block;
 
 // Most row tiles of 128 a block-scaling kernel takes: CUDA's limit on gridDim.y.
 constexpr int64_t kMaxTileRows = 65535;

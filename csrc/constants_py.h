@@ -33,7 +33,6 @@ inline nanobind::dict constants_dict() {
   d["max_tile_rows"] = kMaxTileRows;
   d["mx_block"] = kMxBlock;
   d["nvfp4_block"] = kNvfp4Block;
-  d["nvfp4_tile_rows"] = kNvfp4TileRows;
   d["activation_none"] = int64_t(ActivationId::kNone);
   d["activation_silu"] = int64_t(ActivationId::kSilu);
   d["activation_gelu"] = int64_t(ActivationId::kGelu);

@@ -357,8 +357,7 @@ OPTIONS = {
     "both_rht_sr": dict(columnwise=True, rht=True, rht_seed=2**40 + 5,
                         stochastic_rounding=True, key=KEY),
 }
-# Whole and partial 64 x 128 tiles (several, and R not a multiple of 64); rows that only 1D
-# rowwise blocks take.
+# Whole and partial 16 x 128 tiles, several of them; rows that only 1D rowwise blocks take.
 SHAPES = [(16, 32), (48, 160), (32, 256), (5, 64), (80, 160), (128, 128)]
 
 
@@ -461,11 +460,11 @@ def test_specialised_and_general_kernels_agree(rng, dtype, stochastic_rounding):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU with the jax_fp8 CUDA targets")
 def test_specialised_kernel_takes_any_number_of_rows(rng):
-  """More rows than the general kernel's grid takes (65535 tiles of 64): rowwise only, the
+  """More rows than the general kernel's grid takes (65535 tiles of 16): rowwise only, the
   specialised kernel (the handler refuses these rows to the general one, so this also shows
   that the specialised kernel ran), stochastic rounding included, against the CPU handler."""
-  rows = _ffi.CONSTANTS["max_tile_rows"] * _ffi.CONSTANTS["nvfp4_tile_rows"] + 17
-  x = np.asarray(rng.standard_normal((rows, 16)), np.float32)
+  x = np.asarray(rng.standard_normal((_ffi.CONSTANTS["max_tile_rows"] * NVFP4_BLOCK + 17, 32)),
+                 np.float32)
   sr = dict(stochastic_rounding=True, key=np.uint32([5, 6]))
   got = jax_fp8.nvfp4_quantize(jax.device_put(x, jax.devices("cuda")[0]), **sr)
   want = on_cpu(lambda v: jax_fp8.nvfp4_quantize(v, **sr), x)

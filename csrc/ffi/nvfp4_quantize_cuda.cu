@@ -21,7 +21,7 @@ ffi::Error Launch(cudaStream_t stream, const Nvfp4QuantizeArgs& a) {
                reinterpret_cast<uint2*>(a.data), a.scales);
   } else {
     const dim3 grid((a.cols + kNvfp4TileCols - 1) / kNvfp4TileCols,
-                    (a.rows + kNvfp4TileRows - 1) / kNvfp4TileRows);
+                    (a.rows + kNvfp4Block - 1) / kNvfp4Block);
     const Nvfp4Options opt = {a.rowwise, a.columnwise, a.block_2d, a.stochastic, a.rht};
     launch_pdl(nvfp4_quantize_kernel<T>, grid, kNvfp4Threads, stream, x, a.rows, a.cols, opt,
                a.global_scales, a.key, a.rht_signs, a.data, a.scales, a.data_t, a.scales_t);

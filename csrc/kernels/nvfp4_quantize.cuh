@@ -11,13 +11,10 @@
 // C/2], scales [R, C/16]) and, from the same read, 16 x 1 blocks along the columns, written
 // transposed (data_t [C, R/2], scales_t [C, R/16]); 16 x 16 tiles, stochastic rounding and the
 // random Hadamard transform of the columnwise copy as the attributes say. One thread block
-// takes a 64 x 128 tile (kNvfp4TileRows), one 16-row block after another: thread t holds row
-// t / 8 of it and columns 16 (t % 8) .. 16 (t % 8) + 15, its rowwise block. The 16 rows go to
-// shared memory as f32, where thread t then reads column t, its columnwise block; its four
-// columnwise blocks' codes leave together, a whole 32-byte sector of data_t (a 16-row tile
-// wrote 8 bytes of a sector per thread, and L2 bandwidth bound the kernel). A 16 x 16 tile's
-// amax is reduced over the 16 threads that share its columns (shuffles, then the warps through
-// shared memory).
+// takes a 16 x 128 tile: thread t holds row t / 8 of it and columns 16 (t % 8) .. 16 (t % 8) +
+// 15, its rowwise block. The tile goes to shared memory as f32, where thread t then reads
+// column t, its columnwise block. A 16 x 16 tile's amax is reduced over the 16 threads that
+// share its columns (shuffles, then the warps through shared memory).
 //
 // Both read x without flushing its subnormals (load16<T, false>): every use of a value flushes
 // it, the products through nvfp4.h's .ftz arithmetic and the block maxima through the scale's
@@ -48,114 +45,79 @@ __global__ void __launch_bounds__(kNvfp4Threads)
                           uint8_t* __restrict__ scales, uint8_t* __restrict__ data_t,
                           uint8_t* __restrict__ scales_t) {
   constexpr int kGroups = kNvfp4TileCols / kNvfp4Block;  // 8 column blocks of the tile
-  constexpr int kRowBlocks = kNvfp4TileRows / kNvfp4Block;  // 4 row blocks of the tile
   __shared__ float tile[kNvfp4Block][kNvfp4TileCols + 1];
   __shared__ unsigned tile_part[kNvfp4Threads / 32][kGroups];
-  __shared__ unsigned tile_amax[kGroups];
   __shared__ float signs[kNvfp4Block];
   pdl_wait();
   const int tr = threadIdx.x / kGroups, tg = threadIdx.x % kGroups;
-  const int64_t c0 = int64_t(blockIdx.x) * kNvfp4TileCols, c = c0 + tg * kNvfp4Block;
-  const int64_t ct = c0 + threadIdx.x;  // this thread's column, a row of data_t
-  const int64_t rb0 = int64_t(blockIdx.y) * kRowBlocks;  // the tile's first row block
+  const int64_t r0 = int64_t(blockIdx.y) * kNvfp4Block, c0 = int64_t(blockIdx.x) * kNvfp4TileCols;
+  const int64_t r = r0 + tr, c = c0 + tg * kNvfp4Block;
+  const bool in = r < rows && c < cols;  // C is a multiple of 16: a block is all in or all out
   const uint32_t k0 = key[0], k1 = key[1];
   if (threadIdx.x < kNvfp4Block) signs[threadIdx.x] = rht_signs[threadIdx.x];
 
-  // The columnwise codes and scales of this thread's column, one per row block of the tile.
-  uint2 codes_t[kRowBlocks] = {};
-  uint8_t scale_t[kRowBlocks] = {};
-  int row_blocks = 0;
+  float v[kNvfp4Block];
+  if (in) {
+    load16<T, false>(x + r * cols + c, v);
+  } else {
 #pragma unroll
-  for (int b = 0; b < kRowBlocks; ++b) {
-    const int64_t r0 = (rb0 + b) * kNvfp4Block, r = r0 + tr;
-    if (r0 >= rows) break;  // the same for the whole thread block
-    if (b > 0) __syncthreads();  // the previous row block is done with the shared arrays
-    row_blocks = b + 1;
-    const bool in = r < rows && c < cols;  // C is a multiple of 16: a block is all in or out
+    for (int k = 0; k < kNvfp4Block; ++k) v[k] = 0.0f;
+  }
+  unsigned m = 0;
+#pragma unroll
+  for (int k = 0; k < kNvfp4Block; ++k) m = max(m, abs_bits(v[k]));
 
-    float v[kNvfp4Block];
-    if (in) {
-      load16<T, false>(x + r * cols + c, v);
-    } else {
-#pragma unroll
-      for (int k = 0; k < kNvfp4Block; ++k) v[k] = 0.0f;
-    }
-    unsigned m = 0;
-#pragma unroll
-    for (int k = 0; k < kNvfp4Block; ++k) m = max(m, abs_bits(v[k]));
-
-    // 16 x 16 tiles: the max over the 16 row blocks of each column block (4 rows a warp).
-    if (opt.block_2d) {
-      unsigned t = max(m, __shfl_xor_sync(0xffffffffu, m, 8));
-      t = max(t, __shfl_xor_sync(0xffffffffu, t, 16));
-      if ((threadIdx.x & 31) < kGroups) tile_part[threadIdx.x / 32][tg] = t;
-      __syncthreads();
-      if (threadIdx.x < kGroups) {
-        unsigned all = 0;
-#pragma unroll
-        for (int w = 0; w < kNvfp4Threads / 32; ++w) all = max(all, tile_part[w][threadIdx.x]);
-        tile_amax[threadIdx.x] = all;
-      }
-    }
-    if (opt.columnwise) {
-#pragma unroll
-      for (int k = 0; k < kNvfp4Block; ++k) tile[tr][tg * kNvfp4Block + k] = v[k];
-    }
+  // 16 x 16 tiles: the max over the 16 row blocks of each column block (4 rows a warp).
+  __shared__ unsigned tile_amax[kGroups];
+  if (opt.block_2d) {
+    unsigned t = max(m, __shfl_xor_sync(0xffffffffu, m, 8));
+    t = max(t, __shfl_xor_sync(0xffffffffu, t, 16));
+    if ((threadIdx.x & 31) < kGroups) tile_part[threadIdx.x / 32][tg] = t;
     __syncthreads();
-
-    if (opt.rowwise && in) {
-      const float gs = global_scales[0];
-      const uint8_t s = nvfp4_scale(bits_float(opt.block_2d ? tile_amax[tg] : m), gs);
-      const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(c / kNvfp4Block),
-                                                               uint32_t(r), 0u)
-                                            : SrBlockBits{};
-      const uint64_t codes = nvfp4_block_codes(v, s, gs, opt.stochastic, sr);
-      *reinterpret_cast<uint2*>(data + r * (cols / 2) + c / 2) =
-          make_uint2(uint32_t(codes), uint32_t(codes >> 32));
-      scales[r * (cols / kNvfp4Block) + c / kNvfp4Block] = s;
-    }
-
-    if (opt.columnwise && ct < cols) {  // R is a multiple of 16: all 16 rows are in
-      float w[kNvfp4Block];
+    if (threadIdx.x < kGroups) {
+      unsigned all = 0;
 #pragma unroll
-      for (int k = 0; k < kNvfp4Block; ++k) w[k] = tile[k][threadIdx.x];
-      if (opt.rht) hadamard16(w, signs);
-      unsigned mt = 0;
-#pragma unroll
-      for (int k = 0; k < kNvfp4Block; ++k) mt = max(mt, abs_bits(w[k]));
-      if (opt.block_2d) mt = tile_amax[threadIdx.x / kNvfp4Block];
-      const float gs = global_scales[1];
-      scale_t[b] = nvfp4_scale(bits_float(mt), gs);
-      const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(rb0 + b),
-                                                               uint32_t(ct), 1u)
-                                            : SrBlockBits{};
-      const uint64_t codes = nvfp4_block_codes(w, scale_t[b], gs, opt.stochastic, sr);
-      codes_t[b] = make_uint2(uint32_t(codes), uint32_t(codes >> 32));
+      for (int w = 0; w < kNvfp4Threads / 32; ++w) all = max(all, tile_part[w][threadIdx.x]);
+      tile_amax[threadIdx.x] = all;
     }
   }
-
-  // Column ct's codes of the tile: one 32-byte sector where the tile is whole and R a multiple
-  // of the tile's rows (so the sector is aligned), else a store per row block.
-  if (opt.columnwise && ct < cols) {
-    uint8_t* dt = data_t + ct * (rows / 2) + rb0 * (kNvfp4Block / 2);
-    uint8_t* st = scales_t + ct * (rows / kNvfp4Block) + rb0;
-    if (rows % kNvfp4TileRows == 0) {
-      static_assert(kRowBlocks == 4, "two 16-byte stores and one 4-byte store a column");
-      reinterpret_cast<uint4*>(dt)[0] =
-          make_uint4(codes_t[0].x, codes_t[0].y, codes_t[1].x, codes_t[1].y);
-      reinterpret_cast<uint4*>(dt)[1] =
-          make_uint4(codes_t[2].x, codes_t[2].y, codes_t[3].x, codes_t[3].y);
-      *reinterpret_cast<uint32_t*>(st) = uint32_t(scale_t[0]) | uint32_t(scale_t[1]) << 8 |
-                                         uint32_t(scale_t[2]) << 16 | uint32_t(scale_t[3]) << 24;
-    } else {
+  if (opt.columnwise) {
 #pragma unroll
-      for (int b = 0; b < kRowBlocks; ++b) {
-        if (b < row_blocks) {
-          reinterpret_cast<uint2*>(dt)[b] = codes_t[b];
-          st[b] = scale_t[b];
-        }
-      }
-    }
+    for (int k = 0; k < kNvfp4Block; ++k) tile[tr][tg * kNvfp4Block + k] = v[k];
+  }
+  __syncthreads();
+
+  if (opt.rowwise && in) {
+    const float gs = global_scales[0];
+    const uint8_t s = nvfp4_scale(bits_float(opt.block_2d ? tile_amax[tg] : m), gs);
+    const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(c / kNvfp4Block),
+                                                             uint32_t(r), 0u)
+                                          : SrBlockBits{};
+    const uint64_t codes = nvfp4_block_codes(v, s, gs, opt.stochastic, sr);
+    *reinterpret_cast<uint2*>(data + r * (cols / 2) + c / 2) =
+        make_uint2(uint32_t(codes), uint32_t(codes >> 32));
+    scales[r * (cols / kNvfp4Block) + c / kNvfp4Block] = s;
+  }
+
+  const int64_t ct = c0 + threadIdx.x;  // this thread's column, a row of data_t
+  if (opt.columnwise && ct < cols) {  // R is a multiple of 16: all 16 rows are in
+    float w[kNvfp4Block];
+#pragma unroll
+    for (int k = 0; k < kNvfp4Block; ++k) w[k] = tile[k][threadIdx.x];
+    if (opt.rht) hadamard16(w, signs);
+    unsigned mt = 0;
+#pragma unroll
+    for (int k = 0; k < kNvfp4Block; ++k) mt = max(mt, abs_bits(w[k]));
+    if (opt.block_2d) mt = tile_amax[threadIdx.x / kNvfp4Block];
+    const float gs = global_scales[1];
+    const uint8_t s = nvfp4_scale(bits_float(mt), gs);
+    const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(blockIdx.y),
+                                                             uint32_t(ct), 1u)
+                                          : SrBlockBits{};
+    const uint64_t codes = nvfp4_block_codes(w, s, gs, opt.stochastic, sr);
+    *reinterpret_cast<uint2*>(data_t + ct * (rows / 2) + r0 / 2) =
+        make_uint2(uint32_t(codes), uint32_t(codes >> 32));
+    scales_t[ct * (rows / kNvfp4Block) + blockIdx.y] = s;
   }
   pdl_trigger();
 }
