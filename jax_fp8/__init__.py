@@ -25,9 +25,8 @@ __version__ = "0.3.0.dev0"
 
 __all__ = [
     "BlockScaling", "CastKernel", "CastTransposed", "CurrentScaling", "DelayedQuantized",
-    "DelayedScaling", "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState", "MultiLinearState",
-    "NVFP4BlockScaling", "Quantized",
-    "ScaleRing",
+    "DelayedScaling", "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState",
+    "MultiLinearState", "NVFP4BlockScaling", "Quantized", "ScaleRing",
     "activation_cast_transpose", "activation_grad_cast_transpose",
     "activation_grad_group_cast_transpose", "activation_group_cast_transpose", "block_quantize",
     "cast_kernel", "cast_transpose_delayed",
