@@ -81,7 +81,11 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
   kernels of layers that run through jax_fp8 (after ``jax_fp8.convert``: those its filter
   chose; e.g. ``select=lambda path, kernel: "lm_head" not in path``). ``recipe``:
   ``DelayedScaling``, ``CurrentScaling`` or ``BlockScaling`` (the layers then run with that
-  recipe; under ``DelayedScaling`` they still take their ``fp8_state`` for the inputs)."""
+  recipe; under ``DelayedScaling`` they still take their ``fp8_state`` for the inputs).
+  Raises TypeError for a select that is not callable or a ``CastKernel`` among the params
+  (``flax.cast_kernels``' output, for training: quantize the float params), and
+  ``quantize_weight``'s errors."""
+  from .linear import CastKernel  # here: linear imports this module
   if not callable(select):
     raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
 
@@ -89,12 +93,16 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
     keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
     if keys and keys[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
       keys = keys[:-1]  # the array inside an NNX Variable (nnx.state(model, nnx.Param))
+    if isinstance(leaf, CastKernel):
+      raise TypeError(f"params holds a CastKernel at {'/'.join(keys)} (cast_kernels', for "
+                      f"training): quantize the float params")
     name = keys[-1] if keys else ""
     kernel = name == "kernel" or (name.startswith("kernel_") and name[7:].isdigit())
     if kernel and jnp.ndim(leaf) == 2 and select("/".join(keys), leaf):
       return quantize_weight(leaf, recipe)
     return leaf
-  return jax.tree_util.tree_map_with_path(one, params)
+  return jax.tree_util.tree_map_with_path(one, params,
+                                          is_leaf=lambda v: isinstance(v, CastKernel))
 
 
 def dequantized(w: Fp8Weight, dtype) -> jax.Array:

@@ -131,6 +131,11 @@ CASES = {
     "cast_kernels state stateless": (
         lambda: jax_fp8.flax.cast_kernels({"kernel": W}, {}, CURRENT), ValueError,
         "CurrentScaling is stateless: pass fp8_state=None"),
+    "quantize_weights of a CastKernel": (
+        lambda: jax_fp8.quantize_weights({"d": {"kernel": jax_fp8.cast_kernel(W, recipe=CURRENT)}},
+                                         CURRENT), TypeError,
+        r"params holds a CastKernel at d/kernel \(cast_kernels', for training\): quantize the "
+        r"float params"),
     "cast_kernels select None": (
         lambda: jax_fp8.flax.cast_kernels({"d": {"kernel": W}}, None, CURRENT,
                                           select=lambda path, kernel: None), TypeError,
