@@ -67,22 +67,28 @@ JF8_HD SrBlockBits sr_bits_of_block(uint32_t k0, uint32_t k1, uint32_t b, uint32
   return s;
 }
 
+// The Walsh-Hadamard butterfly's stages from distance kH on: each pair (a, b) at distance kH
+// becomes (a + b, a - b). The distance is a template argument, so that every index is a
+// constant and v stays in registers.
+template <int kH>
+JF8_HD void hadamard16_stages(float (&v)[kNvfp4Block]) {
+  JF8_UNROLL
+  for (int j = 0; j < kNvfp4Block; j += 2 * kH)
+    JF8_UNROLL
+    for (int t = j; t < j + kH; ++t) {
+      const float a = v[t], b = v[t + kH];
+      v[t] = add_flushed(a, b);
+      v[t + kH] = add_flushed(a, -b);
+    }
+  if constexpr (2 * kH < kNvfp4Block) hadamard16_stages<2 * kH>(v);
+}
+
 // The random Hadamard transform of one 16-element group in place (formats.hadamard_transform):
-// v_i * (signs_i / 4), then the Walsh-Hadamard butterfly, distances 1, 2, 4, 8, each pair (a, b)
-// becoming (a + b, a - b).
+// v_i * (signs_i / 4), then the butterfly, distances 1, 2, 4, 8.
 JF8_HD void hadamard16(float (&v)[kNvfp4Block], const float* signs) {
   JF8_UNROLL
   for (int i = 0; i < kNvfp4Block; ++i) v[i] = mul_flushed(v[i], signs[i] * 0.25f);
-  JF8_UNROLL
-  for (int h = 1; h < kNvfp4Block; h *= 2)
-    JF8_UNROLL
-    for (int j = 0; j < kNvfp4Block; j += 2 * h)
-      JF8_UNROLL
-      for (int t = j; t < j + h; ++t) {
-        const float a = v[t], b = v[t + h];
-        v[t] = add_flushed(a, b);
-        v[t + h] = add_flushed(a, -b);
-      }
+  hadamard16_stages<1>(v);
 }
 
 // A block's E4M3 scale byte from its amax (or its tile's) and the global scale.

@@ -22,11 +22,14 @@ ffi::Error LaunchRowwise(cudaStream_t stream, const Mxfp8QuantizeArgs& a) {
   return last_error();
 }
 
-// With a columnwise copy: 32 x 128 tiles, both directions from one read.
+// With a columnwise copy: a persistent grid of 64 x 64 tiles, one wave, both directions from
+// one read.
 template <typename T, bool kRowwise>
 ffi::Error LaunchColumnwise(cudaStream_t stream, const Mxfp8QuantizeArgs& a) {
-  const dim3 grid((a.cols + kMxTileCols - 1) / kMxTileCols, a.rows / kMxBlock);
-  launch_pdl(mxfp8_cast_transpose_kernel<T, kRowwise>, grid, kMxThreads, stream,
+  constexpr auto kernel = mxfp8_cast_transpose_kernel<T, kRowwise>;
+  static const int per_sm = resident_blocks_per_sm(kernel, kTileThreads);
+  const size_t tiles = size_t((a.rows + kTile - 1) / kTile) * ((a.cols + kTile - 1) / kTile);
+  launch_pdl(kernel, grid_size(tiles, 1, per_sm), kTileThreads, stream,
              static_cast<const T*>(a.x), a.rows, a.cols, a.fmt, a.data, a.scales, a.data_t,
              a.scales_t);
   return last_error();

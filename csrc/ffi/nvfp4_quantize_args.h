@@ -41,8 +41,6 @@ inline ffi::Error DecodeNvfp4Quantize(
   if (cols % kNvfp4Block) return invalid("C must be a multiple of 16");
   if ((columnwise || block_2d) && rows % kNvfp4Block)
     return invalid("R must be a multiple of 16 (columnwise or 2D blocks)");
-  if (!specialised && (rows + kNvfp4Block - 1) / kNvfp4Block > kMaxTileRows)
-    return invalid("too many rows for the general kernel's grid");
   if ((stochastic && block_2d) || (rht && (!columnwise || block_2d)))
     return invalid("stochastic rounding takes 1D blocks; rht the columnwise copy of 1D blocks");
   if (specialised && (columnwise || block_2d || !rowwise))

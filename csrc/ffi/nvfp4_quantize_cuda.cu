@@ -20,10 +20,12 @@ ffi::Error Launch(cudaStream_t stream, const Nvfp4QuantizeArgs& a) {
                kQuantizeThreads, stream, x, a.rows, a.cols, a.stochastic, a.global_scales, a.key,
                reinterpret_cast<uint2*>(a.data), a.scales);
   } else {
-    const dim3 grid((a.cols + kNvfp4TileCols - 1) / kNvfp4TileCols,
-                    (a.rows + kNvfp4Block - 1) / kNvfp4Block);
+    // A persistent grid of 64 x 64 tiles, one wave.
+    constexpr auto kernel = nvfp4_quantize_kernel<T>;
+    static const int per_sm = resident_blocks_per_sm(kernel, kTileThreads);
+    const size_t tiles = size_t((a.rows + kTile - 1) / kTile) * ((a.cols + kTile - 1) / kTile);
     const Nvfp4Options opt = {a.rowwise, a.columnwise, a.block_2d, a.stochastic, a.rht};
-    launch_pdl(nvfp4_quantize_kernel<T>, grid, kNvfp4Threads, stream, x, a.rows, a.cols, opt,
+    launch_pdl(kernel, grid_size(tiles, 1, per_sm), kTileThreads, stream, x, a.rows, a.cols, opt,
                a.global_scales, a.key, a.rht_signs, a.data, a.scales, a.data_t, a.scales_t);
   }
   return last_error();

@@ -8,14 +8,12 @@
 #pragma once
 
 #include "sources.cuh"
+#include "tiles.cuh"
 
 namespace jax_fp8 {
 
-constexpr int kTile = kDbiasTileRows;  // a block handles a 64 x 64 tile
-constexpr int kTileThreads = 256;      // 4 threads a row, 16 elements each
 static_assert(kQtRowMultiple == kElemsPerThread, "a thread stores 16 bytes of a qt row");
-static_assert(kTileThreads == kQuantizeThreads, "block_max assumes kQuantizeThreads");
-static_assert(kTile / kElemsPerThread == 4, "the dbias shuffles assume 4 lanes a row");
+static_assert(kTileBlocks == 4, "the dbias shuffles assume 4 lanes a row");
 
 // The amax of a source's values (all its outputs) when the ring is on its first step (the cast-transpose
 // then quantizes with the scale from it); otherwise every block returns at once.
@@ -45,12 +43,9 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   pdl_trigger();
 }
 
-// A persistent grid: each block walks tiles t = blockIdx.x, + gridDim.x, ... (row-major over
-// the [ceil(R/64), ceil(C/64)] tiles), keeping its amax in registers, so the amax atomics and
-// the completion count are paid once per block, not once per tile. Each thread's loads of the
-// next tile are issued before it works on the current one, so they are in flight through the
-// shared-memory stage and the stores, rather than the memory system idling while a block
-// transposes.
+// A persistent grid (tiles.cuh's for_each_tile): each block keeps its amax in registers over
+// its tiles, so the amax atomics and the completion count are paid once per block, not once
+// per tile.
 //
 // cols: the source's columns (of each output); q is [R, kOutputs * cols], its outputs side by
 // side, and qt [kOutputs * cols, R16].
@@ -79,25 +74,19 @@ __global__ void __launch_bounds__(
   const float scale = kRing ? ring_scale(ring, scratch, fmt) : *scale_in;
   const float inv = 1.0f / flush_subnormal(scale);
   const int64_t q_cols = kOut * cols;  // output j's column c is q's column c + j * cols
-  const int64_t tiles_x = (cols + kTile - 1) / kTile;
-  const int64_t tiles = tiles_x * (rows > 0 ? (rows + kTile - 1) / kTile : 1);
-  const int tr = threadIdx.x / 4, tc = (threadIdx.x % 4) * 16;
-  // This thread's 16 elements of tile t: row r0 + tr, columns c0 + tc.. (C % 16 == 0), zeros
-  // outside the tensor.
+  const int tr = threadIdx.x / kTileBlocks, tc = threadIdx.x % kTileBlocks * kElemsPerThread;
   using Raw = typename Src::Raw;
-  auto load = [&](int64_t t) {
+  // This thread's 16 elements of a tile: row r0 + tr, columns c0 + tc.. (C % 16 == 0), zeros
+  // outside the tensor.
+  auto load = [&](int64_t r0, int64_t c0) {
     Raw raw = {};
-    const int64_t r = t / tiles_x * kTile + tr, c = t % tiles_x * kTile + tc;
-    if (t < tiles && r < rows && c < cols) raw = src.load(r, c);
+    const int64_t r = r0 + tr, c = c0 + tc;
+    if (r < rows && c < cols) raw = src.load(r, c);
     return raw;
   };
   unsigned m = 0;
 
-  Raw next = load(blockIdx.x);
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const Raw cur = next;
-    next = load(t + gridDim.x);
-    const int64_t r0 = t / tiles_x * kTile, c0 = t % tiles_x * kTile;
+  for_each_tile<Raw>(rows, cols, load, [&](const Raw& cur, int64_t r0, int64_t c0) {
     // Row-major pass: 16 consecutive elements of one row per thread.
     const int64_t r = r0 + tr, c = c0 + tc;
     const bool in = r < rows && c < cols;
@@ -158,7 +147,7 @@ __global__ void __launch_bounds__(
       }
     }
     __syncthreads();  // the next tile reuses tile_q and warp_sums
-  }
+  });
 
   m = block_max(m);
   __shared__ bool is_last;

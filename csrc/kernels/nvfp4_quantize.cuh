@@ -10,11 +10,14 @@
 // nvfp4_quantize_kernel, the general one: any direction, 1 x 16 blocks along the rows (data [R,
 // C/2], scales [R, C/16]) and, from the same read, 16 x 1 blocks along the columns, written
 // transposed (data_t [C, R/2], scales_t [C, R/16]); 16 x 16 tiles, stochastic rounding and the
-// random Hadamard transform of the columnwise copy as the attributes say. One thread block
-// takes a 16 x 128 tile: thread t holds row t / 8 of it and columns 16 (t % 8) .. 16 (t % 8) +
-// 15, its rowwise block. The tile goes to shared memory as f32, where thread t then reads
-// column t, its columnwise block. A 16 x 16 tile's amax is reduced over the 16 threads that
-// share its columns (shuffles, then the warps through shared memory).
+// random Hadamard transform of the columnwise copy as the attributes say. A persistent grid walks
+// 64 x 64 tiles (tiles.cuh). Thread t first holds row t / 4 of a tile and its columns 16 (t % 4)
+// .. 16 (t % 4) + 15, its rowwise block, whose 8 code bytes it stores (a warp: 8 rows of 32
+// contiguous bytes). The tile goes to shared memory as f32, where thread t then reads column t %
+// 64 over the rows 16 (t / 64) .. 16 (t / 64) + 15, its columnwise block. Those codes go back
+// through shared memory, so that a warp stores 8 data_t rows of 32 contiguous bytes, whole
+// sectors. A 16 x 16 tile's amax is reduced over the 16 threads that share its columns (shuffles
+// over a warp's 8 rows, then the two warps through shared memory).
 //
 // Both read x without flushing its subnormals (load16<T, false>): every use of a value flushes
 // it, the products through nvfp4.h's .ftz arithmetic and the block maxima through the scale's
@@ -24,13 +27,10 @@
 #pragma once
 
 #include "../nvfp4.h"
-#include "quantize.cuh"
+#include "tiles.cuh"
 
 namespace jax_fp8 {
 
-constexpr int kNvfp4TileCols = 128;
-constexpr int kNvfp4Threads = kNvfp4TileCols;  // one column of the tile each; 16 x 8 row blocks
-static_assert(kNvfp4Threads == kNvfp4Block * (kNvfp4TileCols / kElemsPerThread), "tile shape");
 static_assert(kElemsPerThread == kNvfp4Block, "a thread's 16 elements are one block");
 
 struct Nvfp4Options {
@@ -38,87 +38,101 @@ struct Nvfp4Options {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kNvfp4Threads)
+__global__ void __launch_bounds__(kTileThreads)
     nvfp4_quantize_kernel(const T* x, int64_t rows, int64_t cols, Nvfp4Options opt,
                           const float* global_scales, const uint32_t* key,
                           const float* rht_signs, uint8_t* __restrict__ data,
                           uint8_t* __restrict__ scales, uint8_t* __restrict__ data_t,
                           uint8_t* __restrict__ scales_t) {
-  constexpr int kGroups = kNvfp4TileCols / kNvfp4Block;  // 8 column blocks of the tile
-  __shared__ float tile[kNvfp4Block][kNvfp4TileCols + 1];
-  __shared__ unsigned tile_part[kNvfp4Threads / 32][kGroups];
+  constexpr int kWarps = kTileThreads / 32;
+  // Rows of 68 floats: 16-byte aligned for the row pass's vector stores; the column pass's warp
+  // reads 32 consecutive columns of a row, 32 banks.
+  __shared__ __align__(16) float tile[kTile][kTile + 4];
+  // Column c's columnwise codes, 8 bytes a row block; 9 words a column, so the column pass's
+  // 32 columns store to 32 banks.
+  __shared__ uint32_t codes_t[kTile][2 * kTileBlocks + 1];
+  __shared__ uint8_t scales_tile_t[kTile][kTileBlocks];
+  __shared__ unsigned rows_amax[kWarps][kTileBlocks];  // 16 x 16 tiles: each warp's 8 rows
   __shared__ float signs[kNvfp4Block];
   pdl_wait();
-  const int tr = threadIdx.x / kGroups, tg = threadIdx.x % kGroups;
-  const int64_t r0 = int64_t(blockIdx.y) * kNvfp4Block, c0 = int64_t(blockIdx.x) * kNvfp4TileCols;
-  const int64_t r = r0 + tr, c = c0 + tg * kNvfp4Block;
-  const bool in = r < rows && c < cols;  // C is a multiple of 16: a block is all in or all out
+  // Row pass: row tr, columns tc.. (block tq). Column pass: column cc, rows 16 cb.. (block cb).
+  // Stores of the columnwise copy: column oc, rows 16 ob.. (block ob).
+  const int tq = threadIdx.x % kTileBlocks, tr = threadIdx.x / kTileBlocks;
+  const int tc = tq * kNvfp4Block, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int cc = threadIdx.x % kTile, cb = threadIdx.x / kTile;
+  const int oc = threadIdx.x / kTileBlocks, ob = threadIdx.x % kTileBlocks;
   const uint32_t k0 = key[0], k1 = key[1];
+  const float gs = global_scales[0], gs_t = global_scales[1];
   if (threadIdx.x < kNvfp4Block) signs[threadIdx.x] = rht_signs[threadIdx.x];
+  // The 16 x 16 tile of row block b and column block q: its two warps' maxima.
+  auto tile_amax = [&](int b, int q) { return max(rows_amax[2 * b][q], rows_amax[2 * b + 1][q]); };
 
-  float v[kNvfp4Block];
-  if (in) {
-    load16<T, false>(x + r * cols + c, v);
-  } else {
+  auto load = [&](int64_t r0, int64_t c0) {
+    const int64_t r = r0 + tr, c = c0 + tc;  // C is a multiple of 16: a block is all in or out
+    return r < rows && c < cols ? load_raw16(x + r * cols + c) : Raw16<T>{};
+  };
+  for_each_tile<Raw16<T>>(rows, cols, load, [&](const Raw16<T>& raw, int64_t r0, int64_t c0) {
+    const int64_t r = r0 + tr, c = c0 + tc;
+    float v[kNvfp4Block];
+    unpack16<T, false>(raw, v);
+    unsigned m = 0;
 #pragma unroll
-    for (int k = 0; k < kNvfp4Block; ++k) v[k] = 0.0f;
-  }
-  unsigned m = 0;
-#pragma unroll
-  for (int k = 0; k < kNvfp4Block; ++k) m = max(m, abs_bits(v[k]));
-
-  // 16 x 16 tiles: the max over the 16 row blocks of each column block (4 rows a warp).
-  __shared__ unsigned tile_amax[kGroups];
-  if (opt.block_2d) {
-    unsigned t = max(m, __shfl_xor_sync(0xffffffffu, m, 8));
-    t = max(t, __shfl_xor_sync(0xffffffffu, t, 16));
-    if ((threadIdx.x & 31) < kGroups) tile_part[threadIdx.x / 32][tg] = t;
-    __syncthreads();
-    if (threadIdx.x < kGroups) {
-      unsigned all = 0;
-#pragma unroll
-      for (int w = 0; w < kNvfp4Threads / 32; ++w) all = max(all, tile_part[w][threadIdx.x]);
-      tile_amax[threadIdx.x] = all;
+    for (int k = 0; k < kNvfp4Block; ++k) m = max(m, abs_bits(v[k]));
+    if (opt.block_2d) {
+      unsigned t = max(m, __shfl_xor_sync(0xffffffffu, m, kTileBlocks));
+      t = max(t, __shfl_xor_sync(0xffffffffu, t, 2 * kTileBlocks));
+      t = max(t, __shfl_xor_sync(0xffffffffu, t, 4 * kTileBlocks));
+      if (lane < kTileBlocks) rows_amax[warp][lane] = t;
     }
-  }
-  if (opt.columnwise) {
+    if (opt.columnwise) {
 #pragma unroll
-    for (int k = 0; k < kNvfp4Block; ++k) tile[tr][tg * kNvfp4Block + k] = v[k];
-  }
-  __syncthreads();
+      for (int k = 0; k < kNvfp4Block; k += 4)
+        *reinterpret_cast<float4*>(&tile[tr][tc + k]) = make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
+    }
+    __syncthreads();
 
-  if (opt.rowwise && in) {
-    const float gs = global_scales[0];
-    const uint8_t s = nvfp4_scale(bits_float(opt.block_2d ? tile_amax[tg] : m), gs);
-    const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(c / kNvfp4Block),
-                                                             uint32_t(r), 0u)
-                                          : SrBlockBits{};
-    const uint64_t codes = nvfp4_block_codes(v, s, gs, opt.stochastic, sr);
-    *reinterpret_cast<uint2*>(data + r * (cols / 2) + c / 2) =
-        make_uint2(uint32_t(codes), uint32_t(codes >> 32));
-    scales[r * (cols / kNvfp4Block) + c / kNvfp4Block] = s;
-  }
+    if (opt.rowwise && r < rows && c < cols) {
+      const uint8_t s = nvfp4_scale(bits_float(opt.block_2d ? tile_amax(tr / kNvfp4Block, tq) : m), gs);
+      const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(c / kNvfp4Block),
+                                                               uint32_t(r), 0u)
+                                            : SrBlockBits{};
+      const uint64_t codes = nvfp4_block_codes(v, s, gs, opt.stochastic, sr);
+      *reinterpret_cast<uint2*>(data + r * (cols / 2) + c / 2) =
+          make_uint2(uint32_t(codes), uint32_t(codes >> 32));
+      scales[r * (cols / kNvfp4Block) + c / kNvfp4Block] = s;
+    }
 
-  const int64_t ct = c0 + threadIdx.x;  // this thread's column, a row of data_t
-  if (opt.columnwise && ct < cols) {  // R is a multiple of 16: all 16 rows are in
-    float w[kNvfp4Block];
+    if (opt.columnwise) {
+      const int64_t ct = c0 + cc, rt = r0 + cb * kNvfp4Block;  // R is a multiple of 16
+      if (ct < cols && rt < rows) {
+        float w[kNvfp4Block];
 #pragma unroll
-    for (int k = 0; k < kNvfp4Block; ++k) w[k] = tile[k][threadIdx.x];
-    if (opt.rht) hadamard16(w, signs);
-    unsigned mt = 0;
+        for (int k = 0; k < kNvfp4Block; ++k) w[k] = tile[cb * kNvfp4Block + k][cc];
+        if (opt.rht) hadamard16(w, signs);
+        unsigned mt = 0;
 #pragma unroll
-    for (int k = 0; k < kNvfp4Block; ++k) mt = max(mt, abs_bits(w[k]));
-    if (opt.block_2d) mt = tile_amax[threadIdx.x / kNvfp4Block];
-    const float gs = global_scales[1];
-    const uint8_t s = nvfp4_scale(bits_float(mt), gs);
-    const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(blockIdx.y),
-                                                             uint32_t(ct), 1u)
-                                          : SrBlockBits{};
-    const uint64_t codes = nvfp4_block_codes(w, s, gs, opt.stochastic, sr);
-    *reinterpret_cast<uint2*>(data_t + ct * (rows / 2) + r0 / 2) =
-        make_uint2(uint32_t(codes), uint32_t(codes >> 32));
-    scales_t[ct * (rows / kNvfp4Block) + blockIdx.y] = s;
-  }
+        for (int k = 0; k < kNvfp4Block; ++k) mt = max(mt, abs_bits(w[k]));
+        if (opt.block_2d) mt = tile_amax(cb, cc / kNvfp4Block);
+        const uint8_t s = nvfp4_scale(bits_float(mt), gs_t);
+        const SrBlockBits sr = opt.stochastic
+                                   ? sr_bits_of_block(k0, k1, uint32_t(rt / kNvfp4Block),
+                                                      uint32_t(ct), 1u)
+                                   : SrBlockBits{};
+        const uint64_t codes = nvfp4_block_codes(w, s, gs_t, opt.stochastic, sr);
+        codes_t[cc][2 * cb] = uint32_t(codes);
+        codes_t[cc][2 * cb + 1] = uint32_t(codes >> 32);
+        scales_tile_t[cc][cb] = s;
+      }
+      __syncthreads();
+      const int64_t co = c0 + oc, ro = r0 + ob * kNvfp4Block;
+      if (co < cols && ro < rows) {
+        *reinterpret_cast<uint2*>(data_t + co * (rows / 2) + ro / 2) =
+            make_uint2(codes_t[oc][2 * ob], codes_t[oc][2 * ob + 1]);
+        scales_t[co * (rows / kNvfp4Block) + ro / kNvfp4Block] = scales_tile_t[oc][ob];
+      }
+    }
+    __syncthreads();  // the next tile reuses the shared arrays
+  });
   pdl_trigger();
 }
 

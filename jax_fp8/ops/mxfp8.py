@@ -18,10 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import _ffi, checks, sharding
+from .. import checks, sharding
 from ..formats import FLOAT_DTYPES, MX_BLOCK, e8m0_apply, fp8_dtype
-
-_MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y: the tile kernel's
 
 
 def mxfp8_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = False,
@@ -42,8 +40,7 @@ def mxfp8_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
     same for x.T.
   Raises:
     TypeError at trace time: x's dtype, a direction flag that is not a bool. ValueError: a
-    shape the rules above exclude, no direction asked for, an unknown fmt, more than
-    65535 * 32 rows with ``columnwise``.
+    shape the rules above exclude, no direction asked for, an unknown fmt.
   """
   x = checks.float_input(x)
   rowwise = checks.boolean(rowwise, "rowwise")
@@ -58,9 +55,6 @@ def mxfp8_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   if columnwise and r % MX_BLOCK:
     raise ValueError(f"columnwise=True needs x's rows R a multiple of {MX_BLOCK} (whole blocks "
                      f"along the columns), got shape {x.shape}")
-  if columnwise and r // MX_BLOCK > _MAX_TILE_ROWS:
-    raise ValueError(f"x has {r} rows; columnwise=True takes at most {_MAX_TILE_ROWS * MX_BLOCK} "
-                     f"(one row of the kernel's grid per {MX_BLOCK} rows)")
   names = ["data", "scales"] * rowwise + ["data_t", "scales_t"] * columnwise
 
   def impl(x):

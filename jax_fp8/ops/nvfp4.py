@@ -23,12 +23,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .. import _ffi, checks, sharding
+from .. import checks, sharding
 from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32,
                        hadamard_amax, nvfp4_global_scale, rht_signs)
 from ..philox import key_words
 
-_MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y: row tiles of 16
 
 
 def _global_amax(v, name):
@@ -52,7 +51,7 @@ def nvfp4_kernel(*, rowwise: bool = True, columnwise: bool = False,
   The specialised kernel, ``nvfp4_rowwise_kernel``, keeps each thread's 16-element block in
   registers: no shared memory, no barrier, contiguous loads and stores, any number of rows. It
   takes rowwise 1 x 16 blocks only (any input dtype, stochastic rounding included). The general
-  kernel, ``nvfp4_quantize_kernel``, serves every case through a 16 x 128 shared-memory tile.
+  kernel, ``nvfp4_quantize_kernel``, serves every case through 64 x 64 shared-memory tiles.
   Both write the same bytes. (The CPU handler is one loop for every case.)
 
   Returns:
@@ -139,8 +138,7 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   Raises:
     TypeError at trace time: x's dtype, a flag that is not a bool. ValueError: shapes the
     rules above exclude, no direction asked for, an option without what it needs (or with
-    what it excludes), a global amax that is not a float scalar, more than 65535 * 16 rows
-    for the general kernel (``nvfp4_kernel``).
+    what it excludes), a global amax that is not a float scalar.
   """
   x = checks.float_input(x)
   kernel, _ = nvfp4_kernel(rowwise=rowwise, columnwise=columnwise, block_2d=block_2d)
@@ -170,9 +168,6 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   if (columnwise or block_2d) and r % NVFP4_BLOCK:
     raise ValueError(f"columnwise=True and block_2d=True need x's rows R a multiple of "
                      f"{NVFP4_BLOCK}, got shape {x.shape}")
-  if not specialised and -(-r // NVFP4_BLOCK) > _MAX_TILE_ROWS:
-    raise ValueError(f"x has {r} rows; the general kernel's grid takes at most "
-                     f"{_MAX_TILE_ROWS * NVFP4_BLOCK}")
   words = key_words(key) if stochastic_rounding else jnp.zeros(2, jnp.uint32)
 
   x32 = as_f32(x)
