@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
-from . import activations, checks
+from . import _names, activations, checks
 from ._layer import (SR_STREAM, call_layer, call_mlp, check_layer, check_norm_attr, create_state,
                      linen_key)
 from .inference import Fp8Weight
@@ -89,11 +89,11 @@ class _Layer(nn.Module):
     features, use_bias = check_layer(name, self.features, self.use_bias, self.recipe, multi)
     if jnp.ndim(inputs) < 1:
       raise ValueError(f"{name} inputs must be [..., K], got a scalar")
-    suffix = (lambda i: f"_{i}") if multi else (lambda i: "")
-    kernels = tuple(_kernel(self, f"kernel{suffix(i)}", (jnp.shape(inputs)[-1], f))
-                    for i, f in enumerate(features))
-    biases = tuple(self.param(f"bias{suffix(i)}", self.bias_init, (f,), self.param_dtype)
-                   if use_bias else None for i, f in enumerate(features))
+    names = _names.suffixes(len(features), multi)
+    kernels = tuple(_kernel(self, f"kernel{sfx}", (jnp.shape(inputs)[-1], f))
+                    for sfx, f in zip(names, features))
+    biases = tuple(self.param(f"bias{sfx}", self.bias_init, (f,), self.param_dtype)
+                   if use_bias else None for sfx, f in zip(names, features))
     state = (self.variable(STATE_COLLECTION, "linear", create_state, self.recipe,
                            len(features) if multi else None).value
              if isinstance(self.recipe, DelayedScaling) else None)
@@ -228,13 +228,6 @@ class Mlp(nn.Module):
                     linen_key(self, self.recipe))
 
 
-def _is_kernel(name: str) -> bool:
-  """Whether a parameter's name is that of a jax_fp8 layer's kernel: "kernel" (``Dense``),
-  "kernel_<i>" (``MultiDense``), "kernel_in" / "kernel_out" (``Mlp``)."""
-  return (name in ("kernel", "kernel_in", "kernel_out")
-          or (name.startswith("kernel_") and name[7:].isdigit()))
-
-
 def _ring(state, name: str):
   """The scale ring of kernel parameter ``name`` in a linen module's "fp8_state" entries
   (``state``: a mapping, or None), or None where the module has none for it."""
@@ -243,8 +236,8 @@ def _ring(state, name: str):
   linear, mlp = state.get("linear"), state.get("mlp")
   if name == "kernel" and isinstance(linear, LinearState):
     return linear.kernel
-  if name.startswith("kernel_") and name[7:].isdigit() and isinstance(linear, MultiLinearState):
-    i = int(name[7:])
+  i = _names.multi_index(name)
+  if i is not None and isinstance(linear, MultiLinearState):
     return linear.kernels[i] if i < len(linear.kernels) else None
   if name in ("kernel_in", "kernel_out") and isinstance(mlp, MlpState):
     return getattr(mlp, name)
@@ -311,7 +304,7 @@ def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
         continue
       ring = _ring(state, name) if delayed else None
       out[name] = value
-      if (not _is_kernel(name) or not isinstance(value, (jax.Array, np.ndarray))
+      if (not _names.is_kernel(name) or not isinstance(value, (jax.Array, np.ndarray))
           or jnp.ndim(value) < 2
           or (delayed and ring is None)):
         continue

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from . import checks
+from . import _names, checks
 from .formats import FLOAT_DTYPES, amax
 from .ops.blockwise import BLOCK, block_quantize, group_quantize
 from .ops.gemm import DIM_MULTIPLE, expand_scales, gemm_bias
@@ -97,7 +97,7 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
       raise TypeError(f"params holds a CastKernel at {'/'.join(keys)} (cast_kernels', for "
                       f"training): quantize the float params")
     name = keys[-1] if keys else ""
-    kernel = name == "kernel" or (name.startswith("kernel_") and name[7:].isdigit())
+    kernel = name == "kernel" or _names.multi_index(name) is not None
     if kernel and jnp.ndim(leaf) == 2 and select("/".join(keys), leaf):
       return quantize_weight(leaf, recipe)
     return leaf

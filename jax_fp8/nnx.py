@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import activations
+from . import _names, activations
 from ._layer import SR_STREAM, call_layer, call_mlp, check_layer, check_norm_attr, create_state
 from .checks import integer
 from .mlp import MlpState
@@ -91,8 +91,8 @@ class _Layer(nnx.Module):
     self.in_features, self.out_features = in_features, out_features
     self.use_bias, self.dtype, self.param_dtype = use_bias, dtype, param_dtype
     self.recipe, self.amax_axis_name = recipe, amax_axis_name
-    self._names = (tuple(f"_{i}" for i in range(len(features))) if multi else ("",))
-    for sfx, f in zip(self._names, features):
+    self._suffixes = _names.suffixes(len(features), multi)
+    for sfx, f in zip(self._suffixes, features):
       setattr(self, f"kernel{sfx}",
               nnx.Param(kernel_init(rngs.params(), (in_features, f), param_dtype)))
       setattr(self, f"bias{sfx}",
@@ -108,9 +108,9 @@ class _Layer(nnx.Module):
       raise ValueError(f"{name} inputs must be [..., {self.in_features}] (in_features), got "
                        f"shape {jnp.shape(inputs)}")
     # get_value(): a kernel may hold an Fp8Weight (inference), which [...] cannot index.
-    kernels = tuple(getattr(self, f"kernel{sfx}").get_value() for sfx in self._names)
+    kernels = tuple(getattr(self, f"kernel{sfx}").get_value() for sfx in self._suffixes)
     biases = tuple(None if getattr(self, f"bias{sfx}") is None else
-                   getattr(self, f"bias{sfx}").get_value() for sfx in self._names)
+                   getattr(self, f"bias{sfx}").get_value() for sfx in self._suffixes)
     state = None if self.fp8_state is None else self.fp8_state.get_value()
     return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype,
                       self.amax_axis_name, self._multi, _norm_args(self), _key(self))

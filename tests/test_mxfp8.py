@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, block_scaled_data, on_cpu, poison_allocator
+from conftest import HAS_CUDA, bits, block_scaled_data, on_cpu, poison_allocator
 
 import jax_fp8
 from jax_fp8 import _ffi, reference
@@ -88,7 +88,7 @@ def test_block_size_agrees_with_the_extension():
 
 DIRECTIONS = {"rowwise": (True, False), "columnwise": (False, True), "both": (True, True)}
 # (shape, whether R is a multiple of 32, so every direction applies): whole and partial
-# 32 x 128 tiles of the kernel, and rows that only the rowwise direction takes.
+# 64 x 64 tiles of the kernel, and rows that only the rowwise direction takes.
 SHAPES = [((32, 32), True), ((64, 96), True), ((96, 416), True), ((5, 64), False),
           ((33, 160), False)]
 
@@ -123,6 +123,19 @@ def test_kernel_input_dtypes(platform, rng, dtype, directions):
   decades = 3 if dtype == jnp.float16 else 12
   _check_against_reference(block_scaled_data(rng, (64, 256), MX_BLOCK, decades, dtype),
                            directions, "e4m3")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU with the jax_fp8 CUDA targets")
+def test_columnwise_takes_any_number_of_rows(rng):
+  """More rows than a CUDA grid's y dimension holds blocks of 32 (65535 of them), both
+  directions, against the CPU handler."""
+  x = np.asarray(rng.standard_normal((_ffi.CONSTANTS["max_tile_rows"] * MX_BLOCK + MX_BLOCK, 32)),
+                 np.float32)
+  got = jax_fp8.mxfp8_quantize(jax.device_put(x, jax.devices("cuda")[0]), columnwise=True)
+  want = on_cpu(lambda v: jax_fp8.mxfp8_quantize(v, columnwise=True), x)
+  for name in want:
+    np.testing.assert_array_equal(bits(got[name]), bits(want[name]), err_msg=name)
 
 
 @pytest.mark.parametrize("directions", ["rowwise", "both"])
