@@ -27,8 +27,11 @@ __global__ void __launch_bounds__(kTileThreads)
                                 uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
                                 uint8_t* __restrict__ data_t, uint8_t* __restrict__ scales_t) {
   // Rows of 65 floats: both passes touch 16 banks twice a warp instruction (lanes 32 columns,
-  // or 32 rows, apart), where rows of 64 would put a warp's 8 rows in one bank.
-  __shared__ float tile[kTile][kTile + 1];
+  // or 32 rows, apart), where rows of 64 would put a warp's 8 rows in one bank. Two buffers,
+  // alternate tiles: a warp writes a buffer again only after the next tile's barrier, which
+  // every warp passes after its reads of it, so one barrier a tile suffices.
+  __shared__ float tiles[2][kTile][kTile + 1];
+  int parity = 0;
   pdl_wait();
   const int tr = threadIdx.x / kTileBlocks, tc = threadIdx.x % kTileBlocks * kElemsPerThread;
   // C is a multiple of 32 (R too, with a columnwise copy): a block is all in or all out.
@@ -46,6 +49,8 @@ __global__ void __launch_bounds__(kTileThreads)
     return quantize16(f, e8m0_inverse(s), fmt);
   };
   for_each_tile<Raw16<T>>(rows, cols, load, [&](const Raw16<T>& raw, int64_t r0, int64_t c0) {
+    float(&tile)[kTile][kTile + 1] = tiles[parity];
+    parity ^= 1;
     float f[kElemsPerThread];
     unpack16<T>(raw, f);
     if constexpr (kRowwise) {
@@ -71,7 +76,6 @@ __global__ void __launch_bounds__(kTileThreads)
       *reinterpret_cast<uint4*>(data_t + ct * rows + rt) = bytes;
       if (tc % kMxBlock == 0) scales_t[ct * (rows / kMxBlock) + rt / kMxBlock] = s;
     }
-    __syncthreads();  // the next tile reuses the shared tile
   });
   pdl_trigger();
 }

@@ -131,7 +131,10 @@ __global__ void __launch_bounds__(kTileThreads)
         scales_t[co * (rows / kNvfp4Block) + ro / kNvfp4Block] = scales_tile_t[oc][ob];
       }
     }
-    __syncthreads();  // the next tile reuses the shared arrays
+    // With a columnwise copy, the barrier before its stores already orders this tile's reads of
+    // tile and rows_amax before the next tile's writes (and the next tile's first barrier its
+    // writes of codes_t after these reads); without one, the next tile's rows_amax waits here.
+    if (!opt.columnwise) __syncthreads();
   });
   pdl_trigger();
 }
