@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
 // Without the dbias sums the same bound makes ptxas spill, so those instantiations keep their
 // registers, as do f32 inputs. The activation sources of 16-bit inputs would take about 100
 // registers a thread (two resident blocks, too few loads in flight): they are held to three
-// blocks an SM (80 registers; ptxas spills at most 52 bytes a thread, in the gated gradient).
+// blocks an SM (80 registers; ptxas spills at most 56 bytes a thread, in the gated gradient).
 template <typename Src, bool kRing, bool kDbias>
 __global__ void __launch_bounds__(
     kTileThreads, sizeof(typename Src::Input) != 2 ? 1 : !Src::kOneInput ? 3 : kDbias ? 6 : 1)
