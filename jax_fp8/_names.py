@@ -14,7 +14,7 @@ def suffixes(n: int, multi: bool) -> tuple[str, ...]:
 def multi_index(name: str) -> int | None:
   """i where ``name`` is "kernel_<i>" (a ``MultiDense`` kernel), else None."""
   i = name[len("kernel_"):]
-  return int(i) if name.startswith("kernel_") and i.isdigit() else None
+  return int(i) if name.startswith("kernel_") and i.isdecimal() else None
 
 
 def is_kernel(name: str) -> bool:

@@ -752,14 +752,15 @@ _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have bee
       the device's index along the axes the gradient varies over (``gradient_key``). Only the backward uses it: a forward may omit it, a gradient
       without it raises ValueError. None under the other recipes."""
 
-_RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under BlockScaling, 32
-    under MXFP8BlockScaling), mismatched shapes, unsupported dtypes, rings that do not match the
-    recipe, amax_axis_name not a str or tuple of str or naming an axis that is not bound, axes
-    missing from amax_axis_name under shard_map, a state given to a stateless recipe or an amax axis
-    to a block recipe, an Fp8Weight under MXFP8BlockScaling, a CastKernel cast for another recipe or
-    beside a plain kernel, an unknown norm, gamma / beta of the wrong shape or dtype or given
-    without their norm, epsilon not > 0, a key where the recipe draws none or that is not a PRNG key
-    (or, when differentiating, none where NVFP4BlockScaling's stochastic rounding needs one)."""
+_RAISES_DOC = """    ValueError / TypeError at trace time: K or N not a multiple of 16 (128 under
+    BlockScaling, 32 under MXFP8BlockScaling), mismatched shapes, unsupported dtypes, rings that do
+    not match the recipe, amax_axis_name not a str or tuple of str or naming an axis that is not
+    bound, axes missing from amax_axis_name under shard_map, a state given to a stateless recipe or
+    an amax axis to a block recipe, an Fp8Weight under MXFP8BlockScaling, a CastKernel cast for
+    another recipe or beside a plain kernel, an unknown norm, gamma / beta of the wrong shape or
+    dtype or given without their norm, epsilon not > 0, a key where the recipe draws none or that is
+    not a PRNG key (or, when differentiating, none where NVFP4BlockScaling's stochastic rounding
+    needs one)."""
 
 
 def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,

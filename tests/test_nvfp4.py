@@ -357,8 +357,9 @@ OPTIONS = {
     "both_rht_sr": dict(columnwise=True, rht=True, rht_seed=2**40 + 5,
                         stochastic_rounding=True, key=KEY),
 }
-# Whole and partial 64 x 64 tiles, several of them; rows that only 1D rowwise blocks take.
-SHAPES = [(16, 32), (48, 160), (32, 256), (5, 64), (80, 160), (128, 128)]
+# Whole and partial 64 x 64 tiles, several of them, with 1, 2 or 3 of a tile row's 16-column
+# blocks inside x; rows that only 1D rowwise blocks take.
+SHAPES = [(16, 32), (48, 160), (32, 256), (5, 64), (80, 160), (128, 128), (48, 80), (32, 240)]
 
 
 def _check_against_reference(x, options):

@@ -20,11 +20,11 @@ ffi::Error Launch(cudaStream_t stream, const CastTransposeArgs& a, Src src) {
   launch_pdl(first_step_source_amax_kernel<Src>,
              grid_size(n, kQuantizeThreads * kElemsPerThread, 8), kQuantizeThreads, stream, src,
              a.src.rows, cols, a.ring.steps, scratch);
-  // At least one row of tiles, so an empty x still records its (zero) amax; a persistent grid
-  // over them of as many blocks as fit on the SMs at once (one wave: the kernel's registers
-  // decide how many, so the count is queried rather than assumed).
-  const size_t tiles = size_t((cols + kTile - 1) / kTile) *
-                       size_t(std::max<int64_t>(1, (a.src.rows + kTile - 1) / kTile));
+  // A persistent grid over the tiles of as many blocks as fit on the SMs at once (one wave:
+  // the kernel's registers decide how many, so the count is queried rather than assumed), at
+  // least one, so an empty x still records its (zero) amax.
+  const size_t tiles =
+      size_t((cols + kTile - 1) / kTile) * size_t((a.src.rows + kTile - 1) / kTile);
   static const int per_sm =
       resident_blocks_per_sm(cast_transpose_kernel<Src, true, kDbias>, kTileThreads);
   launch_pdl(cast_transpose_kernel<Src, true, kDbias>, grid_size(tiles, 1, per_sm), kTileThreads,

@@ -19,7 +19,7 @@
 // sectors. A 16 x 16 tile's amax is reduced over the 16 threads that share its columns (shuffles
 // over a warp's 8 rows, then the two warps through shared memory).
 //
-// Both read x without flushing its subnormals (load16<T, false>): every use of a value flushes
+// Both read x without flushing its subnormals (unpack16<T, false>): every use of a value flushes
 // it, the products through nvfp4.h's .ftz arithmetic and the block maxima through the scale's
 // product, so the bytes are those of flushed inputs (the CPU handler's).
 //
@@ -87,12 +87,14 @@ __global__ void __launch_bounds__(kTileThreads)
     if (opt.columnwise) {
 #pragma unroll
       for (int k = 0; k < kNvfp4Block; k += 4)
-        *reinterpret_cast<float4*>(&tile[tr][tc + k]) = make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
+        *reinterpret_cast<float4*>(&tile[tr][tc + k]) =
+            make_float4(v[k], v[k + 1], v[k + 2], v[k + 3]);
     }
     __syncthreads();
 
     if (opt.rowwise && r < rows && c < cols) {
-      const uint8_t s = nvfp4_scale(bits_float(opt.block_2d ? tile_amax(tr / kNvfp4Block, tq) : m), gs);
+      const unsigned a = opt.block_2d ? tile_amax(tr / kNvfp4Block, tq) : m;
+      const uint8_t s = nvfp4_scale(bits_float(a), gs);
       const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(c / kNvfp4Block),
                                                                uint32_t(r), 0u)
                                             : SrBlockBits{};

@@ -29,7 +29,6 @@ from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32,
 from ..philox import key_words
 
 
-
 def _global_amax(v, name):
   given = v
   v = checks.array(v, name)
