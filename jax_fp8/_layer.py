@@ -4,15 +4,17 @@ dtype."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import dtypes
 
-from . import checks, norms
+from . import _names, checks, norms
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
-from .linear import CastKernel, LinearState, MultiLinearState, linear, multi_linear
-from .mlp import mlp
-from .recipes import DelayedScaling, check_recipe, draws_key
+from .linear import CastKernel, LinearState, MultiLinearState, cast_kernel, linear, multi_linear
+from .mlp import MlpState, mlp
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling, check_recipe, draws_key
 
 # The Flax rng stream that NVFP4's stochastic rounding draws its key from, each call.
 SR_STREAM = "stochastic_rounding"
@@ -54,6 +56,57 @@ def linen_key(module, recipe):
 def create_state(recipe: DelayedScaling, outputs: int | None):
   """A fresh ``LinearState`` (``outputs`` None: one kernel) or ``MultiLinearState``."""
   return LinearState.create(recipe) if outputs is None else MultiLinearState.create(outputs, recipe)
+
+
+def check_cast_kernels(recipe, fp8_state, select, state_name: str) -> bool:
+  """The arguments that linen's and NNX's ``cast_kernels`` share, checked (``state_name``: what
+  the API calls its FP8 state): whether the recipe is ``DelayedScaling`` (whose casts take
+  their rings from ``fp8_state``)."""
+  if not callable(select):
+    raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
+  check_recipe(recipe, allowed=(DelayedScaling, CurrentScaling, BlockScaling))
+  delayed = isinstance(recipe, DelayedScaling)
+  if delayed and fp8_state is None:
+    raise TypeError(f"cast_kernels under DelayedScaling takes {state_name}, whose kernel rings "
+                    f"the casts observe: pass fp8_state")
+  if not delayed and fp8_state is not None:
+    raise ValueError(f"{type(recipe).__name__} is stateless: pass fp8_state=None")
+  return delayed
+
+
+def kernel_ring(layer_state, name: str):
+  """The ring of kernel parameter ``name`` in a layer's state (its ``LinearState``,
+  ``MultiLinearState`` or ``MlpState``), or None where that state has none for it."""
+  i = _names.multi_index(name)
+  if name == "kernel" and isinstance(layer_state, LinearState):
+    return layer_state.kernel
+  if i is not None and isinstance(layer_state, MultiLinearState):
+    return layer_state.kernels[i] if i < len(layer_state.kernels) else None
+  if name in ("kernel_in", "kernel_out") and isinstance(layer_state, MlpState):
+    return getattr(layer_state, name)
+  return None
+
+
+def cast_leaf(where: str, kernel, ring, recipe, amax_axis_name, select):
+  """``kernel`` (a parameter leaf at path ``where``) as its ``CastKernel``, cast layer by layer
+  where layers are stacked on leading axes (``ring`` likewise), or None where it is no
+  kernel to cast: not an array of at least 2 dimensions, no ring under ``DelayedScaling``, or
+  ``select`` says no. ``cast_kernel``'s errors are prefixed with ``where``."""
+  if (not isinstance(kernel, (jax.Array, np.ndarray)) or jnp.ndim(kernel) < 2
+      or (isinstance(recipe, DelayedScaling) and ring is None)):
+    return None
+  chosen = select(where, kernel)
+  if not isinstance(chosen, bool):
+    raise TypeError(f"select must return a bool, got {type(chosen).__name__} for {where}")
+  if not chosen:
+    return None
+  fn = lambda k, r: cast_kernel(k, r, recipe=recipe, amax_axis_name=amax_axis_name)  # noqa: E731
+  for _ in range(jnp.ndim(kernel) - 2):
+    fn = jax.vmap(fn, in_axes=(0, None if ring is None else 0))
+  try:
+    return fn(kernel, ring)
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"{where}: {e}") from None
 
 
 def _readable(a, dtype):

@@ -20,3 +20,8 @@ def multi_index(name: str) -> int | None:
 def is_kernel(name: str) -> bool:
   """Whether ``name`` is a kernel's: "kernel", "kernel_<i>", "kernel_in" or "kernel_out"."""
   return name in ("kernel", "kernel_in", "kernel_out") or multi_index(name) is not None
+
+
+def path_keys(path) -> list[str]:
+  """A pytree path's keys as strings (mapping keys, attribute names, sequence indices)."""
+  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]

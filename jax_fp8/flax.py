@@ -12,16 +12,15 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import serialization
 
 from . import _names, activations, checks
-from ._layer import (SR_STREAM, call_layer, call_mlp, check_layer, check_norm_attr, create_state,
-                     linen_key)
+from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kernels, check_layer,
+                     check_norm_attr, create_state, kernel_ring, linen_key)
 from .inference import Fp8Weight
-from .linear import CastKernel, LinearState, MultiLinearState, cast_kernel
+from .linear import CastKernel, LinearState, MultiLinearState
 from .mlp import MlpState
-from .recipes import BlockScaling, CurrentScaling, DelayedScaling, Recipe, check_recipe
+from .recipes import DelayedScaling, Recipe
 from .state import ScaleRing
 
 STATE_COLLECTION = "fp8_state"
@@ -233,15 +232,8 @@ def _ring(state, name: str):
   (``state``: a mapping, or None), or None where the module has none for it."""
   if not hasattr(state, "get"):
     return None
-  linear, mlp = state.get("linear"), state.get("mlp")
-  if name == "kernel" and isinstance(linear, LinearState):
-    return linear.kernel
-  i = _names.multi_index(name)
-  if i is not None and isinstance(linear, MultiLinearState):
-    return linear.kernels[i] if i < len(linear.kernels) else None
-  if name in ("kernel_in", "kernel_out") and isinstance(mlp, MlpState):
-    return getattr(mlp, name)
-  return None
+  ring = kernel_ring(state.get("linear"), name)
+  return kernel_ring(state.get("mlp"), name) if ring is None else ring
 
 
 def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
@@ -277,22 +269,7 @@ def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
     finding its ring in fp8_state under DelayedScaling (the collections passed at the wrong
     level), and ``jax_fp8.cast_kernel``'s errors for a kernel, prefixed with its path.
   """
-  if not callable(select):
-    raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
-  check_recipe(recipe, allowed=(DelayedScaling, CurrentScaling, BlockScaling))
-  delayed = isinstance(recipe, DelayedScaling)
-  if delayed and fp8_state is None:
-    raise TypeError("cast_kernels under DelayedScaling takes the \"fp8_state\" collection, "
-                    "whose kernel rings the casts observe: pass fp8_state")
-  if not delayed and fp8_state is not None:
-    raise ValueError(f"{type(recipe).__name__} is stateless: pass fp8_state=None")
-
-  def cast(kernel, ring):
-    fn = lambda k, r: cast_kernel(k, r, recipe=recipe, amax_axis_name=amax_axis_name)
-    for _ in range(jnp.ndim(kernel) - 2):  # layers stacked on leading axes
-      fn = jax.vmap(fn, in_axes=(0, None if ring is None else 0))
-    return fn(kernel, ring)
-
+  delayed = check_cast_kernels(recipe, fp8_state, select, 'the "fp8_state" collection')
   found = []
 
   def walk(node, state, path):
@@ -302,20 +279,10 @@ def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
       if hasattr(value, "items"):
         out[name] = walk(value, state.get(name) if hasattr(state, "get") else None, where)
         continue
-      ring = _ring(state, name) if delayed else None
-      out[name] = value
-      if (not _names.is_kernel(name) or not isinstance(value, (jax.Array, np.ndarray))
-          or jnp.ndim(value) < 2
-          or (delayed and ring is None)):
-        continue
-      chosen = select(where, value)
-      if not isinstance(chosen, bool):
-        raise TypeError(f"select must return a bool, got {type(chosen).__name__} for {where}")
-      if chosen:
-        try:
-          out[name] = cast(value, ring)
-        except (TypeError, ValueError) as e:
-          raise type(e)(f"{where}: {e}") from None
+      cast = (cast_leaf(where, value, _ring(state, name) if delayed else None, recipe,
+                        amax_axis_name, select) if _names.is_kernel(name) else None)
+      out[name] = value if cast is None else cast
+      if cast is not None:
         found.append(where)
     return out
   if not hasattr(params, "items"):

@@ -90,7 +90,7 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
     raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
 
   def one(path, leaf):
-    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    keys = _names.path_keys(path)
     if keys and keys[-1] == "value" and isinstance(path[-1], jax.tree_util.GetAttrKey):
       keys = keys[:-1]  # the array inside an NNX Variable (nnx.state(model, nnx.Param))
     if isinstance(leaf, CastKernel):

@@ -11,7 +11,9 @@ parameters with the optimizer and the state with ``update_fp8_state``::
 
 The state follows ``jax_fp8.state``'s protocol: the gradient with respect to a layer's
 ``Fp8State`` is its rings' observations of the step. Gradients of several microbatches of one
-step combine by ``jax_fp8.combine_updates`` (an elementwise max) where parameter gradients add.
+step combine by ``jax_fp8.combine_updates`` (an elementwise max) where parameter gradients add;
+or one differentiated function scans over the microbatches with ``nnx.merge``, its kernels
+quantized once by ``cast_kernels``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from . import _names, activations
-from ._layer import SR_STREAM, call_layer, call_mlp, check_layer, check_norm_attr, create_state
+from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kernels, check_layer,
+                     check_norm_attr, create_state, kernel_ring)
 from .checks import integer
 from .mlp import MlpState
-from .recipes import DelayedScaling, draws_key
+from .recipes import DelayedScaling, Recipe, draws_key
 from .state import update_state
 
 
@@ -225,3 +228,74 @@ def update_fp8_state(model: nnx.Module, grads: nnx.State) -> None:
                      "of them): differentiate with argnums=nnx.DiffState(0, (nnx.Param, "
                      "Fp8State))")
   nnx.update(model, update_state(state, state_grads))
+
+
+def cast_kernels(params: nnx.State, fp8_state: nnx.State | None = None,
+                 recipe: Recipe = DelayedScaling(), *,
+                 amax_axis_name: str | tuple[str, ...] | None = None,
+                 select: Callable = lambda path, kernel: True) -> nnx.State:
+  """``params`` (the model's ``nnx.Param`` state) with the kernels of jax_fp8's layers holding
+  their ``jax_fp8.CastKernel`` (``jax_fp8.cast_kernel``), which the layers then use without
+  quantizing them again. For a step that runs several microbatches in a ``lax.scan``: split
+  the model (``graphdef, params, fp8, rest = nnx.split(model, nnx.Param, Fp8State, ...)``),
+  and inside the differentiated function call this once, outside the scan, then
+  ``nnx.merge(graphdef, cast, fp8_i, rest)`` in the scan's body with ``fp8_i`` the
+  microbatch's slice of ``jax_fp8.share(fp8, n)``, differentiated by ``jax.grad`` (inside it
+  the model's stacked layers run under ``jax.lax.scan`` over their ``nnx.split`` state: NNX's
+  own transforms refuse variables that an outer JAX transform traces). The gradients with
+  respect to ``params`` and ``fp8`` are those of the uncast model; the kernels are quantized
+  once per step instead of once per microbatch.
+
+  Args:
+    params: an ``nnx.State`` of ``nnx.Param`` variables whose kernels are named "kernel"
+      (``Linear``), "kernel_<i>" (``MultiLinear``) or "kernel_in" / "kernel_out" (``Mlp``),
+      [K, N], or [L, ..., K, N] for layers made by ``nnx.vmap`` (cast layer by layer).
+    fp8_state: under ``DelayedScaling`` the ``Fp8State`` state (unshared): a kernel is cast
+      where its layer's ``Fp8State`` holds its ring, other kernels (e.g. a
+      ``flax.nnx.Linear``'s) stay as they are. Under ``CurrentScaling`` and ``BlockScaling``:
+      None, and every kernel so named is cast: leave out the layers that do not run through
+      jax_fp8 with ``select``.
+    recipe: the layers' recipe: ``DelayedScaling``, ``CurrentScaling`` or ``BlockScaling``.
+    amax_axis_name: as in ``jax_fp8.cast_kernel``.
+    select: ``select(path, kernel) -> bool`` (path: the keys joined by "/"): False keeps that
+      kernel as it is.
+  Returns:
+    ``params`` with those variables holding their ``CastKernel``.
+  Raises:
+    TypeError / ValueError: params or fp8_state not an ``nnx.State``, select not callable or not
+    returning a bool, fp8_state missing under DelayedScaling or given under a stateless
+    recipe, no kernel finding its ring in fp8_state under DelayedScaling, and
+    ``jax_fp8.cast_kernel``'s errors for a kernel, prefixed with its path.
+  """
+  delayed = check_cast_kernels(recipe, fp8_state, select,
+                               "the model's Fp8State (nnx.state(model, Fp8State))")
+  is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
+  if not isinstance(params, nnx.State):
+    raise TypeError(f"params must be an nnx.State (nnx.state(model, nnx.Param), or nnx.split's), "
+                    f"got {type(params).__name__}")
+  if delayed and not isinstance(fp8_state, nnx.State):
+    raise TypeError(f"fp8_state must be an nnx.State (nnx.state(model, Fp8State), or "
+                    f"nnx.split's), got {type(fp8_state).__name__}")
+  layer_states = {}  # a layer's path -> its LinearState, MultiLinearState or MlpState
+  if delayed:
+    for path, var in jax.tree_util.tree_flatten_with_path(fp8_state, is_leaf=is_var)[0]:
+      if isinstance(var, Fp8State):
+        layer_states[tuple(_names.path_keys(path)[:-1])] = var.get_value()
+  found = []
+
+  def one(path, var):
+    keys = _names.path_keys(path)
+    if not isinstance(var, nnx.Variable) or not keys or not _names.is_kernel(keys[-1]):
+      return var
+    ring = kernel_ring(layer_states.get(tuple(keys[:-1])), keys[-1]) if delayed else None
+    cast = cast_leaf("/".join(keys), var.get_value(), ring, recipe, amax_axis_name, select)
+    if cast is None:
+      return var
+    found.append(keys)
+    return var.replace(cast)
+  out = jax.tree_util.tree_map_with_path(one, params, is_leaf=is_var)
+  if delayed and not found:
+    raise ValueError("no kernel of params found its ring in fp8_state: pass "
+                     "nnx.state(model, nnx.Param) and nnx.state(model, Fp8State) of a model with "
+                     "jax_fp8 layers")
+  return out

@@ -4,6 +4,7 @@ microbatches of a ``lax.scan``. The cast layers must compute exactly what the un
 scan."""
 
 import flax.linen as nn
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 
 import jax_fp8
 import jax_fp8.flax as jf
+import jax_fp8.nnx as jn
 
 MICROBATCHES = 3
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling(),
@@ -208,3 +210,82 @@ def test_flax_cast_kernels_errors(rng):
   weights = {"dense": {"kernel": jax_fp8.quantize_weight(jnp.ones((128, 128)), recipe)}}
   cast = jf.cast_kernels({**params, **weights}, state, recipe)
   assert cast["dense"]["kernel"] is weights["dense"]["kernel"]
+
+
+class _NnxBlock(nnx.Module):
+  def __init__(self, recipe, rngs):
+    self.qk = jn.MultiLinear(128, (128, 128), recipe=recipe, norm="rmsnorm", rngs=rngs)
+    self.mlp = jn.Mlp(128, 128, recipe=recipe, rngs=rngs)
+    self.out = jn.Linear(128, 128, recipe=recipe, rngs=rngs)
+
+  def __call__(self, x):
+    q, k = self.qk(x)
+    return x + self.out(self.mlp(q * k))
+
+
+class _NnxModel(nnx.Module):
+  """Two _NnxBlocks made by nnx.vmap and applied by a lax.scan over their split state (NNX's
+  own transforms refuse variables that an outer jax.grad traces), then a Flax nnx.Linear
+  head."""
+
+  def __init__(self, recipe, rngs):
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(rngs):
+      return _NnxBlock(recipe, rngs)
+    self.layers = make(rngs)
+    self.head = nnx.Linear(128, 8, rngs=rngs)
+
+  def __call__(self, x):
+    graphdef, layers = nnx.split(self.layers)
+    x = jax.lax.scan(lambda h, layer: (nnx.merge(graphdef, layer)(h), None), x, layers)[0]
+    return self.head(x)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_nnx_cast_kernels(platform, rng, name):
+  """``jax_fp8.nnx.cast_kernels`` over an NNX model (Linear, MultiLinear and Mlp made by
+  nnx.vmap, a Flax nnx.Linear head) split into params and FP8 state and merged in the
+  microbatch scan: the cast model's loss and gradients are the uncast model's, bit for bit."""
+  recipe = RECIPES[name]
+  delayed = isinstance(recipe, jax_fp8.DelayedScaling)
+  graphdef, params, fp8, rest = nnx.split(_NnxModel(recipe, nnx.Rngs(0)), nnx.Param,
+                                          jn.Fp8State, ...)
+  x = jnp.asarray(rng.standard_normal((MICROBATCHES, 16, 128)), jnp.float32)
+  keep_head = {} if delayed else {"select": lambda path, kernel: "head" not in path}
+  state = fp8 if delayed else None
+  cast = jn.cast_kernels(params, state, recipe, **keep_head)
+  assert isinstance(cast["layers"]["mlp"]["kernel_in"].get_value(), jax_fp8.CastKernel)
+  assert cast["layers"]["mlp"]["kernel_in"].get_value().q.shape == (2, 128, 256)
+  assert cast["head"]["kernel"] is params["head"]["kernel"]
+
+  def loss(params, fp8, cast):
+    used = (jn.cast_kernels(params, fp8 if delayed else None, recipe, **keep_head) if cast
+            else params)
+
+    def body(acc, mb):
+      xm, st = mb
+      return acc + jnp.mean(nnx.merge(graphdef, used, st, rest)(xm) ** 2), None
+    return jax.lax.scan(body, 0.0, (x, jax_fp8.share(fp8, MICROBATCHES)))[0]
+  results = [jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)(params, fp8, cast)
+             for cast in (False, True)]
+  for got, want in zip(jax.tree.leaves(results[1]), jax.tree.leaves(results[0])):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_nnx_cast_kernels_errors():
+  """States of the wrong kind or level, and a kernel the recipe cannot cast (its path named)."""
+  recipe = RECIPES["delayed"]
+  params, fp8 = nnx.state(_NnxModel(recipe, nnx.Rngs(0)), nnx.Param, jn.Fp8State)
+  with pytest.raises(TypeError, match="params must be an nnx.State"):
+    jn.cast_kernels({"kernel": jnp.ones((128, 128))}, fp8, recipe)
+  with pytest.raises(TypeError, match="fp8_state must be an nnx.State"):
+    jn.cast_kernels(params, {"fp8_state": fp8}, recipe)
+  with pytest.raises(TypeError, match=r"takes the model's Fp8State \(nnx.state\(model, Fp8State"):
+    jn.cast_kernels(params, None, recipe)
+  with pytest.raises(ValueError, match="no kernel of params found its ring in fp8_state"):
+    jn.cast_kernels(params, params, recipe)
+  with pytest.raises(ValueError, match="CurrentScaling is stateless: pass fp8_state=None"):
+    jn.cast_kernels(params, fp8, RECIPES["current"])
+  with pytest.raises(ValueError, match=r"head/kernel: K and N must be multiples of 16"):
+    jn.cast_kernels(params, None, RECIPES["current"])
