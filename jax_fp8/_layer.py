@@ -91,13 +91,19 @@ def cast_leaf(where: str, kernel, ring, recipe, amax_axis_name, select):
   """``kernel`` (a parameter leaf at path ``where``) as its ``CastKernel``, cast layer by layer
   where layers are stacked on leading axes (``ring`` likewise), or None where it is no
   kernel to cast: not an array of at least 2 dimensions, no ring under ``DelayedScaling``, or
-  ``select`` says no. ``cast_kernel``'s errors are prefixed with ``where``."""
+  ``select`` says no. TypeError for a ``CastKernel`` (params cast already);
+  ``cast_kernel``'s errors are prefixed with ``where``."""
+  if isinstance(kernel, CastKernel):
+    raise TypeError(f"{where} is a CastKernel already (cast_kernels' output): pass the float "
+                    f"params")
   if (not isinstance(kernel, (jax.Array, np.ndarray)) or jnp.ndim(kernel) < 2
       or (isinstance(recipe, DelayedScaling) and ring is None)):
     return None
   chosen = select(where, kernel)
   if not isinstance(chosen, bool):
-    raise TypeError(f"select must return a bool, got {type(chosen).__name__} for {where}")
+    kind = type(chosen)
+    kind = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    raise TypeError(f"select must return a bool, got {kind} for {where}")
   if not chosen:
     return None
   fn = lambda k, r: cast_kernel(k, r, recipe=recipe, amax_axis_name=amax_axis_name)  # noqa: E731

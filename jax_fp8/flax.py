@@ -244,7 +244,9 @@ def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
   quantizing them again: call it once per step, inside the differentiated function and
   outside the ``lax.scan`` over microbatches, and apply the model in the scan's body with the
   result as its "params" (``fp8_state``: ``jax_fp8.share``d copies, as without it). The
-  gradients with respect to ``params`` and ``fp8_state`` are those of the uncast model; the
+  gradients with respect to ``params`` and ``fp8_state`` are those of the uncast model
+  (except the kernel ring of a layer run twice in a microbatch, or of layers with states of
+  their own on one kernel: the cast observes the kernel once, ``jax_fp8.cast_kernel``); the
   kernels are quantized once per step instead of once per microbatch.
 
   Args:
@@ -264,10 +266,11 @@ def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
   Returns:
     ``params`` with those leaves replaced, the mappings rebuilt as plain dicts.
   Raises:
-    TypeError / ValueError: params not a mapping, select not callable or not returning a bool,
-    fp8_state missing under DelayedScaling or given under a stateless recipe, no kernel
-    finding its ring in fp8_state under DelayedScaling (the collections passed at the wrong
-    level), and ``jax_fp8.cast_kernel``'s errors for a kernel, prefixed with its path.
+    TypeError / ValueError: params not a mapping, a kernel cast already, select not callable or
+    not returning a bool, fp8_state missing under DelayedScaling or given under a stateless
+    recipe, no kernel finding its ring in fp8_state under DelayedScaling (the collections
+    passed at the wrong level), and ``jax_fp8.cast_kernel``'s errors for a kernel, prefixed
+    with its path.
   """
   delayed = check_cast_kernels(recipe, fp8_state, select, 'the "fp8_state" collection')
   found = []
@@ -279,17 +282,18 @@ def cast_kernels(params, fp8_state=None, recipe: Recipe = DelayedScaling(), *,
       if hasattr(value, "items"):
         out[name] = walk(value, state.get(name) if hasattr(state, "get") else None, where)
         continue
-      cast = (cast_leaf(where, value, _ring(state, name) if delayed else None, recipe,
-                        amax_axis_name, select) if _names.is_kernel(name) else None)
-      out[name] = value if cast is None else cast
-      if cast is not None:
-        found.append(where)
+      out[name] = value
+      if _names.is_kernel(name):
+        ring = _ring(state, name) if delayed else None
+        found.append(ring is not None)
+        cast = cast_leaf(where, value, ring, recipe, amax_axis_name, select)
+        out[name] = value if cast is None else cast
     return out
   if not hasattr(params, "items"):
     raise TypeError(f"params must be a linen \"params\" collection (a mapping), got "
                     f"{type(params).__name__}")
   out = walk(params, fp8_state, "")
-  if delayed and not found:
+  if delayed and not any(found):
     raise ValueError("no kernel of params found its ring in fp8_state: pass the \"params\" "
                      "and \"fp8_state\" collections themselves (variables[\"params\"], "
                      "variables[\"fp8_state\"]), of a model with jax_fp8 layers")

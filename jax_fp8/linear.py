@@ -114,7 +114,8 @@ class MultiLinearState:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=["kernel", "q", "qt", "scale", "uses"], meta_fields=["recipe"])
+                   data_fields=["kernel", "q", "qt", "scale", "uses"],
+                   meta_fields=["recipe", "amax_axis_name"])
 @dataclasses.dataclass(frozen=True)
 class CastKernel:
   """A kernel with its FP8 copies, made once by ``cast_kernel`` for several uses in one step
@@ -134,6 +135,8 @@ class CastKernel:
       ``fp8_min_intensity`` runs XLA's GEMM on ``kernel`` and leaves the ring as it is).
     recipe: static, the recipe it was cast for; a layer running one of another ``cast_recipe``
       raises ValueError.
+    amax_axis_name: static, the ``amax_axis_name`` it was cast with (None, or the names as a
+      sorted tuple); a layer given other names raises ValueError.
   """
 
   kernel: jax.Array
@@ -142,6 +145,7 @@ class CastKernel:
   scale: jax.Array
   uses: jax.Array
   recipe: Recipe
+  amax_axis_name: tuple[str, ...] | None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -229,7 +233,12 @@ def cast_kernel(kernel: jax.Array, ring: ScaleRing | None = None, *,
   kernel, q, qt, scale, uses = _cast(kernel, ring, recipe, axis)
   # No gradient flows into the FP8 copies (none accumulates over the microbatches either).
   q, qt, scale = sharding.vary_like(jax.lax.stop_gradient((q, qt, scale)), kernel)
-  return CastKernel(kernel, q, qt, scale, uses, recipe)
+  return CastKernel(kernel, q, qt, scale, uses, recipe, _names_given(amax_axis_name))
+
+
+def _names_given(amax_axis_name) -> tuple[str, ...] | None:
+  """amax_axis_name as a cast records it: None, or its names sorted."""
+  return None if amax_axis_name is None else tuple(sorted(_axis_names(amax_axis_name)))
 
 
 def cast_recipe(recipe) -> tuple:
@@ -241,11 +250,11 @@ def cast_recipe(recipe) -> tuple:
   return type(recipe), recipe.fwd_fmt, recipe.margin
 
 
-def check_cast(cast, name: str, recipe):
+def check_cast(cast, name: str, recipe, amax_axis_name):
   """A ``CastKernel``'s (FP8 copies..., uses) as the recipe's GEMMs take them ((q, qt, scale,
   uses) per-tensor, (q, scale, uses) under BlockScaling); TypeError for another type beside
-  it or fields of the wrong dtype or shape, ValueError when it was cast for another
-  recipe."""
+  it or fields of the wrong dtype or shape, ValueError when it was cast for another recipe
+  or with other amax axis names than the layer's ``amax_axis_name``."""
   if not isinstance(cast, CastKernel):
     got = "an array" if isinstance(cast, jax.Array) else f"a {type(cast).__name__}"
     raise TypeError(f"{name} is {got} beside CastKernel kernels: pass all kernels through "
@@ -253,6 +262,9 @@ def check_cast(cast, name: str, recipe):
   if cast_recipe(cast.recipe) != cast_recipe(recipe):
     raise ValueError(f"{name} was cast for {cast.recipe}, but the layer runs {recipe}: cast it "
                      f"with the layer's recipe")
+  if cast.amax_axis_name != _names_given(amax_axis_name):
+    raise ValueError(f"{name} was cast with amax_axis_name={cast.amax_axis_name!r}, but the "
+                     f"layer's is {amax_axis_name!r}: cast it with the layer's amax_axis_name")
   k, n = jnp.shape(cast.kernel)
   block = isinstance(recipe, BlockScaling)
   want = {"q": (jnp.float8_e4m3fn, (k, n)), "qt": None if block else (jnp.float8_e4m3fn, (n, k)),
@@ -950,7 +962,8 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   check_recipe(recipe)
   casts = (None,) * len(kernels)
   if any(isinstance(k, CastKernel) for k in kernels):
-    casts = tuple(check_cast(c, name, recipe) for c, name in zip(kernels, kernel_names))
+    casts = tuple(check_cast(c, name, recipe, amax_axis_name)
+                  for c, name in zip(kernels, kernel_names))
     kernels = tuple(c.kernel for c in kernels)
   weights = [isinstance(k, Fp8Weight) for k in kernels]
   if any(weights) and not all(weights):

@@ -249,8 +249,8 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   check_recipe(recipe)
   casts = (None, None)
   if isinstance(kernel_in, CastKernel) or isinstance(kernel_out, CastKernel):
-    casts = (check_cast(kernel_in, "kernel_in", recipe),
-             check_cast(kernel_out, "kernel_out", recipe))
+    casts = (check_cast(kernel_in, "kernel_in", recipe, amax_axis_name),
+             check_cast(kernel_out, "kernel_out", recipe, amax_axis_name))
     kernel_in, kernel_out = kernel_in.kernel, kernel_out.kernel
   for name, k in (("kernel_in", kernel_in), ("kernel_out", kernel_out)):
     if isinstance(k, Fp8Weight):

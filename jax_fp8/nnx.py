@@ -18,16 +18,16 @@ quantized once by ``cast_kernels``.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import _names, activations
+from . import _names, activations, checks
 from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kernels, check_layer,
                      check_norm_attr, create_state, kernel_ring)
-from .checks import integer
 from .mlp import MlpState
 from .recipes import DelayedScaling, Recipe, draws_key
 from .state import update_state
@@ -88,7 +88,7 @@ class _Layer(nnx.Module):
     name, multi = type(self).__name__, self._multi
     features, use_bias = check_layer(name, out_features, use_bias, recipe, multi,
                                      "out_features")
-    in_features = integer(in_features, f"{name}.in_features", lo=1)
+    in_features = checks.integer(in_features, f"{name}.in_features", lo=1)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"{name}.rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
     self.in_features, self.out_features = in_features, out_features
@@ -188,8 +188,8 @@ class Mlp(nnx.Module):
     (f,), use_bias = check_layer("Mlp", hidden_features, use_bias, recipe, False,
                                  "hidden_features")
     _, gated = activations.check(activation, "Mlp.activation")
-    k = integer(in_features, "Mlp.in_features", lo=1)
-    d = k if out_features is None else integer(out_features, "Mlp.out_features", lo=1)
+    k = checks.integer(in_features, "Mlp.in_features", lo=1)
+    d = k if out_features is None else checks.integer(out_features, "Mlp.out_features", lo=1)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"Mlp.rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
     n = 2 * f if gated else f
@@ -243,8 +243,10 @@ def cast_kernels(params: nnx.State, fp8_state: nnx.State | None = None,
   microbatch's slice of ``jax_fp8.share(fp8, n)``, differentiated by ``jax.grad`` (inside it
   the model's stacked layers run under ``jax.lax.scan`` over their ``nnx.split`` state: NNX's
   own transforms refuse variables that an outer JAX transform traces). The gradients with
-  respect to ``params`` and ``fp8`` are those of the uncast model; the kernels are quantized
-  once per step instead of once per microbatch.
+  respect to ``params`` and ``fp8`` are those of the uncast model (except the kernel ring of
+  a layer run twice in a microbatch, or of layers with states of their own on one kernel: the
+  cast observes the kernel once, ``jax_fp8.cast_kernel``); the kernels are quantized once per
+  step instead of once per microbatch.
 
   Args:
     params: an ``nnx.State`` of ``nnx.Param`` variables whose kernels are named "kernel"
@@ -262,7 +264,8 @@ def cast_kernels(params: nnx.State, fp8_state: nnx.State | None = None,
   Returns:
     ``params`` with those variables holding their ``CastKernel``.
   Raises:
-    TypeError / ValueError: params or fp8_state not an ``nnx.State``, select not callable or not
+    TypeError / ValueError: params or fp8_state not an ``nnx.State`` or holding other variables
+    than ``nnx.Param`` / ``Fp8State``, a kernel cast already, select not callable or not
     returning a bool, fp8_state missing under DelayedScaling or given under a stateless
     recipe, no kernel finding its ring in fp8_state under DelayedScaling, and
     ``jax_fp8.cast_kernel``'s errors for a kernel, prefixed with its path.
@@ -270,31 +273,37 @@ def cast_kernels(params: nnx.State, fp8_state: nnx.State | None = None,
   delayed = check_cast_kernels(recipe, fp8_state, select,
                                "the model's Fp8State (nnx.state(model, Fp8State))")
   is_var = lambda v: isinstance(v, nnx.Variable)  # noqa: E731
-  if not isinstance(params, nnx.State):
+  # nnx.State, or the plain dict Flax means to replace it with: a mapping of variables.
+  if not isinstance(params, Mapping):
     raise TypeError(f"params must be an nnx.State (nnx.state(model, nnx.Param), or nnx.split's), "
                     f"got {type(params).__name__}")
-  if delayed and not isinstance(fp8_state, nnx.State):
+  if delayed and not isinstance(fp8_state, Mapping):
     raise TypeError(f"fp8_state must be an nnx.State (nnx.state(model, Fp8State), or "
                     f"nnx.split's), got {type(fp8_state).__name__}")
-  layer_states = {}  # a layer's path -> its LinearState, MultiLinearState or MlpState
-  if delayed:
-    for path, var in jax.tree_util.tree_flatten_with_path(fp8_state, is_leaf=is_var)[0]:
-      if isinstance(var, Fp8State):
-        layer_states[tuple(_names.path_keys(path)[:-1])] = var.get_value()
+  def variables(state, kind, name, filter_name):  # (path keys, variable) of state, each a kind
+    for path, var in jax.tree_util.tree_flatten_with_path(state, is_leaf=is_var)[0]:
+      keys = _names.path_keys(path)
+      if not isinstance(var, kind):
+        what = type(var).__name__ if is_var(var) else f"bare {checks.describe(var)}"
+        raise TypeError(f"{name} holds a {what} at {'/'.join(keys)}: pass "
+                        f"nnx.state(model, {filter_name})")
+      yield keys, var
+  # A layer's path -> its LinearState, MultiLinearState or MlpState.
+  layer_states = ({tuple(keys[:-1]): var.get_value()
+                   for keys, var in variables(fp8_state, Fp8State, "fp8_state", "Fp8State")}
+                  if delayed else {})
   found = []
 
-  def one(path, var):
-    keys = _names.path_keys(path)
-    if not isinstance(var, nnx.Variable) or not keys or not _names.is_kernel(keys[-1]):
+  def one(keys, var):
+    if not keys or not _names.is_kernel(keys[-1]):
       return var
     ring = kernel_ring(layer_states.get(tuple(keys[:-1])), keys[-1]) if delayed else None
+    found.append(ring is not None)
     cast = cast_leaf("/".join(keys), var.get_value(), ring, recipe, amax_axis_name, select)
-    if cast is None:
-      return var
-    found.append(keys)
-    return var.replace(cast)
-  out = jax.tree_util.tree_map_with_path(one, params, is_leaf=is_var)
-  if delayed and not found:
+    return var if cast is None else var.replace(cast)
+  leaves = [one(keys, var) for keys, var in variables(params, nnx.Param, "params", "nnx.Param")]
+  out = jax.tree.unflatten(jax.tree.structure(params, is_leaf=is_var), leaves)
+  if delayed and not any(found):
     raise ValueError("no kernel of params found its ring in fp8_state: pass "
                      "nnx.state(model, nnx.Param) and nnx.state(model, Fp8State) of a model with "
                      "jax_fp8 layers")

@@ -278,14 +278,26 @@ def test_nnx_cast_kernels_errors():
   recipe = RECIPES["delayed"]
   params, fp8 = nnx.state(_NnxModel(recipe, nnx.Rngs(0)), nnx.Param, jn.Fp8State)
   with pytest.raises(TypeError, match="params must be an nnx.State"):
+    jn.cast_kernels([params], fp8, recipe)
+  with pytest.raises(TypeError, match=r"params holds a bare float32\[128, 128\] at kernel"):
     jn.cast_kernels({"kernel": jnp.ones((128, 128))}, fp8, recipe)
   with pytest.raises(TypeError, match="fp8_state must be an nnx.State"):
-    jn.cast_kernels(params, {"fp8_state": fp8}, recipe)
+    jn.cast_kernels(params, 3, recipe)
   with pytest.raises(TypeError, match=r"takes the model's Fp8State \(nnx.state\(model, Fp8State"):
     jn.cast_kernels(params, None, recipe)
   with pytest.raises(ValueError, match="no kernel of params found its ring in fp8_state"):
-    jn.cast_kernels(params, params, recipe)
+    jn.cast_kernels(params, nnx.state(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), jn.Fp8State), recipe)
   with pytest.raises(ValueError, match="CurrentScaling is stateless: pass fp8_state=None"):
     jn.cast_kernels(params, fp8, RECIPES["current"])
   with pytest.raises(ValueError, match=r"head/kernel: K and N must be multiples of 16"):
     jn.cast_kernels(params, None, RECIPES["current"])
+  with pytest.raises(TypeError, match=r"params holds a Fp8State at layers/mlp/fp8_state: pass "
+                                      r"nnx.state\(model, nnx.Param\)"):
+    jn.cast_kernels(nnx.merge_state(params, fp8), fp8, recipe)
+  with pytest.raises(TypeError, match=r"fp8_state holds a Param at head/bias"):
+    jn.cast_kernels(params, nnx.merge_state(params, fp8), recipe)
+  cast = jn.cast_kernels(params, fp8, recipe)
+  with pytest.raises(TypeError, match="is a CastKernel already"):
+    jn.cast_kernels(cast, fp8, recipe)
+  kept = jn.cast_kernels(params, fp8, recipe, select=lambda path, kernel: False)
+  assert all(a is b for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(params)))

@@ -143,6 +143,19 @@ CASES = {
     "cast_kernels select": (lambda: jax_fp8.flax.cast_kernels({"kernel": W}, None, CURRENT,
                                                               select="all"), TypeError,
                             "select must be a callable"),
+    "cast_kernels select numpy bool": (
+        lambda: jax_fp8.flax.cast_kernels({"d": {"kernel": W}}, None, CURRENT,
+                                          select=lambda path, kernel: np.bool_(True)), TypeError,
+        "select must return a bool, got numpy.bool_? for d/kernel"),
+    "cast_kernels of cast params": (
+        lambda: jax_fp8.flax.cast_kernels({"d": {"kernel": jax_fp8.cast_kernel(W, recipe=CURRENT)}},
+                                          None, CURRENT), TypeError,
+        "d/kernel is a CastKernel already"),
+    "linear cast with other amax axes": (
+        lambda: jax_fp8.linear(X, jax_fp8.cast_kernel(W, recipe=CURRENT, amax_axis_name=()),
+                               recipe=CURRENT), ValueError,
+        r"kernel was cast with amax_axis_name=\(\), but the layer's is None: cast it with the "
+        r"layer's amax_axis_name"),
 }
 
 
