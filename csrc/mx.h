@@ -12,8 +12,8 @@ namespace jax_fp8 {
 constexpr uint8_t kE8M0Nan = 0xFF;
 constexpr int kE8M0Bias = 127;
 
-// The scale byte of a block whose NaN-propagating amax is `amax` (>= 0, subnormals already
-// flushed): byte 0 (the smallest scale) for an all-zero block, kE8M0Nan where the block holds
+// The scale byte of a block whose NaN-propagating amax is `amax` (>= 0; a subnormal one counts
+// as zero): byte 0 (the smallest scale) for an all-zero block, kE8M0Nan where the block holds
 // a NaN or an infinity. fmt_max = 1.75 * 2^emax (e4m3 448: emax 8; e5m2 57344: emax 15), so
 // with amax = m * 2^e (m in [1, 2)), k = e - emax, plus 1 where m > 1.75; clamped to
 // [-127, 127] (a finite f32 amax gives k <= 120).

@@ -125,6 +125,7 @@ for s in "${steps[@]}"; do
                --launch-skip ${NCU_SKIP:-7} --launch-count ${NCU_COUNT:-7} --section SpeedOfLight \
                --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
                --section WarpStateStats --section SchedulerStats \
+               --section ComputeWorkloadAnalysis --section InstructionStats \
                python3 scripts/run_kernels.py profile > "$OUT/profile.log" 2>&1
            grep -E "==PROF==|Kernel|Throughput|Duration|Occupancy" "$OUT/profile.log" | head -60 ;;
   esac

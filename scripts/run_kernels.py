@@ -41,10 +41,13 @@ def profile():
       dh, y, r, activation="swiglu"))
   gamma, beta = jnp.ones(x.shape[1]), jnp.zeros(x.shape[1])
   mxfp8 = jax.jit(lambda x: jax_fp8.mxfp8_quantize(x, columnwise=True))
-  nvfp4 = jax.jit(lambda x: (jax_fp8.nvfp4_quantize(x), jax_fp8.nvfp4_quantize(x, columnwise=True),
+  amax = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  sr = dict(stochastic_rounding=True, key=jax.random.key(0), global_amax=amax)
+  nvfp4 = jax.jit(lambda x: (jax_fp8.nvfp4_quantize(x, global_amax=amax),
+                             jax_fp8.nvfp4_quantize(x, **sr),
+                             jax_fp8.nvfp4_quantize(x, columnwise=True, global_amax=amax),
                              jax_fp8.nvfp4_quantize(x, columnwise=True, rht=True,
-                                                    stochastic_rounding=True,
-                                                    key=jax.random.key(0))))
+                                                    global_amax_t=amax, **sr)))
   layer_norm = jax.jit(lambda x, r: jax_fp8.norm_cast_transpose(
       x, jax_fp8.norms.stats(x, "layernorm", 1e-6), gamma, beta, r, norm="layernorm"))
   for _ in range(3):

@@ -15,6 +15,7 @@ void quantize_direction(const Nvfp4QuantizeArgs& a, bool transposed, uint8_t* ou
   const int64_t outer = transposed ? a.cols : a.rows, inner = transposed ? a.rows : a.cols;
   const int64_t blocks = inner / kNvfp4Block;
   const float global_scale = a.global_scales[transposed ? 1 : 0];
+  const float encode = nvfp4_scale_encode(global_scale);
   const bool rht = transposed && a.rht;
   auto load = [&](int64_t o, int64_t i) {
     return load_f32(a.x, a.x_type, transposed ? i * a.cols + o : o * a.cols + i);
@@ -33,7 +34,7 @@ void quantize_direction(const Nvfp4QuantizeArgs& a, bool transposed, uint8_t* ou
       } else {
         for (int i = 0; i < kNvfp4Block; ++i) m = std::max(m, abs_bits(v[i]));
       }
-      const uint8_t s = nvfp4_scale(bits_float(m), global_scale);
+      const uint8_t s = nvfp4_scale(bits_float(m), encode);
       const SrBlockBits sr = a.stochastic ? sr_bits_of_block(a.key[0], a.key[1], uint32_t(b),
                                                              uint32_t(o), transposed ? 1u : 0u)
                                           : SrBlockBits{};

@@ -10,8 +10,10 @@
 // contiguous bytes). The tile goes to shared memory as f32, where thread t then reads column t
 // / 4 over the rows 16 (t % 4) .. 16 (t % 4) + 15: half a column block, the other half again its
 // neighbouring lane's, and its 16 bytes are a run of data_t's row (a warp: 8 rows of 64
-// contiguous bytes). Launched with PDL; device code only; launched by
-// csrc/ffi/mxfp8_quantize_cuda.cu.
+// contiguous bytes). x is read without flushing its subnormals (unpack16<T, false>): a block
+// whose largest magnitude is subnormal gets byte 0 (e8m0_rceil), as an all-zero one, and the
+// products flush the rest (quantize16), so the bytes are those of flushed inputs. Launched with
+// PDL; device code only; launched by csrc/ffi/mxfp8_quantize_cuda.cu.
 #pragma once
 
 #include "group_quantize.cuh"
@@ -52,7 +54,7 @@ __global__ void __launch_bounds__(kTileThreads)
     float(&tile)[kTile][kTile + 1] = tiles[parity];
     parity ^= 1;
     float f[kElemsPerThread];
-    unpack16<T>(raw, f);
+    unpack16<T, false>(raw, f);
     if constexpr (kRowwise) {
       uint8_t s;
       const uint4 bytes = quantize_half(f, s);

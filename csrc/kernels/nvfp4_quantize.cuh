@@ -63,6 +63,7 @@ __global__ void __launch_bounds__(kTileThreads)
   const int oc = threadIdx.x / kTileBlocks, ob = threadIdx.x % kTileBlocks;
   const uint32_t k0 = key[0], k1 = key[1];
   const float gs = global_scales[0], gs_t = global_scales[1];
+  const float enc = nvfp4_scale_encode(gs), enc_t = nvfp4_scale_encode(gs_t);
   if (threadIdx.x < kNvfp4Block) signs[threadIdx.x] = rht_signs[threadIdx.x];
   // The 16 x 16 tile of row block b and column block q: its two warps' maxima.
   auto tile_amax = [&](int b, int q) { return max(rows_amax[2 * b][q], rows_amax[2 * b + 1][q]); };
@@ -94,7 +95,7 @@ __global__ void __launch_bounds__(kTileThreads)
 
     if (opt.rowwise && r < rows && c < cols) {
       const unsigned a = opt.block_2d ? tile_amax(tr / kNvfp4Block, tq) : m;
-      const uint8_t s = nvfp4_scale(bits_float(a), gs);
+      const uint8_t s = nvfp4_scale(bits_float(a), enc);
       const SrBlockBits sr = opt.stochastic ? sr_bits_of_block(k0, k1, uint32_t(c / kNvfp4Block),
                                                                uint32_t(r), 0u)
                                             : SrBlockBits{};
@@ -115,7 +116,7 @@ __global__ void __launch_bounds__(kTileThreads)
 #pragma unroll
         for (int k = 0; k < kNvfp4Block; ++k) mt = max(mt, abs_bits(w[k]));
         if (opt.block_2d) mt = tile_amax(cb, cc / kNvfp4Block);
-        const uint8_t s = nvfp4_scale(bits_float(mt), gs_t);
+        const uint8_t s = nvfp4_scale(bits_float(mt), enc_t);
         const SrBlockBits sr = opt.stochastic
                                    ? sr_bits_of_block(k0, k1, uint32_t(rt / kNvfp4Block),
                                                       uint32_t(ct), 1u)
@@ -147,7 +148,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
                          const float* global_scales, const uint32_t* key,
                          uint2* __restrict__ data, uint8_t* __restrict__ scales) {
   pdl_wait();
-  const float gs = global_scales[0];
+  const float gs = global_scales[0], enc = nvfp4_scale_encode(gs);
   const uint32_t k0 = key[0], k1 = key[1];
   const int64_t row_blocks = cols / kNvfp4Block, blocks = rows * row_blocks;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -162,7 +163,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     unsigned m = 0;
 #pragma unroll
     for (int k = 0; k < kNvfp4Block; ++k) m = max(m, abs_bits(f[k]));
-    const uint8_t s = nvfp4_scale(bits_float(m), gs);
+    const uint8_t s = nvfp4_scale(bits_float(m), enc);
     const SrBlockBits sr = stochastic ? sr_bits_of_block(k0, k1, uint32_t(v % row_blocks),
                                                          uint32_t(v / row_blocks), 0u)
                                       : SrBlockBits{};

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../numerics.h"
 
@@ -79,29 +80,44 @@ __device__ __forceinline__ Raw16<T> load_raw16(const T* p) {
 
 // kFlush false: subnormals kept, for a kernel whose every use of a value flushes it anyway
 // (the .ftz arithmetic of numerics.h, maxima of abs_bits that end in one).
+// bf16 widens by its bits: a word's low element shifted up, its high one masked (one
+// instruction each, where the conversion took two for the high one). f16 values are never
+// subnormal in f32.
 template <typename T, bool kFlush = true>
 __device__ __forceinline__ void unpack16(const Raw16<T>& r, float (&v)[kElemsPerThread]) {
   constexpr int kPerVec = 16 / sizeof(T);
 #pragma unroll
   for (int j = 0; j < Raw16<T>::kVecs; ++j) {
     const T* e = reinterpret_cast<const T*>(&r.v[j]);
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&r.v[j]);
 #pragma unroll
-    for (int k = 0; k < kPerVec; ++k)
-      v[j * kPerVec + k] = kFlush ? to_float(e[k]) : static_cast<float>(e[k]);
+    for (int k = 0; k < kPerVec; ++k) {
+      float f;
+      if constexpr (std::is_same_v<T, __nv_bfloat16>)
+        f = __uint_as_float(k % 2 ? w[k / 2] & 0xFFFF0000u : w[k / 2] << 16);
+      else
+        f = static_cast<float>(e[k]);
+      v[j * kPerVec + k] = kFlush && !std::is_same_v<T, __half> ? flush_subnormal(f) : f;
+    }
   }
 }
 
 // 16 values times inv as 16 FP8 bytes (element k in byte k), two a conversion instruction
 // (cvt.rn.satfinite.{e4m3,e5m2}x2.f32, as float_to_fp8 one at a time), the format chosen once.
+// The products flush subnormals (mul_flushed), so the values may come unflushed: a subnormal
+// value gives +-0, as once flushed; a subnormal product gives +-0 either way, far below either
+// format's smallest subnormal.
 template <__nv_fp8_interpretation_t kFmt>
 __device__ __forceinline__ uint4 quantize16_as(const float (&f)[kElemsPerThread], float inv) {
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(f[4 * i] * inv, f[4 * i + 1] * inv),
-                                                 __NV_SATFINITE, kFmt);
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(
+        make_float2(mul_flushed(f[4 * i], inv), mul_flushed(f[4 * i + 1], inv)), __NV_SATFINITE,
+        kFmt);
     const uint32_t hi = __nv_cvt_float2_to_fp8x2(
-        make_float2(f[4 * i + 2] * inv, f[4 * i + 3] * inv), __NV_SATFINITE, kFmt);
+        make_float2(mul_flushed(f[4 * i + 2], inv), mul_flushed(f[4 * i + 3], inv)),
+        __NV_SATFINITE, kFmt);
     w[i] = lo | hi << 16;
   }
   return make_uint4(w[0], w[1], w[2], w[3]);

@@ -18,19 +18,22 @@ static_assert(kTileThreads == kQuantizeThreads, "block_max assumes kQuantizeThre
 // Block b takes tiles t = b, b + gridDim.x, ... (row-major over the [ceil(R/64), ceil(C/64)]
 // tiles), calling body(raw, r0, c0) with the tile's origin and what load(r0, c0) returned for
 // it. Each thread's loads of the next tile are issued before the body works on the current
-// one, so they are in flight through its shared-memory stage and its stores.
+// one, so they are in flight through its shared-memory stage and its stores. A tile's
+// coordinates follow from the last one's by a step of gridDim.x tiles (step_y rows and step_x
+// columns of tiles, one carry at most), so the only divisions are a block's first ones.
 template <typename Raw, typename Load, typename Body>
 __device__ __forceinline__ void for_each_tile(int64_t rows, int64_t cols, Load load, Body body) {
-  const int64_t tiles_x = (cols + kTile - 1) / kTile;
-  const int64_t tiles = tiles_x * ((rows + kTile - 1) / kTile);
-  auto load_tile = [&](int64_t t) {
-    return t < tiles ? load(t / tiles_x * kTile, t % tiles_x * kTile) : Raw{};
-  };
-  Raw next = load_tile(blockIdx.x);
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+  const int64_t tiles_x = (cols + kTile - 1) / kTile, tiles_y = (rows + kTile - 1) / kTile;
+  const int64_t step_y = gridDim.x / tiles_x, step_x = gridDim.x % tiles_x;
+  int64_t y = blockIdx.x / tiles_x, x = blockIdx.x % tiles_x;
+  Raw next = y < tiles_y ? load(y * kTile, x * kTile) : Raw{};
+  while (y < tiles_y) {
+    int64_t ny = y + step_y, nx = x + step_x;
+    if (nx >= tiles_x) nx -= tiles_x, ++ny;
     const Raw cur = next;
-    next = load_tile(t + gridDim.x);
-    body(cur, t / tiles_x * kTile, t % tiles_x * kTile);
+    next = ny < tiles_y ? load(ny * kTile, nx * kTile) : Raw{};
+    body(cur, y * kTile, x * kTile);
+    y = ny, x = nx;
   }
 }
 
