@@ -23,16 +23,22 @@ namespace jax_fp8 {
 
 static_assert(kMxBlock == 2 * kElemsPerThread, "a block is two neighbouring lanes' halves");
 
+// 16-bit inputs are held to 6 blocks an SM (40 registers; ptxas spills 4 bytes a thread), as many
+// as the shared memory allows; f32 inputs would spill about 100 bytes so, and keep theirs.
 template <typename T, bool kRowwise>
-__global__ void __launch_bounds__(kTileThreads)
+__global__ void __launch_bounds__(kTileThreads, sizeof(T) == 2 ? 6 : 1)
     mxfp8_cast_transpose_kernel(const T* x, int64_t rows, int64_t cols, Fp8Format fmt,
                                 uint8_t* __restrict__ data, uint8_t* __restrict__ scales,
                                 uint8_t* __restrict__ data_t, uint8_t* __restrict__ scales_t) {
-  // Rows of 65 floats: both passes touch 16 banks twice a warp instruction (lanes 32 columns,
-  // or 32 rows, apart), where rows of 64 would put a warp's 8 rows in one bank. Two buffers,
-  // alternate tiles: a warp writes a buffer again only after the next tile's barrier, which
-  // every warp passes after its reads of it, so one barrier a tile suffices.
-  __shared__ float tiles[2][kTile][kTile + 1];
+  // Element (r, c) of a tile lives at column at(r, c) of row r: rows of 72 floats, and the
+  // column's 8-float groups XORed with r's 16-row group, its 4-float chunks with c's half of the
+  // tile. So a row pass's 16-byte stores (a quarter warp: 2 rows, 4 lanes a row, their chunks 16
+  // floats apart) and a column pass's loads (8 columns of 4 row groups) meet no bank twice. Two
+  // buffers, alternate tiles: a warp writes a buffer again only after the next tile's barrier,
+  // which every warp passes after its reads of it, so one barrier a tile suffices.
+  constexpr int kRow = kTile + 8;
+  __shared__ __align__(16) float tiles[2][kTile][kRow];
+  auto at = [](int r, int c) { return c ^ (r / 16 * 8) ^ (c / 32 * 4); };
   int parity = 0;
   pdl_wait();
   const int tr = threadIdx.x / kTileBlocks, tc = threadIdx.x % kTileBlocks * kElemsPerThread;
@@ -51,7 +57,7 @@ __global__ void __launch_bounds__(kTileThreads)
     return quantize16(f, e8m0_inverse(s), fmt);
   };
   for_each_tile<Raw16<T>>(rows, cols, load, [&](const Raw16<T>& raw, int64_t r0, int64_t c0) {
-    float(&tile)[kTile][kTile + 1] = tiles[parity];
+    float(&tile)[kTile][kRow] = tiles[parity];
     parity ^= 1;
     float f[kElemsPerThread];
     unpack16<T, false>(raw, f);
@@ -65,12 +71,14 @@ __global__ void __launch_bounds__(kTileThreads)
       }
     }
 #pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k) tile[tr][tc + k] = f[k];
+    for (int k = 0; k < kElemsPerThread; k += 4)
+      *reinterpret_cast<float4*>(&tile[tr][at(tr, tc + k)]) =
+          make_float4(f[k], f[k + 1], f[k + 2], f[k + 3]);
     __syncthreads();
 
     // data_t's row c0 + tr, its columns r0 + tc ..
 #pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k) f[k] = tile[tc + k][tr];
+    for (int k = 0; k < kElemsPerThread; ++k) f[k] = tile[tc + k][at(tc + k, tr)];
     uint8_t s;
     const uint4 bytes = quantize_half(f, s);
     const int64_t ct = c0 + tr, rt = r0 + tc;
