@@ -147,7 +147,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
       for (int p = 0; p < kBlockPasses; ++p) {
         const bool in = r0 + quad * kBlockPasses + p < rows;  // past R: qt's zero padding
-        word |= uint32_t(in ? float_to_fp8(f[p][k] * inv_c, fmt) : 0) << (8 * p);
+        word |= uint32_t(in ? float_to_fp8(mul_flushed(f[p][k], inv_c), fmt) : 0) << (8 * p);
       }
       tile_qt[tc + k][(quad + rot) & 31] = word;
     }

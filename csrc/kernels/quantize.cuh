@@ -104,9 +104,9 @@ __device__ __forceinline__ void unpack16(const Raw16<T>& r, float (&v)[kElemsPer
 
 // 16 values times inv as 16 FP8 bytes (element k in byte k), two a conversion instruction
 // (cvt.rn.satfinite.{e4m3,e5m2}x2.f32, as float_to_fp8 one at a time), the format chosen once.
-// The products flush subnormals (mul_flushed), so the values may come unflushed: a subnormal
-// value gives +-0, as once flushed; a subnormal product gives +-0 either way, far below either
-// format's smallest subnormal.
+// The products flush subnormals (mul_flushed), as the CPU handlers' do: a subnormal value (it
+// may come unflushed) gives +-0, as once flushed; so does a subnormal inv (a scale above 2^126);
+// a subnormal product gives +-0 either way, far below either format's smallest subnormal.
 template <__nv_fp8_interpretation_t kFmt>
 __device__ __forceinline__ uint4 quantize16_as(const float (&f)[kElemsPerThread], float inv) {
   uint32_t w[4];
@@ -196,7 +196,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
        i < n; i += stride) {
     const float f = to_float(x[i]);
     m = max(m, abs_bits(f));
-    q[i] = float_to_fp8(f * inv, fmt);
+    q[i] = float_to_fp8(mul_flushed(f, inv), fmt);
   }
   m = block_max(m);
 
