@@ -79,10 +79,9 @@ __device__ __forceinline__ Raw16<T> load_raw16(const T* p) {
 }
 
 // kFlush false: subnormals kept, for a kernel whose every use of a value flushes it anyway
-// (the .ftz arithmetic of numerics.h, maxima of abs_bits that end in one).
-// bf16 widens by its bits: a word's low element shifted up, its high one masked (one
-// instruction each, where the conversion took two for the high one). f16 values are never
-// subnormal in f32.
+// (the .ftz arithmetic of numerics.h, maxima of abs_bits that end in one). bf16 widens by its
+// bits: a word's low element shifted up, its high one masked (one instruction each, where the
+// conversion took two for the high one).
 template <typename T, bool kFlush = true>
 __device__ __forceinline__ void unpack16(const Raw16<T>& r, float (&v)[kElemsPerThread]) {
   constexpr int kPerVec = 16 / sizeof(T);
@@ -93,11 +92,13 @@ __device__ __forceinline__ void unpack16(const Raw16<T>& r, float (&v)[kElemsPer
 #pragma unroll
     for (int k = 0; k < kPerVec; ++k) {
       float f;
-      if constexpr (std::is_same_v<T, __nv_bfloat16>)
+      if constexpr (std::is_same_v<T, __nv_bfloat16>) {
         f = __uint_as_float(k % 2 ? w[k / 2] & 0xFFFF0000u : w[k / 2] << 16);
-      else
-        f = static_cast<float>(e[k]);
-      v[j * kPerVec + k] = kFlush && !std::is_same_v<T, __half> ? flush_subnormal(f) : f;
+        if (kFlush) f = flush_subnormal(f);
+      } else {
+        f = kFlush ? to_float(e[k]) : static_cast<float>(e[k]);
+      }
+      v[j * kPerVec + k] = f;
     }
   }
 }
