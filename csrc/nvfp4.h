@@ -47,15 +47,31 @@ JF8_HD uint32_t e2m1_magnitude_biased(float a) {
 }
 
 // The 3-bit E2M1 magnitude code of a in [0, 6] (zero or normal: a flushed product) rounded
-// stochastically, formats.e2m1_round_stochastic's rule: with q = a / gap (exact), up from the
-// code of floor(q) * gap exactly when bits16 < (q - floor(q)) * 2^16 (exact in f32; bits16 as
-// an f32 through its bits, exact, without a conversion instruction). The code is floor(q) + up
-// + 2e for the spacing 2^(e-1), floor(q) read from the bits of floor(q) + 2^23.
+// stochastically, formats.e2m1_round_stochastic's rule: with q = a / gap and k = floor(q), up
+// from the code of k * gap exactly when bits16 < (q - k) * 2^16, i.e. when a > (k + bits16 *
+// 2^-16) * gap. Every value below is exact in f32 (bits16 as an f32 through its bits, without a
+// conversion instruction).
+// On the host: q by a power of two, k by floorf, the code k + up + 2e for the spacing 2^(e-1),
+// k read from the bits of k + 2^23.
+// On the device, fewer instructions (the add's rounding mode is an instruction's modifier
+// there): as in e2m1_magnitude_biased with p = gap * 2^23, t = a + p rounded toward zero is p +
+// k * gap, whose bits give the code as there, and the threshold is one fma: (2^23 + bits16) *
+// (gap * 2^-16) + (t - p * (1 + 2^-16)), the last term gap * (k - 128) by Sterbenz's lemma.
 JF8_HD uint32_t e2m1_magnitude_stochastic_biased(float a, uint32_t bits16) {
+  const float bits_2p23 = bits_float(0x4B000000u | bits16);  // 2^23 + bits16
+#if defined(__CUDA_ARCH__)
+  const uint32_t e = float_bits(a) & 0x7F800000u, one = 0x3F800000u;
+  const uint32_t p = (e < one ? one : e) + (22u << 23);
+  const float t = __fadd_rz(a, bits_float(p));
+  const float threshold =
+      fmaf(bits_2p23, bits_float(p - (39u << 23)), t - bits_float(p + (1u << 7)));
+  return (float_bits(t) & 0xFu) + (float_bits(t) >> 22) + (a > threshold);
+#else
   const uint32_t e = a < 2.0f ? 0u : a < 4.0f ? 1u : 2u;
   const float q = a * (a < 2.0f ? 2.0f : a < 4.0f ? 1.0f : 0.5f), k = floorf(q);
-  const bool up = bits_float(0x4B000000u | bits16) - 0x1p23f < (q - k) * 65536.0f;
+  const bool up = bits_2p23 - 0x1p23f < (q - k) * 65536.0f;
   return (float_bits(k + 0x1p23f) & 0xFu) + up + (2u * e + kE2M1CodeBias);
+#endif
 }
 
 // The 16 stochastic-rounding bits of element i (< 16) of block b of row r in direction d
