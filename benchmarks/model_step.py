@@ -435,6 +435,9 @@ def main(argv=None):
         kinds = "  ".join(f"{k} {us / 1e3:.1f}" for k, us in t["kinds_us"].items())
         print(f"{r['variant']:<46}{t['thread'][:40]:<42}work {t['us_per_step'] / 1e3:.1f} ms, "
               f"idle {t['idle_us_per_step'] / 1e3:.1f} ms: {kinds}")
+        for k, events in t["top_events_by_kind_us"].items():
+          print(f"  {k}: " + "; ".join(f"{name[:60]} {us / 1e3:.2f}"
+                                       for name, us in list(events.items())[:6]))
   write_results(results, args.out, name)
   return results
 

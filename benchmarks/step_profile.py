@@ -101,9 +101,9 @@ def idle_us(spans, steps: int) -> float:
 
 def summarize(spans, steps: int, top: int = 15):
   """Per thread of the device processes ("/device:...", else the host's XLA threads):
-  microseconds of work per step, by kind and by event name (the ``top`` largest; self times,
-  which add up to the thread's occupied time except where kernels overlap through PDL: those
-  count whole), and idle inside the steps."""
+  microseconds of work per step, by kind and by event name (the ``top`` largest overall and
+  of each kind; self times, which add up to the thread's occupied time except where kernels
+  overlap through PDL: those count whole), and idle inside the steps."""
   device = any(key[0].startswith("/device:") for key, *_ in spans)
   keep = [s for s in spans if (s[0][0].startswith("/device:") if device else s[0][1] != "python")]
   per_thread = collections.defaultdict(collections.Counter)
@@ -111,13 +111,15 @@ def summarize(spans, steps: int, top: int = 15):
     per_thread[key][name] += us / steps
   rows = []
   for key, times in sorted(per_thread.items()):
-    kinds = collections.Counter()
+    kinds, by_kind = collections.Counter(), collections.defaultdict(collections.Counter)
     for name, us in times.items():
       kinds[kind(name)] += us
+      by_kind[kind(name)][name] = us
     rows.append({"thread": " ".join(key).strip(), "us_per_step": sum(times.values()),
                  "idle_us_per_step": idle_us([s for s in keep if s[0] == key], steps),
                  "kinds_us": dict(kinds.most_common()),
-                 "top_events_us": dict(times.most_common(top))})
+                 "top_events_us": dict(times.most_common(top)),
+                 "top_events_by_kind_us": {k: dict(by_kind[k].most_common(top)) for k in kinds}})
   return rows
 
 

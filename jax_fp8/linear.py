@@ -42,6 +42,7 @@ from .ops.cast_transpose import CastTransposed, cast_transpose_delayed, norm_cas
 from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
 from .ops.mxfp8 import mxfp8_gemm, mxfp8_quantize
 from .ops.nvfp4 import nvfp4_gemm, nvfp4_quantize
+from ._residuals import packed
 from .philox import key_words
 from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
                       NVFP4BlockScaling, Recipe, check_recipe, draws_key)
@@ -498,7 +499,7 @@ def _linear_bwd(axis_name, dtypes, fast_accum, norm, current_, res, gs):
   return dx, dnorm, tuple(dks), cast_grads(uses, 3), tuple(dbs), (rx, rks, rgs)
 
 
-_linear.defvjp(_linear_fwd, _linear_bwd)
+_linear.defvjp(*packed(_linear_fwd, _linear_bwd))
 
 
 def block_quantize_input(x, norm_params, recipe, norm):
@@ -555,7 +556,7 @@ def _block_linear_bwd(recipe, dtypes, norm, res, gs):
   return dx, dnorm, tuple(dks), cast_grads(uses, 2), tuple(dbs)
 
 
-_block_linear.defvjp(_block_linear_fwd, _block_linear_bwd)
+_block_linear.defvjp(*packed(_block_linear_fwd, _block_linear_bwd))
 
 
 def _mx_rows(v):
@@ -602,7 +603,7 @@ def _mxfp8_linear_bwd(dtypes, res, gs):
   return dx[:gs[0].shape[0]].astype(x_dtype), tuple(dks), tuple(dbs)
 
 
-_mxfp8_linear.defvjp(_mxfp8_linear_fwd, _mxfp8_linear_bwd)
+_mxfp8_linear.defvjp(*packed(_mxfp8_linear_fwd, _mxfp8_linear_bwd))
 
 
 def _rows16(v):
@@ -720,7 +721,7 @@ def _nvfp4_linear_bwd(recipe, axis_name, dtypes, res, gs):
   return dx.astype(x_dtype), tuple(dks), tuple(dbs), None
 
 
-_nvfp4_linear.defvjp(_nvfp4_linear_fwd, _nvfp4_linear_bwd)
+_nvfp4_linear.defvjp(*packed(_nvfp4_linear_fwd, _nvfp4_linear_bwd))
 
 
 _ARGS_DOC = """    recipe: a ``DelayedScaling`` (the state's rings must have been made by it), a

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from . import activations, checks, sharding
+from ._residuals import packed
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .linear import (BLOCK_RECIPES, STATELESS, CastKernel, _amax_axes, _check_delayed,
@@ -139,7 +140,7 @@ def _mlp_bwd(activation, axis_name, dtypes, fast_accum, norm, current_, res, g):
           (ox, ok_in, rg[0], oh, ok_out, rg[1]))
 
 
-_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+_mlp.defvjp(*packed(_mlp_fwd, _mlp_bwd))
 
 
 def _block_forward(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, activation, norm,
@@ -190,7 +191,7 @@ def _block_mlp_bwd(recipe, activation, dtypes, norm, res, g):
   return dx, dnorm, dk_in, dk_out, cast_grads(uses, 2), db_in, db_out
 
 
-_block_mlp.defvjp(_block_mlp_fwd, _block_mlp_bwd)
+_block_mlp.defvjp(*packed(_block_mlp_fwd, _block_mlp_bwd))
 
 
 def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
