@@ -5,7 +5,9 @@ a buffer that XLA first fills with zeros, one element a thread: for 1- and 2-byt
 FP8 copies, the bf16 activations) that fill runs at a quarter and a half of the bandwidth a
 4-byte one gets. A residual whose last axis is a whole number of 32-bit words is therefore
 saved as uint32 words (``lax.bitcast_convert_type``: the same bytes, no copy) and viewed as its
-own dtype again in the backward. Other leaves are saved as they are.
+own dtype again in the backward. Other leaves are saved as they are, and so is a residual that
+is one of the rule's own inputs: JAX saves an input without a copy of its own (a scan reuses
+its slice of xs), which a bitcast would defeat.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ class _Words:
 
 
 def _pack(a):
-  if not isinstance(a, jax.Array) or a.ndim == 0:
+  if not isinstance(a, jax.Array) or a.ndim == 0 or a.dtype == jnp.bool_:
     return a
   size = a.dtype.itemsize
-  if size >= _WORD or a.shape[-1] * size % _WORD:
-    return a
+  if (jax.dtypes.itemsize_bits(a.dtype) != 8 * size or size >= _WORD
+      or a.shape[-1] * size % _WORD):
+    return a  # sub-byte elements (int4, e2m1), words already, or not whole words
   grouped = a.reshape(*a.shape[:-1], a.shape[-1] * size // _WORD, _WORD // size)
   return _Words(jax.lax.bitcast_convert_type(grouped, jnp.uint32), a.dtype, a.shape)
 
@@ -55,7 +58,8 @@ def packed(fwd, bwd):
 
   def packed_fwd(*args):
     out, residuals = fwd(*args)
-    return out, jax.tree.map(_pack, residuals)
+    inputs = {id(v) for v in jax.tree.leaves(args)}
+    return out, jax.tree.map(lambda v: v if id(v) in inputs else _pack(v), residuals)
 
   def packed_bwd(*args):
     *nondiff, residuals, cotangents = args

@@ -7,6 +7,7 @@ import pytest
 from conftest import seed_for
 
 import jax_fp8
+from jax_fp8 import _residuals
 from jax_fp8._residuals import packed
 
 
@@ -27,15 +28,15 @@ def test_residuals_come_back_bit_for_bit(request, dtype, shape, as_words):
   a = random_bits(shape, dtype, request.node.nodeid)
   seen = {}
 
-  def fwd(x, a):
+  def fwd(x):  # a is a value the rule computed, not one of its inputs
     return x, (a, None, 7)
 
   def bwd(residuals, g):
     seen["residuals"] = residuals
-    return g, jnp.zeros_like(residuals[0])
+    return (g,)
 
   packed_fwd, packed_bwd = packed(fwd, bwd)
-  out, saved = packed_fwd(jnp.ones(()), a)
+  out, saved = packed_fwd(jnp.ones(()))
   (leaf,) = [v for v in jax.tree.leaves(saved) if hasattr(v, "dtype") and v.ndim == a.ndim]
   assert leaf.dtype == (jnp.uint32 if as_words else dtype)
   packed_bwd(saved, jnp.ones(()))
@@ -45,32 +46,59 @@ def test_residuals_come_back_bit_for_bit(request, dtype, shape, as_words):
                                 np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8)))
 
 
-def test_scanned_linear_stacks_fp8_residuals_as_words(request):
-  """Under lax.scan the backward's stacked residuals of jax_fp8.linear are uint32 words, and
-  the gradients equal those of the layers applied one by one."""
+@pytest.fixture
+def fresh_traces(request):
+  """No traces cached from before, none left for after: these tests switch packing off."""
+  jax.clear_caches()
+  request.addfinalizer(jax.clear_caches)
+
+
+def _scan_outputs(fn, *args):
+  """The avals of the outputs of the first scan in fn's jaxpr."""
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  return next([v.aval for v in e.outvars] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")
+
+
+def test_scanned_linear_stacks_fp8_residuals_as_words(request, monkeypatch, fresh_traces):
+  """Under lax.scan the stacked residuals of jax_fp8.linear are uint32 words, not FP8, and the
+  gradients equal those computed with the residuals saved as they are."""
   key = jax.random.key(seed_for(request.node.nodeid))
   kx, kw = jax.random.split(key)
   x = jax.random.normal(kx, (32, 64), jnp.bfloat16)
   ws = jax.random.normal(kw, (3, 64, 64), jnp.float32) / 8
   states = jax.vmap(lambda _: jax_fp8.LinearState.create())(jnp.arange(3))
 
-  def body(h, layer):
-    w, s = layer
-    return jax_fp8.linear(h, w, state=s), None
-
-  def scanned(x, ws):
+  def loss(x, ws):
+    body = lambda h, layer: (jax_fp8.linear(h, layer[0], state=layer[1]), None)  # noqa: E731
     return jnp.sum(jax.lax.scan(body, x, (ws, states))[0].astype(jnp.float32))
 
-  def unrolled(x, ws):
-    h = x
-    for i in range(3):
-      h = body(h, (ws[i], jax.tree.map(lambda v, i=i: v[i], states)))[0]
-    return jnp.sum(h.astype(jnp.float32))
-
-  _, vjp = jax.vjp(scanned, x, ws)
-  stacked = [v for v in jax.tree.leaves(vjp) if getattr(v, "ndim", 0) == 3 and v.shape[0] == 3]
-  assert stacked and not any(jnp.issubdtype(v.dtype, jnp.floating) and v.dtype.itemsize == 1
-                             for v in stacked)
-  assert any(v.dtype == jnp.uint32 for v in stacked)
-  for a, b in zip(jax.grad(scanned, (0, 1))(x, ws), jax.grad(unrolled, (0, 1))(x, ws)):
+  stacked = [a for a in _scan_outputs(lambda x, ws: jax.vjp(loss, x, ws)[1](1.0), x, ws)
+             if a.ndim == 3 and a.shape[0] == 3]
+  assert any(a.dtype == jnp.uint32 for a in stacked)
+  assert not any(a.dtype.itemsize == 1 for a in stacked)
+  packed_grads = jax.grad(loss, (0, 1))(x, ws)
+  monkeypatch.setattr(_residuals, "_pack", lambda a: a)
+  jax.clear_caches()  # traced with packing above
+  for a, b in zip(packed_grads, jax.grad(loss, (0, 1))(x, ws)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_input_residual_is_not_copied(monkeypatch, fresh_traces):
+  """A residual that is the rule's own input (x, read by the fused norm's backward) stays as
+  it is: scanned over xs, JAX reuses xs instead of stacking a copy."""
+  xs = jnp.ones((4, 32, 64), jnp.bfloat16)
+  w, gamma = jnp.ones((64, 64)) / 8, jnp.ones((64,), jnp.bfloat16)
+
+  def grads(xs, w):
+    def loss(xs, w):
+      step = lambda c, x: (c + jnp.sum(jax_fp8.linear(  # noqa: E731
+          x, w, recipe=jax_fp8.CurrentScaling(), norm="rmsnorm", gamma=gamma)), None)
+      return jax.lax.scan(step, jnp.zeros((), jnp.bfloat16), xs)[0]
+    return jax.vjp(loss, xs, w)[1](jnp.ones((), jnp.bfloat16))
+
+  packed = _scan_outputs(grads, xs, w)
+  monkeypatch.setattr(_residuals, "_pack", lambda a: a)
+  jax.clear_caches()  # traced with packing above
+  plain = _scan_outputs(grads, xs, w)
+  nbytes = lambda avals: sorted(a.size * a.dtype.itemsize for a in avals)  # noqa: E731
+  assert nbytes(packed) == nbytes(plain)
