@@ -7,8 +7,8 @@
 // E2M1 value rounded to nearest even (e2m1_magnitude_biased) or stochastically
 // (e2m1_magnitude_stochastic_biased, 16 Philox bits per element: sr_bits_of_block). Optionally
 // each 16-element group first goes through the random Hadamard transform (hadamard16). Shared
-// by the CPU handler and the CUDA kernel; the jnp twins: jax_fp8.formats (nvfp4_global_scale, sr_bits, e2m1_round_stochastic,
-// hadamard_transform) and jax_fp8.reference.nvfp4_quantize.
+// by the CPU handler and the CUDA kernel; the jnp twins: jax_fp8.formats (nvfp4_global_scale,
+// sr_bits, e2m1_round_stochastic, hadamard_transform) and jax_fp8.reference.nvfp4_quantize.
 #pragma once
 
 #include "philox.h"

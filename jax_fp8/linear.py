@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from . import checks, norms, sharding
+from ._residuals import packed
 from .formats import FLOAT_DTYPES, MX_BLOCK, NVFP4_BLOCK, amax, as_f32, hadamard_amax
 from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
@@ -42,7 +43,6 @@ from .ops.cast_transpose import CastTransposed, cast_transpose_delayed, norm_cas
 from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
 from .ops.mxfp8 import mxfp8_gemm, mxfp8_quantize
 from .ops.nvfp4 import nvfp4_gemm, nvfp4_quantize
-from ._residuals import packed
 from .philox import key_words
 from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
                       NVFP4BlockScaling, Recipe, check_recipe, draws_key)
