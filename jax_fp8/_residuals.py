@@ -8,6 +8,14 @@ saved as uint32 words (``lax.bitcast_convert_type``: the same bytes, no copy) an
 own dtype again in the backward. Other leaves are saved as they are, and so is a residual that
 is one of the rule's own inputs: JAX saves an input without a copy of its own (a scan reuses
 its slice of xs), which a bitcast would defeat.
+
+Under scan XLA's GPU compiler also lets a custom call write straight into the stacked buffer a
+dynamic-update-slice puts its output in ("dynamic-slice fusion"). When that output is read by
+other ops too, the jaxlib 0.11 compiler runs the custom call a second time for the stack: a
+GEMM whose output is also saved (an MLP's pre-activation y, or a projection the model's
+attention saves) ran twice a layer. The outputs of the rules (``packed``) and the residuals the
+forward also reads (``read_and_saved``) therefore pass through an optimization barrier, which
+that fusion does not look through: XLA copies the value into its stack instead.
 """
 
 from __future__ import annotations
@@ -51,15 +59,22 @@ def _unpack(leaf):
   return jax.lax.bitcast_convert_type(leaf.words, leaf.dtype).reshape(leaf.shape)
 
 
+def read_and_saved(v):
+  """v, a residual that the forward also reads (see the module's docstring): the same value,
+  behind an optimization barrier."""
+  return jax.lax.optimization_barrier(v)
+
+
 def packed(fwd, bwd):
   """``(fwd, bwd)`` for ``custom_vjp.defvjp`` with the residuals saved as words: ``fwd(*args)
   -> (out, residuals)`` and ``bwd(*nondiff_args, residuals, cotangents)`` as custom_vjp calls
-  them."""
+  them. The outputs pass through an optimization barrier (the module's docstring)."""
 
   def packed_fwd(*args):
     out, residuals = fwd(*args)
     inputs = {id(v) for v in jax.tree.leaves(args)}
-    return out, jax.tree.map(lambda v: v if id(v) in inputs else _pack(v), residuals)
+    return (jax.lax.optimization_barrier(out),
+            jax.tree.map(lambda v: v if id(v) in inputs else _pack(v), residuals))
 
   def packed_bwd(*args):
     *nondiff, residuals, cotangents = args

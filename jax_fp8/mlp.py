@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from . import activations, checks, sharding
-from ._residuals import packed
+from ._residuals import packed, read_and_saved
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .linear import (BLOCK_RECIPES, STATELESS, CastKernel, _amax_axes, _check_delayed,
@@ -91,8 +91,8 @@ def _forward(x, norm_params, k_in, k_out, casts, b_in, b_out, rings, activation,
   ch = activation_cast_transpose(y, rh, activation=activation, observe=True)  # [M, F], [F, M16]
   ck_out = kernel_fp8(k_out, casts[1], rk_out, current_, axis_name)  # [F, D], [D, F]
   out = gemm_bias(ch.q, ck_out.qt, ch.scale, ck_out.scale, b_out, out_dtype, fast)  # [M, D]
-  saved = (cx.qt, cx.scale, ck_in.q, ck_in.scale, y, ch.qt, ch.scale, ck_out.q, ck_out.scale,
-           None if norm is None else (x, norm_params), cast_uses(casts))
+  saved = (cx.qt, cx.scale, ck_in.q, ck_in.scale, read_and_saved(y), ch.qt, ch.scale, ck_out.q,
+           ck_out.scale, None if norm is None else (x, norm_params), cast_uses(casts))
   return out, saved, (cx.ring, ck_in.ring, ch.ring, ck_out.ring)
 
 
@@ -154,7 +154,7 @@ def _block_forward(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, acti
   qh, sh, qht, sht = blockwise.activation_group_cast_transpose(y, activation=activation, **kw)
   qk_out, sk_out = block_kernel_fp8(k_out, casts[1], recipe)  # [F, D], [F/128, D/128]
   out = gemm_bias(qh, qk_out.T, sh, sk_out.T, b_out, out_dtype)  # [M, D]
-  return out, (qxt, sxt, qk_in, sk_in, y, qht, sht, qk_out, sk_out,
+  return out, (qxt, sxt, qk_in, sk_in, read_and_saved(y), qht, sht, qk_out, sk_out,
                None if norm is None else (x, norm_params), cast_uses(casts))
 
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import seed_for
+from conftest import HAS_CUDA, seed_for
 
 import jax_fp8
 from jax_fp8 import _residuals
@@ -102,3 +102,30 @@ def test_input_residual_is_not_copied(monkeypatch, fresh_traces):
   plain = _scan_outputs(grads, xs, w)
   nbytes = lambda avals: sorted(a.size * a.dtype.itemsize for a in avals)  # noqa: E731
   assert nbytes(packed) == nbytes(plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU with the jax_fp8 CUDA targets")
+def test_scanned_gemm_whose_output_is_saved_runs_once(request):
+  """Under scan, a GEMM output that is read and also stacked as a residual (the MLP's y, inside
+  mlp; a linear's output the model's own rule saves, here a square's) is computed by one GEMM:
+  XLA's dynamic-slice fusion, which writes a custom call's output straight into its stack, ran
+  such a GEMM a second time for the stack. The compiled step holds each layer's GEMMs once:
+  linear's three (forward, dgrad, wgrad) and mlp's six."""
+  key = jax.random.key(seed_for(request.node.nodeid))
+  kx, k1, k2, k3 = jax.random.split(key, 4)
+  x = jax.random.normal(kx, (256, 128), jnp.bfloat16)
+  layers = 3
+  ws = (jax.random.normal(k1, (layers, 128, 128)) / 16,
+        jax.random.normal(k2, (layers, 128, 512)) / 16,
+        jax.random.normal(k3, (layers, 256, 128)) / 16)
+
+  def loss(x, ws):
+    def body(h, w):
+      v = jax_fp8.linear(h, w[0], recipe=jax_fp8.CurrentScaling())
+      h = h + v * v  # the square saves v
+      return h + jax_fp8.mlp(h, w[1], w[2], recipe=jax_fp8.CurrentScaling()), None
+    return jnp.sum(jax.lax.scan(body, x, ws)[0].astype(jnp.float32))
+
+  hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, ws).compile().as_text()
+  assert hlo.count('custom_call_target="jax_fp8_gemm"') == 9
