@@ -1,4 +1,4 @@
-"""Residuals of jax_fp8's custom_vjps stored as 32-bit words.
+"""What jax_fp8's custom_vjps hand to a scan: residuals as 32-bit words, outputs behind a barrier.
 
 Under ``lax.scan`` (``nn.scan`` over layers) each residual is stacked over the iterations into
 a buffer that XLA first fills with zeros, one element a thread: for 1- and 2-byte elements (the
@@ -11,11 +11,11 @@ its slice of xs), which a bitcast would defeat.
 
 Under scan XLA's GPU compiler also lets a custom call write straight into the stacked buffer a
 dynamic-update-slice puts its output in ("dynamic-slice fusion"). When that output is read by
-other ops too, the jaxlib 0.11 compiler runs the custom call a second time for the stack: a
+other ops too, jaxlib 0.11.2's compiler runs the custom call a second time for the stack, so a
 GEMM whose output is also saved (an MLP's pre-activation y, or a projection the model's
-attention saves) ran twice a layer. The outputs of the rules (``packed``) and the residuals the
-forward also reads (``read_and_saved``) therefore pass through an optimization barrier, which
-that fusion does not look through: XLA copies the value into its stack instead.
+attention saves) would run twice a layer. The outputs of the rules (``packed``) and the
+residuals the forward also reads (``read_and_saved``) therefore pass through an optimization
+barrier, which that fusion does not look through: XLA copies the value into its stack instead.
 """
 
 from __future__ import annotations
