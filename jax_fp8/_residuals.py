@@ -12,10 +12,11 @@ its slice of xs), which a bitcast would defeat.
 Under scan XLA's GPU compiler also lets a custom call write straight into the stacked buffer a
 dynamic-update-slice puts its output in ("dynamic-slice fusion"). When that output is read by
 other ops too, jaxlib 0.11.2's compiler runs the custom call a second time for the stack, so a
-GEMM whose output is also saved (an MLP's pre-activation y, or a projection the model's
-attention saves) would run twice a layer. The outputs of the rules (``packed``) and the
-residuals the forward also reads (``read_and_saved``) therefore pass through an optimization
-barrier, which that fusion does not look through: XLA copies the value into its stack instead.
+GEMM whose output the model also saves (a projection its attention keeps for the backward, or
+a scan's ys) would run twice a layer, and so would a kernel whose residual the forward reads
+(the MLP's pre-activation y, BlockScaling's kernel blocks). Both pass through an optimization
+barrier, which that fusion does not look through, so XLA copies the value into its stack
+instead: the ops' outputs through ``op_outputs``, those residuals through ``read_and_saved``.
 """
 
 from __future__ import annotations
@@ -59,8 +60,14 @@ def _unpack(leaf):
   return jax.lax.bitcast_convert_type(leaf.words, leaf.dtype).reshape(leaf.shape)
 
 
+def op_outputs(ys):
+  """The outputs of a jax_fp8 op, each behind its own optimization barrier (the module's
+  docstring): the same values."""
+  return jax.tree.map(jax.lax.optimization_barrier, ys)
+
+
 def read_and_saved(v):
-  """v, a residual that the forward also reads (see the module's docstring): the same value,
+  """v, a residual that the forward also reads (the module's docstring): the same value,
   behind an optimization barrier."""
   return jax.lax.optimization_barrier(v)
 
@@ -68,13 +75,12 @@ def read_and_saved(v):
 def packed(fwd, bwd):
   """``(fwd, bwd)`` for ``custom_vjp.defvjp`` with the residuals saved as words: ``fwd(*args)
   -> (out, residuals)`` and ``bwd(*nondiff_args, residuals, cotangents)`` as custom_vjp calls
-  them. The outputs pass through an optimization barrier (the module's docstring)."""
+  them."""
 
   def packed_fwd(*args):
     out, residuals = fwd(*args)
     inputs = {id(v) for v in jax.tree.leaves(args)}
-    return (jax.lax.optimization_barrier(out),
-            jax.tree.map(lambda v: v if id(v) in inputs else _pack(v), residuals))
+    return out, jax.tree.map(lambda v: v if id(v) in inputs else _pack(v), residuals)
 
   def packed_bwd(*args):
     *nondiff, residuals, cotangents = args

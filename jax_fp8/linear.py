@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from . import checks, norms, sharding
-from ._residuals import packed
+from ._residuals import op_outputs, packed, read_and_saved
 from .formats import FLOAT_DTYPES, MX_BLOCK, NVFP4_BLOCK, amax, as_f32, hadamard_amax
 from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
@@ -518,6 +518,13 @@ def block_kernel_fp8(kernel, cast, recipe):
   return cast[:2] if cast is not None else blockwise.block_quantize(kernel, **recipe.kwargs())
 
 
+def block_kernel_saved(q, scale, cast):
+  """``block_kernel_fp8``'s (q, scale) as the residual of a rule whose forward GEMM reads them
+  too: behind ``read_and_saved`` where the rule quantized them, as they are where ``cast``
+  gave them (the rule's own inputs)."""
+  return (q, scale) if cast is not None else read_and_saved((q, scale))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
 def _block_linear(x, norm_params, kernels, casts, biases, recipe, dtypes, norm):
   # Without a gradient no transposed copy is needed: the scales in cuBLASLt's layout.
@@ -536,7 +543,7 @@ def _block_linear_fwd(x, norm_params, kernels, casts, biases, recipe, dtypes, no
   for kernel, cast, bias in zip(kernels, casts, biases):
     qk, sk = block_kernel_fp8(kernel, cast, recipe)  # [K, N], [K/128, N/128]
     ys.append(gemm_bias(qx, qk.T, sx, sk.T, bias, dtypes[1]))
-    saved.append((qk, sk))
+    saved.append(block_kernel_saved(qk, sk, cast))
   return tuple(ys), (qxt, sxt, tuple(saved), None if norm is None else (x, norm_params),
                      cast_uses(casts))
 
@@ -1031,7 +1038,7 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     x_ring = None if rings is None else scaled(rings[0], x2, isinstance(recipe, CurrentScaling),
                                                amax_axis_name)
-    ys = forward(x2, kernels, biases, x_ring, recipe, fp8, x.dtype)
+    ys = op_outputs(forward(x2, kernels, biases, x_ring, recipe, fp8, x.dtype))
     return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))
   if not fp8:
     return tuple(_linear_in_dtype(x, kernel, bias) for kernel, bias in zip(kernels, biases))
@@ -1049,4 +1056,4 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   else:
     ys = _linear(x2, norm_params, kernels, casts, biases, rings, amax_axis_name, dtypes,
                  recipe.fast_accum_gemms, norm, isinstance(recipe, CurrentScaling))
-  return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))
+  return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(op_outputs(ys), ns))

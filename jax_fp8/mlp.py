@@ -32,15 +32,15 @@ import jax
 import jax.numpy as jnp
 
 from . import activations, checks, sharding
-from ._residuals import packed, read_and_saved
+from ._residuals import op_outputs, packed, read_and_saved
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .linear import (BLOCK_RECIPES, STATELESS, CastKernel, _amax_axes, _check_delayed,
-                     _fp8_pays, _shared, block_kernel_fp8, block_quantize_input, cast_grads,
-                     cast_uses, check_cast, check_key, check_norm, check_rings, check_stateless,
-                     fold_key, check_stateless_global, compute_dtype, fp8_multiple, gemm_input,
-                     input_grad, kernel_fp8, linear, normalized, quantize_input, scaled,
-                     zero_like)
+                     _fp8_pays, _shared, block_kernel_fp8, block_kernel_saved,
+                     block_quantize_input, cast_grads, cast_uses, check_cast, check_key,
+                     check_norm, check_rings, check_stateless, fold_key, check_stateless_global,
+                     compute_dtype, fp8_multiple, gemm_input, input_grad, kernel_fp8, linear,
+                     normalized, quantize_input, scaled, zero_like)
 from .ops import blockwise
 from .ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
                                  cast_transpose_delayed)
@@ -154,7 +154,8 @@ def _block_forward(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, acti
   qh, sh, qht, sht = blockwise.activation_group_cast_transpose(y, activation=activation, **kw)
   qk_out, sk_out = block_kernel_fp8(k_out, casts[1], recipe)  # [F, D], [F/128, D/128]
   out = gemm_bias(qh, qk_out.T, sh, sk_out.T, b_out, out_dtype)  # [M, D]
-  return out, (qxt, sxt, qk_in, sk_in, read_and_saved(y), qht, sht, qk_out, sk_out,
+  return out, (qxt, sxt, *block_kernel_saved(qk_in, sk_in, casts[0]), read_and_saved(y), qht,
+               sht, *block_kernel_saved(qk_out, sk_out, casts[1]),
                None if norm is None else (x, norm_params), cast_uses(casts))
 
 
@@ -321,10 +322,10 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   if fused_block:
     out = _block_mlp(x.reshape(m, k), norm_params, kernel_in, kernel_out, casts, bias_in,
                      bias_out, recipe, activation, dtypes, norm)
-    return out.reshape(*x.shape[:-1], d)
+    return op_outputs(out).reshape(*x.shape[:-1], d)
   rings = (tuple(recipe.ring(recipe.bwd_fmt if name.startswith("grad") else recipe.fwd_fmt)
                  for name in _RINGS) if current_ else
            tuple(getattr(state, name) for name in _RINGS))
   out = _mlp(x.reshape(m, k), norm_params, kernel_in, kernel_out, casts, bias_in, bias_out,
              rings, activation, axis, dtypes, recipe.fast_accum_gemms, norm, current_)
-  return out.reshape(*x.shape[:-1], d)
+  return op_outputs(out).reshape(*x.shape[:-1], d)

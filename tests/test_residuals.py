@@ -1,4 +1,8 @@
-"""Residuals saved as 32-bit words: the same bytes come back, and a scanned layer stacks words."""
+"""Residuals saved as 32-bit words: the same bytes come back, and a scanned layer stacks words;
+under scan each kernel compiles once."""
+
+import collections
+import re
 
 import jax
 import jax.numpy as jnp
@@ -106,26 +110,33 @@ def test_input_residual_is_not_copied(monkeypatch, fresh_traces):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU with the jax_fp8 CUDA targets")
-def test_scanned_gemm_whose_output_is_saved_runs_once(request):
-  """Under scan, a GEMM output that is read and also stacked as a residual (the MLP's y, inside
-  mlp; a linear's output the model's own rule saves, here a square's) is computed by one GEMM:
-  XLA's dynamic-slice fusion, which writes a custom call's output straight into its stack, ran
-  such a GEMM a second time for the stack. The compiled step holds each layer's GEMMs once:
-  linear's three (forward, dgrad, wgrad) and mlp's six."""
-  key = jax.random.key(seed_for(request.node.nodeid))
-  kx, k1, k2, k3 = jax.random.split(key, 4)
-  x = jax.random.normal(kx, (256, 128), jnp.bfloat16)
-  layers = 3
-  ws = (jax.random.normal(k1, (layers, 128, 128)) / 16,
-        jax.random.normal(k2, (layers, 128, 512)) / 16,
-        jax.random.normal(k3, (layers, 256, 128)) / 16)
+@pytest.mark.parametrize("recipe", [jax_fp8.CurrentScaling(), jax_fp8.BlockScaling()],
+                         ids=["current", "block"])
+@pytest.mark.parametrize("program", ["linear_squared", "mlp", "ys"])
+def test_scanned_kernels_compile_once(recipe, program):
+  """Under scan each jax_fp8 kernel of the program compiles once: XLA's dynamic-slice fusion,
+  which writes a custom call's output straight into its stack, ran a call whose output was
+  also read a second time for the stack. The programs: a linear whose output the model's own
+  rule saves (a square's), an mlp (its y and, under BlockScaling, its kernel blocks are
+  residuals the forward reads), and a scan without gradients whose ys is a linear's output."""
+  layers, d = 3, 256
+  x = jax.ShapeDtypeStruct((256, d), jnp.bfloat16)
+  ws = tuple(jax.ShapeDtypeStruct((layers, *shape), jnp.float32)
+             for shape in ((d, d), (d, 2 * d), (d, d)))
+
+  def body(h, w):
+    if program == "mlp":
+      return h + jax_fp8.mlp(h, w[1], w[2], recipe=recipe), None
+    v = jax_fp8.linear(h, w[0], recipe=recipe)
+    return (h + v * v, None) if program == "linear_squared" else (h + v, v)
 
   def loss(x, ws):
-    def body(h, w):
-      v = jax_fp8.linear(h, w[0], recipe=jax_fp8.CurrentScaling())
-      h = h + v * v  # the square saves v
-      return h + jax_fp8.mlp(h, w[1], w[2], recipe=jax_fp8.CurrentScaling()), None
-    return jnp.sum(jax.lax.scan(body, x, ws)[0].astype(jnp.float32))
+    h, ys = jax.lax.scan(body, x, ws)
+    return jnp.sum(h.astype(jnp.float32)) + (0.0 if ys is None else
+                                             jnp.sum(ys.astype(jnp.float32)))
 
-  hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, ws).compile().as_text()
-  assert hlo.count('custom_call_target="jax_fp8_gemm"') == 9
+  lowered = jax.jit(loss if program == "ys" else jax.grad(loss, (0, 1))).lower(x, ws)
+  planned = collections.Counter(re.findall(r"custom_call @(jax_fp8_\w+)", lowered.as_text()))
+  compiled = collections.Counter(re.findall(r'custom_call_target="(jax_fp8_\w+)"',
+                                            lowered.compile().as_text()))
+  assert planned and compiled == planned
