@@ -17,6 +17,10 @@ a scan's ys) would run twice a layer, and so would a kernel whose residual the f
 (the MLP's pre-activation y, BlockScaling's kernel blocks). Both pass through an optimization
 barrier, which that fusion does not look through, so XLA copies the value into its stack
 instead: the ops' outputs through ``op_outputs``, those residuals through ``read_and_saved``.
+The fusion also takes a custom call together with the slice of the scan's xs it reads (the
+kernel's quantization reads its layer's slice of the stacked kernels); such a call whose output
+had readers both before and behind the barrier ran twice too, so every reader of its output
+takes it from behind the barrier (``linear.block_kernel_saved``).
 """
 
 from __future__ import annotations

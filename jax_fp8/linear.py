@@ -518,11 +518,13 @@ def block_kernel_fp8(kernel, cast, recipe):
   return cast[:2] if cast is not None else blockwise.block_quantize(kernel, **recipe.kwargs())
 
 
-def block_kernel_saved(q, scale, cast):
-  """``block_kernel_fp8``'s (q, scale) as the residual of a rule whose forward GEMM reads them
-  too: behind ``read_and_saved`` where the rule quantized them, as they are where ``cast``
-  gave them (the rule's own inputs)."""
-  return (q, scale) if cast is not None else read_and_saved((q, scale))
+def block_kernel_saved(kernel, cast, recipe):
+  """``block_kernel_fp8`` for a rule that reads the blocks in its forward GEMM and saves them:
+  where the rule quantizes them, both take them from behind ``read_and_saved`` (the quantize
+  reads a slice of a scan's xs; with a reader before the barrier, XLA's dynamic-slice fusion
+  ran it twice, once for each side); as they are where ``cast`` gave them (the rule's inputs)."""
+  blocks = block_kernel_fp8(kernel, cast, recipe)
+  return blocks if cast is not None else read_and_saved(blocks)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -541,9 +543,9 @@ def _block_linear_fwd(x, norm_params, kernels, casts, biases, recipe, dtypes, no
   qx, sx, qxt, sxt = block_quantize_input(x, norm_params, recipe, norm)  # [M,K], [K,M128]
   ys, saved = [], []
   for kernel, cast, bias in zip(kernels, casts, biases):
-    qk, sk = block_kernel_fp8(kernel, cast, recipe)  # [K, N], [K/128, N/128]
+    qk, sk = block_kernel_saved(kernel, cast, recipe)  # [K, N], [K/128, N/128]
     ys.append(gemm_bias(qx, qk.T, sx, sk.T, bias, dtypes[1]))
-    saved.append(block_kernel_saved(qk, sk, cast))
+    saved.append((qk, sk))
   return tuple(ys), (qxt, sxt, tuple(saved), None if norm is None else (x, norm_params),
                      cast_uses(casts))
 

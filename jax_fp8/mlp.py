@@ -36,7 +36,7 @@ from ._residuals import op_outputs, packed, read_and_saved
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .linear import (BLOCK_RECIPES, STATELESS, CastKernel, _amax_axes, _check_delayed,
-                     _fp8_pays, _shared, block_kernel_fp8, block_kernel_saved,
+                     _fp8_pays, _shared, block_kernel_saved,
                      block_quantize_input, cast_grads, cast_uses, check_cast, check_key,
                      check_norm, check_rings, check_stateless, fold_key, check_stateless_global,
                      compute_dtype, fp8_multiple, gemm_input, input_grad, kernel_fp8, linear,
@@ -149,13 +149,12 @@ def _block_forward(x, norm_params, k_in, k_out, casts, b_in, b_out, recipe, acti
   kernels): out, and what the backward needs."""
   kw = recipe.kwargs()
   qx, sx, qxt, sxt = block_quantize_input(x, norm_params, recipe, norm)  # [M, K], [K, M128]
-  qk_in, sk_in = block_kernel_fp8(k_in, casts[0], recipe)  # [K, N], [K/128, N/128]
+  qk_in, sk_in = block_kernel_saved(k_in, casts[0], recipe)  # [K, N], [K/128, N/128]
   y = gemm_bias(qx, qk_in.T, sx, sk_in.T, b_in, out_dtype)  # [M, N]
   qh, sh, qht, sht = blockwise.activation_group_cast_transpose(y, activation=activation, **kw)
-  qk_out, sk_out = block_kernel_fp8(k_out, casts[1], recipe)  # [F, D], [F/128, D/128]
+  qk_out, sk_out = block_kernel_saved(k_out, casts[1], recipe)  # [F, D], [F/128, D/128]
   out = gemm_bias(qh, qk_out.T, sh, sk_out.T, b_out, out_dtype)  # [M, D]
-  return out, (qxt, sxt, *block_kernel_saved(qk_in, sk_in, casts[0]), read_and_saved(y), qht,
-               sht, *block_kernel_saved(qk_out, sk_out, casts[1]),
+  return out, (qxt, sxt, qk_in, sk_in, read_and_saved(y), qht, sht, qk_out, sk_out,
                None if norm is None else (x, norm_params), cast_uses(casts))
 
 
