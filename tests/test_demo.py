@@ -5,6 +5,7 @@ import json
 import pytest
 
 from jax_fp8.demo.__main__ import main
+from jax_fp8.demo.model import Config
 
 
 def test_demo_smoke(tmp_path):
@@ -35,6 +36,11 @@ def test_demo_split_runs(tmp_path, capsys):
   assert res["seed"] == 0 and list(res["runs"]) == ["bf16", "delayed"] and res["passed"]
 
 
+def test_demo_config_rejects_an_unknown_attention():
+  with pytest.raises(ValueError, match="attention must be None or one of .*got 'flash'"):
+    Config(128, 2, 1, 32, attention="flash")
+
+
 def test_demo_rejects_an_unknown_run(capsys):
   with pytest.raises(SystemExit):
     main(["--preset", "smoke", "--recipe", "current", "--only", "fp8"])
@@ -43,10 +49,12 @@ def test_demo_rejects_an_unknown_run(capsys):
 
 def test_demo_resumes_a_stopped_run(tmp_path, capsys):
   """--stop-after checkpoints a run in --out and the same command resumes it: a run trained in
-  segments of a few steps has the uninterrupted run's losses, bit for bit; each segment leaves
-  its own first two steps out of the timing; the checkpoint is gone once the run finishes."""
+  segments of a few steps has the uninterrupted run's losses, bit for bit (with XLA's attention:
+  on a GPU cuDNN's backward adds in no fixed order); each segment leaves its own first two steps
+  out of the timing; the checkpoint is gone once the run finishes."""
   whole, parts = tmp_path / "whole", tmp_path / "parts"
-  args = ["--preset", "smoke", "--steps", "6", "--recipe", "nvfp4", "--only", "nvfp4"]
+  args = ["--preset", "smoke", "--steps", "6", "--recipe", "nvfp4", "--only", "nvfp4",
+          "--attention", "xla"]
   main([*args, "--out", str(whole)])
   calls = 0
   while not (parts / "run-nvfp4.json").exists():  # each segment stops after its 3rd step
@@ -56,5 +64,6 @@ def test_demo_resumes_a_stopped_run(tmp_path, capsys):
   assert "nvfp4 resumed at step 3" in capsys.readouterr().out
   a, b = (json.loads((d / "run-nvfp4.json").read_text()) for d in (whole, parts))
   assert b["train_losses"] == a["train_losses"] and b["val_loss"] == a["val_loss"]
+  assert a["settings"]["attention"] == "xla"
   assert b["timed_steps"] == 6 - 2 * 2  # two segments of 3 steps
   assert not list(parts.glob("checkpoint-*"))

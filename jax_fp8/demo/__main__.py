@@ -15,7 +15,8 @@ compares the runs whose files ran under the same settings, so long runs can be s
 jobs. ``--stop-after MINUTES`` stops a run that is still training at that point and
 checkpoints it (``checkpoint-<name>.msgpack`` in ``--out``). The same command
 then resumes it, keeps the runs that already finished, and leaves each resumed segment's own
-first steps out of the timing.
+first steps out of the timing. ``--attention xla`` trains with XLA's attention in place of
+cuDNN's on a GPU, whose backward adds in no fixed order: with it a GPU run is bit-reproducible.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from tqdm import tqdm
 
 import jax_fp8
 from jax_fp8.demo import data
-from jax_fp8.demo.model import RECIPES, Config, Transformer
+from jax_fp8.demo.model import ATTENTION, RECIPES, Config, Transformer
 
 SKIP_STEPS = 2  # steps left out of the timing: compilation, then the first donated-buffer step
 BF16 = "bf16"  # the baseline run's name; the FP8 runs are named by their recipe
@@ -54,9 +55,9 @@ class Preset:
   lr: float
   val_batches: int
 
-  def config(self, fp8: bool, recipe: str = "delayed") -> Config:
+  def config(self, fp8: bool, recipe: str = "delayed", attention: str | None = None) -> Config:
     return Config(self.d_model, self.n_heads, self.n_layers, self.seq_len, fp8=fp8,
-                  recipe=recipe)
+                  recipe=recipe, attention=attention)
 
 
 PRESETS = {
@@ -279,6 +280,9 @@ def parse_args(argv):
                       "blocks), MXFP8 (1x32 E8M0 blocks) or NVFP4 (16-element blocks, the "
                       "report's recipe; the last blocks in BF16); MXFP8 and NVFP4 GEMMs are "
                       "emulated on Hopper")
+  p.add_argument("--attention", choices=list(ATTENTION),
+                 help="jax.nn.dot_product_attention's implementation (default: cudnn on a GPU "
+                      "backend, else xla; xla's runs are bit-reproducible on a GPU too)")
   p.add_argument("--only", help="train this run only (bf16 or one of the --recipe names); "
                                 "compare the runs whose run-*.json in --out ran under the same "
                                 "settings")
@@ -326,9 +330,10 @@ def main(argv=None) -> None:
 
   print(f"FP8 recipes: {', '.join(args.recipe)}")
   os.makedirs(args.out, exist_ok=True)
+  attention = preset.config(fp8=False, attention=args.attention).attention_implementation
   settings = {"preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
-              "device": device, "backend": jax.default_backend(), "jax_version": jax.__version__,
-              "fp8_kernels_cuda": jax_fp8.cuda_available()}
+              "attention": attention, "device": device, "backend": jax.default_backend(),
+              "jax_version": jax.__version__, "fp8_kernels_cuda": jax_fp8.cuda_available()}
   runs, stopped, trained = {}, False, False
   for run_name in (BF16, *args.recipe):
     run_settings = {**settings, **({} if run_name == BF16 else {"recipe": run_name})}
@@ -346,7 +351,8 @@ def main(argv=None) -> None:
       stopped = True
     elif train_it:
       trained = True  # a job trains at least one segment, however short --stop-after
-      cfg = preset.config(fp8=run_name != BF16, recipe="delayed" if run_name == BF16 else run_name)
+      cfg = preset.config(fp8=run_name != BF16, recipe="delayed" if run_name == BF16 else run_name,
+                          attention=attention)
       run = train(run_name, cfg, preset, batches, val, args.seed, args.out, run_settings,
                   deadline)
       if run is None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 import jax_fp8
@@ -35,6 +36,7 @@ RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScalin
 # precision (about 15% of the linear layers), rounded to whole blocks.
 NVFP4_BF16_SHARE = 0.15
 INIT = nn.initializers.normal(0.02)
+ATTENTION = ("cudnn", "xla")  # the implementations of jax.nn.dot_product_attention it runs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +52,10 @@ class Config:
   fp8: bool = True
   recipe: str = "delayed"
   amax_axis_name: str | None = None  # the data-parallel axis, under shard_map (per-tensor)
+  # jax.nn.dot_product_attention's implementation, "cudnn" or "xla"; None: cuDNN's fused
+  # attention on a GPU backend (as training stacks run it), XLA's on any other. XLA's is
+  # deterministic on a GPU too, where cuDNN's backward adds in no fixed order.
+  attention: str | None = None
 
   @property
   def d_ff(self) -> int:
@@ -61,9 +67,17 @@ class Config:
     ``NVFP4_BF16_SHARE``; none under the others)."""
     return round(NVFP4_BF16_SHARE * self.n_layers) if self.fp8 and self.recipe == "nvfp4" else 0
 
+  @property
+  def attention_implementation(self) -> str:
+    if self.attention is not None:
+      return self.attention
+    return "cudnn" if jax.default_backend() == "gpu" else "xla"
+
   def __post_init__(self):
     if self.recipe not in RECIPES:
       raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
+    if self.attention not in (None, *ATTENTION):
+      raise ValueError(f"attention must be None or one of {ATTENTION}, got {self.attention!r}")
     align = {"block": 128, "mxfp8": 32}.get(self.recipe, 16) if self.fp8 else 16
     if self.d_model % align or self.d_model % self.n_heads:
       raise ValueError(f"d_model={self.d_model} must be a multiple of {align} and of "
@@ -141,20 +155,16 @@ def mlp(cfg: Config, name: str) -> nn.Module:
   return Bf16Mlp(cfg.d_ff, name=name)
 
 
-def causal_attention(q, k, v):
-  """Softmax attention with a causal mask.
+def causal_attention(q, k, v, implementation: str):
+  """Softmax attention with a causal mask, by ``jax.nn.dot_product_attention``.
 
   Args:
     q, k, v: bf16 [B, T, H, Dh].
+    implementation: "cudnn" or "xla" (``Config.attention``).
   Returns:
     bf16 [B, T, H, Dh].
   """
-  t, dh = q.shape[1], q.shape[-1]
-  scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-  scores = scores / jnp.sqrt(jnp.float32(dh))
-  mask = jnp.tril(jnp.ones((t, t), bool))
-  probs = nn.softmax(jnp.where(mask, scores, -jnp.inf), axis=-1).astype(q.dtype)
-  return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
 class Block(nn.Module):
@@ -168,7 +178,8 @@ class Block(nn.Module):
     cfg = self.cfg
     b, t, d = x.shape
     qkv = dense(cfg, 3 * d, "qkv", norm=True)(x).reshape(b, t, 3, cfg.n_heads, d // cfg.n_heads)
-    a = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]).reshape(b, t, d)
+    a = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
+                         cfg.attention_implementation).reshape(b, t, d)
     x = x + dense(cfg, d, "attn_out")(a).astype(x.dtype)
     return x + mlp(cfg, "mlp")(x).astype(x.dtype)
 
