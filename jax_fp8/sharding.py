@@ -33,11 +33,13 @@ exactly one group takes a plain factor: ``call`` rewrites the rule, as Shardy as
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -100,15 +102,16 @@ def call(op: str, impl, plan, rule: str, *args, reduction_factors=(), **factor_s
   rule, factor_sizes = _one_group_plain(rule, args, jax.eval_shape(impl, *args), factor_sizes)
 
   def partition(mesh, arg_shapes, result_shape):
-    lower, arg_shardings, result_shardings = plan(mesh, arg_shapes)
+    lower, arg_shardings, result_shardings = plan(mesh, _on_mesh(mesh, arg_shapes))
     return mesh, lower, result_shardings, arg_shardings
 
   def infer(mesh, arg_shapes, result_shape):
-    return plan(mesh, arg_shapes)[2]
+    return plan(mesh, _on_mesh(mesh, arg_shapes))[2]
 
   partitioned = custom_partitioning(impl)
   partitioned.def_partition(partition, infer_sharding_from_operands=infer,
-                            propagate_user_sharding=None, sharding_rule=rule,
+                            propagate_user_sharding=None, decode_shardings=False,
+                            sharding_rule=rule,
                             reduction_factors=_in_rule_order(reduction_factors, rule),
                             **factor_sizes)
   batched = custom_vmap(partitioned)
@@ -118,6 +121,52 @@ def call(op: str, impl, plan, rule: str, *args, reduction_factors=(), **factor_s
     outs = jax.vmap(impl, in_axes=[0 if b else None for b in in_batched])(*a)
     return outs, jax.tree.map(lambda _: True, outs)
   return _not_differentiable(op, batched)(*args)
+
+
+def _on_mesh(mesh, shapes):
+  """The partitioner's operand ``shapes`` (ShapeDtypeStructs, shardings in XLA's own form) with
+  NamedShardings over ``mesh``: each dimension split by the mesh axes whose coordinates number
+  its pieces, major first, and replicated where no axes do. That is the case of a sub-axis,
+  which no partition spec names: Shardy splits an axis of n devices where a dimension of m
+  groups (a compound factor, ``grouped``) takes only gcd(m, n) of them, and JAX's own decoding
+  raised an IndivisibleError there. The plans then gather such a dimension, as they do any
+  split that leaves a device a partial group. Without a mesh (or a sharding) a shape stays as
+  it is."""
+  if mesh.empty:
+    return shapes
+  coords = {device: c for c, device in np.ndenumerate(mesh.devices)}
+  sizes = mesh.devices.shape
+
+  def numbering(starts):
+    # the mesh axes (major first) whose coordinates give each device's piece of a dimension
+    rank = {start: i for i, start in enumerate(sorted(set(starts.values())))}
+    for k in range(1, len(sizes) + 1) if len(rank) > 1 else ():
+      for combo in itertools.permutations(range(len(sizes)), k):
+        if math.prod(sizes[a] for a in combo) != len(rank):
+          continue
+        if all(rank[start] == _mixed_radix(coords[d], combo, sizes)
+               for d, start in starts.items()):
+          names = tuple(mesh.axis_names[a] for a in combo)
+          return names[0] if k == 1 else names
+    return None
+
+  def named(shape):
+    if shape.sharding is None:
+      return shape
+    index = shape.sharding.devices_indices_map(tuple(shape.shape))
+    entries = [numbering({d: idx[dim].start or 0 for d, idx in index.items()})
+               for dim in range(len(shape.shape))]
+    return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=NamedSharding(mesh, P(*entries)))
+  return jax.tree.map(named, shapes)
+
+
+def _mixed_radix(coord: tuple, combo: tuple, sizes: tuple) -> int:
+  """The number that mesh coordinates ``coord`` give the axes ``combo``, the first most
+  significant."""
+  n = 0
+  for a in combo:
+    n = n * sizes[a] + coord[a]
+  return n
 
 
 def _one_group_plain(rule: str, args, outputs, factor_sizes: dict) -> tuple[str, dict]:

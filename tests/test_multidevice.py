@@ -496,6 +496,36 @@ def test_block_scaling_sharded_jit_one_group(rng, dims):
   close_to(got, want)
 
 
+@pytest.mark.parametrize("ndev", [4, 8])
+@pytest.mark.parametrize("split", ["kernel_k", "x_k", "kernel_n"])
+def test_block_scaling_groups_split_unevenly(rng, split, ndev):
+  """A dimension of six 128-groups split over 4 or 8 devices (gcd 2: Shardy splits the axis
+  into sub-axes, which no partition spec names) is gathered, not a compile error:
+  BlockScaling's linear and its gradients equal one device's up to the order of sums,
+  block_quantize's bytes one device's exactly."""
+  if NDEV < ndev:
+    pytest.skip(f"{NDEV} devices")
+  mesh = Mesh(np.array(DEVICES[:ndev]), ("fsdp",))
+  m, k, n = 128, 768, 768
+  x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((k, n)) / 8, jnp.float32)
+  g = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  specs = {"kernel_k": (P(), P("fsdp", None)), "x_k": (P(None, "fsdp"), P()),
+           "kernel_n": (P(), P(None, "fsdp"))}[split]
+
+  def step(x, w, g):
+    y, vjp = jax.vjp(lambda x, w: jax_fp8.linear(x, w, recipe=jax_fp8.BlockScaling()), x, w)
+    return (y, *vjp(g), *jax_fp8.block_quantize(w))
+
+  got = jax.jit(step)(*(jax.device_put(v, jax.sharding.NamedSharding(mesh, s))
+                        for v, s in zip((x, w), specs)), g)
+  with jax.default_device(DEVICES[0]):
+    want = jax.jit(step)(x, w, g)
+  close_to(got[:3], want[:3])
+  for a, b in zip(got[3:], want[3:], strict=True):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 @pytest.mark.parametrize("spec", [("data", None), (None, "data")], ids=["rows", "cols"])
 @pytest.mark.parametrize("columnwise", [False, True])
 def test_sharded_jit_mxfp8_quantize(rng, spec, columnwise):
