@@ -129,13 +129,14 @@ def _compute_dtype(inputs, params, dtype):
   ``CastKernel`` counts as its float kernel);
   TypeError where that is not float32 / bfloat16 / float16 (float64 parameters or inputs under
   x64)."""
+  if dtype is not None and jax.dtypes.canonicalize_dtype(dtype) not in FLOAT_DTYPES:
+    raise TypeError(f"the layer's dtype must be None, float32, bfloat16 or float16, got "
+                    f"{jax.dtypes.canonicalize_dtype(dtype).name}")
   params = tuple(p.kernel if isinstance(p, CastKernel) else p for p in params
                  if p is not None and not isinstance(p, Fp8Weight))
   out = jnp.dtype(dtypes.canonicalize_dtype(inputs, *params, dtype=dtype))
   if out in FLOAT_DTYPES:
     return out
-  if dtype is not None:
-    raise TypeError(f"the layer's dtype must be None, float32, bfloat16 or float16, got {out}")
   given = ", ".join(f"{jnp.result_type(v)}" for v in (inputs, *params))
   raise TypeError(f"the layer's dtype is None, so it would compute in {out}, the promotion of "
                   f"its inputs' and parameters' dtypes ({given}); jax_fp8 computes in float32, "

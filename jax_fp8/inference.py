@@ -74,9 +74,12 @@ def quantize_weight(kernel: jax.Array,
 
 def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
   """``params`` (a pytree: a linen "params" collection, or ``nnx.state(model, nnx.Param)`` to
-  pass to ``nnx.update``) with every 2-D leaf named "kernel" or "kernel_<i>" (the kernels of
+  pass to ``nnx.update``) with every leaf named "kernel" or "kernel_<i>" (the kernels of
   jax_fp8's layers) that ``select(path, kernel)`` accepts (path: the keys joined by "/")
-  replaced by its ``Fp8Weight`` for ``recipe``; other leaves as they are: ``Mlp``'s
+  replaced by its ``Fp8Weight`` for ``recipe``; a kernel stacked on leading axes
+  ([..., K, N]: layers under ``nn.scan``) by the stack of its slices' ``Fp8Weight``s (each
+  leaf with the same leading axes), which the scan slices back into one a layer. Other leaves
+  stay as they are: ``Mlp``'s
   ``kernel_in`` / ``kernel_out`` stay float (``mlp`` takes float kernels). Quantize only the
   kernels of layers that run through jax_fp8 (after ``jax_fp8.convert``: those its filter
   chose; e.g. ``select=lambda path, kernel: "lm_head" not in path``). ``recipe``:
@@ -98,8 +101,11 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
                       f"training): quantize the float params")
     name = keys[-1] if keys else ""
     kernel = name == "kernel" or _names.multi_index(name) is not None
-    if kernel and jnp.ndim(leaf) == 2 and select("/".join(keys), leaf):
-      return quantize_weight(leaf, recipe)
+    if kernel and jnp.ndim(leaf) >= 2 and select("/".join(keys), leaf):
+      quantize_one = lambda k: quantize_weight(k, recipe)
+      for _ in range(jnp.ndim(leaf) - 2):
+        quantize_one = jax.vmap(quantize_one)
+      return quantize_one(leaf)
     return leaf
   return jax.tree_util.tree_map_with_path(one, params,
                                           is_leaf=lambda v: isinstance(v, CastKernel))

@@ -948,7 +948,8 @@ def compute_dtype(x, dtype):
   except TypeError:
     dt = None
   if dt not in FLOAT_DTYPES:
-    raise TypeError(f"dtype must be None, float32, bfloat16 or float16, got {dtype!r}")
+    got = repr(dtype) if dt is None else dt.name
+    raise TypeError(f"dtype must be None, float32, bfloat16 or float16, got {got}")
   return dt
 
 

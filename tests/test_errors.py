@@ -41,6 +41,11 @@ CASES = {
                                                jnp.ones(16, jnp.float8_e4m3fn),
                                                state=jax_fp8.LinearState.create()), TypeError,
                         "bias must be float32, bfloat16 or float16, got float8_e4m3fn"),
+    "linear state bf16 history": (lambda: jax_fp8.linear(X, W, state=jax.tree.map(
+        lambda a: a.astype(jnp.bfloat16), jax_fp8.LinearState.create())), ValueError,
+        r"state.x.amax_history must be float32 \[L\] with 1 <= L <= \d+, got bfloat16\[16\]$"),
+    "linear dtype int8": (lambda: jax_fp8.linear(X, W, dtype=jnp.int8), TypeError,
+                          "dtype must be None, float32, bfloat16 or float16, got int8"),
     "linear state None rings": (lambda: jax_fp8.linear(X, jnp.ones((128, 16)),
                                                        state=jax_fp8.LinearState(None, None, None)),
                                 TypeError, "state.x must be a jax_fp8.ScaleRing, got NoneType"),

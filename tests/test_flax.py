@@ -77,10 +77,14 @@ def test_float64_params_compute_in_dtype():
                                    r"float64"),
     (jax_fp8.flax.Mlp(32, param_dtype=jnp.float64), r"dtype is None, so it would compute in "
                                                     r"float64"),
-], ids=["dense params", "dense dtype", "mlp params"])
-def test_float64_compute_dtype_is_refused(layer, message):
+    (Dense(16, dtype=jnp.int8), r"dtype must be None, float32, bfloat16 or float16, got int8"),
+    (jax_fp8.flax.Mlp(32, dtype=jnp.int8), r"dtype must be None, float32, bfloat16 or float16, "
+                                           r"got int8"),
+], ids=["dense params", "dense dtype", "mlp params", "dense int8", "mlp int8"])
+def test_wrong_compute_dtype_is_refused(layer, message):
   """Under x64 a float64 compute dtype (set, or promoted from float64 parameters) is named as
-  the layer's dtype, not as a wrong x or kernel."""
+  the layer's dtype, not as a wrong x or kernel; so is an integer dtype (not Flax's own
+  message)."""
   with jax.enable_x64(True), pytest.raises(TypeError, match=message):
     layer.init(jax.random.PRNGKey(0), jnp.ones((4, 32), jnp.float32))
 

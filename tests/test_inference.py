@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import roundoff
-from flax import nnx
+from flax import linen as nn, nnx
 
 import jax_fp8
 import jax_fp8.flax
@@ -89,6 +89,31 @@ def test_flax_layers_on_quantized_params(rng, recipe):
   nnx.update(layer, jax_fp8.quantize_weights(nnx.state(layer, nnx.Param), recipe))
   assert isinstance(layer.kernel.get_value(), jax_fp8.Fp8Weight)
   np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(y))  # fresh state: same bits
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_scanned_layers_on_quantized_params(rng, recipe):
+  """Kernels stacked by nn.scan ([L, K, N]) become stacked Fp8Weights, which the scan slices
+  into one a layer: on a fresh state the same bits as the float params' forward."""
+  class Layer(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+      return h + jax_fp8.flax.Dense(256, dtype=jnp.bfloat16, recipe=recipe)(h), None
+
+  model = nn.scan(Layer, variable_axes={"params": 0, "fp8_state": 0},
+                  split_rngs={"params": True}, length=3)()
+  x = problem(rng)[0]
+  v = model.init(jax.random.key(0), x, None)
+  q = jax_fp8.quantize_weights(v["params"], recipe)
+  kernel = q["Dense_0"]["kernel"]
+  assert isinstance(kernel, jax_fp8.Fp8Weight) and kernel.q.shape == (3, 256, 256)
+  for i in range(3):  # each layer's slice is that layer's kernel quantized alone
+    one = jax_fp8.quantize_weight(v["params"]["Dense_0"]["kernel"][i], recipe)
+    for got, want in zip(jax.tree.map(lambda a: a[i], kernel), one, strict=True):
+      np.testing.assert_array_equal(np.asarray(got).reshape(-1).view(np.uint8),
+                                    np.asarray(want).reshape(-1).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(model.apply({**v, "params": q}, x, None)[0]),
+                                np.asarray(model.apply(v, x, None)[0]))
 
 
 def test_memory_is_about_half_of_bf16(rng):

@@ -26,9 +26,10 @@ def check_ring(ring, name: str = "ring") -> tuple[jax.Array, jax.Array, jax.Arra
   hist = checks.array(ring.amax_history, f"{name}.amax_history")
   max_len = _ffi.CONSTANTS["max_history"]
   if hist.ndim != 1 or not 1 <= hist.shape[0] <= max_len or hist.dtype != jnp.float32:
+    stacked = (" (a stacked state, from share or a scan over layers, is indexed or scanned "
+               "before it reaches an op)" if hist.ndim > 1 else "")
     raise ValueError(f"{name}.amax_history must be float32 [L] with 1 <= L <= {max_len}, "
-                     f"got {hist.dtype}{list(hist.shape)} (a stacked state, from share or a "
-                     f"scan over layers, is indexed or scanned before it reaches an op)")
+                     f"got {hist.dtype}{list(hist.shape)}{stacked}")
   return (hist, checks.scalar_f32(ring.scale, f"{name}.scale"),
           checks.scalar_f32(ring.steps, f"{name}.steps"))
 
