@@ -37,7 +37,7 @@ import jax_fp8  # noqa: E402
 from jax_fp8.demo import data  # noqa: E402
 from jax_fp8.demo.__main__ import (PRESETS, SKIP_STEPS, init_variables, make_loss,  # noqa: E402
                                    make_optimizer, step_key)
-from jax_fp8.demo.model import RECIPES, Transformer  # noqa: E402
+from jax_fp8.demo.model import RECIPES, Transformer, default_attention  # noqa: E402
 
 from .run import environment, write_results  # noqa: E402
 
@@ -105,13 +105,15 @@ def main(argv=None) -> dict:
     p.error(f"--steps must be more than {SKIP_STEPS}")
   devices = jax.devices(args.platform) if args.platform else jax.devices()
   preset = PRESETS[args.preset]
+  attention = default_attention(devices[0].platform)  # of the devices it runs on
   corpus = data.load_corpus()
   rows = []
   for n in device_counts(len(devices), args.max_devices):
     batches = data.train_batches(corpus.train, args.steps, n * preset.batch, preset.seq_len, 0)
     times = {}
     for fp8 in (True, False):
-      cfg = dataclasses.replace(preset.config(fp8=fp8, recipe=args.recipe), amax_axis_name=AXIS)
+      cfg = dataclasses.replace(preset.config(fp8=fp8, recipe=args.recipe, attention=attention),
+                                amax_axis_name=AXIS)
       with jax.default_device(devices[0]):  # initialization too, not on the default backend
         times[fp8] = step_time(preset, cfg, devices[:n], batches, seed=0)
     rows.append({"devices": n, "global_batch": n * preset.batch,
@@ -125,7 +127,7 @@ def main(argv=None) -> dict:
   env = {**environment(devices[0]), "device_count": len(devices),
          "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
   results = {"env": env, "preset": args.preset, "recipe": args.recipe, "steps": args.steps,
-             "rows": rows}
+             "attention": attention, "rows": rows}
   write_results(results, args.out, f"{env['device'].replace(' ', '_')}x{len(devices)}"
                 f"-data-parallel-{env['date']}")
   return results

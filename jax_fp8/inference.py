@@ -72,25 +72,28 @@ def quantize_weight(kernel: jax.Array,
   return Fp8Weight(quantize(kernel.T, scale, "e4m3").q, scale)
 
 
-def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
+def quantize_weights(params, recipe, *, select=lambda path, kernel: True, stacked_axes: int = 0):
   """``params`` (a pytree: a linen "params" collection, or ``nnx.state(model, nnx.Param)`` to
-  pass to ``nnx.update``) with every leaf named "kernel" or "kernel_<i>" (the kernels of
+  pass to ``nnx.update``) with every 2-D leaf named "kernel" or "kernel_<i>" (the kernels of
   jax_fp8's layers) that ``select(path, kernel)`` accepts (path: the keys joined by "/")
-  replaced by its ``Fp8Weight`` for ``recipe``; a kernel stacked on leading axes
-  ([..., K, N]: layers under ``nn.scan``) by the stack of its slices' ``Fp8Weight``s (each
-  leaf with the same leading axes), which the scan slices back into one a layer. Other leaves
-  stay as they are: ``Mlp``'s
+  replaced by its ``Fp8Weight`` for ``recipe``. ``stacked_axes`` (an int >= 0; 1 for layers
+  under ``nn.scan``): such a kernel with that many leading axes more ([L, K, N]) becomes the
+  stack of its slices' ``Fp8Weight``s (each leaf with the same leading axes), which the scan
+  slices back into one a layer. Other leaves stay as they are (a kernel of another rank, such
+  as ``nn.DenseGeneral``'s or ``nn.Conv``'s): ``Mlp``'s
   ``kernel_in`` / ``kernel_out`` stay float (``mlp`` takes float kernels). Quantize only the
   kernels of layers that run through jax_fp8 (after ``jax_fp8.convert``: those its filter
   chose; e.g. ``select=lambda path, kernel: "lm_head" not in path``). ``recipe``:
   ``DelayedScaling``, ``CurrentScaling`` or ``BlockScaling`` (the layers then run with that
   recipe; under ``DelayedScaling`` they still take their ``fp8_state`` for the inputs).
-  Raises TypeError for a select that is not callable or a ``CastKernel`` among the params
+  Raises TypeError for a select that is not callable, a ``stacked_axes`` that is not an int
+  >= 0 (ValueError for a negative one) or a ``CastKernel`` among the params
   (``flax.cast_kernels``' output, for training: quantize the float params), and
   ``quantize_weight``'s errors."""
   from .linear import CastKernel  # here: linear imports this module
   if not callable(select):
     raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
+  stacked_axes = checks.integer(stacked_axes, "stacked_axes", lo=0)
 
   def one(path, leaf):
     keys = _names.path_keys(path)
@@ -101,7 +104,7 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True):
                       f"training): quantize the float params")
     name = keys[-1] if keys else ""
     kernel = name == "kernel" or _names.multi_index(name) is not None
-    if kernel and jnp.ndim(leaf) >= 2 and select("/".join(keys), leaf):
+    if kernel and jnp.ndim(leaf) in (2, 2 + stacked_axes) and select("/".join(keys), leaf):
       quantize_one = lambda k: quantize_weight(k, recipe)
       for _ in range(jnp.ndim(leaf) - 2):
         quantize_one = jax.vmap(quantize_one)

@@ -153,7 +153,9 @@ def _on_mesh(mesh, shapes):
   def named(shape):
     if shape.sharding is None:
       return shape
-    index = shape.sharding.devices_indices_map(tuple(shape.shape))
+    # pieces of a shape every tile count divides (the operand's own may not: a split that
+    # leaves some devices a row more, which the plans gather)
+    index = shape.sharding.devices_indices_map((mesh.devices.size,) * len(shape.shape))
     entries = [numbering({d: idx[dim].start or 0 for d, idx in index.items()})
                for dim in range(len(shape.shape))]
     return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=NamedSharding(mesh, P(*entries)))

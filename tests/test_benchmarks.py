@@ -69,6 +69,7 @@ def test_data_parallel_benchmark(tmp_path, recipe):
     assert r["fp8_step_ms"] > 0 and r["bf16_step_ms"] > 0
   assert res["rows"][0]["fp8_scaling_efficiency"] == 1.0
   assert res["env"]["platform"] == "cpu" and res["env"]["device_count"] == 8
+  assert res["attention"] == "xla"  # of the CPU devices it ran on, whatever the backend
 
 
 def test_command_buffer_benchmark(tmp_path):

@@ -93,8 +93,10 @@ def test_flax_layers_on_quantized_params(rng, recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_scanned_layers_on_quantized_params(rng, recipe):
-  """Kernels stacked by nn.scan ([L, K, N]) become stacked Fp8Weights, which the scan slices
-  into one a layer: on a fresh state the same bits as the float params' forward."""
+  """With stacked_axes=1, kernels stacked by nn.scan ([L, K, N]) become stacked Fp8Weights,
+  which the scan slices into one a layer: on a fresh state the same bits as the float params'
+  forward. Without it they stay float (a kernel of another rank may be no stack: DenseGeneral's,
+  a convolution's)."""
   class Layer(nn.Module):
     @nn.compact
     def __call__(self, h, _):
@@ -104,7 +106,9 @@ def test_scanned_layers_on_quantized_params(rng, recipe):
                   split_rngs={"params": True}, length=3)()
   x = problem(rng)[0]
   v = model.init(jax.random.key(0), x, None)
-  q = jax_fp8.quantize_weights(v["params"], recipe)
+  plain = jax_fp8.quantize_weights(v["params"], recipe)["Dense_0"]["kernel"]
+  assert plain is v["params"]["Dense_0"]["kernel"]
+  q = jax_fp8.quantize_weights(v["params"], recipe, stacked_axes=1)
   kernel = q["Dense_0"]["kernel"]
   assert isinstance(kernel, jax_fp8.Fp8Weight) and kernel.q.shape == (3, 256, 256)
   for i in range(3):  # each layer's slice is that layer's kernel quantized alone
@@ -142,6 +146,10 @@ def test_errors(rng):
       (lambda: jax_fp8.quantize_weight(w[:64, :64], block), ValueError, "multiples of 128"),
       (lambda: jax_fp8.quantize_weights({"kernel": w}, block, select=3), TypeError,
        "select must be a callable"),
+      (lambda: jax_fp8.quantize_weights({"kernel": w}, block, stacked_axes=-1), ValueError,
+       "stacked_axes must be an int >= 0, got -1"),
+      (lambda: jax_fp8.quantize_weights({"kernel": w}, block, stacked_axes=True), TypeError,
+       "stacked_axes must be a Python int"),
       (lambda: jax_fp8.quantize_weight(w, "e4m3"), TypeError, "recipe must be"),
       (lambda: jax_fp8.linear(x, jax_fp8.Fp8Weight(w8.q.astype(jnp.float8_e5m2), w8.scale),
                               recipe=block), TypeError, "kernel must hold float8_e4m3fn"),

@@ -526,6 +526,23 @@ def test_block_scaling_groups_split_unevenly(rng, split, ndev):
     np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
 
 
+@pytest.mark.parametrize("op", ["group_quantize", "block_quantize", "block_linear"])
+def test_rows_left_uneven_by_a_slice(rng, op):
+  """Rows split 4 ways and sliced to 6 (Shardy keeps the split, some devices a row more) are
+  gathered for the op: the same bytes as one device's."""
+  mesh = Mesh(np.array(DEVICES[:4]), ("data",)) if NDEV >= 4 else pytest.skip(f"{NDEV} devices")
+  x = jnp.asarray(rng.standard_normal((8, 256)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((256, 128)) / 16, jnp.float32)
+  fn = {"group_quantize": lambda x: jax_fp8.group_quantize(x[:6]),
+        "block_quantize": lambda x: jax_fp8.block_quantize(x[:6]),
+        "block_linear": lambda x: jax_fp8.linear(x[:6], w, recipe=jax_fp8.BlockScaling())}[op]
+  got = jax.jit(fn)(jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data", None))))
+  with jax.default_device(DEVICES[0]):
+    want = jax.jit(fn)(x)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
 @pytest.mark.parametrize("spec", [("data", None), (None, "data")], ids=["rows", "cols"])
 @pytest.mark.parametrize("columnwise", [False, True])
 def test_sharded_jit_mxfp8_quantize(rng, spec, columnwise):

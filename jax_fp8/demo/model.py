@@ -39,6 +39,12 @@ INIT = nn.initializers.normal(0.02)
 ATTENTION = ("cudnn", "xla")  # the implementations of jax.nn.dot_product_attention it runs
 
 
+def default_attention(platform: str) -> str:
+  """The attention the model runs on devices of ``platform`` ("gpu", "cpu", ...) unless told:
+  cuDNN's fused attention on a GPU, XLA's elsewhere."""
+  return "cudnn" if platform == "gpu" else "xla"
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
   """Model size and FP8 recipe. ``d_model`` must be a multiple of 16 (FP8 GEMM alignment; 128
@@ -69,9 +75,7 @@ class Config:
 
   @property
   def attention_implementation(self) -> str:
-    if self.attention is not None:
-      return self.attention
-    return "cudnn" if jax.default_backend() == "gpu" else "xla"
+    return self.attention or default_attention(jax.default_backend())
 
   def __post_init__(self):
     if self.recipe not in RECIPES:
