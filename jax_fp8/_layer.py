@@ -129,9 +129,9 @@ def _compute_dtype(inputs, params, dtype):
   ``CastKernel`` counts as its float kernel);
   TypeError where that is not float32 / bfloat16 / float16 (float64 parameters or inputs under
   x64)."""
-  if dtype is not None and jax.dtypes.canonicalize_dtype(dtype) not in FLOAT_DTYPES:
+  if dtype is not None and (requested := jax.dtypes.canonicalize_dtype(dtype)) not in FLOAT_DTYPES:
     raise TypeError(f"the layer's dtype must be None, float32, bfloat16 or float16, got "
-                    f"{jax.dtypes.canonicalize_dtype(dtype).name}")
+                    f"{requested.name}")
   params = tuple(p.kernel if isinstance(p, CastKernel) else p for p in params
                  if p is not None and not isinstance(p, Fp8Weight))
   out = jnp.dtype(dtypes.canonicalize_dtype(inputs, *params, dtype=dtype))

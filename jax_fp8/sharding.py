@@ -144,7 +144,8 @@ def _on_mesh(mesh, shapes):
       for combo in itertools.permutations(range(len(sizes)), k):
         if math.prod(sizes[a] for a in combo) != len(rank):
           continue
-        if all(rank[start] == _mixed_radix(coords[d], combo, sizes)
+        if all(rank[start] == np.ravel_multi_index([coords[d][a] for a in combo],
+                                                   [sizes[a] for a in combo])
                for d, start in starts.items()):
           names = tuple(mesh.axis_names[a] for a in combo)
           return names[0] if k == 1 else names
@@ -160,15 +161,6 @@ def _on_mesh(mesh, shapes):
                for dim in range(len(shape.shape))]
     return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=NamedSharding(mesh, P(*entries)))
   return jax.tree.map(named, shapes)
-
-
-def _mixed_radix(coord: tuple, combo: tuple, sizes: tuple) -> int:
-  """The number that mesh coordinates ``coord`` give the axes ``combo``, the first most
-  significant."""
-  n = 0
-  for a in combo:
-    n = n * sizes[a] + coord[a]
-  return n
 
 
 def _one_group_plain(rule: str, args, outputs, factor_sizes: dict) -> tuple[str, dict]:

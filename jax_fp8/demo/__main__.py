@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 import jax_fp8
 from jax_fp8.demo import data
-from jax_fp8.demo.model import ATTENTION, RECIPES, Config, Transformer
+from jax_fp8.demo.model import ATTENTION, RECIPES, Config, Transformer, default_attention
 
 SKIP_STEPS = 2  # steps left out of the timing: compilation, then the first donated-buffer step
 BF16 = "bf16"  # the baseline run's name; the FP8 runs are named by their recipe
@@ -330,7 +330,7 @@ def main(argv=None) -> None:
 
   print(f"FP8 recipes: {', '.join(args.recipe)}")
   os.makedirs(args.out, exist_ok=True)
-  attention = preset.config(fp8=False, attention=args.attention).attention_implementation
+  attention = args.attention or default_attention(jax.default_backend())
   settings = {"preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
               "attention": attention, "device": device, "backend": jax.default_backend(),
               "jax_version": jax.__version__, "fp8_kernels_cuda": jax_fp8.cuda_available()}
