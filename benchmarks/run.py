@@ -161,18 +161,18 @@ def _cast_transpose_op(module, name, block):
 
 
 def bench_fused_sources(x, ring, ceil, block=False):
-  """The fused cast-transposes (the MLP's SwiGLU, forward and gradient, x's shape [R, C] for
-  the activation; the RMSNorm and LayerNorm of x with their row statistics by XLA) against the
-  unfused path jax_fp8 takes without them (XLA's fusion writes the activation, its gradient or
-  the norm in bf16, our cast-transpose reads it) and the pure-jnp one; per-tensor, or with
-  ``block`` the 1 x 128 group cast-transposes of block scaling. Bytes: forward reads
-  [gate | up] and writes two FP8 copies (6 bytes an element of x); gradient reads dh and
-  [gate | up] and writes two FP8 copies of [dgate | dup] (10); a norm reads x and writes two
-  FP8 copies (4: the statistics' own read of x is not counted, so "of_copy" is against one
-  read); block scaling adds its two f32 scales per 128 elements written."""
+  """The fused cast-transposes (an MLP's SwiGLU and GELU, forward and gradient, x's shape
+  [R, C] for the activation; the RMSNorm and LayerNorm of x with their row statistics by XLA)
+  against the unfused path jax_fp8 takes without them (XLA's fusion writes the activation, its
+  gradient or the norm in bf16, our cast-transpose reads it) and the pure-jnp one; per-tensor,
+  or with ``block`` the 1 x 128 group cast-transposes of block scaling. Bytes: SwiGLU's
+  forward reads [gate | up] and writes two FP8 copies (6 bytes an element of x); its gradient
+  reads dh and [gate | up] and writes two FP8 copies of [dgate | dup] (10); GELU's forward 4
+  and gradient 6 (one pre-activation, one output); a norm reads x and writes two FP8 copies
+  (4: the statistics' own read of x is not counted, so "of_copy" is against one read); block
+  scaling adds its two f32 scales per 128 elements written."""
   y = jnp.concatenate([x, x[::-1]], axis=1)
-  swiglu = lambda y: activations.apply(y, "swiglu").astype(y.dtype)  # noqa: E731
-  grad = lambda dh, y: activations.grad(dh, y, "swiglu").astype(y.dtype)  # noqa: E731
+  dh = x[::-1]
   gamma = jnp.linspace(0.5, 1.5, x.shape[1], dtype=jnp.float32)
   beta = jnp.linspace(-0.5, 0.5, x.shape[1], dtype=jnp.float32)
   plain, act, act_grad, norm_ct = (_cast_transpose_op(jax_fp8, name, block) for name in (
@@ -189,14 +189,21 @@ def bench_fused_sources(x, ring, ceil, block=False):
             lambda x, r: norm_ct(x, stats(x), gamma, b, r, norm=norm),
             lambda x, r: plain(normalized(x), r),
             lambda x, r: ref_norm(x, stats(x), gamma, b, r, norm=norm))
-  cases = (
-      ("swiglu_cast_transpose", 6, 1, (y,), lambda y, r: act(y, r, activation="swiglu"),
-       lambda y, r: plain(swiglu(y), r), lambda y, r: ref_act(y, r, activation="swiglu")),
-      ("swiglu_grad_cast_transpose", 10, 2, (x, y),
-       lambda dh, y, r: act_grad(dh, y, r, activation="swiglu"),
-       lambda dh, y, r: plain(grad(dh, y), r),
-       lambda dh, y, r: ref_grad(dh, y, r, activation="swiglu")),
-      norm_cases("rmsnorm", None), norm_cases("layernorm", beta))
+
+  def act_cases(activation, y):
+    """The forward and the gradient; y is [gate | up] for a gated activation."""
+    gated = y.shape[1] > x.shape[1]
+    applied = lambda y: activations.apply(y, activation).astype(y.dtype)  # noqa: E731
+    grad = lambda dh, y: activations.grad(dh, y, activation).astype(y.dtype)  # noqa: E731
+    return ((f"{activation}_cast_transpose", 6 if gated else 4, 1, (y,),
+             lambda y, r: act(y, r, activation=activation),
+             lambda y, r: plain(applied(y), r), lambda y, r: ref_act(y, r, activation=activation)),
+            (f"{activation}_grad_cast_transpose", 10 if gated else 6, 2 if gated else 1,
+             (dh, y), lambda dh, y, r: act_grad(dh, y, r, activation=activation),
+             lambda dh, y, r: plain(grad(dh, y), r),
+             lambda dh, y, r: ref_grad(dh, y, r, activation=activation)))
+  cases = (*act_cases("swiglu", y), *act_cases("gelu", x), norm_cases("rmsnorm", None),
+           norm_cases("layernorm", beta))
   rows = []
   for name, per_elem, written, args, fused, unfused, jnp_path in cases:
     t, tu, tj = (device_time(fn, *args, ring) for fn in (fused, unfused, jnp_path))

@@ -18,10 +18,10 @@ def test_quick_suite(tmp_path):
   res = json.loads(out.read_text())
   cases = {r["case"] for r in res["rows"]}
   assert cases == {"quantize", "quantize_delayed", "jnp quantize", "cast_transpose",
-                   "cast_transpose+dbias", "swiglu_cast_transpose", "swiglu_grad_cast_transpose",
-                   "rmsnorm_cast_transpose", "layernorm_cast_transpose",
-                   *(f"{source}_group_cast_transpose"
-                     for source in ("swiglu", "swiglu_grad", "rmsnorm", "layernorm")),
+                   "cast_transpose+dbias",
+                   *(f"{source}_{kind}cast_transpose"
+                     for source in ("swiglu", "swiglu_grad", "gelu", "gelu_grad", "rmsnorm",
+                                    "layernorm") for kind in ("", "group_")),
                    "mxfp8_quantize rowwise", "mxfp8_quantize both",
                    *(f"nvfp4_quantize {case}{given}"
                      for case in ("rowwise", "rowwise sr", "both", "both rht+sr")

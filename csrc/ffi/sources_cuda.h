@@ -15,7 +15,9 @@ auto with_source(const SourceArgs& s, F&& f) {
   if (s.norm != NormId::kNone)
     return f(NormSource<T>{x, s.stats, s.affine, s.cols, s.norm == NormId::kLayer});
   if (s.activation == ActivationId::kNone) return f(PlainSource<T>{x, s.cols});
-  if (!s.grad) return f(ActivationSource<T>{x, s.cols, s.activation, s.gated});
+  if (!s.grad)
+    return s.gated ? f(ActivationSource<T, true>{x, s.cols, s.activation})
+                   : f(ActivationSource<T, false>{x, s.cols, s.activation});
   if (s.gated) return f(GatedActivationGradSource<T>{x, y, s.x_cols, s.activation});
   return f(ActivationGradSource<T>{x, y, s.x_cols, s.activation});
 }

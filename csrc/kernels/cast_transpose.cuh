@@ -53,15 +53,12 @@ __global__ void __launch_bounds__(kQuantizeThreads)
 // sums them). Inside a tile the order is fixed, so the kernel is deterministic: a warp holds
 // 8 rows and sums them pairwise by shuffles, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)),
 // then the 8 warps' sums are added in warp order onto 0 (the CPU handler follows the order).
-// With the dbias sums, 16-bit inputs of a plain source are held by the launch bound to 6
-// blocks an SM (fewer registers a thread, one more resident block; ptxas spills nothing).
-// Without the dbias sums the same bound makes ptxas spill, so those instantiations keep their
-// registers, as do f32 inputs. The activation sources of 16-bit inputs would take about 100
-// registers a thread (two resident blocks, too few loads in flight): they are held to three
-// blocks an SM (80 registers; ptxas spills at most 56 bytes a thread, in the gated gradient).
+// 16-bit inputs take their source's launch bound (blocks_per_sm in sources.cuh): enough
+// resident blocks for the loads in flight to cover the memory's latency; f32 inputs keep
+// their registers.
 template <typename Src, bool kRing, bool kDbias>
 __global__ void __launch_bounds__(
-    kTileThreads, sizeof(typename Src::Input) != 2 ? 1 : !Src::kOneInput ? 3 : kDbias ? 6 : 1)
+    kTileThreads, sizeof(typename Src::Input) != 2 ? 1 : Src::blocks_per_sm(kDbias))
     cast_transpose_kernel(Src src, int64_t rows, int64_t cols, int64_t rows16,
                           const float* scale_in, Fp8Format fmt, uint8_t* __restrict__ q,
                           uint8_t* __restrict__ qt, float* amax_out, float* dbias_partial,

@@ -16,14 +16,18 @@ namespace jax_fp8 {
 // flight) and turned into f32 values later (`values`). Every value of an all-zero Raw is 0.
 // A source of kOutputs = 2 gives two tensors [R, C] from one read, quantized side by side as
 // [R, 2C]. kDbias: whether the source is a gradient whose column sums can be a bias gradient.
+// blocks_per_sm(dbias): the cast-transpose's launch bound for 16-bit inputs (with or without
+// the dbias sums), the resident blocks an SM that ptxas fits a thread's registers to (1: no
+// bound); each is the most at which ptxas spills nothing, except where said.
 
 // x [R, C] itself.
 template <typename T>
 struct PlainSource {
   using Input = T;
-  static constexpr bool kOneInput = true;
   static constexpr int kOutputs = 1;
   static constexpr bool kDbias = true;
+  // 40 registers with the dbias sums; without them any bound spills (54 registers: 4 blocks).
+  static constexpr int blocks_per_sm(bool dbias) { return dbias ? 6 : 1; }
   const T* x;
   int64_t cols;
   struct Raw {
@@ -37,34 +41,36 @@ struct PlainSource {
   }
 };
 
-// act(y), y [R, C]; gated: act(gate) * up, y = [gate | up] [R, 2C].
-template <typename T>
+// act(y), y [R, C]; kGated: act(gate) * up, y = [gate | up] [R, 2C].
+template <typename T, bool kGated>
 struct ActivationSource {
   using Input = T;
-  static constexpr bool kOneInput = false;
   static constexpr int kOutputs = 1;
   static constexpr bool kDbias = false;
+  static constexpr int blocks_per_sm(bool) { return kGated ? 4 : 6; }  // 64 / 40 registers
   const T* y;
   int64_t cols;  // C
   ActivationId act;
-  bool gated;
   struct Raw {
-    Raw16<T> a, b;
+    Raw16<T> a, b;  // b: up, when gated
   };
   __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
     Raw raw = {};
-    const T* row = y + r * (gated ? 2 * cols : cols);
+    const T* row = y + r * (kGated ? 2 * cols : cols);
     raw.a = load_raw16(row + c);
-    if (gated) raw.b = load_raw16(row + cols + c);
+    if constexpr (kGated) raw.b = load_raw16(row + cols + c);
     return raw;
   }
   __device__ __forceinline__ void values(const Raw& raw, float (&f)[1][kElemsPerThread]) const {
-    float a[kElemsPerThread], b[kElemsPerThread];
-    unpack16(raw.a, a);
-    unpack16(raw.b, b);
+    unpack16(raw.a, f[0]);
 #pragma unroll
-    for (int k = 0; k < kElemsPerThread; ++k)
-      f[0][k] = gated ? activation(act, a[k]) * b[k] : activation(act, a[k]);
+    for (int k = 0; k < kElemsPerThread; ++k) f[0][k] = activation(act, f[0][k]);
+    if constexpr (kGated) {
+      float b[kElemsPerThread];
+      unpack16(raw.b, b);
+#pragma unroll
+      for (int k = 0; k < kElemsPerThread; ++k) f[0][k] *= b[k];
+    }
   }
 };
 
@@ -73,9 +79,10 @@ struct ActivationSource {
 template <typename T>
 struct ActivationGradSource {
   using Input = T;
-  static constexpr bool kOneInput = false;
   static constexpr int kOutputs = 1;
   static constexpr bool kDbias = true;
+  // 48 / 64 registers (a bound of 5 without the dbias sums spills 48 bytes a thread).
+  static constexpr int blocks_per_sm(bool dbias) { return dbias ? 5 : 4; }
   const T* dh;
   const T* y;
   int64_t cols;
@@ -100,9 +107,10 @@ struct ActivationGradSource {
 template <typename T>
 struct GatedActivationGradSource {
   using Input = T;
-  static constexpr bool kOneInput = false;
   static constexpr int kOutputs = 2;
   static constexpr bool kDbias = true;
+  // 80 registers; ptxas spills up to 40 bytes a thread (about 100 unbounded: two blocks).
+  static constexpr int blocks_per_sm(bool) { return 3; }
   const T* dh;
   const T* y;
   int64_t cols;  // C
@@ -134,9 +142,9 @@ struct GatedActivationGradSource {
 template <typename T>
 struct NormSource {
   using Input = T;
-  static constexpr bool kOneInput = false;
   static constexpr int kOutputs = 1;
   static constexpr bool kDbias = false;
+  static constexpr int blocks_per_sm(bool) { return 3; }  // 80 registers
   const T* x;
   const float* stats;
   const float* affine;
