@@ -5,7 +5,7 @@ import json
 import pytest
 
 from jax_fp8.demo.__main__ import main
-from jax_fp8.demo.model import Config
+from jax_fp8.demo.model import Config, _fp8_kw
 
 
 def test_demo_smoke(tmp_path):
@@ -39,6 +39,28 @@ def test_demo_split_runs(tmp_path, capsys):
 def test_demo_config_rejects_an_unknown_attention():
   with pytest.raises(ValueError, match="attention must be None or one of .*got 'flash'"):
     Config(128, 2, 1, 32, attention="flash")
+
+
+def test_demo_fast_accumulation(tmp_path):
+  # --fast-accum reaches the per-tensor recipe's layers and the records, in canonical order
+  main(["--preset", "smoke", "--recipe", "delayed", "--fast-accum", "wgrad", "fprop", "--out",
+        str(tmp_path)])
+  res = json.loads((tmp_path / "results.json").read_text())
+  run = json.loads((tmp_path / "run-delayed.json").read_text())
+  assert res["fast_accum_gemms"] == run["settings"]["fast_accum_gemms"] == ["fprop", "wgrad"]
+  assert "fast_accum_gemms" not in json.loads((tmp_path / "run-bf16.json").read_text())["settings"]
+  cfg = Config(128, 2, 1, 32, recipe="current", fast_accum_gemms=("fprop", "wgrad"))
+  assert _fp8_kw(cfg, norm=False)["recipe"].fast_accum_gemms == ("fprop", "wgrad")
+  assert _fp8_kw(Config(128, 2, 1, 32), norm=False)["recipe"].fast_accum_gemms == ()
+
+
+def test_demo_fast_accumulation_rejects_other_recipes(capsys):
+  with pytest.raises(SystemExit):
+    main(["--preset", "smoke", "--recipe", "delayed", "block", "--fast-accum", "fprop"])
+  assert ("--fast-accum applies to the per-tensor recipes (delayed, current), not to block"
+          in capsys.readouterr().err)
+  with pytest.raises(ValueError, match="fast_accum_gemms applies to the per-tensor recipes"):
+    Config(128, 2, 1, 32, recipe="mxfp8", fast_accum_gemms=("fprop",))
 
 
 def test_demo_rejects_an_unknown_run(capsys):

@@ -17,6 +17,8 @@ checkpoints it (``checkpoint-<name>.msgpack`` in ``--out``). The same command
 then resumes it, keeps the runs that already finished, and leaves each resumed segment's own
 first steps out of the timing. ``--attention xla`` trains with XLA's attention in place of
 cuDNN's on a GPU, whose backward adds in no fixed order: with it a GPU run is bit-reproducible.
+``--fast-accum GEMM...`` gives the per-tensor recipes' GEMMs it names (fprop, dgrad, wgrad)
+fast accumulation (``DelayedScaling.fast_accum_gemms``).
 """
 
 from __future__ import annotations
@@ -36,7 +38,8 @@ from tqdm import tqdm
 
 import jax_fp8
 from jax_fp8.demo import data
-from jax_fp8.demo.model import ATTENTION, RECIPES, Config, Transformer, default_attention
+from jax_fp8.demo.model import (ATTENTION, PER_TENSOR, RECIPES, Config, Transformer,
+                                 default_attention)
 
 SKIP_STEPS = 2  # steps left out of the timing: compilation, then the first donated-buffer step
 BF16 = "bf16"  # the baseline run's name; the FP8 runs are named by their recipe
@@ -55,9 +58,10 @@ class Preset:
   lr: float
   val_batches: int
 
-  def config(self, fp8: bool, recipe: str = "delayed", attention: str | None = None) -> Config:
+  def config(self, fp8: bool, recipe: str = "delayed", attention: str | None = None,
+             fast_accum_gemms: tuple[str, ...] = ()) -> Config:
     return Config(self.d_model, self.n_heads, self.n_layers, self.seq_len, fp8=fp8,
-                  recipe=recipe, attention=attention)
+                  recipe=recipe, attention=attention, fast_accum_gemms=fast_accum_gemms)
 
 
 PRESETS = {
@@ -280,6 +284,11 @@ def parse_args(argv):
                       "blocks), MXFP8 (1x32 E8M0 blocks) or NVFP4 (16-element blocks, the "
                       "report's recipe; the last blocks in BF16); MXFP8 and NVFP4 GEMMs are "
                       "emulated on Hopper")
+  p.add_argument("--fast-accum", nargs="+", choices=list(jax_fp8.recipes.LINEAR_GEMMS),
+                 default=[], metavar="GEMM",
+                 help="the per-tensor recipes' GEMMs (fprop, dgrad, wgrad) that accumulate in "
+                      "the tensor cores' FP8 accumulator, without promoting the partial sums "
+                      "to f32: faster, less exact as K grows (default: none)")
   p.add_argument("--attention", choices=list(ATTENTION),
                  help="jax.nn.dot_product_attention's implementation (default: cudnn on a GPU "
                       "backend, else xla; xla's runs are bit-reproducible on a GPU too)")
@@ -297,6 +306,11 @@ def parse_args(argv):
   if args.only not in (None, BF16, *args.recipe):
     p.error(f"--only must be {BF16} or one of --recipe ({', '.join(args.recipe)}), got "
             f"{args.only!r}")
+  other = [r for r in args.recipe if r not in PER_TENSOR]
+  if args.fast_accum and other:
+    p.error(f"--fast-accum applies to the per-tensor recipes ({', '.join(PER_TENSOR)}), not "
+            f"to {', '.join(other)}")
+  args.fast_accum = [g for g in jax_fp8.recipes.LINEAR_GEMMS if g in args.fast_accum]
   if args.steps is not None and args.steps <= SKIP_STEPS:
     p.error(f"--steps must be more than {SKIP_STEPS} (the untimed compile steps)")
   return args
@@ -328,7 +342,8 @@ def main(argv=None) -> None:
   print(f"data: {corpus.files} stdlib files, {len(corpus.train):,} train / {len(corpus.val):,} "
         f"validation bytes ({val.shape[0] * val.shape[1]} validation windows)")
 
-  print(f"FP8 recipes: {', '.join(args.recipe)}")
+  print(f"FP8 recipes: {', '.join(args.recipe)}" + (
+      f" (fast accumulation in {', '.join(args.fast_accum)})" if args.fast_accum else ""))
   os.makedirs(args.out, exist_ok=True)
   attention = args.attention or default_attention(jax.default_backend())
   settings = {"preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
@@ -336,7 +351,8 @@ def main(argv=None) -> None:
               "jax_version": jax.__version__, "fp8_kernels_cuda": jax_fp8.cuda_available()}
   runs, stopped, trained = {}, False, False
   for run_name in (BF16, *args.recipe):
-    run_settings = {**settings, **({} if run_name == BF16 else {"recipe": run_name})}
+    run_settings = {**settings, **({} if run_name == BF16 else
+                                   {"recipe": run_name, "fast_accum_gemms": args.fast_accum})}
     path = os.path.join(args.out, f"run-{run_name}.json")
     kept = None
     if os.path.exists(path):
@@ -351,8 +367,9 @@ def main(argv=None) -> None:
       stopped = True
     elif train_it:
       trained = True  # a job trains at least one segment, however short --stop-after
-      cfg = preset.config(fp8=run_name != BF16, recipe="delayed" if run_name == BF16 else run_name,
-                          attention=attention)
+      fp8 = run_name != BF16
+      cfg = preset.config(fp8=fp8, recipe=run_name if fp8 else "delayed", attention=attention,
+                          fast_accum_gemms=tuple(args.fast_accum) if fp8 else ())
       run = train(run_name, cfg, preset, batches, val, args.seed, args.out, run_settings,
                   deadline)
       if run is None:
@@ -376,7 +393,7 @@ def main(argv=None) -> None:
   limit = bf16["val_loss"] * (1 + args.tolerance)
   passed = {r: bool(runs[r]["val_loss"] <= limit) for r in args.recipe}
   results = {
-      **settings, "recipes": args.recipe,
+      **settings, "recipes": args.recipe, "fast_accum_gemms": args.fast_accum,
       "speedup": {r: bf16["step_ms"] / runs[r]["step_ms"] for r in args.recipe},
       "tolerance": args.tolerance, "val_loss_limit": limit, "passed": passed,
       "runs": runs,

@@ -32,6 +32,7 @@ COMPUTE = jnp.bfloat16
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling(),
            "block": jax_fp8.BlockScaling(), "mxfp8": jax_fp8.MXFP8BlockScaling(),
            "nvfp4": jax_fp8.NVFP4BlockScaling()}
+PER_TENSOR = ("delayed", "current")  # the recipes with one scale a tensor (and fast_accum_gemms)
 # The share of the last blocks that the NVFP4 report (arXiv 2509.25149) keeps in higher
 # precision (about 15% of the linear layers), rounded to whole blocks.
 NVFP4_BF16_SHARE = 0.15
@@ -62,6 +63,8 @@ class Config:
   # attention on a GPU backend (as training stacks run it), XLA's on any other. XLA's is
   # deterministic on a GPU too, where cuDNN's backward adds in no fixed order.
   attention: str | None = None
+  # The per-tensor recipes' GEMMs with fast accumulation (DelayedScaling.fast_accum_gemms).
+  fast_accum_gemms: tuple[str, ...] = ()
 
   @property
   def d_ff(self) -> int:
@@ -82,6 +85,9 @@ class Config:
       raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
     if self.attention not in (None, *ATTENTION):
       raise ValueError(f"attention must be None or one of {ATTENTION}, got {self.attention!r}")
+    if self.fast_accum_gemms and self.recipe not in PER_TENSOR:
+      raise ValueError(f"fast_accum_gemms applies to the per-tensor recipes {PER_TENSOR}, not "
+                       f"to recipe {self.recipe!r}")
     align = {"block": 128, "mxfp8": 32}.get(self.recipe, 16) if self.fp8 else 16
     if self.d_model % align or self.d_model % self.n_heads:
       raise ValueError(f"d_model={self.d_model} must be a multiple of {align} and of "
@@ -91,8 +97,11 @@ class Config:
 def _fp8_kw(cfg: Config, norm: bool) -> dict:
   # BlockScaling's and MXFP8's scales are device-local: no amax to reduce (NVFP4's global
   # scales are per tensor)
-  axis = cfg.amax_axis_name if cfg.recipe in ("delayed", "current", "nvfp4") else None
-  return dict(recipe=RECIPES[cfg.recipe], amax_axis_name=axis,
+  axis = cfg.amax_axis_name if cfg.recipe in (*PER_TENSOR, "nvfp4") else None
+  recipe = RECIPES[cfg.recipe]
+  if cfg.fast_accum_gemms:
+    recipe = dataclasses.replace(recipe, fast_accum_gemms=cfg.fast_accum_gemms)
+  return dict(recipe=recipe, amax_axis_name=axis,
               norm="layernorm" if norm else None)
 
 
