@@ -41,17 +41,25 @@ def test_demo_config_rejects_an_unknown_attention():
     Config(128, 2, 1, 32, attention="flash")
 
 
-def test_demo_fast_accumulation(tmp_path):
+def test_demo_fast_accumulation(tmp_path, capsys):
   # --fast-accum reaches the per-tensor recipe's layers and the records, in canonical order
-  main(["--preset", "smoke", "--recipe", "delayed", "--fast-accum", "wgrad", "fprop", "--out",
-        str(tmp_path)])
+  out = str(tmp_path)
+  main(["--preset", "smoke", "--recipe", "delayed", "--fast-accum", "wgrad", "--fast-accum",
+        "fprop", "--out", out])
   res = json.loads((tmp_path / "results.json").read_text())
-  run = json.loads((tmp_path / "run-delayed.json").read_text())
-  assert res["fast_accum_gemms"] == run["settings"]["fast_accum_gemms"] == ["fprop", "wgrad"]
-  assert "fast_accum_gemms" not in json.loads((tmp_path / "run-bf16.json").read_text())["settings"]
+  settings = lambda run: json.loads((tmp_path / f"run-{run}.json").read_text())["settings"]  # noqa: E731
+  assert res["fast_accum_gemms"] == settings("delayed")["fast_accum_gemms"] == ["fprop", "wgrad"]
+  assert "fast_accum_gemms" not in settings("bf16")
   cfg = Config(128, 2, 1, 32, recipe="current", fast_accum_gemms=("fprop", "wgrad"))
   assert _fp8_kw(cfg, norm=False)["recipe"].fast_accum_gemms == ("fprop", "wgrad")
   assert _fp8_kw(Config(128, 2, 1, 32), norm=False)["recipe"].fast_accum_gemms == ()
+  # without the flag the settings have no such key (as the runs saved before it), and the
+  # exact run says that it replaces the fast one
+  capsys.readouterr()
+  main(["--preset", "smoke", "--only", "delayed", "--out", out])
+  assert "run-delayed.json ran under other settings: this delayed run replaces it" in (
+      capsys.readouterr().out)
+  assert "fast_accum_gemms" not in settings("delayed")
 
 
 def test_demo_fast_accumulation_rejects_other_recipes(capsys):
@@ -61,6 +69,8 @@ def test_demo_fast_accumulation_rejects_other_recipes(capsys):
           in capsys.readouterr().err)
   with pytest.raises(ValueError, match="fast_accum_gemms applies to the per-tensor recipes"):
     Config(128, 2, 1, 32, recipe="mxfp8", fast_accum_gemms=("fprop",))
+  with pytest.raises(ValueError, match="fast_accum_gemms must be .* got \\('fwd',\\)"):
+    Config(128, 2, 1, 32, fast_accum_gemms=("fwd",))
 
 
 def test_demo_rejects_an_unknown_run(capsys):

@@ -284,11 +284,11 @@ def parse_args(argv):
                       "blocks), MXFP8 (1x32 E8M0 blocks) or NVFP4 (16-element blocks, the "
                       "report's recipe; the last blocks in BF16); MXFP8 and NVFP4 GEMMs are "
                       "emulated on Hopper")
-  p.add_argument("--fast-accum", nargs="+", choices=list(jax_fp8.recipes.LINEAR_GEMMS),
-                 default=[], metavar="GEMM",
-                 help="the per-tensor recipes' GEMMs (fprop, dgrad, wgrad) that accumulate in "
-                      "the tensor cores' FP8 accumulator, without promoting the partial sums "
-                      "to f32: faster, less exact as K grows (default: none)")
+  p.add_argument("--fast-accum", nargs="+", action="extend",
+                 choices=list(jax_fp8.recipes.LINEAR_GEMMS), default=[], metavar="GEMM",
+                 help="the per-tensor recipes' GEMMs (fprop, dgrad, wgrad) whose FP8 tensor-core "
+                      "sums are not promoted to f32 (fast_accum_gemms): faster, less exact as "
+                      "K grows; GPU only, the CPU's emulated GEMMs sum in f32 (default: none)")
   p.add_argument("--attention", choices=list(ATTENTION),
                  help="jax.nn.dot_product_attention's implementation (default: cudnn on a GPU "
                       "backend, else xla; xla's runs are bit-reproducible on a GPU too)")
@@ -351,8 +351,11 @@ def main(argv=None) -> None:
               "jax_version": jax.__version__, "fp8_kernels_cuda": jax_fp8.cuda_available()}
   runs, stopped, trained = {}, False, False
   for run_name in (BF16, *args.recipe):
-    run_settings = {**settings, **({} if run_name == BF16 else
-                                   {"recipe": run_name, "fast_accum_gemms": args.fast_accum})}
+    run_settings = dict(settings)
+    if run_name != BF16:
+      run_settings["recipe"] = run_name
+      if args.fast_accum:  # only then, so the runs saved without the key still match
+        run_settings["fast_accum_gemms"] = args.fast_accum
     path = os.path.join(args.out, f"run-{run_name}.json")
     kept = None
     if os.path.exists(path):
@@ -360,6 +363,8 @@ def main(argv=None) -> None:
         kept = json.load(f)
       kept = kept if kept.pop("settings") == run_settings else None
     train_it = args.only in (None, run_name)
+    if train_it and kept is None and os.path.exists(path):
+      print(f"{path} ran under other settings: this {run_name} run replaces it")
     if train_it and deadline is not None and kept is not None:
       train_it = False  # a resumable job keeps the runs it finished before
     if train_it and trained and deadline is not None and time.perf_counter() > deadline:

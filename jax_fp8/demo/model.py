@@ -76,6 +76,13 @@ class Config:
     ``NVFP4_BF16_SHARE``; none under the others)."""
     return round(NVFP4_BF16_SHARE * self.n_layers) if self.fp8 and self.recipe == "nvfp4" else 0
 
+  def recipe_object(self):
+    """The jax_fp8 recipe the FP8 layers take: ``RECIPES[recipe]``, with ``fast_accum_gemms``."""
+    recipe = RECIPES[self.recipe]
+    if self.fast_accum_gemms:
+      recipe = dataclasses.replace(recipe, fast_accum_gemms=self.fast_accum_gemms)
+    return recipe
+
   @property
   def attention_implementation(self) -> str:
     return self.attention or default_attention(jax.default_backend())
@@ -85,9 +92,11 @@ class Config:
       raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
     if self.attention not in (None, *ATTENTION):
       raise ValueError(f"attention must be None or one of {ATTENTION}, got {self.attention!r}")
-    if self.fast_accum_gemms and self.recipe not in PER_TENSOR:
-      raise ValueError(f"fast_accum_gemms applies to the per-tensor recipes {PER_TENSOR}, not "
-                       f"to recipe {self.recipe!r}")
+    if self.fast_accum_gemms:
+      if self.recipe not in PER_TENSOR:
+        raise ValueError(f"fast_accum_gemms applies to the per-tensor recipes {PER_TENSOR}, not "
+                         f"to recipe {self.recipe!r}")
+      self.recipe_object()  # the recipe checks the GEMM names
     align = {"block": 128, "mxfp8": 32}.get(self.recipe, 16) if self.fp8 else 16
     if self.d_model % align or self.d_model % self.n_heads:
       raise ValueError(f"d_model={self.d_model} must be a multiple of {align} and of "
@@ -98,10 +107,7 @@ def _fp8_kw(cfg: Config, norm: bool) -> dict:
   # BlockScaling's and MXFP8's scales are device-local: no amax to reduce (NVFP4's global
   # scales are per tensor)
   axis = cfg.amax_axis_name if cfg.recipe in (*PER_TENSOR, "nvfp4") else None
-  recipe = RECIPES[cfg.recipe]
-  if cfg.fast_accum_gemms:
-    recipe = dataclasses.replace(recipe, fast_accum_gemms=cfg.fast_accum_gemms)
-  return dict(recipe=recipe, amax_axis_name=axis,
+  return dict(recipe=cfg.recipe_object(), amax_axis_name=axis,
               norm="layernorm" if norm else None)
 
 
