@@ -29,7 +29,8 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
   the up projection's output gradient;
 - ``delayed_fused_norm_mlp`` (and ``_fast_all``): as ``delayed_fused_mlp`` (and its fast
   variant), the RMSNorms before q / k / v and the MLP fused into those layers' input
-  cast-transposes (``norm="rmsnorm"``);
+  cast-transposes (``norm="rmsnorm"``); ``_fast_fprop``: fast accumulation in fprop only
+  (TransformerEngine's default on Hopper);
 - ``delayed_fused_norm_mlp_cast_kernels``: as ``delayed_fused_norm_mlp``, its kernels
   quantized once per step (``jax_fp8.flax.cast_kernels``) rather than once per microbatch: the
   same as ``delayed_fused_norm_mlp`` at one microbatch;
@@ -92,6 +93,7 @@ from .step_profile import summarize, trace_events
 COMPUTE = jnp.bfloat16
 FLAX_FP8_COLLECTION = "_overwrite_with_gradient"  # Flax's FP8 scales and amax histories
 FAST_ALL = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
+FAST_FPROP = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop",))
 CURRENT, MXFP8 = jax_fp8.CurrentScaling(), jax_fp8.MXFP8BlockScaling()
 NVFP4 = jax_fp8.NVFP4BlockScaling()
 SR_KEY = "stochastic_rounding_key"  # the entry of the carried collections that holds the key
@@ -145,6 +147,9 @@ VARIANTS = {
     "delayed_fused_norm_mlp_fast_all": (
         functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
         FAST_ALL, True),
+    "delayed_fused_norm_mlp_fast_fprop": (
+        functools.partial(Dense, recipe=FAST_FPROP),
+        functools.partial(MultiDense, recipe=FAST_FPROP), FAST_FPROP, True),
     "delayed_fused_norm_mlp_cast_kernels": (
         functools.partial(Dense, recipe=DELAYED), functools.partial(MultiDense, recipe=DELAYED),
         DELAYED, True),
