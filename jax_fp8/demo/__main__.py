@@ -310,7 +310,9 @@ def parse_args(argv):
   if args.fast_accum and other:
     p.error(f"--fast-accum applies to the per-tensor recipes ({', '.join(PER_TENSOR)}), not "
             f"to {', '.join(other)}")
-  args.fast_accum = [g for g in jax_fp8.recipes.LINEAR_GEMMS if g in args.fast_accum]
+  # each once, in the recipes' canonical order
+  canonical = jax_fp8.DelayedScaling(fast_accum_gemms=set(args.fast_accum)).fast_accum_gemms
+  args.fast_accum = list(canonical)
   if args.steps is not None and args.steps <= SKIP_STEPS:
     p.error(f"--steps must be more than {SKIP_STEPS} (the untimed compile steps)")
   return args
