@@ -68,22 +68,26 @@ def trace_events(fn, args, steps: int):
 
 def self_times(spans):
   """[(key, name, self time)] of spans (key, start, duration, name) on threads (keys): each
-  span's duration less the time its direct children cover (children that overlap each other
-  count once). A span that starts inside another but ends after it (a kernel launched early
-  by programmatic dependent launch, as cuBLAS's are) is not inside it: both keep their whole
-  durations."""
+  span's duration less the time its direct children cover, and less the time it shares with
+  an earlier span of its level (a parent's earlier children, or a thread's earlier top-level
+  spans) that it starts inside and outlives. That is a kernel launched early by programmatic
+  dependent launch (PDL, as ours and cuBLAS's are): it waits for the kernel before it to finish,
+  so the shared time is the earlier kernel's. The self times of a thread add up to the time it
+  is occupied."""
   out, enclosing, last_key = [], [], None  # enclosing: [end, index in out, covered until]
   for key, ts, dur, name in sorted(spans, key=lambda s: (s[0], s[1], -s[2])):
     if key != last_key:
-      enclosing, last_key = [], key
+      enclosing, last_key, top = [], key, [float("inf"), None, float("-inf")]
     while enclosing and (enclosing[-1][0] <= ts or enclosing[-1][0] < ts + dur):
       enclosing.pop()
-    if enclosing:
-      parent = enclosing[-1]
-      out[parent[1]][2] -= max(0.0, ts + dur - max(ts, parent[2]))
-      parent[2] = max(parent[2], ts + dur)
-    out.append([key, name, dur])
-    enclosing.append([ts + dur, len(out) - 1, ts])
+    level = enclosing[-1] if enclosing else top
+    start = max(ts, level[2])  # the shared time before it is the earlier span's
+    own = max(0.0, ts + dur - start)
+    if level[1] is not None:
+      out[level[1]][2] -= own
+    level[2] = max(level[2], ts + dur)
+    out.append([key, name, own])
+    enclosing.append([ts + dur, len(out) - 1, start])
   return [tuple(o) for o in out]
 
 
@@ -102,8 +106,8 @@ def idle_us(spans, steps: int) -> float:
 def summarize(spans, steps: int, top: int = 15):
   """Per thread of the device processes ("/device:...", else the host's XLA threads):
   microseconds of work per step, by kind and by event name (the ``top`` largest overall and
-  of each kind; self times, which add up to the thread's occupied time except where kernels
-  overlap through PDL: those count whole), and idle inside the steps."""
+  of each kind; ``self_times``, which add up to the thread's occupied time), and idle inside
+  the steps."""
   device = any(key[0].startswith("/device:") for key, *_ in spans)
   keep = [s for s in spans if (s[0][0].startswith("/device:") if device else s[0][1] != "python")]
   per_thread = collections.defaultdict(collections.Counter)

@@ -99,12 +99,16 @@ def test_step_profile(tmp_path):
            ("u", 1.0, 4.0, "other thread")]
   assert step_profile.self_times(spans) == [("t", "parent", 5.0), ("t", "a", 3.0),
                                             ("t", "b", 2.0), ("t", "next", 2.0),
-                                            ("t", "overlaps next", 3.0),
+                                            ("t", "overlaps next", 2.0),
                                             ("u", "other thread", 4.0)]
-  # Children overlapping each other (the second through PDL) cover their parent once.
+  # A span launched early through PDL, inside the one before it, counts from that one's end;
+  # children overlapping each other cover their parent once.
   assert step_profile.self_times([("t", 0.0, 100.0, "p"), ("t", 0.0, 80.0, "x"),
                                   ("t", 20.0, 80.0, "y")]) == [("t", "p", 0.0), ("t", "x", 80.0),
-                                                               ("t", "y", 80.0)]
+                                                               ("t", "y", 20.0)]
+  assert step_profile.self_times([("t", 0.0, 10.0, "gemm"), ("t", 8.0, 5.0, "quantize"),
+                                  ("t", 9.0, 2.0, "inside quantize")]) == [
+      ("t", "gemm", 10.0), ("t", "quantize", 2.0), ("t", "inside quantize", 1.0)]
   # Two steps: the longest gap (15) is the host's round trip between them, nested and
   # overlapping events leave no gap.
   spans = [("t", 0.0, 10.0, "a"), ("t", 1.0, 2.0, "nested"), ("t", 12.0, 3.0, "b"),
