@@ -20,11 +20,33 @@ from .recipes import BlockScaling, CurrentScaling, DelayedScaling, check_recipe,
 SR_STREAM = "stochastic_rounding"
 
 
-def check_layer(name: str, features, use_bias, recipe, multi: bool, features_name="features"):
-  """(features as a tuple of ints, use_bias) of layer ``name``, checked; ``multi``: features is
-  a tuple (one layer of several outputs); ``features_name``: what the layer calls it.
-  TypeError / ValueError naming the attribute."""
+def _canonical_dtype(v):
+  """``v`` as JAX canonicalizes a dtype (float64 is float32 without x64), or None where it
+  names none."""
+  try:
+    return jax.dtypes.canonicalize_dtype(v)
+  except TypeError:
+    return None
+
+
+def _dtype_name(v) -> str:
+  d = _canonical_dtype(v)
+  return d.name if d is not None else repr(v)
+
+
+def check_layer(name: str, features, use_bias, recipe, multi: bool, dtype, param_dtype,
+                features_name="features"):
+  """(features as a tuple of ints, use_bias) of layer ``name``, checked with its dtype (None,
+  float32, bfloat16 or float16) and param_dtype (those or, under x64, float64); ``multi``:
+  features is a tuple (one layer of several outputs); ``features_name``: what the layer calls
+  it. TypeError / ValueError naming the attribute."""
   check_recipe(recipe, f"{name}.recipe")
+  if dtype is not None and _canonical_dtype(dtype) not in FLOAT_DTYPES:
+    raise TypeError(f"{name}.dtype must be None, float32, bfloat16 or float16, got "
+                    f"{_dtype_name(dtype)}")
+  if _canonical_dtype(param_dtype) not in (*FLOAT_DTYPES, jnp.dtype(jnp.float64)):
+    raise TypeError(f"{name}.param_dtype must be float32, bfloat16 or float16 (or float64 "
+                    f"under x64), got {_dtype_name(param_dtype)}")
   if not multi:
     features = (checks.integer(features, f"{name}.{features_name}", lo=1),)
   elif isinstance(features, (tuple, list)) and features:
@@ -38,11 +60,12 @@ def check_layer(name: str, features, use_bias, recipe, multi: bool, features_nam
 
 def check_norm_attr(name: str, norm, epsilon) -> bool:
   """Whether layer ``name``'s fused input norm (None, "rmsnorm" or "layernorm") has a beta
-  (LayerNorm), its attributes checked; ValueError naming the attribute."""
+  (LayerNorm), its attributes (the epsilon also without a norm) checked; TypeError /
+  ValueError naming the attribute."""
+  norms.check_epsilon(epsilon, f"{name}.norm_epsilon")
   if norm is None:
     return False
   norms.check(norm, f"{name}.norm")
-  norms.check_epsilon(epsilon, f"{name}.norm_epsilon")
   return norms.centered(norm)
 
 
@@ -99,12 +122,7 @@ def cast_leaf(where: str, kernel, ring, recipe, amax_axis_name, select):
   if (not isinstance(kernel, (jax.Array, np.ndarray)) or jnp.ndim(kernel) < 2
       or (isinstance(recipe, DelayedScaling) and ring is None)):
     return None
-  chosen = select(where, kernel)
-  if not isinstance(chosen, bool):
-    kind = type(chosen)
-    kind = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
-    raise TypeError(f"select must return a bool, got {kind} for {where}")
-  if not chosen:
+  if not checks.selected(select, where, kernel):
     return None
   fn = lambda k, r: cast_kernel(k, r, recipe=recipe, amax_axis_name=amax_axis_name)  # noqa: E731
   for _ in range(jnp.ndim(kernel) - 2):
@@ -124,14 +142,17 @@ def _readable(a, dtype):
 
 
 def _compute_dtype(inputs, params, dtype):
-  """The compute dtype: ``dtype``, or where None the promotion of the inputs' and parameters'
-  dtypes by Flax's rules (absent parameters and ``Fp8Weight``s, for inference, left out; a
-  ``CastKernel`` counts as its float kernel);
-  TypeError where that is not float32 / bfloat16 / float16 (float64 parameters or inputs under
-  x64)."""
-  if dtype is not None and (requested := jax.dtypes.canonicalize_dtype(dtype)) not in FLOAT_DTYPES:
-    raise TypeError(f"the layer's dtype must be None, float32, bfloat16 or float16, got "
-                    f"{requested.name}")
+  """The compute dtype: ``dtype`` (as JAX canonicalizes it: float64 is float32 without x64),
+  or where None the promotion of the inputs' and parameters' dtypes by Flax's rules (absent
+  parameters and ``Fp8Weight``s, for inference, left out; a ``CastKernel`` counts as its float
+  kernel); TypeError where that is not float32 / bfloat16 / float16 (float64 parameters or
+  inputs under x64), or where the inputs are not floats."""
+  kind = jnp.result_type(inputs)
+  if not jnp.issubdtype(kind, jnp.floating):
+    raise TypeError(f"the layer's inputs must be floats (float32, bfloat16 or float16), got "
+                    f"{kind}")
+  if dtype is not None:  # check_layer checked it
+    return _canonical_dtype(dtype)
   params = tuple(p.kernel if isinstance(p, CastKernel) else p for p in params
                  if p is not None and not isinstance(p, Fp8Weight))
   out = jnp.dtype(dtypes.canonicalize_dtype(inputs, *params, dtype=dtype))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _ffi
+from . import _ffi, checks
 from .formats import as_f32
 
 # name -> (the kernels' activation id, gated)
@@ -27,10 +27,9 @@ _GELU_K0, _GELU_K1 = 0.7978845608028654, 0.044715  # sqrt(2 / pi); the cubic's c
 
 
 def check(activation, name: str = "activation") -> tuple[int, bool]:
-  """(the kernels' id, gated) of an activation name; ValueError naming the choices."""
-  if not isinstance(activation, str) or activation not in ACTIVATIONS:
-    raise ValueError(f"{name} must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
-  return ACTIVATIONS[activation]
+  """(the kernels' id, gated) of an activation name; TypeError (not a string) or ValueError
+  naming the choices."""
+  return ACTIVATIONS[checks.one_of(activation, name, sorted(ACTIVATIONS))]
 
 
 def _act(x, gelu: bool):

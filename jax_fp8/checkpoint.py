@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 
 import jax
@@ -71,12 +72,21 @@ def _check_rings(rings: dict, recipe) -> None:
                        f"recipe the layers ran with")
 
 
+def _directory(directory) -> pathlib.Path:
+  """``directory`` (a str or os.PathLike) as an absolute path; TypeError otherwise."""
+  if not isinstance(directory, (str, os.PathLike)):
+    raise TypeError(f"directory must be a str or os.PathLike path, got "
+                    f"{type(directory).__name__} {directory!r}")
+  return pathlib.Path(directory).absolute()
+
+
 def save(directory, state, recipe) -> None:
   """Save ``state`` (any pytree) and ``recipe`` (its layers' recipe, ``linear``'s choices)
-  into ``directory``, which must not exist yet. Raises TypeError for another
-  recipe type, ValueError when the state's rings were not made by ``recipe`` or the state
-  holds no array, FileExistsError for an existing directory."""
-  directory = pathlib.Path(directory).absolute()
+  into ``directory`` (a str or os.PathLike), which must not exist yet. Raises TypeError for
+  another kind of directory or another recipe type, ValueError when the state's rings were
+  not made by ``recipe`` or the state holds no array, FileExistsError for an existing
+  directory."""
+  directory = _directory(directory)
   if not jax.tree.leaves(state):
     raise ValueError("state holds no array (the stateless recipes keep no FP8 state, e.g. an "
                      "empty fp8_state collection): save a state with arrays, such as the "
@@ -98,6 +108,7 @@ def restore(directory, target, recipe):
   structure, e.g. a freshly initialized one, whose rings carry the static fields).
 
   Raises:
+    TypeError when ``directory`` is no str or os.PathLike.
     ValueError when the checkpoint's schema version is not ``SCHEMA_VERSION``, when
     ``recipe`` differs from the saved one in a field that defines the state
     (``STATE_FIELDS``: the recipe type, format, history length, margin, algo; the differing
@@ -107,7 +118,7 @@ def restore(directory, target, recipe):
     CurrentScaling's ``margin``) may change.
     FileNotFoundError when ``directory`` holds no jax_fp8 checkpoint.
   """
-  directory = pathlib.Path(directory).absolute()
+  directory = _directory(directory)
   if not (directory / METADATA).is_file():
     raise FileNotFoundError(f"{directory} holds no jax_fp8 checkpoint (no {METADATA})")
   meta = json.loads((directory / METADATA).read_text())

@@ -48,11 +48,27 @@ def fp8_array(v, name: str) -> jax.Array:
 
 
 def scalar_f32(v, name: str) -> jax.Array:
-  """A float32 scalar array (a scale read on the device)."""
+  """A float32 scalar array (read on the device); a Python int or float is taken as float32
+  (with or without x64)."""
+  if isinstance(v, (int, float)) and not isinstance(v, bool):
+    v = np.float32(v)
   v = array(v, name)
   if v.shape != () or v.dtype != jnp.float32:
     raise TypeError(f"{name} must be a float32 scalar, got {describe(v)}")
   return v
+
+
+def scale_f32(v, name: str) -> jax.Array:
+  """A float32 scalar dequantization step (``scalar_f32``). One given on the host (a Python or
+  NumPy number) must be a positive normal finite f32 (the kernels flush a subnormal scale to
+  zero), a ValueError otherwise; a device array is not read back to check it."""
+  out = scalar_f32(v, name)
+  if isinstance(v, (int, float, np.number, np.ndarray)) and not isinstance(v, bool):
+    s = np.float32(v)
+    if not (np.isfinite(s) and s >= np.finfo(np.float32).tiny):
+      raise ValueError(f"{name} must be a positive normal finite float32 (a dequantization "
+                       f"step), got {v!r}")
+  return out
 
 
 def dtype(v, name: str, allowed) -> jnp.dtype:
@@ -65,6 +81,17 @@ def dtype(v, name: str, allowed) -> jnp.dtype:
   if d not in allowed:
     raise TypeError(f"{name} must be one of {names}, got {d.name if d is not None else repr(v)}")
   return d
+
+
+def selected(select, path: str, kernel) -> bool:
+  """``select(path, kernel)``, the user's choice of a kernel, which must be a Python bool (a
+  TypeError naming the path otherwise)."""
+  chosen = select(path, kernel)
+  if not isinstance(chosen, bool):
+    kind = type(chosen)
+    kind = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+    raise TypeError(f"select must return a bool, got {kind} for {path}")
+  return chosen
 
 
 def boolean(v, name: str) -> bool:

@@ -85,7 +85,8 @@ class _Layer(nn.Module):
     """The layer's checks, parameters, state and op call (``multi`` False: ``linear`` on the
     one kernel), inside the subclass's compact ``__call__``."""
     name = type(self).__name__
-    features, use_bias = check_layer(name, self.features, self.use_bias, self.recipe, multi)
+    features, use_bias = check_layer(name, self.features, self.use_bias, self.recipe, multi,
+                                     self.dtype, self.param_dtype)
     if jnp.ndim(inputs) < 1:
       raise ValueError(f"{name} inputs must be [..., K], got a scalar")
     names = _names.suffixes(len(features), multi)
@@ -207,7 +208,7 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
     (f,), use_bias = check_layer("Mlp", self.hidden_features, self.use_bias, self.recipe, False,
-                                 "hidden_features")
+                                 self.dtype, self.param_dtype, "hidden_features")
     _, gated = activations.check(self.activation, "Mlp.activation")
     if jnp.ndim(inputs) < 1:
       raise ValueError("Mlp inputs must be [..., K], got a scalar")

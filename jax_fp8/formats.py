@@ -205,13 +205,16 @@ def e2m1_round_stochastic(y: jax.Array, bits: jax.Array) -> jax.Array:
 RHT_SIZE = 16
 
 
-def rht_signs(seed: int) -> np.ndarray:
+def rht_signs(seed: int, name: str = "the Hadamard transform's seed") -> np.ndarray:
   """The transform's signs, f32 [16]: ``s_i = -1`` where bit i of word 0 of
   Philox4x32-10(counter 0, key (seed mod 2^32, seed >> 32)) is set, else 1. ``seed`` is a
   Python int in [0, 2^64) (not traced: the signs are constants of the compiled program);
-  ValueError otherwise."""
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**64:
-    raise ValueError(f"the Hadamard transform's seed must be an int in [0, 2^64), got {seed!r}")
+  TypeError for another kind of value, ValueError for an int out of that range, each naming
+  the seed ``name``."""
+  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    raise TypeError(f"{name} must be an int in [0, 2^64), got {type(seed).__name__} {seed!r}")
+  if not 0 <= seed < 2**64:
+    raise ValueError(f"{name} must be an int in [0, 2^64), got {seed!r}")
   seed = int(seed)
   with jax.ensure_compile_time_eval():  # constants, also when called under a trace
     word = np.uint32(philox4x32(jnp.zeros(4, jnp.uint32),

@@ -86,8 +86,8 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True, stacke
   chose; e.g. ``select=lambda path, kernel: "lm_head" not in path``). ``recipe``:
   ``DelayedScaling``, ``CurrentScaling`` or ``BlockScaling`` (the layers then run with that
   recipe; under ``DelayedScaling`` they still take their ``fp8_state`` for the inputs).
-  Raises TypeError for a select that is not callable, a ``stacked_axes`` that is not an int
-  >= 0 (ValueError for a negative one) or a ``CastKernel`` among the params
+  Raises TypeError for a select that is not callable or returns no bool, a ``stacked_axes``
+  that is not an int >= 0 (ValueError for a negative one) or a ``CastKernel`` among the params
   (``flax.cast_kernels``' output, for training: quantize the float params), and
   ``quantize_weight``'s errors."""
   from .linear import CastKernel  # here: linear imports this module
@@ -104,7 +104,8 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True, stacke
                       f"training): quantize the float params")
     name = keys[-1] if keys else ""
     kernel = name == "kernel" or _names.multi_index(name) is not None
-    if kernel and jnp.ndim(leaf) in (2, 2 + stacked_axes) and select("/".join(keys), leaf):
+    if (kernel and jnp.ndim(leaf) in (2, 2 + stacked_axes)
+        and checks.selected(select, "/".join(keys), leaf)):
       quantize_one = lambda k: quantize_weight(k, recipe)
       for _ in range(jnp.ndim(leaf) - 2):
         quantize_one = jax.vmap(quantize_one)

@@ -223,7 +223,8 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
       ``NVFP4BlockScaling`` (multiples of 16; the two linears draw from ``key`` folded with 0
       and 1). The FP8
       path runs where both GEMMs reach the recipe's ``fp8_min_intensity``; otherwise the MLP
-      runs in x's dtype through XLA and the rings are untouched.
+      runs through XLA in the compute dtype (``dtype``, x's where None) and the rings are
+      untouched.
     amax_axis_name: as in ``linear``.
     norm, gamma, beta, epsilon: the input's norm, as in ``linear`` (TransformerEngine's
       LayerNormMLP): fused into x's cast-transpose under the per-tensor recipes and

@@ -86,8 +86,8 @@ class _Layer(nnx.Module):
                recipe=DelayedScaling(), amax_axis_name=None, norm: str | None = None,
                norm_epsilon: float = 1e-6, rngs: nnx.Rngs):
     name, multi = type(self).__name__, self._multi
-    features, use_bias = check_layer(name, out_features, use_bias, recipe, multi,
-                                     "out_features")
+    features, use_bias = check_layer(name, out_features, use_bias, recipe, multi, dtype,
+                                     param_dtype, "out_features")
     in_features = checks.integer(in_features, f"{name}.in_features", lo=1)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"{name}.rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
@@ -185,8 +185,8 @@ class Mlp(nnx.Module):
                bias_init: Callable = nnx.initializers.zeros_init(),
                recipe=DelayedScaling(), amax_axis_name=None, norm: str | None = None,
                norm_epsilon: float = 1e-6, rngs: nnx.Rngs):
-    (f,), use_bias = check_layer("Mlp", hidden_features, use_bias, recipe, False,
-                                 "hidden_features")
+    (f,), use_bias = check_layer("Mlp", hidden_features, use_bias, recipe, False, dtype,
+                                 param_dtype, "hidden_features")
     _, gated = activations.check(activation, "Mlp.activation")
     k = checks.integer(in_features, "Mlp.in_features", lo=1)
     d = k if out_features is None else checks.integer(out_features, "Mlp.out_features", lo=1)
@@ -219,8 +219,12 @@ class Mlp(nnx.Module):
 def update_fp8_state(model: nnx.Module, grads: nnx.State) -> None:
   """Advance every ``Fp8State`` of ``model`` in place by its gradient in ``grads`` (what
   ``nnx.grad`` returns for a ``DiffState`` that includes ``Fp8State``): ``jax_fp8.update_state``
-  applied to the model's FP8 state. Raises ValueError when ``grads`` holds no FP8 state of the
-  model's structure (e.g. ``Fp8State`` left out of the ``DiffState``)."""
+  applied to the model's FP8 state. Raises TypeError when ``grads`` is no ``nnx.State``,
+  ValueError when it holds no FP8 state of the model's structure (e.g. ``Fp8State`` left out
+  of the ``DiffState``)."""
+  if not isinstance(grads, nnx.State):
+    raise TypeError(f"grads must be the nnx.State that nnx.grad returns, got "
+                    f"{type(grads).__name__}")
   state = nnx.state(model, Fp8State)
   state_grads = nnx.filter_state(grads, Fp8State)
   if jax.tree.structure(state_grads) != jax.tree.structure(state):

@@ -26,10 +26,9 @@ NORMS = {"rmsnorm": _ffi.CONSTANTS["norm_rmsnorm"], "layernorm": _ffi.CONSTANTS[
 
 
 def check(norm, name: str = "norm") -> int:
-  """The kernels' id of a norm name; ValueError naming the choices."""
-  if not isinstance(norm, str) or norm not in NORMS:
-    raise ValueError(f"{name} must be one of {sorted(NORMS)}, got {norm!r}")
-  return NORMS[norm]
+  """The kernels' id of a norm name; TypeError (not a string) or ValueError naming the
+  choices."""
+  return NORMS[checks.one_of(norm, name, sorted(NORMS))]
 
 
 def centered(norm: str) -> bool:

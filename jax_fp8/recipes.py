@@ -30,12 +30,16 @@ def check_fp8_min_intensity(recipe) -> None:
 
 def check_fast_accum_gemms(recipe) -> None:
   """Validate a per-tensor recipe's ``fast_accum_gemms`` and store it as a tuple in the
-  canonical order of ``LINEAR_GEMMS``; ValueError otherwise."""
+  canonical order of ``LINEAR_GEMMS``; TypeError for no tuple, list or set of strings,
+  ValueError for other names or a name twice."""
   v = recipe.fast_accum_gemms
+  rule = (f"{type(recipe).__name__}.fast_accum_gemms must be a tuple (or list or set) of "
+          f"distinct names from {LINEAR_GEMMS}, got {v!r}")
   if (isinstance(v, str) or not isinstance(v, (tuple, list, set, frozenset))
-      or not all(isinstance(g, str) and g in LINEAR_GEMMS for g in v) or len(set(v)) != len(v)):
-    raise ValueError(f"{type(recipe).__name__}.fast_accum_gemms must be a tuple (or list or "
-                     f"set) of distinct names from {LINEAR_GEMMS}, got {v!r}")
+      or not all(isinstance(g, str) for g in v)):
+    raise TypeError(rule)
+  if not all(g in LINEAR_GEMMS for g in v) or len(set(v)) != len(v):
+    raise ValueError(rule)
   object.__setattr__(recipe, "fast_accum_gemms", tuple(g for g in LINEAR_GEMMS if g in v))
 
 
@@ -83,8 +87,8 @@ class DelayedScaling(PerTensorFormats):
 
   def __post_init__(self):
     checks.one_of(self.fp8_format, "DelayedScaling.fp8_format", ("hybrid", "e4m3"))
-    check_history_len(self.history_len)
-    check_ring_params("e4m3", self.margin, self.algo)
+    check_history_len(self.history_len, "DelayedScaling.")
+    check_ring_params("e4m3", self.margin, self.algo, "DelayedScaling.")
     check_fp8_min_intensity(self)
     check_fast_accum_gemms(self)
 
@@ -150,7 +154,7 @@ class CurrentScaling(PerTensorFormats):
 
   def __post_init__(self):
     checks.one_of(self.fp8_format, "CurrentScaling.fp8_format", ("hybrid", "e4m3"))
-    check_ring_params("e4m3", self.margin, "most_recent")
+    check_ring_params("e4m3", self.margin, "most_recent", "CurrentScaling.")
     check_fp8_min_intensity(self)
     check_fast_accum_gemms(self)
 
@@ -182,6 +186,9 @@ class MXFP8BlockScaling:
   fp8_min_intensity: float = 0.0
 
   def __post_init__(self):
+    if not isinstance(self.fp8_format, str):
+      raise TypeError(f"MXFP8BlockScaling.fp8_format must be 'e4m3', got "
+                      f"{checks.describe(self.fp8_format)}")
     if self.fp8_format != "e4m3":
       raise ValueError(f"MXFP8BlockScaling.fp8_format must be 'e4m3' (E5M2 gradients diverged in "
                        f"public MXFP8 runs; HYBRID is not offered), got {self.fp8_format!r}")
@@ -229,11 +236,7 @@ class NVFP4BlockScaling:
   def __post_init__(self):
     for name in ("weight_block_2d", "stochastic_rounding", "rht"):
       checks.boolean(getattr(self, name), f"NVFP4BlockScaling.{name}")
-    try:
-      rht_signs(self.rht_seed)
-    except ValueError:
-      raise ValueError(f"NVFP4BlockScaling.rht_seed must be an int in [0, 2^64), got "
-                       f"{self.rht_seed!r}") from None
+    rht_signs(self.rht_seed, "NVFP4BlockScaling.rht_seed")  # checks the seed
     if self.rht_seed and not self.rht:
       raise ValueError(f"NVFP4BlockScaling.rht_seed is the Hadamard transform's seed: it needs "
                        f"rht=True, got rht_seed={self.rht_seed!r} with rht=False")

@@ -21,6 +21,7 @@ from .formats import (E2M1_MAX, INV_E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, 
                       hadamard_transform, nvfp4_global_scale, sr_bits)
 from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.gemm import expand_scales
+from .ops.nvfp4 import check_options as check_nvfp4_options
 from .philox import key_words
 from .state import ScaleRing, next_ring, observe as observe_ring, scale_for_step
 
@@ -306,18 +307,7 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   Raises ValueError: ``stochastic_rounding`` without ``key`` (or ``key`` without it, or with
   ``block_2d``), ``rht`` without ``columnwise`` or with ``block_2d``, ``global_amax_t``
   without ``rht``, a global amax that is not a scalar."""
-  if stochastic_rounding != (key is not None):
-    raise ValueError("stochastic_rounding=True needs a key, and a key needs "
-                     "stochastic_rounding=True")
-  if stochastic_rounding and block_2d:
-    raise ValueError("stochastic rounding takes 1 x 16 blocks (gradients): block_2d=True "
-                     "(weights) rounds to nearest, so both directions hold the same numbers")
-  if rht and (not columnwise or block_2d):
-    raise ValueError("rht transforms the columnwise copy of 1 x 16 blocks: it needs "
-                     "columnwise=True and block_2d=False")
-  if global_amax_t is not None and not rht:
-    raise ValueError("global_amax_t is the amax of the Hadamard-transformed columnwise copy: "
-                     "it needs rht=True")
+  check_nvfp4_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t)
   for name, v in (("global_amax", global_amax), ("global_amax_t", global_amax_t)):
     if v is not None and jnp.shape(v) != ():
       raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(v)}")

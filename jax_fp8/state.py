@@ -58,17 +58,19 @@ def informative(amax: jax.Array) -> jax.Array:
   return (amax >= np.finfo(np.float32).tiny) & (amax <= np.finfo(np.float32).max)
 
 
-def check_history_len(history_len) -> int:
-  """An int in [1, 1024] (one CUDA block finalizes the ring); TypeError / ValueError else."""
-  return checks.integer(history_len, "history_len", 1, _ffi.CONSTANTS["max_history"])
+def check_history_len(history_len, owner: str = "") -> int:
+  """An int in [1, 1024] (one CUDA block finalizes the ring); TypeError / ValueError else,
+  naming it ``owner`` + "history_len" (``owner``: e.g. "DelayedScaling.")."""
+  return checks.integer(history_len, f"{owner}history_len", 1, _ffi.CONSTANTS["max_history"])
 
 
-def check_ring_params(fmt, margin, algo) -> None:
-  """Raises ValueError / TypeError for a ring's static parameters that jax_fp8 cannot honour.
-  Allocates nothing, so recipes can be built before a JAX backend starts."""
+def check_ring_params(fmt, margin, algo, owner: str = "") -> None:
+  """Raises ValueError / TypeError for a ring's static parameters that jax_fp8 cannot honour,
+  each named after ``owner`` as in ``check_history_len``. Allocates nothing, so recipes can be
+  built before a JAX backend starts."""
   fp8_dtype(fmt)
-  checks.one_of(algo, "algo", ALGOS)
-  checks.integer(margin, "margin", -MAX_MARGIN, MAX_MARGIN)
+  checks.one_of(algo, f"{owner}algo", ALGOS)
+  checks.integer(margin, f"{owner}margin", -MAX_MARGIN, MAX_MARGIN)
 
 
 @functools.partial(
@@ -191,6 +193,9 @@ def update_state(state, state_grads):
     amax)`` would, amax being the max over the ring's uses this step. A ring that did not run
     (zero gradient) is kept, so its history does not roll; a step with a NaN or inf amax leaves
     the ring as it was.
+  Raises:
+    TypeError: a leaf of ``state`` that is no ScaleRing. ValueError: ``state_grads`` not of
+    ``state``'s structure and leaf shapes.
 
   A ring used n times in one differentiation without ``share`` (e.g. under ``vmap``) has its
   observations summed by JAX; that shows as ``steps`` = n * (old steps + 1). The front entry
@@ -198,6 +203,10 @@ def update_state(state, state_grads):
   scale errs towards headroom, never towards overflow. Rings stacked on leading axes (a Flax
   ``nn.scan`` over layers) are advanced one by one.
   """
+  for leaf in jax.tree.leaves(state, is_leaf=_is_ring):
+    if not _is_ring(leaf):
+      raise TypeError(f"state must be a pytree of ScaleRings (a LinearState, a Flax "
+                      f"\"fp8_state\" collection), got a leaf {checks.describe(leaf)}")
   _check_like(state_grads, "state_grads", state, "state")
 
   def advance_stacked(ring, obs):  # rings stacked by a scan over layers: [..., L]

@@ -79,6 +79,15 @@ def test_demo_rejects_an_unknown_run(capsys):
   assert "--only must be bf16 or one of --recipe (current), got 'fp8'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("tolerance", ["-1", "nan"])
+def test_demo_rejects_a_negative_tolerance(capsys, tolerance):
+  """Refused before any training (a negative one would fail every run at the end)."""
+  with pytest.raises(SystemExit):
+    main(["--preset", "smoke", "--tolerance", tolerance])
+  assert f"--tolerance must be a number >= 0 (a relative excess), got {tolerance}" in (
+      capsys.readouterr().err)
+
+
 def test_demo_resumes_a_stopped_run(tmp_path, capsys):
   """--stop-after checkpoints a run in --out and the same command resumes it: a run trained in
   segments of a few steps has the uninterrupted run's losses, bit for bit (with XLA's attention:

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_fp8
+import jax_fp8.checkpoint
 import jax_fp8.flax
 
 X = jnp.ones((32, 128), jnp.float32)
@@ -152,6 +153,25 @@ CASES = {
         lambda: jax_fp8.flax.cast_kernels({"d": {"kernel": W}}, None, CURRENT,
                                           select=lambda path, kernel: np.bool_(True)), TypeError,
         "select must return a bool, got numpy.bool_? for d/kernel"),
+    "checkpoint save directory int": (
+        lambda: jax_fp8.checkpoint.save(5, {"w": W}, CURRENT), TypeError,
+        "directory must be a str or os.PathLike path, got int 5"),
+    "checkpoint restore directory None": (
+        lambda: jax_fp8.checkpoint.restore(None, {"w": W}, CURRENT), TypeError,
+        "directory must be a str or os.PathLike path, got NoneType None"),
+    "update_state of an array": (
+        lambda: jax_fp8.update_state(jnp.ones(3), jnp.ones(3)), TypeError,
+        r"state must be a pytree of ScaleRings .* got a leaf float32\[3\]"),
+    "quantize scale zero": (lambda: jax_fp8.quantize(X, 0.0), ValueError,
+                            "scale must be a positive normal finite float32 .* got 0.0"),
+    "dequantize scale negative": (lambda: jax_fp8.dequantize(E4, np.float32(-2)), ValueError,
+                                  "scale must be a positive normal finite float32"),
+    "gemm a_scale nan": (lambda: jax_fp8.gemm(E4, E4, float("nan"), S), ValueError,
+                         "a_scale must be a positive normal finite float32 .* got nan"),
+    "quantize_weights select int": (
+        lambda: jax_fp8.quantize_weights({"d": {"kernel": W}}, CURRENT,
+                                          select=lambda path, kernel: 1), TypeError,
+        "select must return a bool, got int for d/kernel"),
     "cast_kernels of cast params": (
         lambda: jax_fp8.flax.cast_kernels({"d": {"kernel": jax_fp8.cast_kernel(W, recipe=CURRENT)}},
                                           None, CURRENT), TypeError,

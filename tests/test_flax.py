@@ -89,6 +89,31 @@ def test_wrong_compute_dtype_is_refused(layer, message):
     layer.init(jax.random.PRNGKey(0), jnp.ones((4, 32), jnp.float32))
 
 
+@pytest.mark.parametrize("layer,x_dtype,message", [
+    (Dense(16, dtype="bf16"), jnp.float32,
+     "Dense.dtype must be None, float32, bfloat16 or float16, got 'bf16'"),
+    (Dense(16, param_dtype=jnp.int32), jnp.float32,
+     r"Dense.param_dtype must be float32, bfloat16 or float16 \(or float64 under x64\), got "
+     "int32"),
+    (jax_fp8.flax.Mlp(32, param_dtype=jnp.float8_e4m3fn), jnp.float32,
+     "Mlp.param_dtype must be .* got float8_e4m3fn"),
+    (Dense(16), jnp.int32, r"the layer's inputs must be floats \(float32, bfloat16 or float16\), "
+                           "got int32"),
+], ids=["dtype string", "int params", "fp8 params", "int inputs"])
+def test_layer_dtypes_are_checked(layer, x_dtype, message):
+  """A dtype, param_dtype or input dtype the layers cannot compute in is refused naming the
+  attribute (not JAX's or Flax's message, nor a silent promotion of integer inputs)."""
+  with pytest.raises(TypeError, match=message):
+    layer.init(jax.random.PRNGKey(0), jnp.ones((4, 32), x_dtype))
+
+
+def test_float64_dtype_without_x64_computes_in_float32():
+  """dtype=float64 without x64 is float32, as JAX canonicalizes it (and nn.Dense computes)."""
+  y, _ = Dense(16, dtype=jnp.float64).init_with_output(jax.random.PRNGKey(0),
+                                                      jnp.ones((4, 32), jnp.float32))
+  assert y.dtype == jnp.float32
+
+
 class MLP(nn.Module):
   dense: type
 

@@ -210,7 +210,7 @@ def test_bad_inputs():
   with pytest.raises(ValueError, match="per-tensor scales only, got block scales"):
     jax_fp8.gemm(a128, b128, jnp.ones((32, 2)), jnp.ones((1, 2)), out_dtype=jnp.float8_e4m3fn,
                  out_scale=one)
-  with pytest.raises(ValueError, match=r"bias must be \[32\] bfloat16"):
+  with pytest.raises(TypeError, match=r"bias must be \[32\] bfloat16"):
     jax_fp8.gemm(e4, e4, one, one, bias=jnp.ones(32, jnp.float16), out_dtype=jnp.float8_e4m3fn,
                  out_scale=one)
   with pytest.raises(TypeError, match="out_dtype must be one of float32, bfloat16, float16, "

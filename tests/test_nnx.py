@@ -184,6 +184,15 @@ def test_bad_arguments(rng):
        "MultiLinear.out_features must be a non-empty tuple of ints, got 32"),
       (lambda: MultiLinear(64, (32, -1), rngs=nnx.Rngs(0)), ValueError,
        r"MultiLinear.out_features\[1\]"),
+      (lambda: Linear(64, 32, dtype="bf16", rngs=nnx.Rngs(0)), TypeError,
+       "Linear.dtype must be None, float32, bfloat16 or float16, got 'bf16'"),
+      (lambda: Linear(64, 32, param_dtype=jnp.int32, rngs=nnx.Rngs(0)), TypeError,
+       r"Linear.param_dtype must be float32, bfloat16 or float16 \(or float64 under x64\), "
+       "got int32"),
+      (lambda: Linear(64, 32, rngs=nnx.Rngs(0))(x.astype(bool)), TypeError,
+       "the layer's inputs must be floats"),
+      (lambda: update_fp8_state(Linear(64, 32, rngs=nnx.Rngs(0)), None), TypeError,
+       "grads must be the nnx.State that nnx.grad returns, got NoneType"),
   ]
   for fn, exc, match in cases:
     with pytest.raises(exc, match=match):

@@ -206,8 +206,9 @@ def test_hadamard_transform_is_its_definition(rng, seed):
   np.testing.assert_allclose(got, (g.astype(np.float64).reshape(16, 16) @ m).reshape(8, 32),
                              rtol=0, atol=2.0**-20 * np.abs(g).max())
   assert np.any(np.asarray(rht_signs(seed)) != np.asarray(rht_signs(seed + 1 if seed < 9 else 1)))
-  for bad in (-1, 2**64, 1.0, True, "0"):
-    with pytest.raises(ValueError, match="seed must be an int in"):
+  for bad, error in ((-1, ValueError), (2**64, ValueError), (1.0, TypeError), (True, TypeError),
+                     ("0", TypeError)):
+    with pytest.raises(error, match="seed must be an int in"):
       rht_signs(bad)
 
 
@@ -291,6 +292,9 @@ def test_global_amax_sets_the_global_scales(rng):
   same = reference.nvfp4_quantize(x, global_amax=jnp.float32(own))
   for k, v in reference.nvfp4_quantize(x).items():
     np.testing.assert_array_equal(np.asarray(same[k]), np.asarray(v))
+  # the op takes a Python number as an f32 amax
+  assert float(jax_fp8.nvfp4_quantize(x, global_amax=own)["global_scale"]) == float(
+      same["global_scale"])
   t = reference.nvfp4_quantize(x, columnwise=True, rht=True, global_amax=jnp.float32(2 * own),
                                global_amax_t=jnp.float32(3 * own))
   assert float(t["global_scale"]) == np.float32(2 * own) * np.float32(1 / 2688)
@@ -298,8 +302,9 @@ def test_global_amax_sets_the_global_scales(rng):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(stochastic_rounding=True), "needs a key"),
-    (dict(key=jax.random.key(0)), "needs a key"),
+    (dict(stochastic_rounding=True), r"stochastic_rounding=True needs a key .* got key=None"),
+    (dict(key=jax.random.key(0)), "key is stochastic rounding's: it needs "
+                                  "stochastic_rounding=True"),
     (dict(rht=True), "needs columnwise=True"),
     (dict(rht=True, columnwise=True, block_2d=True), "block_2d=False"),
     (dict(stochastic_rounding=True, key=jax.random.key(0), block_2d=True), "1 x 16 blocks"),
@@ -560,10 +565,10 @@ def test_gemm_is_exact_to_the_f32_sums(platform, rng):
      "needs rowwise=True or columnwise=True"),
     (lambda: jax_fp8.nvfp4_quantize(X, columnwise=True, rht=True, rht_seed=-1), ValueError,
      "seed must be an int in"),
-    (lambda: jax_fp8.nvfp4_quantize(X, global_amax=jnp.int32(3)), ValueError,
-     "global_amax must be a float scalar"),
-    (lambda: jax_fp8.nvfp4_quantize(X, global_amax=3), ValueError,
-     "global_amax must be a float scalar .*, got int 3"),
+    (lambda: jax_fp8.nvfp4_quantize(X, global_amax=jnp.int32(3)), TypeError,
+     r"global_amax must be a float scalar .*, got int32\[\]"),
+    (lambda: jax_fp8.nvfp4_quantize(X, global_amax="3"), TypeError,
+     "global_amax must be an array, got str"),
     (lambda: jax_fp8.nvfp4_quantize(X, columnwise=True, rht_seed=5), ValueError,
      "rht_seed is the Hadamard transform's seed: it needs rht=True"),
     (lambda: jax_fp8.nvfp4_quantize(X.astype(jnp.int8)), TypeError,

@@ -300,6 +300,8 @@ def parse_args(argv):
                       "steps), checkpointing the run in --out (the next run is not started); the "
                       "same command resumes it and keeps the runs that finished")
   args = p.parse_args(argv)
+  if not args.tolerance >= 0:  # NaN fails too
+    p.error(f"--tolerance must be a number >= 0 (a relative excess), got {args.tolerance}")
   if args.stop_after is not None and not args.stop_after > 0:
     p.error(f"--stop-after must be a positive number of minutes, got {args.stop_after}")
   args.recipe = list(dict.fromkeys(args.recipe))  # each once, in the order given

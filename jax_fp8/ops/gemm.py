@@ -79,7 +79,10 @@ def _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum):
   if k % DIM_MULTIPLE or n % DIM_MULTIPLE:
     raise ValueError(f"K and N must be multiples of {DIM_MULTIPLE} (cuBLASLt FP8 alignment), "
                      f"got K={k}, N={n}; pad the operands")
-  a_scale, b_scale = checks.array(a_scale, "a_scale"), checks.array(b_scale, "b_scale")
+  # a Python number is a per-tensor scale (float32 with or without x64, checked positive)
+  a_scale, b_scale = (checks.scale_f32(v, name) if isinstance(v, (int, float))
+                      else checks.array(v, name)
+                      for name, v in (("a_scale", a_scale), ("b_scale", b_scale)))
   for name, v in (("a_scale", a_scale), ("b_scale", b_scale)):
     if v.dtype != jnp.float32:
       raise TypeError(f"{name} must be float32, got {v.dtype}")
@@ -107,7 +110,8 @@ def _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum):
                       "(cuBLASLt's FP8 epilogue); add an f32 bias after the GEMM")
     bias_dtype = jnp.dtype(jnp.bfloat16) if fp8_out else out_dtype
     if bias.shape != (n,) or bias.dtype != bias_dtype:
-      raise ValueError(f"bias must be [{n}] {bias_dtype}, got {bias.dtype}{list(bias.shape)}")
+      error = TypeError if bias.dtype != bias_dtype else ValueError
+      raise error(f"bias must be [{n}] {bias_dtype}, got {bias.dtype}{list(bias.shape)}")
   fast_accum = checks.boolean(fast_accum, "fast_accum")
   if mode != PER_TENSOR and fast_accum:
     raise ValueError("fast_accum applies to per-tensor scales only: block-scaled GEMMs promote "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import checks, sharding
 from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32,
@@ -29,10 +30,33 @@ from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32,
 from ..philox import key_words
 
 
+def check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t) -> None:
+  """The combinations of ``nvfp4_quantize``'s options that it refuses (and its jnp twin,
+  ``reference.nvfp4_quantize``), each a ValueError saying what the option needs."""
+  if stochastic_rounding and key is None:
+    raise ValueError("stochastic_rounding=True needs a key (a jax.random key), got key=None")
+  if key is not None and not stochastic_rounding:
+    raise ValueError("key is stochastic rounding's: it needs stochastic_rounding=True")
+  if stochastic_rounding and block_2d:
+    raise ValueError("stochastic rounding takes 1 x 16 blocks (gradients): block_2d=True "
+                     "(weights) rounds to nearest, so both directions hold the same numbers")
+  if rht and (not columnwise or block_2d):
+    raise ValueError("rht transforms the columnwise copy of 1 x 16 blocks: it needs "
+                     "columnwise=True and block_2d=False")
+  if global_amax_t is not None and not rht:
+    raise ValueError("global_amax_t is the amax of the Hadamard-transformed columnwise copy: "
+                     "it needs rht=True")
+
+
 def _global_amax(v, name):
+  """A float scalar (the tensor's amax) as f32; a Python int or float is taken as one."""
   given = v
-  v = checks.array(v, name)
-  if v.shape != () or not jnp.issubdtype(v.dtype, jnp.floating):
+  v = checks.array(np.float32(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   else v, name)
+  if not jnp.issubdtype(v.dtype, jnp.floating):
+    raise TypeError(f"{name} must be a float scalar (the tensor's amax), got "
+                    f"{checks.describe(given)}")
+  if v.shape != ():
     raise ValueError(f"{name} must be a float scalar (the tensor's amax), got "
                      f"{checks.describe(given)}")
   return v.astype(jnp.float32)
@@ -144,18 +168,7 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   specialised = kernel == _SPECIALISED
   stochastic_rounding = checks.boolean(stochastic_rounding, "stochastic_rounding")
   rht = checks.boolean(rht, "rht")
-  if stochastic_rounding != (key is not None):
-    raise ValueError("stochastic_rounding=True needs a key, and a key needs "
-                     "stochastic_rounding=True")
-  if stochastic_rounding and block_2d:
-    raise ValueError("stochastic rounding takes 1 x 16 blocks (gradients): block_2d=True "
-                     "(weights) rounds to nearest, so both directions hold the same numbers")
-  if rht and (not columnwise or block_2d):
-    raise ValueError("rht transforms the columnwise copy of 1 x 16 blocks: it needs "
-                     "columnwise=True and block_2d=False")
-  if global_amax_t is not None and not rht:
-    raise ValueError("global_amax_t is the amax of the Hadamard-transformed columnwise copy: "
-                     "it needs rht=True")
+  check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t)
   if rht_seed is not None and not rht:
     raise ValueError("rht_seed is the Hadamard transform's seed: it needs rht=True")
   rht_seed = 0 if rht_seed is None else rht_seed

@@ -56,16 +56,17 @@ def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> Quantized:
   Args:
     x: any shape, float32 / bfloat16 / float16.
     scale: float32 scalar, the dequantization step (``x ~= q * scale``), a positive normal
-      f32 (read on the device: a zero scale turns zeros into NaN).
+      f32 (a Python or NumPy number is checked; a device array is read on the device only:
+      a zero scale there turns zeros into NaN).
     fmt: "e4m3" (float8_e4m3fn, max 448) or "e5m2" (float8_e5m2, max 57344).
   Returns:
     ``Quantized(q, amax)``.
   Raises:
-    TypeError / ValueError at trace time: x not a float array, scale not a float32 scalar, an
-    unknown format.
+    TypeError / ValueError at trace time: x not a float array, scale not a float32 scalar (or
+    a host number that is not a positive normal f32), an unknown format.
   """
   x = checks.float_input(x)
-  scale = checks.scalar_f32(scale, "scale")
+  scale = checks.scale_f32(scale, "scale")
   fp8_dtype(fmt)
   impl = lambda x, scale: quantize_kernel(x, scale, fmt)
 
@@ -151,12 +152,13 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
 
   Args:
     q: FP8 array (float8_e4m3fn or float8_e5m2), any shape.
-    scale: float32 scalar.
+    scale: float32 scalar (a Python or NumPy number: positive, normal, finite).
     dtype: output dtype (float32 / bfloat16 / float16).
   Raises:
-    TypeError at trace time for other dtypes or a non-scalar scale.
+    TypeError at trace time for other dtypes or a non-scalar scale; ValueError for a host
+    scale that is not a positive normal f32.
   """
   q = checks.fp8_array(q, "q")
-  scale = checks.scalar_f32(scale, "scale")
+  scale = checks.scale_f32(scale, "scale")
   dtype = checks.dtype(dtype, "dtype", FLOAT_DTYPES)
   return (q.astype(jnp.float32) * scale).astype(dtype)
