@@ -268,8 +268,9 @@ def test_fast_accum_linear(platform, rng):
 
 
 def test_fast_accum_rejects_and_orders():
-  for bad in (("fprop", "fprop"), ("forward",), "fprop", (["fprop"],), None):
-    with pytest.raises(ValueError, match="DelayedScaling.fast_accum_gemms must be a tuple"):
+  for bad, error in ((("fprop", "fprop"), ValueError), (("forward",), ValueError),
+                     ("fprop", TypeError), ((["fprop"],), TypeError), (None, TypeError)):
+    with pytest.raises(error, match="DelayedScaling.fast_accum_gemms must be a tuple"):
       jax_fp8.DelayedScaling(fast_accum_gemms=bad)
   recipe = jax_fp8.DelayedScaling(fast_accum_gemms=("wgrad", "fprop"))
   assert recipe.fast_accum_gemms == ("fprop", "wgrad")
