@@ -67,6 +67,21 @@ def _norm_args(module: nn.Module, name: str, k: int):
   return module.norm, gamma, beta, module.norm_epsilon
 
 
+def _fp8_state(module: nn.Module, name: str, create, *args):
+  """The layer's ``name`` variable in the "fp8_state" collection (its ``DelayedScaling``
+  rings), made by ``create(*args)`` where the collection is mutable. A ValueError saying how to
+  pass the collection where the call can neither read nor create it (Flax's own error names
+  the collection but not the remedy)."""
+  if (not module.has_variable(STATE_COLLECTION, name)
+      and not module.is_mutable_collection(STATE_COLLECTION)):
+    raise ValueError(f"{type(module).__name__} under DelayedScaling keeps its scale rings in "
+                     f"the \"{STATE_COLLECTION}\" collection, and this call has no variable "
+                     f"\"{name}\" there for the layer at {module.scope.path_text}: apply with "
+                     f"the variables init returned (params and {STATE_COLLECTION}); under "
+                     f"nn.scan list \"{STATE_COLLECTION}\" in variable_axes")
+  return module.variable(STATE_COLLECTION, name, create, *args).value
+
+
 class _Layer(nn.Module):
   """The fields and body shared by ``Dense`` and ``MultiDense`` (which set ``features``)."""
 
@@ -94,8 +109,8 @@ class _Layer(nn.Module):
                     for sfx, f in zip(names, features))
     biases = tuple(self.param(f"bias{sfx}", self.bias_init, (f,), self.param_dtype)
                    if use_bias else None for sfx, f in zip(names, features))
-    state = (self.variable(STATE_COLLECTION, "linear", create_state, self.recipe,
-                           len(features) if multi else None).value
+    state = (_fp8_state(self, "linear", create_state, self.recipe,
+                        len(features) if multi else None)
              if isinstance(self.recipe, DelayedScaling) else None)
     # init usually runs outside the pmap / shard_map whose axis is named; the axis serves the
     # backward only, and init takes no gradient.
@@ -220,7 +235,7 @@ class Mlp(nn.Module):
     biases = ((self.param("bias_in", self.bias_init, (n,), self.param_dtype),
                self.param("bias_out", self.bias_init, (d,), self.param_dtype))
               if use_bias else (None, None))
-    state = (self.variable(STATE_COLLECTION, "mlp", MlpState.create, self.recipe).value
+    state = (_fp8_state(self, "mlp", MlpState.create, self.recipe)
              if isinstance(self.recipe, DelayedScaling) else None)
     axis = None if self.is_initializing() else self.amax_axis_name
     return call_mlp(inputs, (kernel_in, kernel_out), biases, state, self.recipe, self.dtype,

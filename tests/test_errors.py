@@ -258,6 +258,33 @@ def test_flax_dense_bad_arguments(kwargs, error, message):
     jax_fp8.flax.Dense(**kwargs).init(jax.random.key(0), X)
 
 
+def test_flax_layer_without_its_fp8_state_says_how_to_pass_it():
+  """A DelayedScaling layer applied without its "fp8_state" collection, or scanned without it
+  in variable_axes, is told how to pass it (not Flax's ScopeCollectionNotFound)."""
+  import flax.linen as nn
+
+  layer = jax_fp8.flax.Dense(16)
+  variables = layer.init(jax.random.key(0), X)
+  with pytest.raises(ValueError, match=r'Dense under DelayedScaling keeps its scale rings in the '
+                                       r'"fp8_state" collection, .* variable "linear" there for '
+                                       r'the layer at /: apply with the variables init returned'):
+    layer.apply({"params": variables["params"]}, X)
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+      return jax_fp8.flax.Mlp(32, out_features=128)(x), None
+
+  scanned = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=2)
+  with pytest.raises(ValueError, match=r'Mlp under DelayedScaling .* variable "mlp" there for the '
+                                       r'layer at /scan\(\)/Mlp_0: .* under nn.scan list '
+                                       r'"fp8_state" in variable_axes'):
+    scanned().init(jax.random.key(0), X, None)
+  # with the collection mutable, a fresh state is made, as Flax makes variables
+  _, made = layer.apply({"params": variables["params"]}, X, mutable=["fp8_state"])
+  assert isinstance(made["fp8_state"]["linear"], jax_fp8.LinearState)
+
+
 def _grads(history_len=16):
   recipe = jax_fp8.DelayedScaling(history_len=history_len)
   state = jax_fp8.LinearState.create(recipe)
