@@ -47,12 +47,15 @@ def fp8_array(v, name: str) -> jax.Array:
   return v
 
 
+def python_number(v) -> bool:
+  """Whether ``v`` is a Python int or float (not a bool), which a float32 argument takes as
+  float32 with or without x64."""
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def scalar_f32(v, name: str) -> jax.Array:
-  """A float32 scalar array (read on the device); a Python int or float is taken as float32
-  (with or without x64)."""
-  if isinstance(v, (int, float)) and not isinstance(v, bool):
-    v = np.float32(v)
-  v = array(v, name)
+  """A float32 scalar array (read on the device); a Python number is taken as one."""
+  v = array(np.float32(v) if python_number(v) else v, name)
   if v.shape != () or v.dtype != jnp.float32:
     raise TypeError(f"{name} must be a float32 scalar, got {describe(v)}")
   return v
@@ -63,7 +66,7 @@ def scale_f32(v, name: str) -> jax.Array:
   NumPy number) must be a positive normal finite f32 (the kernels flush a subnormal scale to
   zero), a ValueError otherwise; a device array is not read back to check it."""
   out = scalar_f32(v, name)
-  if isinstance(v, (int, float, np.number, np.ndarray)) and not isinstance(v, bool):
+  if python_number(v) or isinstance(v, (np.number, np.ndarray)):
     s = np.float32(v)
     if not (np.isfinite(s) and s >= np.finfo(np.float32).tiny):
       raise ValueError(f"{name} must be a positive normal finite float32 (a dequantization "

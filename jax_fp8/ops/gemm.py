@@ -80,7 +80,7 @@ def _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum):
     raise ValueError(f"K and N must be multiples of {DIM_MULTIPLE} (cuBLASLt FP8 alignment), "
                      f"got K={k}, N={n}; pad the operands")
   # a Python number is a per-tensor scale (float32 with or without x64, checked positive)
-  a_scale, b_scale = (checks.scale_f32(v, name) if isinstance(v, (int, float))
+  a_scale, b_scale = (checks.scale_f32(v, name) if checks.python_number(v)
                       else checks.array(v, name)
                       for name, v in (("a_scale", a_scale), ("b_scale", b_scale)))
   for name, v in (("a_scale", a_scale), ("b_scale", b_scale)):

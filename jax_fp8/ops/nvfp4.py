@@ -50,15 +50,12 @@ def check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_am
 
 def _global_amax(v, name):
   """A float scalar (the tensor's amax) as f32; a Python int or float is taken as one."""
-  given = v
-  v = checks.array(np.float32(v) if isinstance(v, (int, float)) and not isinstance(v, bool)
-                   else v, name)
+  rule = f"{name} must be a float scalar (the tensor's amax), got {checks.describe(v)}"
+  v = checks.array(np.float32(v) if checks.python_number(v) else v, name)
   if not jnp.issubdtype(v.dtype, jnp.floating):
-    raise TypeError(f"{name} must be a float scalar (the tensor's amax), got "
-                    f"{checks.describe(given)}")
+    raise TypeError(rule)
   if v.shape != ():
-    raise ValueError(f"{name} must be a float scalar (the tensor's amax), got "
-                     f"{checks.describe(given)}")
+    raise ValueError(rule)
   return v.astype(jnp.float32)
 
 
