@@ -98,6 +98,15 @@ def bench_quantize(quick, ceil):
       rows.append({"case": name, "shape": list(shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
                    "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"], "jnp_us": tj * 1e6,
                    "vs_jnp": tj / t})
+    # x in three parts, as a projection with a split output (q / k / v) hands its gradients
+    # to the backward: read where they lie, against XLA's concatenation first ("unfused").
+    c = shape[1]
+    parts = (x[:, :c // 4], x[:, c // 4:3 * c // 4], x[:, 3 * c // 4:])
+    t = device_time(ct(True), parts, ring)
+    tu = device_time(lambda xs, r: ct(True)(jnp.concatenate(xs, axis=1), r), parts, ring)
+    rows.append({"case": "cast_transpose+dbias of 3 parts", "shape": list(shape), "us": t * 1e6,
+                 "TBps": nbytes / t / 1e12, "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"],
+                 "unfused_us": tu * 1e6, "vs_unfused": tu / t})
   return rows
 
 

@@ -27,6 +27,11 @@ constexpr int kQtRowMultiple = 16;
 // 16-element vectors, as the kernels load and store them.
 constexpr int kColMultiple = 16;
 
+// The most arrays jax_fp8_cast_transpose_ring reads x from: x and its further parts (its
+// remaining arguments), each [R, C_i], quantized as their concatenation [R, sum C_i], which is
+// never stored.
+constexpr int kMaxParts = 4;
+
 // cuBLASLt's FP8 GEMMs need K and N multiples of this (16 bytes of FP8 per row of a and b).
 constexpr int kGemmDimMultiple = 16;
 

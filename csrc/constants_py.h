@@ -16,6 +16,7 @@ inline nanobind::dict constants_dict() {
   d["dbias_tile_rows"] = kDbiasTileRows;
   d["qt_row_multiple"] = kQtRowMultiple;
   d["col_multiple"] = kColMultiple;
+  d["max_parts"] = kMaxParts;
   d["gemm_dim_multiple"] = kGemmDimMultiple;
   d["max_history"] = kMaxHistory;
   d["algo_max"] = int64_t(AmaxAlgo::kMax);

@@ -172,14 +172,15 @@ def _layer_inputs(inputs, norm, dtype):
 
 
 def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, multi: bool,
-               norm_args=(None, None, None, 1e-6), key=None):
+               norm_args=(None, None, None, 1e-6), key=None, split=None):
   """The layer's outputs (a tuple) in the compute dtype (``dtype``, or by Flax's rules when
   None): inputs (unless a norm reads them) and biases promoted to it, the kernels left in
   their parameter dtype (f32, bf16 or f16; ``CastKernel``s, cast once per step; or
   ``Fp8Weight``s, for inference), so f32 master weights are quantized straight from f32 (one
   rounding, no copy in ``dtype``) and get f32 gradients from the wgrad GEMMs. ``norm_args``:
   (norm, gamma, beta, epsilon) of the fused input norm, gamma and beta in their parameter
-  dtype. ``key``: for NVFP4's stochastic rounding, or None."""
+  dtype. ``key``: for NVFP4's stochastic rounding, or None. ``split``: ``linear``'s, for the
+  one kernel's output."""
   dtype = _compute_dtype(inputs, (*kernels, *biases), dtype)
   biases = dtypes.promote_dtype(*biases, dtype=dtype)
   norm, gamma, beta, epsilon = norm_args
@@ -190,7 +191,8 @@ def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, mu
   inputs = _layer_inputs(inputs, norm, dtype)
   if multi:
     return multi_linear(inputs, kernels, tuple(biases), **kw)
-  return (linear(inputs, kernels[0], biases[0], **kw),)
+  ys = linear(inputs, kernels[0], biases[0], split=split, **kw)
+  return (ys,) if split is None else ys
 
 
 def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axis_name,

@@ -96,9 +96,10 @@ class _Layer(nn.Module):
   norm: str | None = None
   norm_epsilon: float = 1e-6
 
-  def outputs(self, inputs: jax.Array, multi: bool) -> tuple[jax.Array, ...]:
+  def outputs(self, inputs: jax.Array, multi: bool, split=None) -> tuple[jax.Array, ...]:
     """The layer's checks, parameters, state and op call (``multi`` False: ``linear`` on the
-    one kernel), inside the subclass's compact ``__call__``."""
+    one kernel, its output cut as ``split`` says), inside the subclass's compact
+    ``__call__``."""
     name = type(self).__name__
     features, use_bias = check_layer(name, self.features, self.use_bias, self.recipe, multi,
                                      self.dtype, self.param_dtype)
@@ -116,7 +117,8 @@ class _Layer(nn.Module):
     # backward only, and init takes no gradient.
     axis = None if self.is_initializing() else self.amax_axis_name
     return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype, axis, multi,
-                      _norm_args(self, name, jnp.shape(inputs)[-1]), linen_key(self, self.recipe))
+                      _norm_args(self, name, jnp.shape(inputs)[-1]), linen_key(self, self.recipe),
+                      split)
 
 
 class Dense(_Layer):
@@ -148,16 +150,23 @@ class Dense(_Layer):
       LayerNormDenseGeneral), with parameters "gamma" [K] (ones) and, for LayerNorm, "beta"
       [K] (zeros). LayerNorm's variance is ``E[x^2] - mu^2``, as ``nn.LayerNorm``'s default.
     norm_epsilon: the norm's epsilon (default 1e-6, as ``nn.RMSNorm`` / ``nn.LayerNorm``).
+    split: None (default), or sizes (N_0, ..., N_{n-1}) that cut the output along N, as
+      ``jax_fp8.linear``'s ``split``: 1 to 4 positive multiples of 16 that sum to
+      ``features``, e.g. (d, d, d) for a fused q / k / v projection, whose parts' gradients
+      then reach the FP8 backward without being concatenated.
 
   Input ``[..., K]`` with K a multiple of 16 (128 under BlockScaling, 32 under
-  MXFP8BlockScaling); output ``[..., N]``.
+  MXFP8BlockScaling); output ``[..., N]``, or with ``split`` a tuple of n arrays
+  ``[..., N_i]``.
   """
 
   features: int
+  split: tuple[int, ...] | None = None
 
   @nn.compact
-  def __call__(self, inputs: jax.Array) -> jax.Array:
-    return self.outputs(inputs, multi=False)[0]
+  def __call__(self, inputs: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+    ys = self.outputs(inputs, multi=False, split=self.split)
+    return ys[0] if self.split is None else ys
 
 
 class MultiDense(_Layer):

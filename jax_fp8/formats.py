@@ -77,6 +77,11 @@ def amax(x: jax.Array, axis=None) -> jax.Array:
                                     default=functools.partial(amax_of_bits, axis=axis))
 
 
+def amax_of_parts(xs) -> jax.Array:
+  """``amax`` over all elements of several arrays (a tuple / list), NaN where any holds one."""
+  return amax(jnp.stack([amax(x) for x in xs]))
+
+
 def amax_and_nan_search(x: jax.Array, axis=None) -> jax.Array:
   """``amax`` as a max of |x| and a search for NaNs (XLA's CPU max reduction can drop them)."""
   a = jnp.abs(as_f32(x))

@@ -35,7 +35,8 @@ import jax.numpy as jnp
 
 from . import checks, norms, sharding
 from ._residuals import op_outputs, packed, read_and_saved
-from .formats import FLOAT_DTYPES, MX_BLOCK, NVFP4_BLOCK, amax, as_f32, hadamard_amax
+from .formats import (FLOAT_DTYPES, MX_BLOCK, NVFP4_BLOCK, amax, amax_of_parts, as_f32,
+                      hadamard_amax)
 from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
 from .ops._ring import check_ring
@@ -43,6 +44,7 @@ from .ops.cast_transpose import CastTransposed, cast_transpose_delayed, norm_cas
 from .ops.gemm import DIM_MULTIPLE, gemm, gemm_bias, gemm_dtype
 from .ops.mxfp8 import mxfp8_gemm, mxfp8_quantize
 from .ops.nvfp4 import nvfp4_gemm, nvfp4_quantize
+from .ops.sources import COL_MULTIPLE, MAX_PARTS
 from .philox import key_words
 from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
                       NVFP4BlockScaling, Recipe, check_recipe, draws_key)
@@ -391,11 +393,12 @@ def _shared(observations, states, axis_name):
 # kernels are.
 
 def scaled(ring, value, current_, axis_name):
-  """The ring to quantize ``value`` with: ``ring`` itself (delayed scaling), or under current
-  scaling ``ring`` set to the scale of value's amax, max-reduced over ``axis_name``."""
+  """The ring to quantize ``value`` (an array, or a tuple of parts) with: ``ring`` itself
+  (delayed scaling), or under current scaling ``ring`` set to the scale of value's amax,
+  max-reduced over ``axis_name``."""
   if not current_:
     return ring
-  a = amax(value)
+  a = amax_of_parts(value) if isinstance(value, tuple) else amax(value)
   return current(ring, a if axis_name is None else sharding.pmax_keep_nan(a, axis_name))
 
 
@@ -443,10 +446,18 @@ def kernel_fp8(kernel, cast, ring, current_, axis_name) -> CastTransposed:
   return cast_transpose_delayed(kernel, scaled(ring, kernel, current_, axis_name), observe=True)
 
 
+def split_output(ys, split):
+  """The one output of ``ys`` cut along its last axis into parts of ``split``'s sizes (None:
+  ys as they are)."""
+  if split is None:
+    return ys
+  return tuple(jnp.split(ys[0], list(itertools.accumulate(split))[:-1], axis=-1))
+
+
 def _forward(x, norm_params, kernels, casts, biases, rings, fast_accum, norm, out_dtype,
-             current_, axis_name):
-  """ys = x @ kernel_i + bias_i in FP8 (in out_dtype), what the backward needs, and the x and
-  kernel rings' observations."""
+             current_, axis_name, split):
+  """ys = x @ kernel_i + bias_i in FP8 (in out_dtype; the one output cut as ``split`` says),
+  what the backward needs, and the x and kernel rings' observations."""
   rx, rks, _ = rings
   if current_:
     rx = scaled(rx, normalized(x, norm_params, norm), current_, axis_name)
@@ -454,34 +465,36 @@ def _forward(x, norm_params, kernels, casts, biases, rings, fast_accum, norm, ou
   cx = quantize_input(x, norm_params, rx, norm)  # q [M, K], qt [K, M16] e4m3
   cks = [kernel_fp8(k, c, r, current_, axis_name)
          for k, c, r in zip(kernels, casts, rks)]  # [K, N]
-  ys = tuple(gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, out_dtype, "fprop" in fast_accum)
-             for ck, b in zip(cks, biases))
+  ys = split_output(tuple(gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, out_dtype,
+                                    "fprop" in fast_accum) for ck, b in zip(cks, biases)), split)
   saved = (cx.qt, cx.scale, tuple(ck.q for ck in cks), tuple(ck.scale for ck in cks),
            None if norm is None else (x, norm_params), cast_uses(casts))
   return ys, saved, (cx.ring, tuple(ck.ring for ck in cks))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11))
 def _linear(x, norm_params, kernels, casts, biases, rings, axis_name, dtypes, fast_accum, norm,
-            current_):
+            current_, split):
   return _forward(x, norm_params, kernels, casts, biases, rings, fast_accum, norm, dtypes[1],
-                  current_, axis_name)[0]
+                  current_, axis_name, split)[0]
 
 
 def _linear_fwd(x, norm_params, kernels, casts, biases, rings, axis_name, dtypes, fast_accum,
-                norm, current_):
+                norm, current_, split):
   # dtypes: x's, the outputs', the kernels' and the biases', static
   ys, saved, observations = _forward(x, norm_params, kernels, casts, biases, rings, fast_accum,
-                                     norm, dtypes[1], current_, axis_name)
+                                     norm, dtypes[1], current_, axis_name, split)
   # Current scaling drops the observations: its blank rings get zero gradients.
   observations = (zero_like(rings[:2]) if current_ else
                   _shared(observations, rings[:2], axis_name))
   return ys, saved + (zero_like(rings[2]) if current_ else rings[2],) + observations
 
 
-def _linear_bwd(axis_name, dtypes, fast_accum, norm, current_, res, gs):
+def _linear_bwd(axis_name, dtypes, fast_accum, norm, current_, split, res, gs):
   qxt, sx, qks, sks, normed, uses, grad_rings, rx, rks = res
   x_dtype, _, k_dtypes, b_dtypes = dtypes
+  if split is not None:  # the parts' gradients, quantized where they lie
+    gs = (tuple(gs),)
   dx, dks, dbs, rgs = None, [], [], []
   for g, qk, sk, ring, k_dtype, b_dtype in zip(gs, qks, sks, grad_rings, k_dtypes, b_dtypes):
     # One quantization of g feeds both GEMMs; the same read gives dbias.
@@ -790,9 +803,11 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            recipe: Recipe = DelayedScaling(),
            amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
            gamma: jax.Array | None = None, beta: jax.Array | None = None,
-           epsilon: float = 1e-6, dtype=None, key: jax.Array | None = None) -> jax.Array:
-  return _apply(x, (kernel,), (bias,), ("kernel",), ("bias",), state, LinearState, recipe,
-                amax_axis_name, (norm, gamma, beta, epsilon), dtype, key)[0]
+           epsilon: float = 1e-6, dtype=None, key: jax.Array | None = None,
+           split=None) -> jax.Array | tuple[jax.Array, ...]:
+  ys = _apply(x, (kernel,), (bias,), ("kernel",), ("bias",), state, LinearState, recipe,
+              amax_axis_name, (norm, gamma, beta, epsilon), dtype, key, split)
+  return ys[0] if split is None else ys
 
 
 linear.__doc__ = f"""``y = x @ kernel + bias`` with low-precision GEMMs forward and backward
@@ -808,8 +823,15 @@ linear.__doc__ = f"""``y = x @ kernel + bias`` with low-precision GEMMs forward 
       ``LinearState.create(recipe)``); differentiate with respect to it and pass that gradient
       to ``jax_fp8.update_state`` for the next rings. Under the other recipes: None.
 {_ARGS_DOC}
+    split: None, or the sizes (N_0, ..., N_{{n-1}}) to cut the output into along N (as
+      ``torch.split`` takes them): 1 to 4 positive multiples of 16 that sum to N, e.g. a fused
+      q / k / v projection's. The parts are returned separately, so under the per-tensor
+      recipes their gradients reach the backward separately and its cast-transpose reads each
+      where it lies (``cast_transpose_delayed`` of x in parts), where cutting the output after
+      the layer makes XLA write their concatenation first. The values are those of the output
+      cut by ``jnp.split``.
   Returns:
-    [..., N] in ``dtype`` (default x's).
+    [..., N] in ``dtype`` (default x's); with ``split``, a tuple of n arrays [..., N_i].
   Raises:
 {_RAISES_DOC}
 
@@ -961,10 +983,25 @@ def gemm_input(x, norm_params, norm, dtype):
   return x.astype(dtype)
 
 
+def check_split(split, n: int) -> tuple[int, ...] | None:
+  """``linear``'s ``split`` for an output of N = ``n`` columns, as a tuple (or None)."""
+  if split is None:
+    return None
+  if not isinstance(split, (tuple, list)):
+    raise TypeError(f"split must be None or a tuple / list of ints, got {checks.describe(split)}")
+  split = tuple(checks.integer(v, f"split[{i}]") for i, v in enumerate(split))
+  if not 1 <= len(split) <= MAX_PARTS or sum(split) != n or any(
+      v <= 0 or v % COL_MULTIPLE for v in split):
+    raise ValueError(f"split must be 1 to {MAX_PARTS} positive multiples of {COL_MULTIPLE} that "
+                     f"sum to the kernel's N={n}, got {split}")
+  return split
+
+
 def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recipe,
-           amax_axis_name, norm_args, dtype, key):
+           amax_axis_name, norm_args, dtype, key, split=None):
   """``linear`` and ``multi_linear``: the arguments checked (``*_names``: how errors call the
-  kernels and biases), then the FP8 (or, below ``fp8_min_intensity``, the plain) path."""
+  kernels and biases), then the FP8 (or, below ``fp8_min_intensity``, the plain) path; the one
+  kernel's output cut as ``split`` says."""
   x = checks.array(x, "x")
   if x.dtype not in FLOAT_DTYPES:
     raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -1004,6 +1041,8 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     if biases[i].shape != (n,):
       raise ValueError(f"{name} must be [{n}], got {list(biases[i].shape)}")
   biases = tuple(biases)
+  split = check_split(split, ns[0])
+  outs = ns if split is None else split  # the outputs' N
   words = check_key(recipe, key)
   # else XLA in the compute dtype, any shape
   fp8 = _fp8_pays(recipe, math.prod(x.shape[:-1]), sum(ns), k)
@@ -1041,22 +1080,27 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
     x_ring = None if rings is None else scaled(rings[0], x2, isinstance(recipe, CurrentScaling),
                                                amax_axis_name)
-    ys = op_outputs(forward(x2, kernels, biases, x_ring, recipe, fp8, x.dtype))
-    return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, ns))
+    ys = split_output(op_outputs(forward(x2, kernels, biases, x_ring, recipe, fp8, x.dtype)),
+                      split)
+    return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, outs))
   if not fp8:
-    return tuple(_linear_in_dtype(x, kernel, bias) for kernel, bias in zip(kernels, biases))
+    return split_output(tuple(_linear_in_dtype(x, kernel, bias)
+                              for kernel, bias in zip(kernels, biases)), split)
   x, norm_params, kernels, casts, biases = sharding.vary_like(
       (x, norm_params, kernels, casts, biases), x, norm_params, kernels, casts, biases)
   dtypes = (x.dtype, out_dtype, tuple(kernel.dtype for kernel in kernels),
             tuple(None if b is None else b.dtype for b in biases))
   x2 = x.reshape(math.prod(x.shape[:-1]), k)
+  cut = split  # where the output is cut after the op
   if isinstance(recipe, BlockScaling):
     ys = _block_linear(x2, norm_params, kernels, casts, biases, recipe, dtypes, norm)
   elif isinstance(recipe, MXFP8BlockScaling):
     ys = _mxfp8_linear(x2, kernels, biases, dtypes)
   elif isinstance(recipe, NVFP4BlockScaling):
     ys = _nvfp4_linear(x2, kernels, biases, words, recipe, amax_axis_name, dtypes)
-  else:
+  else:  # cut inside, so that the parts' gradients reach the backward separately
     ys = _linear(x2, norm_params, kernels, casts, biases, rings, amax_axis_name, dtypes,
-                 recipe.fast_accum_gemms, norm, isinstance(recipe, CurrentScaling))
-  return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(op_outputs(ys), ns))
+                 recipe.fast_accum_gemms, norm, isinstance(recipe, CurrentScaling), split)
+    cut = None
+  ys = split_output(op_outputs(ys), cut)
+  return tuple(y.reshape(*x.shape[:-1], n) for y, n in zip(ys, outs))

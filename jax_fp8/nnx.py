@@ -28,6 +28,7 @@ from flax import nnx
 from . import _names, activations, checks
 from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kernels, check_layer,
                      check_norm_attr, create_state, kernel_ring)
+from .linear import check_split
 from .mlp import MlpState
 from .recipes import DelayedScaling, Recipe, draws_key
 from .state import update_state
@@ -78,6 +79,7 @@ class _Layer(nnx.Module):
   of several outputs)."""
 
   _multi = False
+  split = None  # Linear's: its output's cut (jax_fp8.linear's split)
 
   def __init__(self, in_features: int, out_features, *, use_bias: bool = True,
                dtype: Any = None, param_dtype: Any = jnp.float32,
@@ -116,7 +118,8 @@ class _Layer(nnx.Module):
                    getattr(self, f"bias{sfx}").get_value() for sfx in self._suffixes)
     state = None if self.fp8_state is None else self.fp8_state.get_value()
     return call_layer(inputs, kernels, biases, state, self.recipe, self.dtype,
-                      self.amax_axis_name, self._multi, _norm_args(self), _key(self))
+                      self.amax_axis_name, self._multi, _norm_args(self), _key(self),
+                      self.split)
 
 
 class Linear(_Layer):
@@ -136,13 +139,23 @@ class Linear(_Layer):
   from its parameter dtype (f32 master weights straight to FP8); inputs and outputs are in
   ``dtype``.
 
-  Input ``[..., in_features]``; output ``[..., out_features]``; in and out multiples of 16
-  (128 under BlockScaling, 32 under MXFP8BlockScaling). Raises TypeError / ValueError for bad
-  arguments, at construction or at the call.
+  ``split`` (None, default, or sizes (N_0, ..., N_{n-1}), as ``jax_fp8.linear``'s) cuts the
+  output along out_features into a tuple of n arrays, e.g. a fused q / k / v projection's,
+  whose parts' gradients then reach the FP8 backward without being concatenated.
+
+  Input ``[..., in_features]``; output ``[..., out_features]`` (with ``split``, a tuple of
+  arrays ``[..., N_i]``); in and out multiples of 16 (128 under BlockScaling, 32 under
+  MXFP8BlockScaling). Raises TypeError / ValueError for bad arguments, at construction or at
+  the call.
   """
 
-  def __call__(self, inputs: jax.Array) -> jax.Array:
-    return self._outputs(inputs)[0]
+  def __init__(self, in_features: int, out_features: int, *, split=None, **kwargs):
+    super().__init__(in_features, out_features, **kwargs)
+    self.split = check_split(split, self.out_features)
+
+  def __call__(self, inputs: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
+    ys = self._outputs(inputs)
+    return ys[0] if self.split is None else ys
 
 
 class MultiLinear(_Layer):

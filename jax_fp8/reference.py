@@ -46,7 +46,10 @@ def quantize_delayed(x: jax.Array, ring: ScaleRing, *, observe: bool = False) ->
 def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
                            observe: bool = False) -> CastTransposed:
   """quantize_delayed, plus the transposed copy padded with zero columns to a multiple of 16,
-  plus (optionally) the f32 column sums of x."""
+  plus (optionally) the f32 column sums of x; x in parts (a tuple / list) is their
+  concatenation along the columns."""
+  if isinstance(x, (tuple, list)):
+    x = jnp.concatenate(x, axis=1)
   q, a, moved, s = quantize_delayed(x, ring, observe=observe)  # [R, C]
   qt = jnp.pad(q.T, ((0, 0), (0, -x.shape[0] % 16)))  # [C, ceil16(R)]
   dbias = jnp.sum(as_f32(x), axis=0) if with_dbias else None  # [C]

@@ -4,7 +4,8 @@
     python scripts/run_kernels.py coverage   # every variant of our kernels once on small,
                                              # ragged shapes (compute-sanitizer's four tools)
     python scripts/run_kernels.py mxfp8      # coverage's MXFP8 part alone (nvfp4: NVFP4's,
-                                             # block: the group cast-transpose's sources)
+                                             # block: the group cast-transpose's sources,
+                                             # parts: the cast-transpose of x in parts)
     python scripts/run_kernels.py gemm       # our cuBLASLt calls, every scale mode (memcheck)
 
 Inputs are copied from the host: initcheck reports buffers written by XLA's own kernels as
@@ -100,9 +101,26 @@ def coverage():
       jax.block_until_ready((jax_fp8.block_quantize(x, fmt=fmt),
                              jax_fp8.block_quantize(normal((shape[0], 144), dtype), fmt=fmt),
                              jax_fp8.group_cast_transpose(x, fmt=fmt)))
+  parts()
   block()
   mxfp8()
   nvfp4()
+
+
+def parts():
+  """The cast-transpose of x in 2 to 4 parts: every input dtype, with and without dbias, the
+  fresh step and a delayed one, parts narrower and wider than a tile, ragged rows."""
+  rng = np.random.default_rng(4)
+  for dtype, cols in itertools.product(DTYPES, ((16, 48), (64, 16, 80), (16, 112, 32, 48))):
+    for rows in (37, 1000):
+      xs = [jax.device_put((rng.standard_normal((rows, c)) * 3).astype(dtype)) for c in cols]
+      for dbias in (False, True):
+        ring = jax_fp8.ScaleRing(*jax.device_put((np.zeros(5, np.float32), np.float32(1),
+                                                  np.float32(0))), "e5m2")
+        for _ in range(2):
+          c = jax_fp8.cast_transpose_delayed(xs, ring, with_dbias=dbias)
+          jax.block_until_ready(c)
+          ring = c.ring
 
 
 def block():
@@ -192,5 +210,5 @@ def nvfp4():
 
 
 if __name__ == "__main__":
-  {"profile": profile, "coverage": coverage, "block": block, "mxfp8": mxfp8,
+  {"profile": profile, "coverage": coverage, "parts": parts, "block": block, "mxfp8": mxfp8,
    "nvfp4": nvfp4, "gemm": gemm}[sys.argv[1]]()

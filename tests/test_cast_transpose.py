@@ -61,3 +61,56 @@ def test_bad_inputs():
     jax_fp8.cast_transpose_delayed(jnp.ones((4, 2, 16)), ring)
   with pytest.raises(TypeError, match="ring must be"):
     jax_fp8.cast_transpose_delayed(jnp.ones((4, 16)), None)
+
+
+# x in parts: column counts of 2 to 4 parts (a 64-column tile straddles parts in most).
+PART_COLS = [(16, 16), (48, 16, 80), (64, 64, 64), (16, 112, 32, 48)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("cols", PART_COLS, ids=lambda c: "+".join(map(str, c)))
+@pytest.mark.parametrize("rows", [1, 100, 2100])
+def test_parts_match_their_concatenation(platform, rng, dtype, cols, rows):
+  """x in parts gives the bytes of their concatenation's cast-transpose, dbias and ring
+  included, on the fresh step and a delayed one; both match the reference."""
+  ring = jax.tree.map(jnp.asarray, jax_fp8.ScaleRing.create(8, "e5m2"))
+  step = jax.jit(lambda xs, r: jax_fp8.cast_transpose_delayed(xs, r, with_dbias=True))
+  for _ in range(2):
+    xs = [jnp.asarray(rng.standard_normal((rows, c)) * np.exp(rng.uniform(-3, 3)), dtype)
+          for c in cols]
+    poison_allocator(rows * sum(cols))
+    got = step(xs, ring)
+    whole = step(jnp.concatenate(xs, axis=1), ring)
+    want = on_cpu(lambda xs, r: reference.cast_transpose_delayed(xs, r), xs, ring)
+    for g, w, r in zip((got.q, got.qt), (whole.q, whole.qt), (want.q, want.qt)):
+      np.testing.assert_array_equal(bits(g), bits(w))
+      np.testing.assert_array_equal(bits(g), bits(r))
+    for g, w in zip(jax.tree.leaves((got.amax, got.scale, got.ring, got.dbias)),
+                    jax.tree.leaves((whole.amax, whole.scale, whole.ring, whole.dbias))):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(got.amax), want.amax)
+    ring = got.ring
+
+
+def test_parts_keep_a_nan_visible(platform):
+  xs = [jnp.ones((32, 16), jnp.bfloat16), jnp.ones((32, 32), jnp.bfloat16).at[5, 17].set(jnp.nan)]
+  got = jax.jit(jax_fp8.cast_transpose_delayed)(xs, jax_fp8.ScaleRing.create(4))
+  assert np.isnan(float(got.amax))
+
+
+def test_parts_bad_inputs():
+  ring = jax_fp8.ScaleRing.create(4)
+  x = jnp.ones((4, 16))
+  with pytest.raises(ValueError, match="1 to 4 arrays, got 5"):
+    jax_fp8.cast_transpose_delayed([x] * 5, ring)
+  with pytest.raises(ValueError, match="1 to 4 arrays, got 0"):
+    jax_fp8.cast_transpose_delayed([], ring)
+  with pytest.raises(TypeError, match=r"x\[1\] must have x\[0\]'s dtype float32, got bfloat16"):
+    jax_fp8.cast_transpose_delayed((x, x.astype(jnp.bfloat16)), ring)
+  with pytest.raises(ValueError, match=r"x\[1\] must have x\[0\]'s 4 rows"):
+    jax_fp8.cast_transpose_delayed((x, jnp.ones((5, 16))), ring)
+  with pytest.raises(ValueError, match=r"x\[1\] must be \[R, C\] with C a positive multiple of 16"):
+    jax_fp8.cast_transpose_delayed((x, jnp.ones((4, 8))), ring)
+  with pytest.raises(TypeError, match=r"x\[0\] must be float32"):
+    jax_fp8.cast_transpose_delayed((x.astype(jnp.int32), x), ring)

@@ -359,6 +359,24 @@ def assert_same_cast_transpose(got, want):
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+@pytest.mark.parametrize("spec", [("data", None), (None, "data")], ids=["rows", "cols"])
+def test_sharded_jit_cast_transpose_of_parts(rng, spec):
+  """x in parts under a sharded jit (rows split; split columns gathered, the parts' columns
+  not being the output's) equals one device's, fresh ring and dbias included."""
+  xs = [jnp.asarray(rng.standard_normal((M, c)) * 3, jnp.bfloat16) for c in (K, 2 * K, K)]
+  mesh = Mesh(np.array(DEVICES), ("data",))
+  put = lambda v: jax.device_put(v, jax.sharding.NamedSharding(mesh, P(*spec)))  # noqa: E731
+  op = jax.jit(lambda xs, r: jax_fp8.cast_transpose_delayed(xs, r, with_dbias=True))
+  ring = jax_fp8.ScaleRing.create(4)
+  got = op([put(v) for v in xs], ring)
+  with jax.default_device(DEVICES[0]):
+    want = op(xs, ring)
+  assert_same_cast_transpose(got, want)
+  absum = np.abs(np.concatenate([np.asarray(v, np.float64) for v in xs], axis=1)).sum(axis=0)
+  assert np.all(np.abs(np.asarray(got.dbias) - np.asarray(want.dbias))
+                <= 2 * summation_error(M) * absum)
+
+
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
 def test_sharded_jit_activation_cast_transposes(rng, activation):
   """The activation ops under a sharded jit (rows split; a gated activation's columns kept

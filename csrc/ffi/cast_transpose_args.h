@@ -20,12 +20,13 @@ struct CastTransposeArgs {
   RingArgs ring;
 };
 
-// x, y, stats, affine and the source's attributes: source_args.h. with_dbias: the column sums
+// x, y, stats, affine and the source's attributes: source_args.h; x's further parts, if any,
+// are the remaining arguments (DecodeParts). with_dbias: the column sums
 // of what is quantized, which must be x itself or the gradient through an activation.
 inline ffi::Error DecodeCastTransposeRing(
     Platform platform, CastTransposeArgs& a, ffi::AnyBuffer x, ffi::AnyBuffer y,
     F32Buffer stats, F32Buffer affine, F32Buffer history,
-    F32Buffer scale, F32Buffer steps, ffi::Result<ffi::AnyBuffer> q,
+    F32Buffer scale, F32Buffer steps, ffi::RemainingArgs parts, ffi::Result<ffi::AnyBuffer> q,
     ffi::Result<ffi::AnyBuffer> qt, F32Result scale_used, F32Result amax, F32Result history_out,
     F32Result scale_out, F32Result steps_out, F32Result dbias_partial, F32Result dbias,
     ffi::Result<ffi::AnyBuffer> scratch, int64_t margin, int64_t algo, bool observe,
@@ -34,6 +35,7 @@ inline ffi::Error DecodeCastTransposeRing(
                                   kColMultiple);
       e.failure())
     return e;
+  if (ffi::Error e = DecodeParts(a.src, parts, kColMultiple); e.failure()) return e;
   if (!is_fp8(q->element_type()) || qt->element_type() != q->element_type())
     return invalid("q and qt must share an FP8 dtype");
   const SourceArgs& s = a.src;
@@ -74,6 +76,7 @@ auto BindCastTransposeRing(B binding) {
       .template Arg<F32Buffer>()       // history [L]
       .template Arg<F32Buffer>()       // scale []
       .template Arg<F32Buffer>()       // steps []
+      .RemainingArgs()                 // x's further parts [R, C_i], if any
       .template Ret<ffi::AnyBuffer>()  // q [R, C]
       .template Ret<ffi::AnyBuffer>()  // qt [C, ceil16(R)]
       .template Ret<F32Buffer>()       // scale_used []

@@ -40,7 +40,7 @@ ffi::Error Launch(cudaStream_t stream, const CastTransposeArgs& a, Src src) {
 
 ffi::Error CastTransposeRingImpl(cudaStream_t stream, const CastTransposeArgs& a) {
   return dispatch_input(a.src.x_type, [&](auto t) {
-    return with_source<typename decltype(t)::type>(a.src, [&](auto src) {
+    return with_source<typename decltype(t)::type, true>(a.src, [&](auto src) {
       if constexpr (decltype(src)::kDbias)
         if (a.with_dbias) return Launch<true>(stream, a, src);
       return Launch<false>(stream, a, src);

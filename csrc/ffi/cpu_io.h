@@ -57,7 +57,12 @@ inline float source_value(const SourceArgs& s, int64_t r, int64_t c) {
     return norm_value(in(s.x, r * cols + c), centered ? st[0] : 0.0f, st[centered ? 1 : 0],
                       s.affine[c], centered ? s.affine[cols + c] : 0.0f, centered);
   }
-  if (act == ActivationId::kNone) return in(s.x, r * cols + c);
+  if (act == ActivationId::kNone) {  // x, or the part that holds column c
+    int i = 0;
+    int64_t c0 = c;
+    while (c0 >= s.part_cols[i]) c0 -= s.part_cols[i++];
+    return in(s.part[i], r * s.part_cols[i] + c0);
+  }
   if (!s.grad) {
     const float g = in(s.x, r * xc + c);
     return s.gated ? activation(act, g) * in(s.x, r * xc + cols + c) : activation(act, g);

@@ -18,7 +18,19 @@ struct SourceArgs {
   bool gated, grad;
   int64_t rows, cols;  // of what is quantized, [R, C]
   int64_t x_cols;
+  // x in parts (x itself quantized): part i [R, part_cols[i]] holds columns from
+  // sum_{j<i} part_cols[j] on; one part, x, unless DecodeParts found more.
+  int parts;
+  const void* part[kMaxParts];
+  int64_t part_cols[kMaxParts];
 };
+
+// x as the one part of what is quantized.
+inline void SetOnePart(SourceArgs& s) {
+  s.parts = 1;
+  s.part[0] = s.x;
+  s.part_cols[0] = s.x_cols;
+}
 
 // x: a 2-D float32 / bfloat16 / float16 array.
 inline ffi::Error CheckInput(ffi::AnyBuffer x) {
@@ -76,6 +88,31 @@ inline ffi::Error DecodeSource(SourceArgs& s, ffi::AnyBuffer x, ffi::AnyBuffer y
   s.norm = static_cast<NormId>(norm);
   s.gated = gated, s.grad = grad;
   s.rows = rows, s.cols = cols, s.x_cols = x_cols;
+  SetOnePart(s);
+  return ffi::Error::Success();
+}
+
+// x's further parts (the op's remaining arguments), quantized as the columns after x's: each
+// [R, C_i] in x's dtype, C_i a positive multiple of `multiple`, at most kMaxParts parts in all,
+// and only where x itself is quantized (no activation, no norm).
+inline ffi::Error DecodeParts(SourceArgs& s, ffi::RemainingArgs more, int64_t multiple) {
+  if (more.empty()) return ffi::Error::Success();
+  if (s.activation != ActivationId::kNone || s.norm != NormId::kNone)
+    return invalid("x in parts takes no activation and no norm");
+  if (more.size() >= size_t(kMaxParts))
+    return invalid("x comes in at most " + std::to_string(kMaxParts) + " parts");
+  for (size_t i = 0; i < more.size(); ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> b = more.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return b.error();
+    const auto dims = b->dimensions();
+    if (b->element_type() != s.x_type || dims.size() != 2 || dims[0] != s.rows || dims[1] <= 0 ||
+        dims[1] % multiple)
+      return invalid("x's parts must be [R, C_i] in x's dtype, C_i a positive multiple of " +
+                     std::to_string(multiple));
+    s.part[s.parts] = b->untyped_data();
+    s.part_cols[s.parts++] = dims[1];
+    s.cols += dims[1];
+  }
   return ffi::Error::Success();
 }
 
@@ -91,12 +128,15 @@ inline ffi::Error DecodePlainSource(SourceArgs& s, ffi::AnyBuffer x, int64_t mul
   s.activation = ActivationId::kNone;
   s.norm = NormId::kNone;
   s.rows = rows, s.cols = s.x_cols = cols;
+  SetOnePart(s);
   return ffi::Error::Success();
 }
 
-// On CUDA, the inputs the kernels read with 16-byte loads aligned: x, and y or affine where
-// used.
+// On CUDA, the inputs the kernels read with 16-byte loads aligned: x and its parts, and y or
+// affine where used.
 inline ffi::Error CheckSourceAligned(Platform platform, const SourceArgs& s) {
+  for (int i = 1; i < s.parts; ++i)
+    if (ffi::Error e = check_aligned16(platform, {s.part[i]}, "x's parts"); e.failure()) return e;
   return check_aligned16(platform,
                          {s.x, s.grad ? s.y : s.x, s.norm != NormId::kNone ? s.affine : s.x},
                          "x, y and affine");

@@ -1,5 +1,5 @@
 // Sources: what a cast-transpose quantizes (cast_transpose.cuh per tensor, block_quantize.cuh
-// in 128-element groups): x itself, an activation of x, the gradient through an activation
+// in 128-element groups): x itself (in one array or several side by side), an activation of x, the gradient through an activation
 // (csrc/activation.h), so an MLP's activation and its gradient cost no pass of their own, or a
 // norm of x (csrc/norm.h), so a layer's input norm costs none either. Device code only: the
 // CUDA handlers build the one their arguments name with csrc/ffi/sources_cuda.h.
@@ -21,21 +21,29 @@ namespace jax_fp8 {
 // bound); each is the most at which sm_90a's ptxas spills nothing for bf16 inputs, except
 // where said (register counts and spills below are sm_90a's).
 
-// x [R, C] itself.
-template <typename T>
+// x [R, C] itself; with kParts > 1, x in parts side by side (csrc/ffi/source_args.h), part i
+// [R, cols[i]] holding the columns from start[i] on, each a multiple of 16 columns wide so that
+// no load straddles two; a part not given starts past C.
+template <typename T, int kParts = 1>
 struct PlainSource {
   using Input = T;
   static constexpr int kOutputs = 1;
   static constexpr bool kDbias = true;
   // 40 registers with the dbias sums; without them any bound spills (54 registers: 4 blocks).
   static constexpr int blocks_per_sm(bool dbias) { return dbias ? 6 : 1; }
-  const T* x;
-  int64_t cols;
+  const T* x[kParts];
+  int64_t cols[kParts];
+  int64_t start[kParts];  // start[0] = 0, unread
   struct Raw {
     Raw16<T> x;
   };
   __device__ __forceinline__ Raw load(int64_t r, int64_t c) const {
-    return {load_raw16(x + r * cols + c)};
+    const T* p = x[0];
+    int64_t w = cols[0], c0 = 0;
+#pragma unroll
+    for (int i = 1; i < kParts; ++i)
+      if (c >= start[i]) p = x[i], w = cols[i], c0 = start[i];
+    return {load_raw16(p + r * w + (c - c0))};
   }
   __device__ __forceinline__ void values(const Raw& raw, float (&f)[1][kElemsPerThread]) const {
     unpack16(raw.x, f[0]);

@@ -20,6 +20,7 @@ bf16 (softmax in f32); logits f32.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import flax.linen as nn
 import jax
@@ -124,26 +125,33 @@ def _layer_norm(module: nn.Module, x, norm: bool):
 
 
 class Bf16Dense(nn.Module):
-  """``nn.Dense`` in bf16 with f32 parameters, optionally after a LayerNorm of its input: the
-  parameters of ``jax_fp8.flax.Dense(features, norm=...)``, named and created in its order."""
+  """``nn.Dense`` in bf16 with f32 parameters, optionally after a LayerNorm of its input and
+  with its output cut into parts of the sizes ``split``: the parameters of
+  ``jax_fp8.flax.Dense(features, norm=...)``, named and created in its order."""
 
   features: int
   norm: bool = False
+  split: tuple[int, ...] | None = None
 
   @nn.compact
   def __call__(self, x):
     kernel = self.param("kernel", INIT, (x.shape[-1], self.features), jnp.float32)
     bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
-    return _layer_norm(self, x, self.norm) @ kernel.astype(COMPUTE) + bias.astype(COMPUTE)
+    y = _layer_norm(self, x, self.norm) @ kernel.astype(COMPUTE) + bias.astype(COMPUTE)
+    if self.split is None:
+      return y
+    return tuple(jnp.split(y, list(itertools.accumulate(self.split))[:-1], axis=-1))
 
 
-def dense(cfg: Config, features: int, name: str, norm: bool = False) -> nn.Module:
-  """A bf16-compute linear layer with f32 parameters, its input LayerNorm fused where ``norm``:
-  FP8 (jax_fp8) or plain, per ``cfg.fp8``."""
+def dense(cfg: Config, features: int, name: str, norm: bool = False,
+          split: tuple[int, ...] | None = None) -> nn.Module:
+  """A bf16-compute linear layer with f32 parameters, its input LayerNorm fused where ``norm``
+  and its output cut into parts of the sizes ``split`` where given: FP8 (jax_fp8) or plain, per
+  ``cfg.fp8``."""
   if cfg.fp8:
     return jax_fp8.flax.Dense(features, dtype=COMPUTE, param_dtype=jnp.float32, kernel_init=INIT,
-                              name=name, **_fp8_kw(cfg, norm))
-  return Bf16Dense(features, norm, name=name)
+                              name=name, split=split, **_fp8_kw(cfg, norm))
+  return Bf16Dense(features, norm, split, name=name)
 
 
 class Bf16Mlp(nn.Module):
@@ -196,9 +204,11 @@ class Block(nn.Module):
   def __call__(self, x):
     cfg = self.cfg
     b, t, d = x.shape
-    qkv = dense(cfg, 3 * d, "qkv", norm=True)(x).reshape(b, t, 3, cfg.n_heads, d // cfg.n_heads)
-    a = causal_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2],
-                         cfg.attention_implementation).reshape(b, t, d)
+    # q, k and v as parts of one projection's output, so that their gradients reach its FP8
+    # backward separately (jax_fp8.linear's split)
+    q, k, v = (y.reshape(b, t, cfg.n_heads, d // cfg.n_heads)
+               for y in dense(cfg, 3 * d, "qkv", norm=True, split=(d, d, d))(x))
+    a = causal_attention(q, k, v, cfg.attention_implementation).reshape(b, t, d)
     x = x + dense(cfg, d, "attn_out")(a).astype(x.dtype)
     return x + mlp(cfg, "mlp")(x).astype(x.dtype)
 

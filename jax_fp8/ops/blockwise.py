@@ -126,7 +126,7 @@ def block_quantize(w: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10, ue8m0
     TypeError / ValueError at trace time: dtype, rank, C, block, fmt or eps out of range,
     more than 65535 * 128 rows.
   """
-  w = sources.plain(w, _ffi.CONSTANTS["col_multiple"], "w").inputs[0]
+  w = sources.plain(w, sources.COL_MULTIPLE, "w").inputs[0]
   _check_rows("w", w.shape[0])
   qdt, eps = fp8_dtype(fmt), checks.group_eps(eps, fmt)
   ue8m0 = checks.boolean(ue8m0, "ue8m0")

@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 
 from .. import _ffi, checks, sharding
-from ..formats import amax, fp8_dtype
+from ..formats import amax_of_parts, fp8_dtype
 from ..state import ScaleRing
 from . import _ring, sources
 
 _TILE_ROWS = _ffi.CONSTANTS["dbias_tile_rows"]  # rows of one dbias partial (the kernel's tile)
 _QT_ROWS = _ffi.CONSTANTS["qt_row_multiple"]  # qt's columns: R rounded up to this
-_COLS = _ffi.CONSTANTS["col_multiple"]  # x's columns: whole 16-element vectors
+_COLS = sources.COL_MULTIPLE  # x's columns
 
 
 class CastTransposed(NamedTuple):
@@ -51,13 +51,16 @@ class CastTransposed(NamedTuple):
   scale: jax.Array
 
 
-def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = False,
+def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
                            observe: bool = False) -> CastTransposed:
   """Delayed-scaling quantize of ``x [R, C]`` into both layouts from one read, as
   ``quantize_delayed`` for the scale and the ring.
 
   Args:
-    x: [R, C] float32 / bfloat16 / float16, C a positive multiple of 16.
+    x: [R, C] float32 / bfloat16 / float16, C a positive multiple of 16; or x in parts, a
+      tuple / list of 1 to 4 arrays [R, C_i] of one dtype, each C_i a positive multiple of 16,
+      quantized as their concatenation [R, sum C_i] (which is never stored: the kernel reads
+      each part where it lies), e.g. the gradients of q, k and v from one projection.
     ring: a ``ScaleRing``; its ``fmt`` is the output format.
     with_dbias: a bool; also return ``sum(x, axis=0)`` in f32 from the same read.
     observe: a bool; True returns the ring's observation of this step instead of the next ring
@@ -65,11 +68,13 @@ def cast_transpose_delayed(x: jax.Array, ring: ScaleRing, *, with_dbias: bool = 
   Returns:
     ``CastTransposed(q, qt, amax, ring, dbias, scale)``.
   Raises:
-    TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16, ring
-    not a valid ScaleRing, with_dbias or observe not a bool.
+    TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16, parts
+    of different dtypes or row counts or more than 4 of them, ring not a valid ScaleRing,
+    with_dbias or observe not a bool.
   """
-  return _cast_transpose("cast_transpose_delayed", sources.plain(x, _COLS), ring, with_dbias,
-                         observe)
+  source = (sources.parts(x, _COLS) if isinstance(x, (tuple, list)) else
+            sources.plain(x, _COLS))
+  return _cast_transpose("cast_transpose_delayed", source, ring, with_dbias, observe)
 
 
 def activation_cast_transpose(y: jax.Array, ring: ScaleRing, *, activation: str,
@@ -180,7 +185,8 @@ def _cast_transpose(op, source: sources.Source, ring, with_dbias, observe) -> Ca
         + (jax.ShapeDtypeStruct((partial_rows, dbias_cols), jnp.float32),  # dbias partials
            jax.ShapeDtypeStruct((dbias_cols,), jnp.float32), _ring.SCRATCH),
         vmap_method="sequential",
-    )(*source.kernel_args(*ins), *leaves, **_ring.kernel_attrs(ring, observe),
+    )(*source.kernel_args(*ins), *leaves, *source.more_parts(*ins),
+      **_ring.kernel_attrs(ring, observe),
       with_dbias=with_dbias, **source.attrs())
     return (q, qt, a, *moved, s) + ((dbias,) if with_dbias else ())
 
@@ -197,11 +203,10 @@ def _cast_transpose(op, source: sources.Source, ring, with_dbias, observe) -> Ca
       xs, leaves = args[:len(inputs)], args[len(inputs):]
       # A fresh ring's scale from the global amax: of x itself, or of the kernel's own values
       # (this piece run once at scale 1), so it is the scale one device's kernel would take.
-      local_amax = (amax if source.plain else
+      local_amax = (amax_of_parts if source.plain else
                     lambda xs: impl(*xs, jnp.zeros((1,), jnp.float32), jnp.ones((), jnp.float32),
                                     jnp.ones((), jnp.float32))[2])
-      s, ring_in = _ring.sharded_scale(xs[0] if source.plain else xs, ring, leaves, over,
-                                       local_amax)
+      s, ring_in = _ring.sharded_scale(xs, ring, leaves, over, local_amax)
       # The kernel at scale s: a one-entry ring past its first step, whose update is dropped.
       outs = impl(*xs, jnp.zeros((1,), jnp.float32), s, jnp.ones((), jnp.float32))
       q, qt, a = outs[0], outs[1], sharding.pmax_keep_nan(outs[2], over)

@@ -1,5 +1,8 @@
 """What a cast-transpose quantizes (``csrc/kernels/sources.cuh``): x itself, an activation of x,
-the gradient through an activation, or a norm of x. One description for the per-tensor
+the gradient through an activation, or a norm of x; x itself may come in parts, [R, C_i]
+arrays side by side, quantized as their concatenation, which is never stored (the output
+gradients of a layer whose output is split, such as q / k / v, reach its cast-transpose
+separately). One description for the per-tensor
 cast-transposes (``cast_transpose``) and block scaling's group cast-transposes
 (``blockwise``): the argument checks, the kernel's inputs and attributes, and how the inputs
 shard.
@@ -15,10 +18,14 @@ import numpy as np
 from .. import _ffi, activations, checks, norms, sharding
 
 
+MAX_PARTS = _ffi.CONSTANTS["max_parts"]  # the most arrays x may come in
+COL_MULTIPLE = _ffi.CONSTANTS["col_multiple"]  # x's columns: whole 16-element vectors
+
+
 class Source(NamedTuple):
-  """A checked source: ``inputs`` (x; dh and y under ``grad``; x, row_stats and affine under a
-  norm), the activation's and the norm's names (or None), and whether the activation is gated
-  and whether this is the gradient through it."""
+  """A checked source: ``inputs`` (x, or x's parts; dh and y under ``grad``; x, row_stats and
+  affine under a norm), the activation's and the norm's names (or None), and whether the
+  activation is gated and whether this is the gradient through it."""
   inputs: tuple
   activation: str | None
   norm: str | None
@@ -27,11 +34,18 @@ class Source(NamedTuple):
 
   @property
   def plain(self) -> bool:
+    """Whether x itself is quantized (in one array or in parts)."""
     return self.activation is None and self.norm is None
+
+  @property
+  def in_parts(self) -> bool:
+    return self.plain and len(self.inputs) > 1
 
   def shape(self, *inputs) -> tuple[int, int]:
     """[R, C] of what is quantized, from the inputs (or their local pieces)."""
     x = inputs[0]
+    if self.plain:
+      return x.shape[0], sum(v.shape[1] for v in inputs)
     if self.activation is None:
       return x.shape
     if self.grad:
@@ -45,6 +59,10 @@ class Source(NamedTuple):
     st, af = inputs[1:3] if self.norm is not None else (jnp.zeros((0, 0), jnp.float32),) * 2
     return x, y, st, af
 
+  def more_parts(self, *inputs) -> tuple:
+    """x's parts after the first (the cast-transpose's remaining arguments), or none."""
+    return inputs[1:] if self.in_parts else ()
+
   def attrs(self) -> dict:
     act = (activations.check(self.activation)[0] if self.activation is not None
            else _ffi.CONSTANTS["activation_none"])
@@ -54,13 +72,16 @@ class Source(NamedTuple):
 
   def splits_columns(self) -> bool:
     """Whether each output column needs only its own input columns (not under a gated
-    activation, whose output columns read both halves of [gate | up])."""
-    return not self.gated
+    activation, whose output columns read both halves of [gate | up], nor for x in parts,
+    whose columns are not the output's)."""
+    return not self.gated and not self.in_parts
 
   def rule(self, r: str, c: str) -> str:
     """The inputs' Shardy factors, the output being [r, c]."""
     if self.norm is not None:  # elementwise, given each row's statistics and each column's affine
       return f"{r} {c}, {r} s, s {c}"
+    if self.in_parts:  # each part's columns are a factor of their own
+      return ", ".join(f"{r} n{i}" for i in range(len(self.inputs)))
     if not self.gated:  # elementwise: the columns of x (and y) are the output's
       return f"{r} {c}" + (f", {r} {c}" if self.grad else "")
     # every output column reads both halves of [gate | up]: y's columns are a factor of their own
@@ -87,6 +108,22 @@ def plain(x, multiple: int, name: str = "x") -> Source:
   x = checks.float_input(x, name)
   _check_2d(x, name, multiple)
   return Source((x,), None, None, False, False)
+
+
+def parts(xs, multiple: int, name: str = "x") -> Source:
+  """x in parts: a tuple / list of 1 to ``MAX_PARTS`` arrays [R, C_i] of one float dtype, each
+  C_i a positive multiple of ``multiple``, quantized as their concatenation [R, sum C_i]."""
+  if not 1 <= len(xs) <= MAX_PARTS:
+    raise ValueError(f"{name} in parts must be 1 to {MAX_PARTS} arrays, got {len(xs)}")
+  xs = tuple(checks.float_input(v, f"{name}[{i}]") for i, v in enumerate(xs))
+  for i, v in enumerate(xs):
+    _check_2d(v, f"{name}[{i}]", multiple)
+    if v.dtype != xs[0].dtype:
+      raise TypeError(f"{name}[{i}] must have {name}[0]'s dtype {xs[0].dtype}, got {v.dtype}")
+    if v.shape[0] != xs[0].shape[0]:
+      raise ValueError(f"{name}[{i}] must have {name}[0]'s {xs[0].shape[0]} rows, got shape "
+                       f"{v.shape}")
+  return Source(xs, None, None, False, False)
 
 
 def activation(y, activation: str, multiple: int) -> Source:
