@@ -31,6 +31,9 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
   variant), the RMSNorms before q / k / v and the MLP fused into those layers' input
   cast-transposes (``norm="rmsnorm"``); ``_fast_fprop``: fast accumulation in fprop only
   (TransformerEngine's default on Hopper);
+- ``delayed_split_qkv_fused_norm_mlp``: as ``delayed_fused_norm_mlp``, q / k / v one
+  ``jax_fp8.flax.Dense`` of 3 d features whose output is split (``split=``): one GEMM where
+  ``MultiDense`` runs three, the parts' gradients read by one cast-transpose where they lie;
 - ``delayed_fused_norm_mlp_cast_kernels``: as ``delayed_fused_norm_mlp``, its kernels
   quantized once per step (``jax_fp8.flax.cast_kernels``) rather than once per microbatch: the
   same as ``delayed_fused_norm_mlp`` at one microbatch;
@@ -121,6 +124,13 @@ class KernelCopyDense(nn.Module):
                           None if bias is None else bias.astype(self.dtype), state=state)
 
 
+def split_dense(recipe):
+  """Several projections of one input as one ``jax_fp8.flax.Dense`` of all their features, its
+  output split into them (``split=``): one GEMM for q, k and v, the parts' gradients quantized
+  where they lie; called as ``MultiDense`` is (features, name, norm and the layer kwargs)."""
+  return lambda features, **kw: Dense(sum(features), split=features, recipe=recipe, **kw)
+
+
 DELAYED, BLOCK = jax_fp8.DelayedScaling(), jax_fp8.BlockScaling()
 # name -> (the projections' class, the class of several projections of one input or None for
 # one layer each, the recipe of a fused jax_fp8.flax.Mlp or None for gate / up / down
@@ -150,6 +160,8 @@ VARIANTS = {
     "delayed_fused_norm_mlp_fast_fprop": (
         functools.partial(Dense, recipe=FAST_FPROP),
         functools.partial(MultiDense, recipe=FAST_FPROP), FAST_FPROP, True),
+    "delayed_split_qkv_fused_norm_mlp": (functools.partial(Dense, recipe=DELAYED),
+                                         split_dense(DELAYED), DELAYED, True),
     "delayed_fused_norm_mlp_cast_kernels": (
         functools.partial(Dense, recipe=DELAYED), functools.partial(MultiDense, recipe=DELAYED),
         DELAYED, True),

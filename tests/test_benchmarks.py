@@ -126,7 +126,7 @@ def test_model_step_benchmark(tmp_path):
   JSON as returned."""
   out = tmp_path / "model_step.json"
   variants = ["bf16", "flax_fp8", "delayed_shared_input", "block_fused_norm_mlp",
-              "current_fused_norm_mlp", "nvfp4_shared_input"]
+              "current_fused_norm_mlp", "nvfp4_shared_input", "delayed_split_qkv_fused_norm_mlp"]
   res = model_step.main(["--quick", "--steps", "1", "--windows", "1", "--variants", *variants,
                          "--profile", "delayed_shared_input", "--profile-steps", "1",
                          "--out", str(out)])
