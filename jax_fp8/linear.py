@@ -990,10 +990,13 @@ def check_split(split, n: int) -> tuple[int, ...] | None:
   if not isinstance(split, (tuple, list)):
     raise TypeError(f"split must be None or a tuple / list of ints, got {checks.describe(split)}")
   split = tuple(checks.integer(v, f"split[{i}]") for i, v in enumerate(split))
-  if not 1 <= len(split) <= MAX_PARTS or sum(split) != n or any(
-      v <= 0 or v % COL_MULTIPLE for v in split):
-    raise ValueError(f"split must be 1 to {MAX_PARTS} positive multiples of {COL_MULTIPLE} that "
-                     f"sum to the kernel's N={n}, got {split}")
+  if not 1 <= len(split) <= MAX_PARTS:
+    raise ValueError(f"split must hold 1 to {MAX_PARTS} sizes, got {len(split)}: {split}")
+  if any(v <= 0 or v % COL_MULTIPLE for v in split):
+    raise ValueError(f"split's sizes must be positive multiples of {COL_MULTIPLE}, got {split}")
+  if sum(split) != n:
+    raise ValueError(f"split's sizes must sum to the output's N={n} (the kernel's columns, a "
+                     f"layer's features), got {split}, which sum to {sum(split)}")
   return split
 
 

@@ -114,3 +114,13 @@ def test_parts_bad_inputs():
     jax_fp8.cast_transpose_delayed((x, jnp.ones((4, 8))), ring)
   with pytest.raises(TypeError, match=r"x\[0\] must be float32"):
     jax_fp8.cast_transpose_delayed((x.astype(jnp.int32), x), ring)
+
+
+def test_a_list_of_rows_is_one_array():
+  """A list of Python rows (no arrays in it) is x itself, as every op takes it, not x in
+  parts."""
+  ring = jax_fp8.ScaleRing.create(4)
+  rows = np.arange(64, dtype=np.float32).reshape(4, 16)
+  got = jax_fp8.cast_transpose_delayed(rows.tolist(), ring)
+  want = jax_fp8.cast_transpose_delayed(jnp.asarray(rows), ring)
+  np.testing.assert_array_equal(bits(got.q), bits(want.q))

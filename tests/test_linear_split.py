@@ -114,11 +114,11 @@ def test_layers_split(rng):
 
 
 @pytest.mark.parametrize("split, error, match", [
-    ((128, 128), ValueError, r"sum to the kernel's N=512, got \(128, 128\)"),
+    ((128, 128), ValueError, r"sum to the output's N=512 .*, got \(128, 128\), which sum to 256"),
     ((128, 120, 264), ValueError, "positive multiples of 16"),
     ((0, 512), ValueError, "positive multiples of 16"),
-    ((64,) * 8, ValueError, "1 to 4"),
-    ((), ValueError, "1 to 4"),
+    ((64,) * 8, ValueError, "1 to 4 sizes, got 8"),
+    ((), ValueError, "1 to 4 sizes, got 0"),
     ("abc", TypeError, "tuple / list of ints, got str"),
     (512, TypeError, "tuple / list of ints, got int"),
     ((128.0, 384), TypeError, r"split\[0\] must be a Python int"),

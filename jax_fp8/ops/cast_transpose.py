@@ -60,7 +60,8 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
     x: [R, C] float32 / bfloat16 / float16, C a positive multiple of 16; or x in parts, a
       tuple / list of 1 to 4 arrays [R, C_i] of one dtype, each C_i a positive multiple of 16,
       quantized as their concatenation [R, sum C_i] (which is never stored: the kernel reads
-      each part where it lies), e.g. the gradients of q, k and v from one projection.
+      each part where it lies), e.g. the gradients of q, k and v from one projection. (A
+      list of Python rows, no arrays in it, is one array, as elsewhere.)
     ring: a ``ScaleRing``; its ``fmt`` is the output format.
     with_dbias: a bool; also return ``sum(x, axis=0)`` in f32 from the same read.
     observe: a bool; True returns the ring's observation of this step instead of the next ring
@@ -72,8 +73,8 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
     of different dtypes or row counts or more than 4 of them, ring not a valid ScaleRing,
     with_dbias or observe not a bool.
   """
-  source = (sources.parts(x, _COLS) if isinstance(x, (tuple, list)) else
-            sources.plain(x, _COLS))
+  in_parts = isinstance(x, (tuple, list)) and all(hasattr(v, "shape") for v in x)
+  source = sources.parts(x, _COLS) if in_parts else sources.plain(x, _COLS)
   return _cast_transpose("cast_transpose_delayed", source, ring, with_dbias, observe)
 
 
