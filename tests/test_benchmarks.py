@@ -18,7 +18,7 @@ def test_quick_suite(tmp_path):
   res = json.loads(out.read_text())
   cases = {r["case"] for r in res["rows"]}
   assert cases == {"quantize", "quantize_delayed", "jnp quantize", "cast_transpose",
-                   "cast_transpose+dbias",
+                   "cast_transpose+dbias", "cast_transpose+dbias of 3 parts",
                    *(f"{source}_{kind}cast_transpose"
                      for source in ("swiglu", "swiglu_grad", "gelu", "gelu_grad", "rmsnorm",
                                     "layernorm") for kind in ("", "group_")),
