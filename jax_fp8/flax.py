@@ -152,8 +152,8 @@ class Dense(_Layer):
     norm_epsilon: the norm's epsilon (default 1e-6, as ``nn.RMSNorm`` / ``nn.LayerNorm``).
     split: None (default), or sizes (N_0, ..., N_{n-1}) that cut the output along N, as
       ``jax_fp8.linear``'s ``split``: 1 to 4 positive multiples of 16 that sum to
-      ``features``, e.g. (d, d, d) for a fused q / k / v projection, whose parts' gradients
-      then reach the FP8 backward without being concatenated.
+      ``features``, e.g. (d, d, d) for a fused q / k / v projection; under the per-tensor
+      recipes the parts' gradients then reach the FP8 backward without being concatenated.
 
   Input ``[..., K]`` with K a multiple of 16 (128 under BlockScaling, 32 under
   MXFP8BlockScaling); output ``[..., N]``, or with ``split`` a tuple of n arrays

@@ -804,7 +804,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
            gamma: jax.Array | None = None, beta: jax.Array | None = None,
            epsilon: float = 1e-6, dtype=None, key: jax.Array | None = None,
-           split=None) -> jax.Array | tuple[jax.Array, ...]:
+           split: tuple[int, ...] | list[int] | None = None) -> jax.Array | tuple[jax.Array, ...]:
   ys = _apply(x, (kernel,), (bias,), ("kernel",), ("bias",), state, LinearState, recipe,
               amax_axis_name, (norm, gamma, beta, epsilon), dtype, key, split)
   return ys[0] if split is None else ys
@@ -834,6 +834,8 @@ linear.__doc__ = f"""``y = x @ kernel + bias`` with low-precision GEMMs forward 
     [..., N] in ``dtype`` (default x's); with ``split``, a tuple of n arrays [..., N_i].
   Raises:
 {_RAISES_DOC}
+    Also: ``split`` not a tuple / list of ints (TypeError), or not 1 to 4 positive multiples
+    of 16 that sum to N (ValueError).
 
   Method: per-tensor delayed scaling with the HYBRID format (Micikevicius et al. 2022;
   NVIDIA TransformerEngine); block scaling after the DeepSeek-V3 technical report
@@ -984,7 +986,8 @@ def gemm_input(x, norm_params, norm, dtype):
 
 
 def check_split(split, n: int) -> tuple[int, ...] | None:
-  """``linear``'s ``split`` for an output of N = ``n`` columns, as a tuple (or None)."""
+  """``linear``'s ``split`` for an output of N = ``n`` columns, as a tuple (or None);
+  TypeError / ValueError saying which rule it breaks."""
   if split is None:
     return None
   if not isinstance(split, (tuple, list)):

@@ -140,8 +140,9 @@ class Linear(_Layer):
   ``dtype``.
 
   ``split`` (None, default, or sizes (N_0, ..., N_{n-1}), as ``jax_fp8.linear``'s) cuts the
-  output along out_features into a tuple of n arrays, e.g. a fused q / k / v projection's,
-  whose parts' gradients then reach the FP8 backward without being concatenated.
+  output along out_features into a tuple of n arrays, e.g. a fused q / k / v projection's;
+  under the per-tensor recipes the parts' gradients then reach the FP8 backward without being
+  concatenated.
 
   Input ``[..., in_features]``; output ``[..., out_features]`` (with ``split``, a tuple of
   arrays ``[..., N_i]``); in and out multiples of 16 (128 under BlockScaling, 32 under

@@ -22,6 +22,7 @@ from .formats import (E2M1_MAX, INV_E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, 
 from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.gemm import expand_scales
 from .ops.nvfp4 import check_options as check_nvfp4_options
+from .ops.sources import in_parts
 from .philox import key_words
 from .state import ScaleRing, next_ring, observe as observe_ring, scale_for_step
 
@@ -48,8 +49,7 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
   """quantize_delayed, plus the transposed copy padded with zero columns to a multiple of 16,
   plus (optionally) the f32 column sums of x; x in parts (a tuple / list) is their
   concatenation along the columns."""
-  if isinstance(x, (tuple, list)):
-    x = jnp.concatenate(x, axis=1)
+  x = jnp.concatenate(x, axis=1) if in_parts(x) else jnp.asarray(x)
   q, a, moved, s = quantize_delayed(x, ring, observe=observe)  # [R, C]
   qt = jnp.pad(q.T, ((0, 0), (0, -x.shape[0] % 16)))  # [C, ceil16(R)]
   dbias = jnp.sum(as_f32(x), axis=0) if with_dbias else None  # [C]

@@ -82,14 +82,20 @@ def test_parts_match_their_concatenation(platform, rng, dtype, cols, rows):
     poison_allocator(rows * sum(cols))
     got = step(xs, ring)
     whole = step(jnp.concatenate(xs, axis=1), ring)
-    want = on_cpu(lambda xs, r: reference.cast_transpose_delayed(xs, r), xs, ring)
+    want = on_cpu(lambda xs, r: reference.cast_transpose_delayed(xs, r, with_dbias=True), xs,
+                  ring)
     for g, w, r in zip((got.q, got.qt), (whole.q, whole.qt), (want.q, want.qt)):
       np.testing.assert_array_equal(bits(g), bits(w))
       np.testing.assert_array_equal(bits(g), bits(r))
     for g, w in zip(jax.tree.leaves((got.amax, got.scale, got.ring, got.dbias)),
                     jax.tree.leaves((whole.amax, whole.scale, whole.ring, whole.dbias))):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    np.testing.assert_array_equal(np.asarray(got.amax), want.amax)
+    for g, r in zip(jax.tree.leaves((got.amax, got.scale, got.ring)),
+                    jax.tree.leaves((want.amax, want.scale, want.ring))):
+      np.testing.assert_array_equal(np.asarray(g), r)
+    xf = np.concatenate([np.asarray(v, np.float64) for v in xs], axis=1)  # dbias: any order
+    bound = summation_error(rows) * np.abs(xf).sum(axis=0)
+    assert np.all(np.abs(np.asarray(got.dbias, np.float64) - xf.sum(axis=0)) <= bound)
     ring = got.ring
 
 
@@ -124,3 +130,5 @@ def test_a_list_of_rows_is_one_array():
   got = jax_fp8.cast_transpose_delayed(rows.tolist(), ring)
   want = jax_fp8.cast_transpose_delayed(jnp.asarray(rows), ring)
   np.testing.assert_array_equal(bits(got.q), bits(want.q))
+  np.testing.assert_array_equal(bits(reference.cast_transpose_delayed(rows.tolist(), ring).q),
+                                bits(want.q))

@@ -129,3 +129,43 @@ def test_bad_split(rng, split, error, match):
     jax_fp8.linear(x, w, b, state=jax_fp8.LinearState.create(), split=split)
   with pytest.raises(error, match=match):
     jax_fp8.nnx.Linear(K, sum(SPLIT), split=split, rngs=nnx.Rngs(0))
+
+
+def test_an_unused_part(rng):
+  """A part the loss does not read gets a zero gradient: the gradients are the unsplit layer's
+  with zeros in that part's columns of the output gradient."""
+  x, w, b, gamma, beta, ts = problem(rng)
+  state = jax_fp8.LinearState.create()
+  ts[1] = jnp.zeros_like(ts[1])
+
+  def only_ends(x, w, b, state, split):
+    ys = outputs(x, w, b, gamma, beta, state, RECIPES["delayed"], None, split)
+    return jnp.sum(ys[0].astype(jnp.float32) * ts[0]) + jnp.sum(ys[2].astype(jnp.float32) * ts[2])
+  got = jax.jit(jax.grad(only_ends, argnums=(0, 1, 2, 3)), static_argnums=4)(x, w, b, state, True)
+  want = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 5)), static_argnums=(7, 8, 9))(
+      x, w, b, gamma, beta, state, ts, RECIPES["delayed"], None, False)
+  for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(v, np.float32))
+
+
+def test_sharded_jit(rng):
+  """Under a sharded jit (x's tokens over the devices) the split layer's gradients are the
+  unsplit one's, bit for bit."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  x, w, b, gamma, beta, ts = problem(rng)
+  mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("data",))
+  rows = lambda v: jax.device_put(v, NamedSharding(mesh, P(None, "data")))  # noqa: E731
+  state = jax_fp8.LinearState.create()
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 5)), static_argnums=(7, 8, 9))
+  args = (rows(x), w, b, gamma, beta, state, [rows(t) for t in ts], RECIPES["delayed"], None)
+  got, want = grad(*args, True), grad(*args, False)
+  for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(v, np.float32))
+
+
+def test_flax_dense_bad_split(rng):
+  x = jnp.ones((2, K), jnp.float32)
+  with pytest.raises(ValueError, match=r"sum to the output's N=48"):
+    jax_fp8.flax.Dense(48, split=(16, 16)).init(jax.random.key(0), x)
+  with pytest.raises(TypeError, match=r"split\[0\] must be a Python int"):
+    jax_fp8.flax.Dense(48, split=(16.0, 32)).init(jax.random.key(0), x)

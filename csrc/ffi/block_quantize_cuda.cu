@@ -27,7 +27,7 @@ ffi::Error BlockQuantizeImpl(cudaStream_t stream, const BlockQuantizeArgs& a) {
   if (a.src.rows == 0) return ffi::Error::Success();
   return dispatch_input(a.src.x_type, [&](auto t) {
     using T = typename decltype(t)::type;
-    return Launch<true>(stream, a, PlainSource<T>{{static_cast<const T*>(a.src.x)}, {a.src.cols}, {0}});
+    return Launch<true>(stream, a, plain_source<T>(a.src));
   });
 }
 

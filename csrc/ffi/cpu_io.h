@@ -61,7 +61,7 @@ inline float source_value(const SourceArgs& s, int64_t r, int64_t c) {
     int i = 0;
     int64_t c0 = c;
     while (c0 >= s.part_cols[i]) c0 -= s.part_cols[i++];
-    return in(s.part[i], r * s.part_cols[i] + c0);
+    return in(s.part_data[i], r * s.part_cols[i] + c0);
   }
   if (!s.grad) {
     const float g = in(s.x, r * xc + c);

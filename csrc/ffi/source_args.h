@@ -20,15 +20,15 @@ struct SourceArgs {
   int64_t x_cols;
   // x in parts (x itself quantized): part i [R, part_cols[i]] holds columns from
   // sum_{j<i} part_cols[j] on; one part, x, unless DecodeParts found more.
-  int parts;
-  const void* part[kMaxParts];
+  int num_parts;
+  const void* part_data[kMaxParts];
   int64_t part_cols[kMaxParts];
 };
 
 // x as the one part of what is quantized.
 inline void SetOnePart(SourceArgs& s) {
-  s.parts = 1;
-  s.part[0] = s.x;
+  s.num_parts = 1;
+  s.part_data[0] = s.x;
   s.part_cols[0] = s.x_cols;
 }
 
@@ -109,8 +109,8 @@ inline ffi::Error DecodeParts(SourceArgs& s, ffi::RemainingArgs more, int64_t mu
         dims[1] % multiple)
       return invalid("x's parts must be [R, C_i] in x's dtype, C_i a positive multiple of " +
                      std::to_string(multiple));
-    s.part[s.parts] = b->untyped_data();
-    s.part_cols[s.parts++] = dims[1];
+    s.part_data[s.num_parts] = b->untyped_data();
+    s.part_cols[s.num_parts++] = dims[1];
     s.cols += dims[1];
   }
   return ffi::Error::Success();
@@ -135,8 +135,9 @@ inline ffi::Error DecodePlainSource(SourceArgs& s, ffi::AnyBuffer x, int64_t mul
 // On CUDA, the inputs the kernels read with 16-byte loads aligned: x and its parts, and y or
 // affine where used.
 inline ffi::Error CheckSourceAligned(Platform platform, const SourceArgs& s) {
-  for (int i = 1; i < s.parts; ++i)
-    if (ffi::Error e = check_aligned16(platform, {s.part[i]}, "x's parts"); e.failure()) return e;
+  for (int i = 1; i < s.num_parts; ++i)
+    if (ffi::Error e = check_aligned16(platform, {s.part_data[i]}, "x's parts"); e.failure())
+      return e;
   return check_aligned16(platform,
                          {s.x, s.grad ? s.y : s.x, s.norm != NormId::kNone ? s.affine : s.x},
                          "x, y and affine");

@@ -9,31 +9,38 @@
 
 namespace jax_fp8 {
 
+// x itself, in one array.
+template <typename T>
+PlainSource<T> plain_source(const SourceArgs& s) {
+  return {{static_cast<const T*>(s.x)}, {s.cols}, {0}};
+}
+
 // x in parts as PlainSource<T, kMaxParts> reads it: the parts not given start past C.
 template <typename T>
 PlainSource<T, kMaxParts> parts_source(const SourceArgs& s) {
   PlainSource<T, kMaxParts> src;
   int64_t start = 0;
   for (int i = 0; i < kMaxParts; ++i) {
-    src.x[i] = static_cast<const T*>(s.part[i < s.parts ? i : 0]);
-    src.cols[i] = s.part_cols[i < s.parts ? i : 0];
-    src.start[i] = i < s.parts ? start : INT64_MAX;
-    if (i < s.parts) start += s.part_cols[i];
+    const int p = i < s.num_parts ? i : 0;
+    src.x[i] = static_cast<const T*>(s.part_data[p]);
+    src.cols[i] = s.part_cols[p];
+    src.start[i] = i < s.num_parts ? start : INT64_MAX;
+    if (i < s.num_parts) start += s.part_cols[i];
   }
   return src;
 }
 
 // f(src) with the source `s` names, of input type T (the CUDA handlers' dispatch); x in parts
-// only where kParts (an op whose decoder takes them: DecodeParts).
-template <typename T, bool kParts = false, typename F>
+// only where kTakesParts (an op whose decoder takes them: DecodeParts).
+template <typename T, bool kTakesParts = false, typename F>
 auto with_source(const SourceArgs& s, F&& f) {
   const T* x = static_cast<const T*>(s.x);
   const T* y = static_cast<const T*>(s.y);
   if (s.norm != NormId::kNone)
     return f(NormSource<T>{x, s.stats, s.affine, s.cols, s.norm == NormId::kLayer});
-  if constexpr (kParts)
-    if (s.parts > 1) return f(parts_source<T>(s));
-  if (s.activation == ActivationId::kNone) return f(PlainSource<T>{{x}, {s.cols}, {0}});
+  if constexpr (kTakesParts)
+    if (s.num_parts > 1) return f(parts_source<T>(s));
+  if (s.activation == ActivationId::kNone) return f(plain_source<T>(s));
   if (!s.grad)
     return s.gated ? f(ActivationSource<T, true>{x, s.cols, s.activation})
                    : f(ActivationSource<T, false>{x, s.cols, s.activation});

@@ -1,8 +1,9 @@
 // Sources: what a cast-transpose quantizes (cast_transpose.cuh per tensor, block_quantize.cuh
-// in 128-element groups): x itself (in one array or several side by side), an activation of x, the gradient through an activation
-// (csrc/activation.h), so an MLP's activation and its gradient cost no pass of their own, or a
-// norm of x (csrc/norm.h), so a layer's input norm costs none either. Device code only: the
-// CUDA handlers build the one their arguments name with csrc/ffi/sources_cuda.h.
+// in 128-element groups): x itself (in one array or several side by side), an activation of x,
+// the gradient through an activation (csrc/activation.h), so an MLP's activation and its
+// gradient cost no pass of their own, or a norm of x (csrc/norm.h), so a layer's input norm
+// costs none either. Device code only: the CUDA handlers build the one their arguments name
+// with csrc/ffi/sources_cuda.h.
 #pragma once
 
 #include "../activation.h"
@@ -29,7 +30,8 @@ struct PlainSource {
   using Input = T;
   static constexpr int kOutputs = 1;
   static constexpr bool kDbias = true;
-  // 40 registers with the dbias sums; without them any bound spills (54 registers: 4 blocks).
+  // 40 registers with the dbias sums; without them any bound spills (54 registers: 4 blocks;
+  // in kMaxParts parts 40 and 64, no spills).
   static constexpr int blocks_per_sm(bool dbias) { return dbias ? 6 : 1; }
   const T* x[kParts];
   int64_t cols[kParts];

@@ -20,7 +20,6 @@ bf16 (softmax in f32); logits f32.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import flax.linen as nn
 import jax
@@ -125,33 +124,38 @@ def _layer_norm(module: nn.Module, x, norm: bool):
 
 
 class Bf16Dense(nn.Module):
-  """``nn.Dense`` in bf16 with f32 parameters, optionally after a LayerNorm of its input and
-  with its output cut into parts of the sizes ``split``: the parameters of
-  ``jax_fp8.flax.Dense(features, norm=...)``, named and created in its order."""
+  """``nn.Dense`` in bf16 with f32 parameters, optionally after a LayerNorm of its input, its
+  output cut into ``parts`` equal parts (a tuple) where more than one: the parameters of
+  ``jax_fp8.flax.Dense(features, norm=...)``, named and created in its order. The parts are
+  indexed out of the output viewed as [..., parts, features / parts], as the model did before
+  its FP8 layer took ``split``: XLA fuses that indexing's backward into the bias gradient's
+  reduction, where ``jnp.split``'s (a concatenation) ran as passes of their own."""
 
   features: int
   norm: bool = False
-  split: tuple[int, ...] | None = None
+  parts: int = 1
 
   @nn.compact
   def __call__(self, x):
     kernel = self.param("kernel", INIT, (x.shape[-1], self.features), jnp.float32)
     bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
     y = _layer_norm(self, x, self.norm) @ kernel.astype(COMPUTE) + bias.astype(COMPUTE)
-    if self.split is None:
+    if self.parts == 1:
       return y
-    return tuple(jnp.split(y, list(itertools.accumulate(self.split))[:-1], axis=-1))
+    y = y.reshape(*y.shape[:-1], self.parts, self.features // self.parts)
+    return tuple(y[..., i, :] for i in range(self.parts))
 
 
-def dense(cfg: Config, features: int, name: str, norm: bool = False,
-          split: tuple[int, ...] | None = None) -> nn.Module:
+def dense(cfg: Config, features: int, name: str, norm: bool = False, parts: int = 1) -> nn.Module:
   """A bf16-compute linear layer with f32 parameters, its input LayerNorm fused where ``norm``
-  and its output cut into parts of the sizes ``split`` where given: FP8 (jax_fp8) or plain, per
+  and its output cut into ``parts`` equal parts (a tuple) where more than one: FP8 (jax_fp8,
+  ``split=``, so the parts' gradients reach its backward separately) or plain, per
   ``cfg.fp8``."""
   if cfg.fp8:
+    split = (features // parts,) * parts if parts > 1 else None
     return jax_fp8.flax.Dense(features, dtype=COMPUTE, param_dtype=jnp.float32, kernel_init=INIT,
                               name=name, split=split, **_fp8_kw(cfg, norm))
-  return Bf16Dense(features, norm, split, name=name)
+  return Bf16Dense(features, norm, parts, name=name)
 
 
 class Bf16Mlp(nn.Module):
@@ -207,7 +211,7 @@ class Block(nn.Module):
     # q, k and v as parts of one projection's output, so that their gradients reach its FP8
     # backward separately (jax_fp8.linear's split)
     q, k, v = (y.reshape(b, t, cfg.n_heads, d // cfg.n_heads)
-               for y in dense(cfg, 3 * d, "qkv", norm=True, split=(d, d, d))(x))
+               for y in dense(cfg, 3 * d, "qkv", norm=True, parts=3)(x))
     a = causal_attention(q, k, v, cfg.attention_implementation).reshape(b, t, d)
     x = x + dense(cfg, d, "attn_out")(a).astype(x.dtype)
     return x + mlp(cfg, "mlp")(x).astype(x.dtype)

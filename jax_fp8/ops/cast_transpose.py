@@ -70,11 +70,10 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
     ``CastTransposed(q, qt, amax, ring, dbias, scale)``.
   Raises:
     TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16, parts
-    of different dtypes or row counts or more than 4 of them, ring not a valid ScaleRing,
-    with_dbias or observe not a bool.
+    of different dtypes or row counts, none or more than 4 of them, ring not a valid
+    ScaleRing, with_dbias or observe not a bool.
   """
-  in_parts = isinstance(x, (tuple, list)) and all(hasattr(v, "shape") for v in x)
-  source = sources.parts(x, _COLS) if in_parts else sources.plain(x, _COLS)
+  source = sources.parts(x, _COLS) if sources.in_parts(x) else sources.plain(x, _COLS)
   return _cast_transpose("cast_transpose_delayed", source, ring, with_dbias, observe)
 
 

@@ -39,6 +39,7 @@ class Source(NamedTuple):
 
   @property
   def in_parts(self) -> bool:
+    """Whether x comes in more than one array."""
     return self.plain and len(self.inputs) > 1
 
   def shape(self, *inputs) -> tuple[int, int]:
@@ -108,6 +109,12 @@ def plain(x, multiple: int, name: str = "x") -> Source:
   x = checks.float_input(x, name)
   _check_2d(x, name, multiple)
   return Source((x,), None, None, False, False)
+
+
+def in_parts(x) -> bool:
+  """Whether x is given in parts: a tuple / list of arrays (a list of Python rows, no arrays in
+  it, is one array, as every op takes it)."""
+  return isinstance(x, (tuple, list)) and all(hasattr(v, "shape") for v in x)
 
 
 def parts(xs, multiple: int, name: str = "x") -> Source:
