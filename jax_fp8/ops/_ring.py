@@ -51,8 +51,9 @@ def sharded_scale(x, ring: ScaleRing, leaves, over, local_amax=amax) -> tuple[ja
   """Under a sharded jit: the scale every device quantizes with (the ring's, or on a fresh ring
   the one from the amax over all devices, computed on that step only), and the ring rebuilt
   from its local leaves. ``local_amax(x)``: the amax of this device's piece (x: an array or
-  the arrays the kernel reads; by default the amax of x itself; a kernel computing its values, e.g. an activation, passes its own, so the scale is
-  the one a single device's kernel would take)."""
+  the arrays the kernel reads; by default the amax of x itself; a kernel computing its values,
+  e.g. an activation, passes its own, so the scale is the one a single device's kernel would
+  take)."""
   ring = rebuild(ring, leaves)
   first = jax.lax.cond(ring.steps == 0,
                        lambda x: sharding.pmax_keep_nan(local_amax(x), over),
