@@ -48,15 +48,11 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
   carried beside the state and folded once per step.
 
 With ``--microbatches`` n the step scans over n microbatches of ``--batch`` / n sequences,
-accumulating the gradients (jax_fp8's state ``jax_fp8.share``d among them). Each step is one
-jitted call with its buffers donated. Time: the median of ``--windows``
-windows of ``--steps`` back-to-back steps (dispatch is asynchronous and a step lasts far longer
-than its dispatch, so the device never waits for the host); compile seconds and temp bytes
-from the compiled step. ``--profile`` also traces ``--profile-steps`` steps of the named
-variants (of every variant run if none is named) with the JAX profiler, compiled again with
-XLA's command buffers off (the profiler does not see the kernels inside CUDA graphs), and sums
-the device's work by kind (GEMMs, attention, our kernels, XLA's fusions) and its idle time
-(``benchmarks.step_profile``).
+accumulating the gradients (jax_fp8's state ``jax_fp8.share``d among them). Each variant's
+step is timed as ``benchmarks.train_step`` times one: the median of ``--windows`` windows of
+``--steps`` donated steps, and with ``--profile`` (the named variants, or every variant run if
+none is named) ``--profile-steps`` steps traced with the JAX profiler, the device's work summed
+by kind and its idle time.
 
     python -m benchmarks.model_step [--d-model 4096] [--heads 32] [--ffn 14336] [--layers 4]
         [--seq 2048] [--batch 8] [--vocab 32000] [--microbatches 1]
@@ -78,8 +74,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import statistics
-import time
 
 import flax.linen as nn
 import jax
@@ -90,11 +84,11 @@ from flax.linen import fp8_ops
 import jax_fp8
 from jax_fp8.flax import STATE_COLLECTION, Dense, Mlp, MultiDense
 
-from .run import environment, write_results
-from .step_profile import summarize, trace_events
+from . import train_step
 
 COMPUTE = jnp.bfloat16
 FLAX_FP8_COLLECTION = "_overwrite_with_gradient"  # Flax's FP8 scales and amax histories
+PEERS = ("bf16", "flax_fp8")  # the variants every row's speedup is taken against
 FAST_ALL = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
 FAST_FPROP = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop",))
 CURRENT, MXFP8 = jax_fp8.CurrentScaling(), jax_fp8.MXFP8BlockScaling()
@@ -340,44 +334,10 @@ def setup(cfg: Config, variant: str, tx):
 
 
 def measure(cfg: Config, name: str, steps: int, windows: int, profile_steps: int):
-  """One variant's row (and its profile when ``profile_steps`` > 0: the step compiled again
-  with XLA's command buffers off, since the profiler does not see the kernels inside CUDA
-  graphs)."""
-  tx = optax.adamw(1e-4, weight_decay=0.1)
-  step, args = setup(cfg, name, tx)
-  t0 = time.perf_counter()
-  compiled = step.lower(*args).compile()
-  compile_s = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
-  params, opt_state, other, tokens = args
-  params, opt_state, other, loss = compiled(params, opt_state, other, tokens)  # warm up
-  jax.block_until_ready(loss)
-  times = []
-  for _ in range(windows):
-    t0 = time.perf_counter()
-    for _ in range(steps):
-      params, opt_state, other, loss = compiled(params, opt_state, other, tokens)
-    jax.block_until_ready(loss)
-    times.append((time.perf_counter() - t0) / steps)
-  step_s = statistics.median(times)
-  row = {"variant": name, "step_ms": step_s * 1e3,
-         "tokens_per_s": cfg.batch * cfg.seq / step_s, "compile_s": compile_s,
-         "temp_bytes": mem.temp_size_in_bytes,
-         "peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
-                        + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
-         "loss": float(loss), "window_ms": [t * 1e3 for t in times]}
-  if profile_steps:
-    options = ({"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu"
-               else None)
-    profiled = step.lower(params, opt_state, other, tokens).compile(compiler_options=options)
-    state = [params, opt_state, other]
-
-    def traced_step(tokens):  # donated buffers: each traced call takes the last one's outputs
-      *state[:], loss = profiled(*state, tokens)
-      return loss  # waited for: the step's last result (a variant's state may be empty)
-    row["profile"] = summarize(trace_events(traced_step, (tokens,), profile_steps),
-                               profile_steps, top=10)
-  return row
+  """One variant's figures (``benchmarks.train_step.measure``'s)."""
+  step, (params, opt_state, other, tokens) = setup(cfg, name, optax.adamw(1e-4, weight_decay=0.1))
+  return train_step.measure(step, (params, opt_state, other), (tokens,), cfg.batch * cfg.seq,
+                            steps, windows, profile_steps)
 
 
 def main(argv=None):
@@ -393,20 +353,10 @@ def main(argv=None):
     else:
       p.add_argument(flag, type=int, default=getattr(d, f.name),
                      help=f"(default: {getattr(d, f.name)})")
-  p.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
-                 help="variants to run, in this order (default: all)")
-  p.add_argument("--steps", type=int, default=8, help="steps per timing window (default: 8)")
-  p.add_argument("--windows", type=int, default=3, help="timing windows (default: 3)")
-  p.add_argument("--profile", nargs="*", choices=list(VARIANTS), metavar="VARIANT",
-                 help="also trace these variants' steps (none named: every variant run) and "
-                      "sum the device's work by kind")
-  p.add_argument("--profile-steps", type=int, default=3, help="traced steps (default: 3)")
+  train_step.add_arguments(p, VARIANTS, list(VARIANTS), steps=8, profile_steps=3,
+                           out="model_step")
   p.add_argument("--quick", action="store_true", help="a tiny model (a CPU smoke run)")
-  p.add_argument("--out", help="JSON path (default: benchmarks/results/<gpu>-model_step.json)")
   args = p.parse_args(argv)
-  for flag in ("steps", "windows", "profile_steps"):
-    if getattr(args, flag) < 1:
-      p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
   cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
   if args.quick:
     if cfg != dataclasses.replace(Config(), microbatches=cfg.microbatches):
@@ -417,46 +367,9 @@ def main(argv=None):
   if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
     p.error(f"--d-model ({cfg.d_model}) must be a multiple of --heads ({cfg.heads}) with an even "
             f"head size")
-  profiled = (set() if args.profile is None else
-              set(args.profile) if args.profile else set(args.variants))
-  if profiled - set(args.variants):
-    p.error(f"--profile names variants that --variants leaves out: {sorted(profiled - set(args.variants))}")
-  env = environment()
-  rows = []
-  results = {"env": env, "config": dataclasses.asdict(cfg), "steps": args.steps,
-             "windows": args.windows, "rows": rows}
-  name = f"{env['device'].replace(' ', '_')}-model_step"
-  for variant in args.variants:
-    rows.append(measure(cfg, variant, args.steps, args.windows,
-                        args.profile_steps if variant in profiled else 0))
-    write_results(results, args.out, name)  # after each variant: a cut run keeps its rows
-    r = rows[-1]
-    print(f"{variant:<46}{r['step_ms']:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  compile "
-          f"{r['compile_s']:6.1f} s  temp {r['temp_bytes'] / 2**30:6.2f} GiB  loss "
-          f"{r['loss']:.4f}", flush=True)
-  by_name = {r["variant"]: r["step_ms"] for r in rows}
-  for r in rows:
-    for peer, key in (("bf16", "speedup_vs_bf16"), ("flax_fp8", "speedup_vs_flax_fp8")):
-      r[key] = by_name[peer] / r["step_ms"] if peer in by_name else None
-  print(f"\n{env['device']}  jax {env['jax']}  {env['date']}  {dataclasses.asdict(cfg)}")
-  print(f"{'variant':<46}{'step ms':>9}{'vs BF16':>9}{'vs Flax FP8':>13}{'compile s':>11}"
-        f"{'temp GiB':>10}")
-  fmt = lambda v: f"{v:.3f}x" if v is not None else "-"
-  for r in rows:
-    print(f"{r['variant']:<46}{r['step_ms']:9.1f}{fmt(r['speedup_vs_bf16']):>9}"
-          f"{fmt(r['speedup_vs_flax_fp8']):>13}{r['compile_s']:11.1f}"
-          f"{r['temp_bytes'] / 2**30:10.2f}")
-  for r in rows:
-    for t in r.get("profile", ()):
-      if t["us_per_step"] > 0.05 * r["step_ms"] * 1e3:  # the streams that carry the step
-        kinds = "  ".join(f"{k} {us / 1e3:.1f}" for k, us in t["kinds_us"].items())
-        print(f"{r['variant']:<46}{t['thread'][:40]:<42}work {t['us_per_step'] / 1e3:.1f} ms, "
-              f"idle {t['idle_us_per_step'] / 1e3:.1f} ms: {kinds}")
-        for k, events in t["top_events_by_kind_us"].items():
-          print(f"  {k}: " + "; ".join(f"{name[:60]} {us / 1e3:.2f}"
-                                       for name, us in list(events.items())[:6]))
-  write_results(results, args.out, name)
-  return results
+  return train_step.run(p, args, lambda variant, profile_steps: measure(
+      cfg, variant, args.steps, args.windows, profile_steps),
+      {"config": dataclasses.asdict(cfg)}, "model_step", PEERS)
 
 
 if __name__ == "__main__":

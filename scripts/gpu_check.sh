@@ -17,7 +17,7 @@ set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
 steps=("$@")
-known=" tests bench sanitize graphs demo demo-block convergence dp model-step step-profile profile "
+known=" tests bench sanitize graphs demo demo-block demo-step convergence dp model-step step-profile profile "
 [ ${#steps[@]} -gt 0 ] \
   || { echo "usage: bash scripts/gpu_check.sh STEP... (steps:$known)" >&2; exit 2; }
 for s in "${steps[@]}"; do
@@ -68,6 +68,11 @@ for s in "${steps[@]}"; do
     model-step) python3 -m benchmarks.model_step --out "$OUT/model_step.json" ${MODEL_STEP_ARGS:-} \
              > "$OUT/model_step.log" 2>&1
            echo "model-step exit $?"; tail -40 "$OUT/model_step.log" ;;
+    # The demo's train step per variant, BF16 beside FP8, in one process (DEMO_STEP_ARGS: more
+    # flags, e.g. --variants bf16 delayed --profile).
+    demo-step) python3 -m benchmarks.demo_step --out "$OUT/demo_step.json" ${DEMO_STEP_ARGS:-} \
+             > "$OUT/demo_step.log" 2>&1
+           echo "demo-step exit $?"; tail -30 "$OUT/demo_step.log" ;;
     demo-block) python3 -m jax_fp8.demo --preset gpu --recipe block --out "$OUT/demo-block" \
              > "$OUT/demo-block.log" 2>&1
            echo "demo-block exit $?"; tail -15 "$OUT/demo-block.log" ;;

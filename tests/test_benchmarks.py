@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import data_parallel, inference, model_step, run, timing  # noqa: E402
+from benchmarks import data_parallel, demo_step, inference, model_step, run, timing  # noqa: E402
 
 
 def test_quick_suite(tmp_path):
@@ -152,6 +152,26 @@ def test_model_step_microbatches(tmp_path):
   losses = {r["variant"]: r["loss"] for r in res["rows"]}
   assert all(0 < v < 10 for v in losses.values())
   assert losses["delayed_fused_norm_mlp_cast_kernels"] == losses["delayed_fused_norm_mlp"]
+
+
+def test_demo_step_benchmark(tmp_path):
+  """The demo-step benchmark end to end on the demo's smoke preset: a row per variant, the
+  ratio against BF16, a profile where asked, the JSON as returned; the fast-accumulation
+  variant trains as exact delayed scaling does (the CPU's GEMMs sum in f32 either way)."""
+  out = tmp_path / "demo_step.json"
+  variants = ["bf16", "delayed", "delayed_fast_fprop", "block"]
+  res = demo_step.main(["--preset", "smoke", "--steps", "1", "--windows", "1", "--variants",
+                        *variants, "--profile", "delayed", "--profile-steps", "1",
+                        "--out", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+  assert res["preset"]["name"] == "smoke" and [r["variant"] for r in res["rows"]] == variants
+  for r in res["rows"]:
+    assert r["step_ms"] > 0 and r["compile_s"] > 0 and r["tokens_per_s"] > 0
+    assert 0 < r["loss"] < 10  # next-byte cross-entropy: log 256 = 5.5 at the start
+    assert r["speedup_vs_bf16"] == res["rows"][0]["step_ms"] / r["step_ms"]
+    assert ("profile" in r) == (r["variant"] == "delayed")
+  assert res["rows"][1]["profile"][0]["us_per_step"] > 0
+  assert res["rows"][1]["loss"] == res["rows"][2]["loss"] != res["rows"][0]["loss"]
 
 
 def test_inference_benchmark(tmp_path):

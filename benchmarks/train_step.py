@@ -1,0 +1,142 @@
+"""A whole jitted train step timed and profiled, and its rows reported: the method of
+``benchmarks.model_step`` and ``benchmarks.demo_step``.
+
+Each step is one jitted call with its carried buffers (parameters, optimizer and FP8 state)
+donated. Time: the median of ``windows`` windows of ``steps`` back-to-back steps (dispatch is
+asynchronous and a step lasts far longer than its dispatch, so the device never waits for the
+host); compile seconds and temp bytes from the compiled step. A profile traces steps of the
+step compiled again with XLA's command buffers off (the profiler does not see the kernels
+inside CUDA graphs) and sums the device's work by kind (GEMMs, attention, our kernels, XLA's
+fusions) and its idle time (``benchmarks.step_profile``).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+from .run import environment, write_results
+from .step_profile import summarize, trace_events
+
+
+def measure(step, carried: tuple, inputs: tuple, tokens: int, steps: int, windows: int,
+            profile_steps: int) -> dict:
+  """The row of ``step(*carried, *inputs) -> (*carried, loss)`` (jitted, ``carried`` donated;
+  ``tokens`` a step): ``step_ms``, ``window_ms`` (each window's), ``tokens_per_s``,
+  ``compile_s``, ``temp_bytes``, ``peak_bytes`` (arguments, outputs and temporaries the
+  compiled step plans, donated buffers counted once), ``loss`` (after the timed steps), and
+  with ``profile_steps`` > 0 ``profile`` (``step_profile.summarize``'s rows)."""
+  t0 = time.perf_counter()
+  compiled = step.lower(*carried, *inputs).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  *carried, loss = compiled(*carried, *inputs)  # warm up
+  jax.block_until_ready(loss)
+  times = []
+  for _ in range(windows):
+    t0 = time.perf_counter()
+    for _ in range(steps):
+      *carried, loss = compiled(*carried, *inputs)
+    jax.block_until_ready(loss)
+    times.append((time.perf_counter() - t0) / steps)
+  step_s = statistics.median(times)
+  row = {"step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "compile_s": compile_s,
+         "temp_bytes": mem.temp_size_in_bytes,
+         "peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
+                        + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
+         "loss": float(loss), "window_ms": [t * 1e3 for t in times]}
+  if profile_steps:
+    options = ({"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu"
+               else None)
+    profiled = step.lower(*carried, *inputs).compile(compiler_options=options)
+
+    def traced_step(*inputs):  # donated buffers: each traced call takes the last one's outputs
+      *carried[:], loss = profiled(*carried, *inputs)
+      return loss  # waited for: the step's last result (a variant's state may be empty)
+    row["profile"] = summarize(trace_events(traced_step, inputs, profile_steps),
+                               profile_steps, top=10)
+  return row
+
+
+def add_speedups(rows: list[dict], peers: tuple[str, ...]) -> None:
+  """Each row's ``speedup_vs_<peer>``: the peer row's step time over its own (None where no
+  row of that variant ran)."""
+  by_name = {r["variant"]: r["step_ms"] for r in rows}
+  for r in rows:
+    for peer in peers:
+      r[f"speedup_vs_{peer}"] = by_name[peer] / r["step_ms"] if peer in by_name else None
+
+
+def print_rows(rows: list[dict], title: str, peers: tuple[str, ...]) -> None:
+  """The rows as a table under ``title`` (step, the speedups over ``peers``, compile, temp),
+  then each profiled row's busy device streams by kind of work and their largest events."""
+  print(f"\n{title}")
+  w = max([len(r["variant"]) + 2 for r in rows] + [24])
+  print(f"{'variant':<{w}}{'step ms':>9}" + "".join(f"{'vs ' + p:>14}" for p in peers)
+        + f"{'compile s':>11}{'temp GiB':>10}")
+  fmt = lambda v: f"{v:.3f}x" if v is not None else "-"
+  for r in rows:
+    print(f"{r['variant']:<{w}}{r['step_ms']:9.1f}"
+          + "".join(f"{fmt(r[f'speedup_vs_{p}']):>14}" for p in peers)
+          + f"{r['compile_s']:11.1f}{r['temp_bytes'] / 2**30:10.2f}")
+  for r in rows:
+    for t in r.get("profile", ()):
+      if t["us_per_step"] > 0.05 * r["step_ms"] * 1e3:  # the streams that carry the step
+        kinds = "  ".join(f"{k} {us / 1e3:.1f}" for k, us in t["kinds_us"].items())
+        print(f"{r['variant']:<{w}}{t['thread'][:40]:<42}work {t['us_per_step'] / 1e3:.1f} ms, "
+              f"idle {t['idle_us_per_step'] / 1e3:.1f} ms: {kinds}")
+        for k, events in t["top_events_by_kind_us"].items():
+          print(f"  {k}: " + "; ".join(f"{name[:60]} {us / 1e3:.2f}"
+                                       for name, us in list(events.items())[:6]))
+
+
+def add_arguments(p, variants, default: list[str], steps: int, profile_steps: int,
+                  out: str) -> None:
+  """The flags of a train-step benchmark: --variants (of ``variants``, default ``default``),
+  --steps, --windows, --profile, --profile-steps and --out (its default file named ``out``)."""
+  p.add_argument("--variants", nargs="+", choices=list(variants), default=default,
+                 help=f"variants to run, in this order (default: {' '.join(default)})")
+  p.add_argument("--steps", type=int, default=steps,
+                 help=f"steps per timing window (default: {steps})")
+  p.add_argument("--windows", type=int, default=3, help="timing windows (default: 3)")
+  p.add_argument("--profile", nargs="*", choices=list(variants), metavar="VARIANT",
+                 help="also trace these variants' steps (none named: every variant run) and "
+                      "sum the device's work by kind")
+  p.add_argument("--profile-steps", type=int, default=profile_steps,
+                 help=f"traced steps (default: {profile_steps})")
+  p.add_argument("--out", help=f"JSON path (default: benchmarks/results/<gpu>-{out}.json)")
+
+
+def run(p, args, measure_variant, setting: dict, out: str, peers: tuple[str, ...]) -> dict:
+  """Checks the flags of ``add_arguments`` (``p.error`` on bad ones), then runs each variant:
+  its row, ``measure_variant(variant, profile_steps)`` (0: no profile), joins the results
+  (``env``, the ``setting`` that all rows share, ``steps``, ``windows``, ``rows``), written
+  after each row (a cut run keeps its rows); then the speedups over ``peers``, the table, and
+  the results written again (to ``--out``, default ``benchmarks/results/<gpu>-<out>.json``)
+  and returned."""
+  for flag in ("steps", "windows", "profile_steps"):
+    if getattr(args, flag) < 1:
+      p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+  profiled = (set() if args.profile is None else
+              set(args.profile) if args.profile else set(args.variants))
+  if profiled - set(args.variants):
+    p.error(f"--profile names variants that --variants leaves out: "
+            f"{sorted(profiled - set(args.variants))}")
+  env, rows = environment(), []
+  results = {"env": env, **setting, "steps": args.steps, "windows": args.windows, "rows": rows}
+  name = f"{env['device'].replace(' ', '_')}-{out}"
+  w = max(len(v) for v in args.variants) + 2
+  for variant in args.variants:
+    rows.append({"variant": variant, **measure_variant(
+        variant, args.profile_steps if variant in profiled else 0)})
+    write_results(results, args.out, name)
+    r = rows[-1]
+    print(f"{variant:<{w}}{r['step_ms']:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  compile "
+          f"{r['compile_s']:6.1f} s  temp {r['temp_bytes'] / 2**30:6.2f} GiB  loss "
+          f"{r['loss']:.4f}", flush=True)
+  add_speedups(rows, peers)
+  print_rows(rows, f"{env['device']}  jax {env['jax']}  {env['date']}  {setting}", peers)
+  write_results(results, args.out, name)
+  return results
