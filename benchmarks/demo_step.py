@@ -2,13 +2,13 @@
 without a training run, and with ``--profile`` where each variant's step spends its time.
 
 The step is ``python -m jax_fp8.demo``'s own (its model, optimizer and jitted step of a
-preset, default ``gpu`` on a GPU backend, else ``cpu``), on one batch of random bytes and one
-step key, the same every step. Variants: ``bf16`` (the demo's BF16 twin); each recipe of the
+preset, default ``gpu`` on a GPU backend, else ``cpu``), on one batch of random bytes placed
+on the device once and one step key, the same every step. Variants: ``bf16`` (the demo's BF16 twin); each recipe of the
 demo by name (``delayed``, ``current``, ``block``, ``mxfp8``, ``nvfp4``); ``delayed_fast_fprop``
 and ``delayed_fast_all``: delayed scaling with fast accumulation in the forward GEMM / in all
 three (the demo's ``--fast-accum``). Timing and profile as ``benchmarks.train_step``'s.
 
-    python -m benchmarks.demo_step [--preset gpu|cpu|smoke] [--variants NAME ...]
+    python -m benchmarks.demo_step [--preset auto|gpu|cpu|smoke] [--variants NAME ...]
         [--profile [NAME ...]] [--steps 10] [--windows 3] [--profile-steps 5] [--out PATH]
 
 Writes ``benchmarks/results/<gpu>-demo_step.json`` (or ``--out``): ``env`` (GPU, versions,
@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from jax_fp8.demo.__main__ import (PRESETS, init_variables, make_optimizer, make_train_step,
-                                   step_key)
+                                   preset_name, step_key)
 from jax_fp8.demo.model import RECIPES, Transformer
 
 from . import train_step
@@ -42,22 +42,23 @@ def measure(preset_name: str, name: str, steps: int, windows: int, profile_steps
   """One variant's figures (``benchmarks.train_step.measure``'s)."""
   preset = PRESETS[preset_name]
   cfg = preset.config(**VARIANTS[name])
-  step = make_train_step(Transformer(cfg), tx := make_optimizer(preset, preset.steps))
+  tx = make_optimizer(preset, preset.steps)
   params, fp8_state = init_variables(cfg, 0)
-  batch = np.random.default_rng(0).integers(0, cfg.vocab, (preset.batch, preset.seq_len + 1),
-                                            dtype=np.uint8)
-  return train_step.measure(step, (params, tx.init(params), fp8_state), (batch, step_key(0, 0)),
+  batch = jax.device_put(np.random.default_rng(0).integers(
+      0, cfg.vocab, (preset.batch, preset.seq_len + 1), dtype=np.uint8))
+  return train_step.measure(make_train_step(Transformer(cfg), tx),
+                            (params, tx.init(params), fp8_state), (batch, step_key(0, 0)),
                             preset.batch * preset.seq_len, steps, windows, profile_steps)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--preset", choices=list(PRESETS),
-                 help="the demo's preset (default: gpu on a GPU backend, else cpu)")
+  p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
+                 help="the demo's preset; auto (default) = gpu on a GPU backend, else cpu")
   train_step.add_arguments(p, VARIANTS, ["bf16", "delayed", "delayed_fast_fprop"], steps=10,
                            profile_steps=5, out="demo_step")
   args = p.parse_args(argv)
-  preset = args.preset or ("gpu" if jax.default_backend() == "gpu" else "cpu")
+  preset = preset_name(args.preset)
   return train_step.run(p, args, lambda variant, profile_steps: measure(
       preset, variant, args.steps, args.windows, profile_steps),
       {"preset": {"name": preset, **dataclasses.asdict(PRESETS[preset])}}, "demo_step", PEERS)

@@ -69,11 +69,16 @@ def add_speedups(rows: list[dict], peers: tuple[str, ...]) -> None:
       r[f"speedup_vs_{peer}"] = by_name[peer] / r["step_ms"] if peer in by_name else None
 
 
+def _width(variants) -> int:
+  """The variant column's width: the longest name and two spaces, at least 24."""
+  return max([len(v) + 2 for v in variants] + [24])
+
+
 def print_rows(rows: list[dict], title: str, peers: tuple[str, ...]) -> None:
   """The rows as a table under ``title`` (step, the speedups over ``peers``, compile, temp),
   then each profiled row's busy device streams by kind of work and their largest events."""
   print(f"\n{title}")
-  w = max([len(r["variant"]) + 2 for r in rows] + [24])
+  w = _width(r["variant"] for r in rows)
   print(f"{'variant':<{w}}{'step ms':>9}" + "".join(f"{'vs ' + p:>14}" for p in peers)
         + f"{'compile s':>11}{'temp GiB':>10}")
   fmt = lambda v: f"{v:.3f}x" if v is not None else "-"
@@ -127,7 +132,7 @@ def run(p, args, measure_variant, setting: dict, out: str, peers: tuple[str, ...
   env, rows = environment(), []
   results = {"env": env, **setting, "steps": args.steps, "windows": args.windows, "rows": rows}
   name = f"{env['device'].replace(' ', '_')}-{out}"
-  w = max(len(v) for v in args.variants) + 2
+  w = _width(args.variants)
   for variant in args.variants:
     rows.append({"variant": variant, **measure_variant(
         variant, args.profile_steps if variant in profiled else 0)})

@@ -5,6 +5,7 @@ import json
 import sys
 import pathlib
 
+import jax
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -156,11 +157,12 @@ def test_model_step_microbatches(tmp_path):
 
 def test_demo_step_benchmark(tmp_path):
   """The demo-step benchmark end to end on the demo's smoke preset: a row per variant, the
-  ratio against BF16, a profile where asked, the JSON as returned; the fast-accumulation
-  variant trains as exact delayed scaling does (the CPU's GEMMs sum in f32 either way)."""
+  ratio against BF16, a profile where asked, the JSON as returned; on a CPU, whose GEMMs sum in
+  f32 either way, the fast-accumulation variant's loss after a step with a learning rate above
+  0 (the schedule's first is 0) is exact delayed scaling's."""
   out = tmp_path / "demo_step.json"
   variants = ["bf16", "delayed", "delayed_fast_fprop", "block"]
-  res = demo_step.main(["--preset", "smoke", "--steps", "1", "--windows", "1", "--variants",
+  res = demo_step.main(["--preset", "smoke", "--steps", "2", "--windows", "1", "--variants",
                         *variants, "--profile", "delayed", "--profile-steps", "1",
                         "--out", str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(res))
@@ -171,7 +173,8 @@ def test_demo_step_benchmark(tmp_path):
     assert r["speedup_vs_bf16"] == res["rows"][0]["step_ms"] / r["step_ms"]
     assert ("profile" in r) == (r["variant"] == "delayed")
   assert res["rows"][1]["profile"][0]["us_per_step"] > 0
-  assert res["rows"][1]["loss"] == res["rows"][2]["loss"] != res["rows"][0]["loss"]
+  if jax.default_backend() == "cpu":
+    assert res["rows"][1]["loss"] == res["rows"][2]["loss"]
 
 
 def test_inference_benchmark(tmp_path):

@@ -77,6 +77,14 @@ PRESETS = {
 }
 
 
+def preset_name(name: str) -> str:
+  """A ``--preset`` choice as a key of ``PRESETS``: "auto" is "gpu" on a GPU backend, else
+  "cpu"."""
+  if name == "auto":
+    return "gpu" if jax.default_backend() == "gpu" else "cpu"
+  return name
+
+
 def make_optimizer(preset: Preset, steps: int) -> optax.GradientTransformation:
   """AdamW with linear warmup (10% of the steps) and cosine decay to 10%, clipped at norm 1."""
   schedule = optax.warmup_cosine_decay_schedule(0.0, preset.lr, max(1, steps // 10), steps,
@@ -325,9 +333,7 @@ def main(argv=None) -> None:
   args = parse_args(argv)
   deadline = (None if args.stop_after is None else
               time.perf_counter() + 60 * args.stop_after)
-  name = args.preset
-  if name == "auto":
-    name = "gpu" if jax.default_backend() == "gpu" else "cpu"
+  name = preset_name(args.preset)
   preset = PRESETS[name]
   if args.steps is not None:
     preset = dataclasses.replace(preset, steps=args.steps)
