@@ -169,7 +169,8 @@ __device__ inline void ring_write_block(const RingArgs& ring, float amax, Fp8For
 }
 
 // A quantize's end: this thread's amax `m` (abs_bits) joins the grid's, and the last block to
-// finish writes the amax and, with a ring, the ring's outputs.
+// finish writes the amax and, with a ring, the ring's outputs. Every thread of the block calls
+// it, once per kernel (its is_last is one byte of the kernel's shared memory).
 template <bool kRing>
 __device__ __forceinline__ void finish_amax(unsigned m, QuantizeScratch* scratch,
                                             float* amax_out, const RingArgs& ring,
