@@ -14,8 +14,9 @@ from .formats import FLOAT_DTYPES, FP8_DTYPES, fp8_max
 
 
 def describe(v) -> str:
-  """How an error message names the value a caller gave: type and value, or dtype and shape."""
-  return f"{type(v).__name__} {v!r}" if not hasattr(v, "dtype") else (
+  """How an error message names the value a caller gave: type and value (its repr on one
+  line), or dtype and shape."""
+  return f"{type(v).__name__} {' '.join(repr(v).split())}" if not hasattr(v, "dtype") else (
       f"{v.dtype}{list(np.shape(v))}")
 
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from flax.core import FrozenDict
 
 import jax_fp8
 import jax_fp8.flax
@@ -121,6 +122,8 @@ def test_layers_split(rng):
     ((), ValueError, "1 to 4 sizes, got 0"),
     ("abc", TypeError, "tuple / list of ints, got str"),
     (512, TypeError, "tuple / list of ints, got int"),
+    (FrozenDict(q=128, kv=384), TypeError,  # its repr on one line
+     r"got FrozenDict FrozenDict\(\{ q: 128, kv: 384, \}\)$"),
     ((128.0, 384), TypeError, r"split\[0\] must be a Python int"),
 ])
 def test_bad_split(rng, split, error, match):
