@@ -9,7 +9,7 @@ are averaged over the devices and the FP8 amaxes max-reduced (``amax_axis_name``
 loop, the first two (compilation, first donated step) left out, as in the demo.
 
     python -m benchmarks.data_parallel [--preset gpu] [--steps 30]
-        [--recipe delayed|current|block|mxfp8] [--max-devices N] [--platform cpu] [--out PATH]
+        [--recipe delayed|current|block|mxfp8|nvfp4] [--max-devices N] [--platform cpu] [--out PATH]
 
 The devices are the default backend's, or ``--platform``'s (``cpu``: the host's, eight virtual
 ones under the tests' ``--xla_force_host_platform_device_count=8``).

@@ -17,12 +17,11 @@ import platform as pyplatform
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import jax_fp8
 from jax_fp8 import activations, norms, reference
 from jax_fp8.formats import hadamard_transform
-from jax_fp8.recipes import LINEAR_GEMMS
+from jax_fp8.recipes import CROSSOVER_INTENSITY, LINEAR_GEMMS
 
 from . import block, block_scaled, peers
 from .timing import device_time, loop_overhead
@@ -39,9 +38,9 @@ CROSSOVER_SHAPES = [(4096, d, d) for d in (512, 1024, 1536, 2048, 3072, 4096)] +
     (4096, 1024, 4096), (4096, 4096, 1024), (1024, 4096, 4096), (16384, 1024, 1024),
     (8192, 2048, 2048), (2048, 8192, 8192)]
 BLOCK = dict(d_model=4096, ffn=14336, heads=32, seq=2048, batch=8)
-# The per-tensor crossover measured by bench_crossover on the H200 (2026-11-29): FP8 below it
-# is slower than BF16, so the "auto" linear runs BF16 there.
-AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=900.0)
+# The per-tensor crossover that bench_crossover measures: FP8 below it is slower than BF16, so
+# the "auto" linear runs BF16 there.
+AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY)
 # Fast accumulation in the forward GEMM only (TransformerEngine's default), and in all three
 # (what XLA's FP8 dot, and so the pure-JAX FP8 path, does at default precision).
 FAST_ACCUM = {"fast_fprop": jax_fp8.DelayedScaling(fast_accum_gemms=("fprop",)),
@@ -324,13 +323,13 @@ def bench_crossover(quick):
     g, x, w, b, state = linear_problem(m, n, k)
     ours = device_time(fwd_bwd(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s)),
                        g, x, w, b, state)
-    block_scaled = device_time(fwd_bwd(lambda x, w, b: jax_fp8.linear(
+    block_s = device_time(fwd_bwd(lambda x, w, b: jax_fp8.linear(
         x, w, b, recipe=jax_fp8.BlockScaling())), g, x, w, b)
     bf16 = device_time(fwd_bwd(peers.bf16_linear), g, x, w, b)
     rows.append({"case": "linear crossover", "shape": [m, n, k], "us": ours * 1e6,
-                 "bf16_us": bf16 * 1e6, "block_us": block_scaled * 1e6,
+                 "bf16_us": bf16 * 1e6, "block_us": block_s * 1e6,
                  "intensity": float(intensity(m, n, k)), "vs_bf16": bf16 / ours,
-                 "block_vs_bf16": bf16 / block_scaled})
+                 "block_vs_bf16": bf16 / block_s})
   return rows
 
 
@@ -353,12 +352,12 @@ def bench_memory(quick):
     return lambda ws, states: jax.grad(loss, argnums=(0, 1))(ws, states)
 
   fp8 = peak_bytes(step(lambda y, w, s: jax_fp8.linear(y, w, state=s)), ws, states)
-  block_scaled = peak_bytes(step(lambda y, w, s: jax_fp8.linear(
+  block_bytes = peak_bytes(step(lambda y, w, s: jax_fp8.linear(
       y, w, recipe=jax_fp8.BlockScaling())), ws, states)
   bf16 = peak_bytes(step(lambda y, w, s: y @ w), ws, states)
   return [{"case": "linear stack peak memory", "shape": [m, d, layers], "fp8_MiB": fp8 / 2**20,
            "bf16_MiB": bf16 / 2**20, "peak_mem_vs_bf16": fp8 / bf16,
-           "block_peak_mem_vs_bf16": block_scaled / bf16}]
+           "block_peak_mem_vs_bf16": block_bytes / bf16}]
 
 
 def bench_block(quick, ceil):

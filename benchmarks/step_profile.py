@@ -4,7 +4,7 @@ The step is traced with the JAX profiler and the trace's events are summed per t
 device (on a GPU its streams, which carry the kernels by name, and XLA's op lines). On a CPU
 the events are XLA's thunk names (ffi_call.N, fusions), which cannot be sorted by kind.
 
-    python -m benchmarks.step_profile [--recipe fp8|fast_fprop|fast_all|bf16] [--steps N]
+    python -m benchmarks.step_profile [--recipe delayed|fast_fprop|fast_all|bf16] [--steps N]
                                       [--quick] [--out PATH]
 
 Prints, per thread, the work time per step and the share of each kind of work (our
@@ -32,7 +32,7 @@ import jax_fp8
 from . import block
 from .run import BLOCK, FAST_ACCUM, QUICK_BLOCK, environment, write_results
 
-RECIPES = {"fp8": jax_fp8.DelayedScaling(), **FAST_ACCUM, "bf16": None}
+RECIPES = {"delayed": jax_fp8.DelayedScaling(), **FAST_ACCUM, "bf16": None}
 # Kinds of work by event name (kernel names on a GPU stream, op names on XLA's lines); the
 # first match wins, the rest is "other" (XLA's fusions: norms, activations, the optimizer).
 KINDS = (("jax_fp8 quantize", r"jax_fp8|quantize|cast_transpose"),
@@ -129,9 +129,9 @@ def summarize(spans, steps: int, top: int = 15):
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--recipe", choices=list(RECIPES), default="fp8",
-                 help="fp8: DelayedScaling(); fast_fprop / fast_all: with fast accumulation in "
-                      "the forward GEMM / all three; bf16: flax.linen.Dense (default: fp8)")
+  p.add_argument("--recipe", choices=list(RECIPES), default="delayed",
+                 help="delayed: DelayedScaling(); fast_fprop / fast_all: with fast accumulation in "
+                      "the forward GEMM / all three; bf16: flax.linen.Dense (default: delayed)")
   p.add_argument("--steps", type=int, default=5, help="traced steps, >= 1 (default: 5)")
   p.add_argument("--quick", action="store_true", help="the suite's tiny block (CPU smoke run)")
   p.add_argument("--out", help="JSON path (default: benchmarks/results/<gpu>-<date>-step-"

@@ -16,6 +16,9 @@ constexpr int kQuantizeScratchWords = 3;
 
 // Bytes of the cuBLASLt workspace, the last result of jax_fp8_gemm.
 constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+// The bytes of one cuBLASLt algorithm (sizeof(cublasLtMatmulAlgo_t), asserted where cuBLASLt
+// is included), as the GEMM algorithm file records it (jax_fp8/ops/gemm_algorithms.py).
+constexpr int kGemmAlgorithmBytes = 64;
 
 // The cast-transpose's tile rows: dbias_partial has one row per kDbiasTileRows rows of x.
 constexpr int kDbiasTileRows = 64;

@@ -13,6 +13,7 @@ inline nanobind::dict constants_dict() {
   nb::dict d;
   d["quantize_scratch_words"] = kQuantizeScratchWords;
   d["gemm_workspace_bytes"] = kGemmWorkspaceBytes;
+  d["gemm_algorithm_bytes"] = kGemmAlgorithmBytes;
   d["dbias_tile_rows"] = kDbiasTileRows;
   d["qt_row_multiple"] = kQtRowMultiple;
   d["col_multiple"] = kColMultiple;

@@ -167,7 +167,7 @@ JF8_HD float ring_scale_for_step(float ring_scale, float steps, float current_am
 // trace time) keeps every finite scale normal, so its reciprocal is finite.
 JF8_HD float group_scale(float amax, float eps, Fp8Format f, bool ue8m0) {
   const float a = (amax >= eps || amax != amax) ? amax : eps;
-  const float s = a * (f == Fp8Format::kE4M3 ? 1.0f / 448.0f : 1.0f / 57344.0f);
+  const float s = a * (1.0f / fp8_max(f));
   if (!ue8m0 || !(s <= FLT_MAX)) return s;
   const uint32_t b = float_bits(s);
   return bits_float((b + 0x007FFFFFu) & 0xFF800000u);

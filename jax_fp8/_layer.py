@@ -172,7 +172,7 @@ def _layer_inputs(inputs, norm, dtype):
 
 
 def call_layer(inputs, kernels, biases, state, recipe, dtype, amax_axis_name, multi: bool,
-               norm_args=(None, None, None, 1e-6), key=None, split=None):
+               norm_args=(None, None, None, norms.EPSILON), key=None, split=None):
   """The layer's outputs (a tuple) in the compute dtype (``dtype``, or by Flax's rules when
   None): inputs (unless a norm reads them) and biases promoted to it, the kernels left in
   their parameter dtype (f32, bf16 or f16; ``CastKernel``s, cast once per step; or

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import serialization
 
-from . import _names, activations, checks
+from . import _names, activations, checks, norms
 from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kernels, check_layer,
                      check_norm_attr, create_state, kernel_ring, linen_key)
 from .inference import Fp8Weight
@@ -94,7 +94,7 @@ class _Layer(nn.Module):
   recipe: Recipe = DelayedScaling()
   amax_axis_name: str | None = None
   norm: str | None = None
-  norm_epsilon: float = 1e-6
+  norm_epsilon: float = norms.EPSILON
 
   def outputs(self, inputs: jax.Array, multi: bool, split=None) -> tuple[jax.Array, ...]:
     """The layer's checks, parameters, state and op call (``multi`` False: ``linear`` on the
@@ -227,7 +227,7 @@ class Mlp(nn.Module):
   recipe: Recipe = DelayedScaling()
   amax_axis_name: str | None = None
   norm: str | None = None
-  norm_epsilon: float = 1e-6
+  norm_epsilon: float = norms.EPSILON
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:

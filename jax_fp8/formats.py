@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _ffi
 from .philox import philox4x32
 
 FORMATS: dict[str, jnp.dtype] = {
@@ -69,9 +70,9 @@ def amax(x: jax.Array, axis=None) -> jax.Array:
   counting as zero (as ``as_f32``). Not differentiable (an amax only ever sets a scale).
 
   Two forms with the same results, chosen when the program is lowered: on the CPU
-  ``amax_and_nan_search``; elsewhere ``amax_of_bits``, one reduction where the other needs two
-  (3.6x faster on the H200). XLA:CPU of jax 0.12 emitted invalid LLVM IR for the second inside
-  the NVFP4 twin's fused block reductions."""
+  ``amax_and_nan_search``; elsewhere ``amax_of_bits``, one reduction where the other needs two.
+  XLA:CPU of jax 0.12 emitted invalid LLVM IR for the second inside the NVFP4 twin's fused
+  block reductions."""
   x = jnp.asarray(x)
   return jax.lax.platform_dependent(x, cpu=functools.partial(amax_and_nan_search, axis=axis),
                                     default=functools.partial(amax_of_bits, axis=axis))
@@ -112,7 +113,7 @@ def apply_scales(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.
 
 # MXFP8 (OCP Microscaling Formats v1.0): one E8M0 scale per MX_BLOCK consecutive elements. An
 # E8M0 byte e means 2**(e - E8M0_BIAS); 0xFF (E8M0_NAN) is NaN; there is no zero.
-MX_BLOCK = 32
+MX_BLOCK = _ffi.CONSTANTS["mx_block"]  # 32
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
 
@@ -147,7 +148,7 @@ def e8m0_apply(values: jax.Array, scale: jax.Array) -> jax.Array:
 # NVFP4 (NVIDIA's NVFP4 pretraining report, arXiv 2509.25149): E2M1 elements
 # (+-{0, 0.5, 1, 1.5, 2, 3, 4, 6}), one E4M3 scale per NVFP4_BLOCK consecutive elements (or per
 # NVFP4_BLOCK x NVFP4_BLOCK tile), one f32 per-tensor scale.
-NVFP4_BLOCK = 16
+NVFP4_BLOCK = _ffi.CONSTANTS["nvfp4_block"]  # 16
 E2M1_MAX = 6.0
 # The rule's divisions are written so that XLA computes them as written on every backend: a
 # division by a constant (6, 448 * 6) is a product with its f32 reciprocal (XLA rewrites it
@@ -272,25 +273,3 @@ def _hadamard_outputs(x: jax.Array, seed: int, axis: int, name: str) -> tuple[li
     h *= 2
   return v, axis
 
-
-# The scale layout Blackwell's block-scaled GEMMs read (cuBLASLt's VEC16_UE4M3 / VEC32_UE8M0
-# modes, tcgen05 block scaling): scales [R, S] (S = K / block, R the outer dimension) padded
-# with zeros to multiples of 128 rows and 4 columns, stored as 128 x 4 tiles of 512 bytes, tile
-# (r // 128, s // 4) row-major, the scale (r, s) at byte (r % 32) * 16 + (r % 128) // 32 * 4
-# + s % 4 of its tile.
-SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4
-
-
-def swizzle_scales(scales: jax.Array) -> jax.Array:
-  """Block scales [R, S] (E4M3 of NVFP4, E8M0 bytes of MXFP8; one per block of a row) in the
-  swizzled layout above: flat [ceil(R / 128) * 128 * ceil(S / 4) * 4], same dtype (any: the
-  layout moves bytes), zero padding. TypeError for a non-array, ValueError unless 2-D."""
-  if not hasattr(scales, "shape"):
-    raise TypeError(f"scales must be an array, got {type(scales).__name__}")
-  if scales.ndim != 2:
-    raise ValueError(f"scales must be 2-D [R, S], got shape {tuple(scales.shape)}")
-  r, s = scales.shape
-  padded = jnp.pad(scales, ((0, -r % SWIZZLE_ROWS), (0, -s % SWIZZLE_COLS)))
-  tiles_r, tiles_s = padded.shape[0] // SWIZZLE_ROWS, padded.shape[1] // SWIZZLE_COLS
-  t = padded.reshape(tiles_r, 4, 32, tiles_s, SWIZZLE_COLS)  # row = 128 tr + 32 q + p
-  return t.transpose(0, 3, 2, 1, 4).reshape(-1)  # [tr, ts, p, q, s % 4]

@@ -581,10 +581,12 @@ def _block_linear_bwd(recipe, dtypes, norm, res, gs):
 _block_linear.defvjp(*packed(_block_linear_fwd, _block_linear_bwd))
 
 
-def _mx_rows(v):
-  """v [M, C] with zero rows appended up to a multiple of 32: whole MXFP8 blocks along M for
-  wgrad (zeros change no block's amax and add nothing to a sum)."""
-  return jnp.pad(v, ((0, -v.shape[0] % MX_BLOCK), (0, 0)))
+def _pad_rows(v, multiple: int):
+  """v [M, C] with zero rows appended up to a multiple of ``multiple``: whole MXFP8 / NVFP4
+  blocks along M for wgrad. Zeros change no block's amax and add nothing to a sum; NVFP4's
+  Hadamard transform, the same on both wgrad operands, cancels in their product whatever the
+  rows hold."""
+  return jnp.pad(v, ((0, -v.shape[0] % multiple), (0, 0)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -601,7 +603,7 @@ def _mxfp8_linear(x, kernels, biases, dtypes):
 
 def _mxfp8_linear_fwd(x, kernels, biases, dtypes):
   m = x.shape[0]
-  qx = mxfp8_quantize(_mx_rows(x), columnwise=True)  # along K (fprop) and along M (wgrad)
+  qx = mxfp8_quantize(_pad_rows(x, MX_BLOCK), columnwise=True)  # along K (fprop), M (wgrad)
   ys, saved = [], []
   for kernel, bias in zip(kernels, biases):
     qk = mxfp8_quantize(kernel, columnwise=True)  # along N (dgrad) and along K (fprop)
@@ -616,7 +618,7 @@ def _mxfp8_linear_bwd(dtypes, res, gs):
   x_dtype, _, k_dtypes, b_dtypes = dtypes
   dx, dks, dbs = None, [], []
   for g, (qk, sk), k_dtype, b_dtype in zip(gs, saved, k_dtypes, b_dtypes):
-    qg = mxfp8_quantize(_mx_rows(g), columnwise=True)  # along N (dgrad) and along M (wgrad)
+    qg = mxfp8_quantize(_pad_rows(g, MX_BLOCK), columnwise=True)  # along N (dgrad), M (wgrad)
     dxi = mxfp8_gemm(qg["data"], qk, qg["scales"], sk, out_dtype=jnp.float32)  # [M32, K]
     dx = dxi if dx is None else dx + dxi
     dks.append(mxfp8_gemm(qxt, qg["data_t"], sxt, qg["scales_t"], out_dtype=k_dtype))  # [K, N]
@@ -626,13 +628,6 @@ def _mxfp8_linear_bwd(dtypes, res, gs):
 
 
 _mxfp8_linear.defvjp(*packed(_mxfp8_linear_fwd, _mxfp8_linear_bwd))
-
-
-def _rows16(v):
-  """v [M, C] with zero rows appended up to a multiple of 16: whole NVFP4 blocks along M for
-  wgrad (zeros change no amax; the Hadamard transform, the same on both wgrad operands,
-  cancels in their product whatever the rows hold)."""
-  return jnp.pad(v, ((0, -v.shape[0] % NVFP4_BLOCK), (0, 0)))
 
 
 def _rht(recipe) -> dict:
@@ -663,7 +658,7 @@ def _nvfp4_x(x, recipe, axis_name, with_grad: bool):
   wgrad (M padded to 16, through the Hadamard transform under ``recipe.rht``)."""
   if not with_grad:
     return nvfp4_quantize(x, **_nvfp4_amaxes(x, recipe, axis_name, False))
-  x = _rows16(x)
+  x = _pad_rows(x, NVFP4_BLOCK)
   return nvfp4_quantize(x, columnwise=True, **_rht(recipe),
                         **_nvfp4_amaxes(x, recipe, axis_name, recipe.rht))
 
@@ -728,7 +723,7 @@ def _nvfp4_linear_bwd(recipe, axis_name, dtypes, res, gs):
                      "{'stochastic_rounding': True})")
   dx, dks, dbs = None, [], []
   for i, (g, (qk, sk, gk), k_dtype, b_dtype) in enumerate(zip(gs, saved, k_dtypes, b_dtypes)):
-    m, g16 = g.shape[0], _rows16(g)
+    m, g16 = g.shape[0], _pad_rows(g, NVFP4_BLOCK)
     sr = ({"stochastic_rounding": True, "key": gradient_key(words, i, g, axis_name)}
           if recipe.stochastic_rounding else {})
     qg = nvfp4_quantize(g16, columnwise=True, **sr, **_rht(recipe),
@@ -803,7 +798,7 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None = None, *,
            recipe: Recipe = DelayedScaling(),
            amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
            gamma: jax.Array | None = None, beta: jax.Array | None = None,
-           epsilon: float = 1e-6, dtype=None, key: jax.Array | None = None,
+           epsilon: float = norms.EPSILON, dtype=None, key: jax.Array | None = None,
            split: tuple[int, ...] | list[int] | None = None) -> jax.Array | tuple[jax.Array, ...]:
   ys = _apply(x, (kernel,), (bias,), ("kernel",), ("bias",), state, LinearState, recipe,
               amax_axis_name, (norm, gamma, beta, epsilon), dtype, key, split)
@@ -848,7 +843,7 @@ def multi_linear(x: jax.Array, kernels, biases=None, *, state: MultiLinearState 
                  recipe: Recipe = DelayedScaling(),
                  amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
                  gamma: jax.Array | None = None, beta: jax.Array | None = None,
-                 epsilon: float = 1e-6, dtype=None,
+                 epsilon: float = norms.EPSILON, dtype=None,
                  key: jax.Array | None = None) -> tuple[jax.Array, ...]:
   if not isinstance(kernels, (tuple, list)) or not kernels:
     raise TypeError(f"kernels must be a non-empty tuple or list of [K, N_i] arrays, got "

@@ -31,7 +31,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import activations, checks, sharding
+from . import activations, checks, norms, sharding
 from ._residuals import op_outputs, packed, read_and_saved
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
@@ -200,7 +200,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
         recipe: Recipe = DelayedScaling(),
         amax_axis_name: str | tuple[str, ...] | None = None, norm: str | None = None,
         gamma: jax.Array | None = None, beta: jax.Array | None = None,
-        epsilon: float = 1e-6, dtype=None, key: jax.Array | None = None) -> jax.Array:
+        epsilon: float = norms.EPSILON, dtype=None, key: jax.Array | None = None) -> jax.Array:
   """``act(x @ kernel_in + bias_in) @ kernel_out + bias_out`` with FP8 GEMMs forward and
   backward, the activation and its gradient fused into the cast-transposes (see the module
   docstring).

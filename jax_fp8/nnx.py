@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from . import _names, activations, checks
+from . import _names, activations, checks, norms
 from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kernels, check_layer,
                      check_norm_attr, create_state, kernel_ring)
 from .linear import check_split
@@ -86,7 +86,7 @@ class _Layer(nnx.Module):
                kernel_init: Callable = nnx.initializers.lecun_normal(),
                bias_init: Callable = nnx.initializers.zeros_init(),
                recipe=DelayedScaling(), amax_axis_name=None, norm: str | None = None,
-               norm_epsilon: float = 1e-6, rngs: nnx.Rngs):
+               norm_epsilon: float = norms.EPSILON, rngs: nnx.Rngs):
     name, multi = type(self).__name__, self._multi
     features, use_bias = check_layer(name, out_features, use_bias, recipe, multi, dtype,
                                      param_dtype, "out_features")
@@ -198,7 +198,7 @@ class Mlp(nnx.Module):
                kernel_init: Callable = nnx.initializers.lecun_normal(),
                bias_init: Callable = nnx.initializers.zeros_init(),
                recipe=DelayedScaling(), amax_axis_name=None, norm: str | None = None,
-               norm_epsilon: float = 1e-6, rngs: nnx.Rngs):
+               norm_epsilon: float = norms.EPSILON, rngs: nnx.Rngs):
     (f,), use_bias = check_layer("Mlp", hidden_features, use_bias, recipe, False, dtype,
                                  param_dtype, "hidden_features")
     _, gated = activations.check(activation, "Mlp.activation")

@@ -22,6 +22,7 @@ import numpy as np
 from . import _ffi, checks
 from .formats import FLOAT_DTYPES, as_f32
 
+EPSILON = 1e-6  # the default epsilon, as flax.linen.RMSNorm / LayerNorm
 NORMS = {"rmsnorm": _ffi.CONSTANTS["norm_rmsnorm"], "layernorm": _ffi.CONSTANTS["norm_layernorm"]}
 
 

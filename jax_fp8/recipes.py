@@ -8,7 +8,8 @@ from typing import Literal
 
 from . import checks
 from .formats import rht_signs
-from .state import ScaleRing, check_history_len, check_ring_params
+from .ops.blockwise import GROUP_EPS
+from .state import HISTORY_LEN, ScaleRing, check_history_len, check_ring_params
 
 LINEAR_GEMMS = ("fprop", "dgrad", "wgrad")  # a linear's three GEMMs
 # The GEMM intensity M*N*K / (M*K + K*N + M*N) below which an FP8 linear was slower than BF16
@@ -79,7 +80,7 @@ class DelayedScaling(PerTensorFormats):
   """
 
   fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
-  history_len: int = 16
+  history_len: int = HISTORY_LEN
   margin: int = 0
   algo: Literal["max", "most_recent"] = "max"
   fp8_min_intensity: float = 0.0
@@ -113,7 +114,7 @@ class BlockScaling:
   """
 
   ue8m0: bool = False
-  eps: float = 1e-10
+  eps: float = GROUP_EPS
   fp8_min_intensity: float = 0.0
 
   def __post_init__(self):

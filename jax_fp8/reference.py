@@ -20,7 +20,8 @@ from .formats import (E2M1_MAX, INV_E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, 
                       apply_scales, as_f32, e2m1_round_stochastic, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
                       hadamard_transform, nvfp4_global_scale, sr_bits)
 from .ops import CastTransposed, DelayedQuantized, Quantized
-from .ops.gemm import expand_scales
+from .ops.blockwise import BLOCK, GROUP_EPS
+from .ops.cast_transpose import QT_ROW_MULTIPLE
 from .ops.nvfp4 import check_options as check_nvfp4_options
 from .ops.sources import in_parts
 from .philox import key_words
@@ -51,7 +52,7 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
   concatenation along the columns."""
   x = jnp.concatenate(x, axis=1) if in_parts(x) else jnp.asarray(x)
   q, a, moved, s = quantize_delayed(x, ring, observe=observe)  # [R, C]
-  qt = jnp.pad(q.T, ((0, 0), (0, -x.shape[0] % 16)))  # [C, ceil16(R)]
+  qt = jnp.pad(q.T, ((0, 0), (0, -x.shape[0] % QT_ROW_MULTIPLE)))  # [C, ceil16(R)]
   dbias = jnp.sum(as_f32(x), axis=0) if with_dbias else None  # [C]
   return CastTransposed(q, qt, a, moved, dbias, s)
 
@@ -130,7 +131,8 @@ def _cast(y: jax.Array, fmt: str) -> jax.Array:
   return jnp.where(jnp.isnan(y), jax.lax.bitcast_convert_type(jnp.uint8(_CANONICAL_NAN), dt), q)
 
 
-def group_quantize(x, *, group_size=128, fmt="e4m3", eps=1e-10, ue8m0=False, scale_layout="row"):
+def group_quantize(x, *, group_size=BLOCK, fmt="e4m3", eps=GROUP_EPS, ue8m0=False,
+                   scale_layout="row"):
   """Per-token-group quantization: groups of ``group_size`` along the last axis.
   ``x [..., K]`` -> ``q [..., K]``, scales ``[..., K/g]`` ("row"), ``[K/g, M]`` ("col", M the
   product of the leading dims) or ``[K/g, ceil4(M)]`` zero-padded ("col_tma")."""
@@ -149,33 +151,33 @@ def group_quantize(x, *, group_size=128, fmt="e4m3", eps=1e-10, ue8m0=False, sca
 def _tiles(x, fill=0.0):
   """x [R, C] padded with ``fill`` to multiples of 128 and viewed as [R/128, 128, C/128, 128]."""
   r, c = x.shape
-  xp = jnp.pad(as_f32(x), ((0, -r % 128), (0, -c % 128)), constant_values=fill)
-  return xp.reshape(xp.shape[0] // 128, 128, xp.shape[1] // 128, 128)
+  xp = jnp.pad(as_f32(x), ((0, -r % BLOCK), (0, -c % BLOCK)), constant_values=fill)
+  return xp.reshape(xp.shape[0] // BLOCK, BLOCK, xp.shape[1] // BLOCK, BLOCK)
 
 
-def block_quantize(w, *, fmt="e4m3", eps=1e-10, ue8m0=False):
+def block_quantize(w, *, fmt="e4m3", eps=GROUP_EPS, ue8m0=False):
   """128 x 128 block quantization of ``w [R, C]``: ``q [R, C]``, scales
   ``[ceil(R/128), ceil(C/128)]``; edge blocks use only the elements they hold."""
   r, c = w.shape
   t = _tiles(w)
   s = group_scale(amax(t, axis=(1, 3)), eps, fmt, ue8m0)  # [R/128, C/128]
-  q = _cast(t * (1.0 / s)[:, None, :, None], fmt).reshape(t.shape[0] * 128, -1)[:r, :c]
+  q = _cast(t * (1.0 / s)[:, None, :, None], fmt).reshape(t.shape[0] * BLOCK, -1)[:r, :c]
   return q, s
 
 
-def group_cast_transpose(x, *, fmt="e4m3", eps=1e-10, ue8m0=False):
+def group_cast_transpose(x, *, fmt="e4m3", eps=GROUP_EPS, ue8m0=False):
   """Both directions of 128-element group quantization of ``x [R, C]`` (C a multiple of 128):
   ``q [R, C]`` with scales ``[R, C/128]`` (groups along rows of x), and ``qt [C, ceil128(R)]``
   with scales ``[C, ceil128(R)/128]`` (groups along columns of x, zero-padded)."""
-  q, s = group_quantize(x, group_size=128, fmt=fmt, eps=eps, ue8m0=ue8m0)
+  q, s = group_quantize(x, group_size=BLOCK, fmt=fmt, eps=eps, ue8m0=ue8m0)
   r = x.shape[0]
-  xt = jnp.pad(as_f32(x).T, ((0, 0), (0, -r % 128)))  # zero pad: amax unchanged
-  qt, st = group_quantize(xt, group_size=128, fmt=fmt, eps=eps, ue8m0=ue8m0)
+  xt = jnp.pad(as_f32(x).T, ((0, 0), (0, -r % BLOCK)))  # zero pad: amax unchanged
+  qt, st = group_quantize(xt, group_size=BLOCK, fmt=fmt, eps=eps, ue8m0=ue8m0)
   qt = jnp.where(jnp.arange(qt.shape[1]) < r, qt, jnp.zeros((), qt.dtype))  # zero bytes
   return q, s, qt, st
 
 
-def norm_group_cast_transpose(x, row_stats, gamma, beta, *, norm: str, fmt="e4m3", eps=1e-10,
+def norm_group_cast_transpose(x, row_stats, gamma, beta, *, norm: str, fmt="e4m3", eps=GROUP_EPS,
                               ue8m0=False):
   """group_cast_transpose of the f32 norm of x from its row statistics, each product and sum
   rounded on its own as the kernels round them (``jax_fp8.norms.apply``)."""
@@ -183,12 +185,12 @@ def norm_group_cast_transpose(x, row_stats, gamma, beta, *, norm: str, fmt="e4m3
                               ue8m0=ue8m0)
 
 
-def activation_group_cast_transpose(y, *, activation: str, fmt="e4m3", eps=1e-10, ue8m0=False):
+def activation_group_cast_transpose(y, *, activation: str, fmt="e4m3", eps=GROUP_EPS, ue8m0=False):
   """group_cast_transpose of the f32 activation of y (``jax_fp8.activations.apply``)."""
   return group_cast_transpose(activations.apply(y, activation), fmt=fmt, eps=eps, ue8m0=ue8m0)
 
 
-def activation_grad_group_cast_transpose(dh, y, *, activation: str, fmt="e4m3", eps=1e-10,
+def activation_grad_group_cast_transpose(dh, y, *, activation: str, fmt="e4m3", eps=GROUP_EPS,
                                          ue8m0=False):
   """group_cast_transpose of the f32 gradient through the activation
   (``jax_fp8.activations.grad``; [dgate | dup] when gated)."""
@@ -196,12 +198,18 @@ def activation_grad_group_cast_transpose(dh, y, *, activation: str, fmt="e4m3", 
                               ue8m0=ue8m0)
 
 
+def expand_scales(scale, rows: int, cols: int, block_rows: int) -> jax.Array:
+  """The scale of each element [rows, cols] of block scales with blocks of block_rows x 128:
+  element (i, j) reads scale[i // block_rows, j // 128]."""
+  return scale[(jnp.arange(rows) // block_rows)[:, None], (jnp.arange(cols) // BLOCK)[None, :]]
+
+
 def block_gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16) -> jax.Array:
   """Block-scaled ``a @ b.T`` in f32: a [M, K] with 1 x 128 scales a_scale [M, K/128]; b [N, K]
   with 128 x 128 scales [ceil(N/128), K/128] or 1 x 128 scales [N, K/128]."""
   (m, k), n = a.shape, b.shape[0]
   af = a.astype(jnp.float32) * expand_scales(a_scale, m, k, 1)
-  bf = b.astype(jnp.float32) * expand_scales(b_scale, n, k, 1 if b_scale.shape[0] == n else 128)
+  bf = b.astype(jnp.float32) * expand_scales(b_scale, n, k, 1 if b_scale.shape[0] == n else BLOCK)
   return gemm(af, bf, jnp.float32(1), jnp.float32(1), bias=bias, out_dtype=out_dtype)
 
 

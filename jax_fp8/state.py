@@ -29,6 +29,7 @@ from .formats import fp8_dtype, fp8_max
 
 ALGOS = ("max", "most_recent")  # ids in csrc/constants.h (algo_max, algo_most_recent)
 MAX_MARGIN = 64
+HISTORY_LEN = 16  # the default amax history length
 
 
 def scale_from_amax(amax: jax.Array, prev_scale: jax.Array, fmt: str, margin: int) -> jax.Array:
@@ -107,7 +108,7 @@ class ScaleRing:
     check_ring_params(self.fmt, self.margin, self.algo)
 
   @classmethod
-  def create(cls, history_len: int = 16, fmt: str = "e4m3", margin: int = 0,
+  def create(cls, history_len: int = HISTORY_LEN, fmt: str = "e4m3", margin: int = 0,
              algo: str = "max") -> "ScaleRing":
     """A fresh ring: zero history, scale 1 (unused: step 0 scales from the current amax).
 
@@ -221,7 +222,8 @@ def combine_updates(a, b):
   """Combine two state gradients of the same step (e.g. two microbatches' gradients computed
   from the same state in a ``lax.scan``) by an elementwise max, which is exact for
   observations; use it for the state where parameter gradients would be summed. Raises
-  ValueError when a and b differ in structure or shapes."""
+  ValueError when a and b differ in structure or shapes. Method: jax_fp8's state protocol
+  (docs/design.md, "The state protocol")."""
   _check_like(b, "b", a, "a")
   return jax.tree.map(jnp.maximum, a, b)
 
@@ -240,6 +242,8 @@ def share(state, n: int):
     The pytree with every leaf broadcast to ``[n, *leaf.shape]``.
   Raises:
     TypeError / ValueError: n not a static int >= 1 (a float, a bool or a traced value).
+
+  Method: jax_fp8's state protocol (docs/design.md, "The state protocol").
   """
   return _share(state, checks.integer(n, "n", 1))
 

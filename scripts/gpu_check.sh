@@ -7,7 +7,7 @@
 # and synccheck over every variant of our kernels; step-profile traces the block train step
 # with the JAX profiler; profile runs Nsight Compute over our kernels). Optional environment:
 # TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case groups, see
-# python -m benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes, default "fp8
+# python -m benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes, default "delayed
 # fast_all bf16"), NCU_KERNELS / NCU_SKIP / NCU_COUNT (profile's kernel-name regex, matching
 # launches skipped and profiled), SANITIZE_TOOLS (default all four), SANITIZE_KERNELS
 # (run_kernels.py's mode under the tools: coverage, the default, or one family, e.g. mxfp8),
@@ -118,7 +118,7 @@ for s in "${steps[@]}"; do
            done
            grep -E "ERROR SUMMARY|RACECHECK SUMMARY|exit" "$OUT/sanitize.log" | tail -12 ;;
     # Where the transformer block train step's time goes, per stream and kind of work.
-    step-profile) for r in ${PROFILE_RECIPES:-fp8 fast_all bf16}; do
+    step-profile) for r in ${PROFILE_RECIPES:-delayed fast_all bf16}; do
              python3 -m benchmarks.step_profile --recipe $r --out "$OUT/step-profile-$r.json" \
                > "$OUT/step-profile-$r.txt" 2>&1
              echo "step-profile $r exit $?"; grep -A6 "per step" "$OUT/step-profile-$r.txt" | head -24

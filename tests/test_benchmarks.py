@@ -92,7 +92,7 @@ def test_step_profile(tmp_path):
   times of nested events."""
   from benchmarks import step_profile
   res = step_profile.main(["--quick", "--steps", "2", "--out", str(tmp_path / "sp.json")])
-  assert res["rows"] and json.loads((tmp_path / "sp.json").read_text())["recipe"] == "fp8"
+  assert res["rows"] and json.loads((tmp_path / "sp.json").read_text())["recipe"] == "delayed"
   for r in res["rows"]:
     assert abs(sum(r["kinds_us"].values()) - r["us_per_step"]) <= 1e-6 * r["us_per_step"] + 1e-9
   spans = [("t", 0.0, 10.0, "parent"), ("t", 2.0, 3.0, "a"), ("t", 6.0, 2.0, "b"),

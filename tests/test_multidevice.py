@@ -6,7 +6,6 @@ The meshes use the CUDA GPUs where there are two or more (their collectives run 
 else eight virtual CPU devices (conftest). The single-device reference runs on the first of
 those devices."""
 
-import dataclasses
 import re
 
 import jax

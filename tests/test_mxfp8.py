@@ -60,10 +60,6 @@ def test_round_trip_within_the_format_bound(rng, fmt, dtype):
     scale = np.repeat(np.exp2(np.asarray(scales, np.float64) - 127), MX_BLOCK, axis=1)
     bound = np.maximum(HALF_ULP[fmt] * np.abs(ref), HALF_SUBNORMAL[fmt] * scale)
     assert np.all(np.abs(back - ref) <= bound)
-  # Each direction from x itself: the columnwise copy is x.T's rowwise quantization.
-  t2 = reference.mxfp8_quantize(x.T, fmt=fmt)
-  assert np.array_equal(np.asarray(t["data_t"]).view(np.uint8), np.asarray(t2["data"]).view(
-      np.uint8))
 
 
 def test_nan_and_inf_blocks_stay_visible(rng):
@@ -80,10 +76,6 @@ def test_zero_block():
   t = reference.mxfp8_quantize(jnp.zeros((1, 32)))
   assert int(t["scales"][0, 0]) == 0
   assert np.all(np.asarray(t["data"], np.float32) == 0)
-
-
-def test_block_size_agrees_with_the_extension():
-  assert _ffi.CONSTANTS["mx_block"] == MX_BLOCK
 
 
 DIRECTIONS = {"rowwise": (True, False), "columnwise": (False, True), "both": (True, True)}

@@ -1,5 +1,5 @@
 """NVFP4 (NVIDIA's NVFP4 report, arXiv 2509.25149): the global scale, stochastic rounding, the
-random Hadamard transform and the swizzled scale layout in jax_fp8.formats, the reference twin
+random Hadamard transform in jax_fp8.formats, the reference twin
 (jax_fp8.reference.nvfp4_quantize), and jax_fp8.nvfp4_quantize's CUDA kernel and CPU handler,
 byte for byte against it."""
 
@@ -13,7 +13,7 @@ import jax_fp8
 from jax_fp8 import _ffi, formats, reference
 from jax_fp8.ops import nvfp4 as nvfp4_ops
 from jax_fp8.formats import (NVFP4_BLOCK, e2m1_round_stochastic, hadamard_transform,
-                             nvfp4_global_scale, rht_signs, swizzle_scales)
+                             nvfp4_global_scale, rht_signs)
 from jax_fp8.philox import philox4x32
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # the codes 0..7; code | 8 is the negative
@@ -81,8 +81,8 @@ def test_special_tensors():
   assert scales[0, 0] > 0 and scales[0, 1] == 0 and np.all(np.isfinite(scales))
 
 
-# Stochastic rounding, the random Hadamard transform, the global amax and the swizzled scale
-# layout (the NVFP4 report's training recipe; the layout Blackwell's GEMMs read).
+# Stochastic rounding, the random Hadamard transform and the global amax (the NVFP4 report's
+# training recipe).
 
 def unit_step_blocks(values, rows):
   """f32 [rows, 16 * len(values)]: every 16-element block starts with 6 (so the global amax is
@@ -317,33 +317,6 @@ def test_global_amax_sets_the_global_scales(rng):
 def test_unsupported_combinations_raise(quantize, kwargs, match):
   with pytest.raises(ValueError, match=match):
     quantize(jnp.ones((16, 32)), **kwargs)
-
-
-def test_swizzled_scale_layout():
-  """Scale (r, s) at tile (r // 128, s // 4) of 512 bytes, byte (r % 32) * 16 + (r % 128) // 32
-  * 4 + s % 4 inside it; tiles row-major; zero padding to 128 x 4."""
-  rows, cols = 200, 7
-  scales = jnp.arange(1, rows * cols + 1, dtype=jnp.int32).reshape(rows, cols)
-  flat = np.asarray(swizzle_scales(scales))
-  assert flat.shape == (256 * 8,) and flat.dtype == np.int32
-  tiles_per_row = 8 // 4
-  seen = np.zeros(flat.shape, bool)
-  for r in range(rows):
-    for s in range(cols):
-      at = ((r // 128) * tiles_per_row + s // 4) * 512 + (r % 32) * 16 + (r % 128) // 32 * 4 + s % 4
-      assert flat[at] == scales[r, s]
-      seen[at] = True
-  assert not np.any(flat[~seen])
-  e4m3 = swizzle_scales(jnp.ones((128, 4), jnp.float8_e4m3fn))
-  assert e4m3.dtype == jnp.float8_e4m3fn and e4m3.shape == (512,)
-  with pytest.raises(TypeError, match="scales must be an array, got list"):
-    swizzle_scales([[1, 2]])
-  with pytest.raises(ValueError, match=r"scales must be 2-D \[R, S\], got shape \(512,\)"):
-    swizzle_scales(e4m3)
-
-
-def test_block_size_agrees_with_the_extension():
-  assert _ffi.CONSTANTS["nvfp4_block"] == NVFP4_BLOCK
 
 
 KEY = jax.random.key(7)

@@ -1,7 +1,7 @@
 // cuBLASLt plumbing of jax_fp8_gemm (gemm_lt.h). Scales are per-tensor (scale_mode 0) or block
 // scales (DeepSeek-V3 recipe, cuBLASLt >= 12.9): a with 1 x 128 groups along K and b with
 // 128 x 128 blocks (scale_mode 1) or 1 x 128 groups (scale_mode 2). Layouts cuBLASLt 13.1 reads
-// on the H200 (checked against an f32 reference, 2026-11-29): 1 x 128 scales
+// on Hopper (tests/test_gemm.py checks them against an f32 reference): 1 x 128 scales
 // outer-dimension-contiguous, [K/128, M] for a and [K/128, N] for b, with M a multiple of 4 (it
 // offers no algorithm otherwise); 128 x 128 scales row-major with 16-byte rows,
 // [ceil(N/128), ceil4(K/128)]. An e4m3 output is multiplied by d_scale (the reciprocal of the
@@ -13,6 +13,9 @@
 #include <mutex>
 
 namespace jax_fp8 {
+
+static_assert(sizeof(cublasLtMatmulAlgo_t) == kGemmAlgorithmBytes);
+
 namespace {
 
 cudaDataType_t lt_type(ffi::DataType t) {

@@ -27,6 +27,9 @@ import jax.numpy as jnp
 
 import jax_fp8
 import jax_fp8.flax
+from jax_fp8.linear import fp8_multiple
+
+from .data import VOCAB
 
 COMPUTE = jnp.bfloat16
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling(),
@@ -55,7 +58,7 @@ class Config:
   n_heads: int
   n_layers: int
   seq_len: int
-  vocab: int = 256
+  vocab: int = VOCAB
   fp8: bool = True
   recipe: str = "delayed"
   amax_axis_name: str | None = None  # the data-parallel axis, under shard_map (per-tensor)
@@ -97,7 +100,7 @@ class Config:
         raise ValueError(f"fast_accum_gemms applies to the per-tensor recipes {PER_TENSOR}, not "
                          f"to recipe {self.recipe!r}")
       self.recipe_object()  # the recipe checks the GEMM names
-    align = {"block": 128, "mxfp8": 32}.get(self.recipe, 16) if self.fp8 else 16
+    align = fp8_multiple(self.recipe_object() if self.fp8 else None)[0]
     if self.d_model % align or self.d_model % self.n_heads:
       raise ValueError(f"d_model={self.d_model} must be a multiple of {align} and of "
                        f"n_heads={self.n_heads}")

@@ -30,6 +30,7 @@ from ..formats import fp8_dtype
 BLOCK = _ffi.CONSTANTS["block_tile"]  # the tile of block_quantize / group_cast_transpose: 128
 _LAYOUTS = {"row": _ffi.CONSTANTS["layout_row"], "col": _ffi.CONSTANTS["layout_col"],
             "col_tma": _ffi.CONSTANTS["layout_col_tma"]}
+GROUP_EPS = 1e-10  # the default floor of a group's amax (recipes.BlockScaling.eps)
 _GROUP_SIZES = tuple(_ffi.CONSTANTS["group_sizes"])
 _MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y
 
@@ -41,8 +42,8 @@ def _check_rows(name: str, rows: int) -> None:
                      f"kernel's grid per 128 rows)")
 
 
-def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", eps: float = 1e-10,
-                   ue8m0: bool = False, scale_layout: str = "row"):
+def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3",
+                   eps: float = GROUP_EPS, ue8m0: bool = False, scale_layout: str = "row"):
   """Per-token-group FP8 quantization: one scale per ``group_size`` consecutive elements of
   the last axis.
 
@@ -110,7 +111,7 @@ def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3", ep
   return sharding.vary_like((q, s), x)
 
 
-def block_quantize(w: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10, ue8m0: bool = False):
+def block_quantize(w: jax.Array, *, fmt: str = "e4m3", eps: float = GROUP_EPS, ue8m0: bool = False):
   """128 x 128 block FP8 quantization (weights in the DeepSeek-V3 recipe): one scale per block.
 
   Since a block's scale does not depend on the direction, ``q.T`` with ``scales.T`` is the
@@ -154,7 +155,7 @@ def block_quantize(w: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10, ue8m0
   return sharding.vary_like((q, s), w)
 
 
-def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
+def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = GROUP_EPS,
                          ue8m0: bool = False):
   """Both directions of 128-element group quantization from one read of ``x [R, C]``: 1 x 128
   groups along its rows (the forward and dgrad operand) and 128 x 1 groups along its columns,
@@ -178,7 +179,7 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = 1e-10,
 
 def norm_group_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
                               beta: jax.Array | None, *, norm: str, fmt: str = "e4m3",
-                              eps: float = 1e-10, ue8m0: bool = False):
+                              eps: float = GROUP_EPS, ue8m0: bool = False):
   """``group_cast_transpose`` of the norm of x (``jax_fp8.norms``), computed in f32 inside the
   kernel from one read of x and its row statistics: a block-scaled layer's input norm written
   straight into its GEMMs' FP8 inputs, never stored in x's dtype.
@@ -202,7 +203,7 @@ def norm_group_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Arr
 
 
 def activation_group_cast_transpose(y: jax.Array, *, activation: str, fmt: str = "e4m3",
-                                    eps: float = 1e-10, ue8m0: bool = False):
+                                    eps: float = GROUP_EPS, ue8m0: bool = False):
   """``group_cast_transpose`` of ``activation(y)`` (``jax_fp8.activations``), computed in f32
   inside the kernel from one read of the pre-activation: a block-scaled MLP's hidden activation
   written straight into the down projection's FP8 inputs.
@@ -226,7 +227,7 @@ def activation_group_cast_transpose(y: jax.Array, *, activation: str, fmt: str =
 
 
 def activation_grad_group_cast_transpose(dh: jax.Array, y: jax.Array, *, activation: str,
-                                         fmt: str = "e4m3", eps: float = 1e-10,
+                                         fmt: str = "e4m3", eps: float = GROUP_EPS,
                                          ue8m0: bool = False):
   """``group_cast_transpose`` of the gradient through ``activation``
   (``jax_fp8.activations.grad``), computed in f32 inside the kernel from ``dh`` and the

@@ -25,7 +25,7 @@ from ..state import ScaleRing
 from . import _ring, sources
 
 _TILE_ROWS = _ffi.CONSTANTS["dbias_tile_rows"]  # rows of one dbias partial (the kernel's tile)
-_QT_ROWS = _ffi.CONSTANTS["qt_row_multiple"]  # qt's columns: R rounded up to this
+QT_ROW_MULTIPLE = _ffi.CONSTANTS["qt_row_multiple"]  # qt's columns: R rounded up to this
 _COLS = sources.COL_MULTIPLE  # x's columns
 
 
@@ -72,6 +72,9 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
     TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16, parts
     of different dtypes or row counts, none or more than 4 of them, ring not a valid
     ScaleRing, with_dbias or observe not a bool.
+
+  Method: TransformerEngine's cast-transpose (both FP8 layouts a linear's GEMMs read, from one
+  read of x), with ``quantize_delayed``'s delayed scaling.
   """
   source = sources.parts(x, _COLS) if sources.in_parts(x) else sources.plain(x, _COLS)
   return _cast_transpose("cast_transpose_delayed", source, ring, with_dbias, observe)
@@ -99,6 +102,9 @@ def activation_cast_transpose(y: jax.Array, ring: ScaleRing, *, activation: str,
   hardware exp and reciprocal by the CUDA kernel: outputs match
   ``jax_fp8.reference.activation_cast_transpose`` within the bound of docs/design.md ("The
   fused MLP"), not byte for byte.
+
+  Method: the activations of ``jax_fp8.activations`` (their papers named there), fused with
+  the cast-transpose as TransformerEngine fuses its activation casts.
   """
   return _cast_transpose("activation_cast_transpose", sources.activation(y, activation, _COLS),
                          ring, False, observe)
@@ -158,6 +164,9 @@ def norm_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
 
   Byte-identical to ``jax_fp8.reference.norm_cast_transpose`` on every platform (csrc/norm.h
   rounds each product and sum on its own).
+
+  Method: RMSNorm after Zhang & Sennrich (2019), LayerNorm after Ba et al. (2016), fused with
+  the cast-transpose as TransformerEngine's ``LayerNormLinear`` fuses its norm.
   """
   return _cast_transpose("norm_cast_transpose",
                          sources.norm(x, row_stats, gamma, beta, norm, _COLS), ring, False,
@@ -177,7 +186,7 @@ def _cast_transpose(op, source: sources.Source, ring, with_dbias, observe) -> Ca
     ins, leaves = args[:len(inputs)], args[len(inputs):]
     rows, cols = source.shape(*ins)  # of this piece, under a sharded jit
     partial_rows, dbias_cols = (-(-rows // _TILE_ROWS), cols) if with_dbias else (0, 0)
-    padded = -(-rows // _QT_ROWS) * _QT_ROWS
+    padded = -(-rows // QT_ROW_MULTIPLE) * QT_ROW_MULTIPLE
     q, qt, s, a, *moved, _, dbias, _ = jax.ffi.ffi_call(
         "jax_fp8_cast_transpose_ring",
         (jax.ShapeDtypeStruct((rows, cols), qdt), jax.ShapeDtypeStruct((cols, padded), qdt))
@@ -195,7 +204,7 @@ def _cast_transpose(op, source: sources.Source, ring, with_dbias, observe) -> Ca
     # multiples of 16 (the kernel's) where the source allows it; qt split as the output
     # transposed; the ring replicated.
     r, c = sharding.spec(shapes[0].sharding, 2)
-    r = sharding.even(mesh, r, rows, _QT_ROWS)
+    r = sharding.even(mesh, r, rows, QT_ROW_MULTIPLE)
     c = sharding.even(mesh, c, cols, _COLS) if source.splits_columns() else None
     over = sharding.axes(r, c)
 
@@ -217,7 +226,7 @@ def _cast_transpose(op, source: sources.Source, ring, with_dbias, observe) -> Ca
         (sharding.named(mesh, c),) if with_dbias else ())
     return lower, source.shardings(mesh, r, c) + (rep, rep, rep), outs
 
-  padded = rows % _QT_ROWS != 0
+  padded = rows % QT_ROW_MULTIPLE != 0
   p = "p" if padded else "r"
   rule = f"{source.rule('r', 'c')}, l, , -> r c, c {p}, , l, , , " + (", c" if with_dbias else "")
   outs = sharding.call(op, impl, plan, rule, *inputs, *leaves)

@@ -17,13 +17,13 @@ import numpy as np
 from .. import _ffi, checks, sharding
 from ..formats import FLOAT_DTYPES, apply_scales
 from . import gemm_algorithms
+from .blockwise import BLOCK
 from .quantize import quantize_kernel
 
 _WORKSPACE = jax.ShapeDtypeStruct((_ffi.CONSTANTS["gemm_workspace_bytes"],), jnp.uint8)
 PER_TENSOR = _ffi.CONSTANTS["scale_mode_per_tensor"]
 BLOCK_128X128 = _ffi.CONSTANTS["scale_mode_block"]  # b in 128 x 128 blocks (weights)
 GROUP_1X128 = _ffi.CONSTANTS["scale_mode_group"]  # b in 1 x 128 groups (wgrad)
-_GROUP = _ffi.CONSTANTS["block_tile"]
 DIM_MULTIPLE = _ffi.CONSTANTS["gemm_dim_multiple"]  # K and N (cuBLASLt FP8 alignment)
 
 
@@ -50,12 +50,12 @@ def _scale_mode(a_scale, b_scale, m, n, k) -> int:
   """The scale mode of the two scales' shapes; ValueError for shapes of no mode."""
   if a_scale.shape == () and b_scale.shape == ():
     return PER_TENSOR
-  kb, nb = k // _GROUP, -(-n // _GROUP)
+  kb, nb = k // BLOCK, -(-n // BLOCK)
   modes = {(nb, kb): BLOCK_128X128, (n, kb): GROUP_1X128}
-  if k % _GROUP or a_scale.shape != (m, kb) or b_scale.shape not in modes:
+  if k % BLOCK or a_scale.shape != (m, kb) or b_scale.shape not in modes:
     want = (f"a_scale [M, K/128] = [{m}, {kb}] and b_scale [ceil(N/128), K/128] = [{nb}, {kb}] "
             f"(128 x 128 blocks) or [N, K/128] = [{n}, {kb}] (1 x 128 groups)"
-            if k % _GROUP == 0 else f"K={k} is not")
+            if k % BLOCK == 0 else f"K={k} is not")
     raise ValueError(f"scales must be float32 scalars (per-tensor), or block scales with K a "
                      f"multiple of 128: {want}; got a_scale {list(a_scale.shape)} and b_scale "
                      f"{list(b_scale.shape)} with K={k}")
@@ -159,7 +159,7 @@ def _on_cuda(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
 def expand_scales(scale: jax.Array, rows: int, cols: int, block_rows: int) -> jax.Array:
   """Block scales [ceil(rows / block_rows), ceil(cols / 128)] repeated to one per element
   [rows, cols]: block_rows 1 for 1 x 128 groups, 128 for 128 x 128 blocks."""
-  s = jnp.repeat(jnp.repeat(scale, block_rows, axis=0), _GROUP, axis=1)
+  s = jnp.repeat(jnp.repeat(scale, block_rows, axis=0), BLOCK, axis=1)
   return s[:rows, :cols]
 
 
@@ -170,7 +170,7 @@ def _on_cpu(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
   a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   if p.mode != PER_TENSOR:
     a = a * expand_scales(a_scale, m, k, 1)
-    b = b * expand_scales(b_scale, n, k, _GROUP if p.mode == BLOCK_128X128 else 1)
+    b = b * expand_scales(b_scale, n, k, BLOCK if p.mode == BLOCK_128X128 else 1)
     a_scale = b_scale = jnp.float32(1)
   acc = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   d = apply_scales(acc, a_scale, b_scale)
@@ -195,11 +195,11 @@ def _plan(p: Problem):
     am, ak = sharding.spec(shapes[0].sharding, 2)
     bn, bk = sharding.spec(shapes[1].sharding, 2)
     am = sharding.even(mesh, am, p.m)
-    bn = sharding.even(mesh, bn, p.n, _GROUP if p.mode == BLOCK_128X128 else DIM_MULTIPLE)
+    bn = sharding.even(mesh, bn, p.n, BLOCK if p.mode == BLOCK_128X128 else DIM_MULTIPLE)
     if set(sharding.axes(bn)) & set(sharding.axes(am)):
       bn = None
     same_k = sharding.axes(ak) == sharding.axes(bk)
-    kk = (sharding.even(mesh, ak, p.k, _GROUP if p.mode != PER_TENSOR else DIM_MULTIPLE)
+    kk = (sharding.even(mesh, ak, p.k, BLOCK if p.mode != PER_TENSOR else DIM_MULTIPLE)
           if same_k and not p.fp8_out else None)
     if set(sharding.axes(kk)) & set(sharding.axes(am, bn)):
       kk = None
@@ -228,7 +228,7 @@ def _rule(p: Problem) -> tuple[str, dict, tuple]:
   if p.mode != PER_TENSOR:
     nf, nbf = sharding.grouped("n", p.n) if p.mode == BLOCK_128X128 else ("n", "n")
     rule = f"m (kb k1), {nf} (kb k1), m kb, {nbf} kb"
-    sizes = {"k1": _GROUP, **({"n1": _GROUP} if p.mode == BLOCK_128X128 and p.n % _GROUP == 0
+    sizes = {"k1": BLOCK, **({"n1": BLOCK} if p.mode == BLOCK_128X128 and p.n % BLOCK == 0
                               else {})}
     reduction = ("kb", "k1")
   else:

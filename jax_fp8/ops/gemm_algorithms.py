@@ -65,7 +65,7 @@ def cache_path() -> pathlib.Path | None:
   return pathlib.Path(value) if value else None
 
 
-ALGORITHM_BYTES = 64  # sizeof(cublasLtMatmulAlgo_t)
+ALGORITHM_BYTES = _ffi.CONSTANTS["gemm_algorithm_bytes"]  # sizeof(cublasLtMatmulAlgo_t)
 
 
 def _parse(path: pathlib.Path, text: str, warn: bool = True) -> dict:

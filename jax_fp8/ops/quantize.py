@@ -113,6 +113,10 @@ def quantize_delayed(x: jax.Array, ring: ScaleRing, *, observe: bool = False) ->
   Raises:
     TypeError / ValueError at trace time: x not a float array, ring not a valid ScaleRing,
     observe not a bool.
+
+  Method: delayed scaling from an amax history (Micikevicius et al., "FP8 Formats for Deep
+  Learning", 2022; NVIDIA TransformerEngine's ``DelayedScaling``); the ring's rules are in
+  ``jax_fp8.state``.
   """
   x = checks.float_input(x)
   leaves = _ring.check_ring(ring)
