@@ -7,14 +7,16 @@ the schema (``SCHEMA_VERSION`` 1)::
     {"schema_version": 1, "jax_fp8_version": "0.3.0",
      "recipe": {"type": "DelayedScaling", "fp8_format": "hybrid", "history_len": 16, ...},
      "rings": {"<path of a ScaleRing in the state>": {"fmt": "e4m3", "margin": 0,
-                                                      "algo": "max", "shape": [16]}, ...}}
+                                                      "algo": "max", "shape": [16]}, ...},
+     "leaves": {"<path of a leaf>": {"shape": [4096, 1024], "dtype": "float32"}, ...}}
 
 The state is any pytree (a linen train state with its "fp8_state" collection, an NNX
 ``nnx.state(model)``, optimizer state included). Orbax stores the arrays; a ring's format,
 margin and algo are static pytree fields, so they come back from the restore target, which
 ``restore`` checks against the saved ones: a checkpoint never lands in rings of another
-recipe. Changing a recipe field that defines the state is refused, not migrated. A restored state is bit for bit the saved one, so a restored run continues as the
-uninterrupted one would.
+recipe. Changing a recipe field that defines the state is refused, not migrated; so is a
+target whose leaves differ from the saved ones in path, shape or dtype. A restored state is bit
+for bit the saved one, so a restored run continues as the uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
+import tempfile
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from . import __version__
@@ -80,10 +85,31 @@ def _directory(directory) -> pathlib.Path:
   return pathlib.Path(directory).absolute()
 
 
+def _leaves(state) -> dict:
+  """{path: shape and dtype} of every leaf of ``state``; TypeError naming the first leaf that
+  is no array or number (what orbax stores)."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float)):
+      raise TypeError(f"state{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; a "
+                      f"checkpoint stores arrays and numbers only")
+    out[jax.tree_util.keystr(path)] = {"shape": list(np.shape(leaf)),
+                                       "dtype": str(jax.numpy.result_type(leaf))}
+  return out
+
+
+def _differences(saved: dict, given: dict) -> dict:
+  """{key: (saved value, given value)} where the two dicts differ (None where a key is absent)."""
+  return {k: (saved.get(k), given.get(k)) for k in sorted(set(saved) | set(given))
+          if saved.get(k) != given.get(k)}
+
+
 def save(directory, state, recipe) -> None:
   """Save ``state`` (any pytree) and ``recipe`` (its layers' recipe, ``linear``'s choices)
-  into ``directory`` (a str or os.PathLike), which must not exist yet. Raises TypeError for
-  another kind of directory or another recipe type, ValueError when the state's rings were
+  into ``directory`` (a str or os.PathLike), which must not exist yet. The checkpoint is
+  written in a temporary directory beside it and renamed into place when complete, so a
+  failed save leaves nothing behind. Raises TypeError for another kind of directory, another
+  recipe type or a leaf that is no array or number, ValueError when the state's rings were
   not made by ``recipe`` or the state holds no array, FileExistsError for an existing
   directory."""
   directory = _directory(directory)
@@ -91,16 +117,22 @@ def save(directory, state, recipe) -> None:
     raise ValueError("state holds no array (the stateless recipes keep no FP8 state, e.g. an "
                      "empty fp8_state collection): save a state with arrays, such as the "
                      "parameters with the FP8 state")
-  recipe_dict, rings = _recipe_dict(recipe), _rings(state)
+  leaves, recipe_dict, rings = _leaves(state), _recipe_dict(recipe), _rings(state)
   _check_rings(rings, recipe)
-  meta = {"schema_version": SCHEMA_VERSION, "jax_fp8_version": __version__,
-          "recipe": recipe_dict, "rings": rings}
+  meta = json.dumps({"schema_version": SCHEMA_VERSION, "jax_fp8_version": __version__,
+                     "recipe": recipe_dict, "rings": rings, "leaves": leaves}, indent=1)
   if directory.exists():
     raise FileExistsError(f"checkpoint directory {directory} exists already")
-  directory.mkdir(parents=True)
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(directory / "state", state)
-  (directory / METADATA).write_text(json.dumps(meta, indent=1))
+  directory.parent.mkdir(parents=True, exist_ok=True)
+  partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+  try:
+    with ocp.StandardCheckpointer() as ckpt:
+      ckpt.save(partial / "state", state)
+    (partial / METADATA).write_text(meta)
+    partial.rename(directory)
+  except BaseException:
+    shutil.rmtree(partial, ignore_errors=True)
+    raise
 
 
 def restore(directory, target, recipe):
@@ -108,12 +140,14 @@ def restore(directory, target, recipe):
   structure, e.g. a freshly initialized one, whose rings carry the static fields).
 
   Raises:
-    TypeError when ``directory`` is no str or os.PathLike.
+    TypeError when ``directory`` is no str or os.PathLike, or a leaf of ``target`` is no
+    array or number.
     ValueError when the checkpoint's schema version is not ``SCHEMA_VERSION``, when
     ``recipe`` differs from the saved one in a field that defines the state
     (``STATE_FIELDS``: the recipe type, format, history length, margin, algo; the differing
     ones are named; of a stateless recipe only its type), or when the target's rings differ
-    from the saved ones (paths, formats, margins, algos, history lengths). Other fields
+    from the saved ones (paths, formats, margins, algos, history lengths), or when its leaves
+    differ from the saved ones (paths, shapes, dtypes; the first five named). Other fields
     (``fast_accum_gemms``, ``fp8_min_intensity``, BlockScaling's ``ue8m0`` and ``eps``,
     CurrentScaling's ``margin``) may change.
     FileNotFoundError when ``directory`` holds no jax_fp8 checkpoint.
@@ -129,15 +163,17 @@ def restore(directory, target, recipe):
   saved, wanted = ({k: v for k, v in d.items() if k in fields}
                    for d in (meta["recipe"], _recipe_dict(recipe)))
   if saved != wanted:
-    diff = {k: (saved.get(k), wanted.get(k)) for k in sorted(set(saved) | set(wanted))
-            if saved.get(k) != wanted.get(k)}
     raise ValueError(f"the checkpoint was saved under another recipe; (saved, given) per field: "
-                     f"{diff}")
+                     f"{_differences(saved, wanted)}")
   rings = _rings(target)
   if rings != meta["rings"]:
-    diff = {k: (meta["rings"].get(k), rings.get(k))
-            for k in sorted(set(rings) | set(meta["rings"])) if rings.get(k) != meta["rings"].get(k)}
     raise ValueError(f"the target's scale rings differ from the checkpoint's; (saved, target) per "
-                     f"ring: {diff}")
+                     f"ring: {_differences(meta['rings'], rings)}")
+  leaves = _leaves(target)
+  if leaves != meta["leaves"]:
+    diff = _differences(meta["leaves"], leaves)
+    raise ValueError(f"the target's leaves differ from the checkpoint's ({len(diff)} "
+                     f"differences; restore into a state initialized as the saved one was); "
+                     f"(saved, target) at the first: {dict(list(diff.items())[:5])}")
   with ocp.StandardCheckpointer() as ckpt:
     return ckpt.restore(directory / "state", target=target)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
+import numpy as np
+
 from . import checks
 from .formats import rht_signs
 from .ops.blockwise import GROUP_EPS
@@ -42,6 +44,15 @@ def check_fast_accum_gemms(recipe) -> None:
   if not all(g in LINEAR_GEMMS for g in v) or len(set(v)) != len(v):
     raise ValueError(rule)
   object.__setattr__(recipe, "fast_accum_gemms", tuple(g for g in LINEAR_GEMMS if g in v))
+
+
+def python_values(recipe) -> None:
+  """Store the NumPy scalars given for a recipe's fields as the Python values they hold, so
+  that the recipe prints and serializes (a checkpoint's JSON) as one built from them."""
+  for field in dataclasses.fields(recipe):
+    value = getattr(recipe, field.name)
+    if isinstance(value, np.generic):
+      object.__setattr__(recipe, field.name, value.item())
 
 
 class PerTensorFormats:
@@ -87,6 +98,7 @@ class DelayedScaling(PerTensorFormats):
   fast_accum_gemms: tuple[str, ...] = ()
 
   def __post_init__(self):
+    python_values(self)
     checks.one_of(self.fp8_format, "DelayedScaling.fp8_format", ("hybrid", "e4m3"))
     check_history_len(self.history_len, "DelayedScaling.")
     check_ring_params("e4m3", self.margin, self.algo, "DelayedScaling.")
@@ -118,6 +130,7 @@ class BlockScaling:
   fp8_min_intensity: float = 0.0
 
   def __post_init__(self):
+    python_values(self)
     checks.boolean(self.ue8m0, "BlockScaling.ue8m0")
     checks.group_eps(self.eps, "e4m3", "BlockScaling.eps")
     check_fp8_min_intensity(self)
@@ -154,6 +167,7 @@ class CurrentScaling(PerTensorFormats):
   fast_accum_gemms: tuple[str, ...] = ()
 
   def __post_init__(self):
+    python_values(self)
     checks.one_of(self.fp8_format, "CurrentScaling.fp8_format", ("hybrid", "e4m3"))
     check_ring_params("e4m3", self.margin, "most_recent", "CurrentScaling.")
     check_fp8_min_intensity(self)
@@ -187,6 +201,7 @@ class MXFP8BlockScaling:
   fp8_min_intensity: float = 0.0
 
   def __post_init__(self):
+    python_values(self)
     if not isinstance(self.fp8_format, str):
       raise TypeError(f"MXFP8BlockScaling.fp8_format must be 'e4m3', got "
                       f"{checks.describe(self.fp8_format)}")
@@ -235,6 +250,7 @@ class NVFP4BlockScaling:
   fp8_min_intensity: float = 0.0
 
   def __post_init__(self):
+    python_values(self)
     for name in ("weight_block_2d", "stochastic_rounding", "rht"):
       checks.boolean(getattr(self, name), f"NVFP4BlockScaling.{name}")
     rht_signs(self.rht_seed, "NVFP4BlockScaling.rht_seed")  # checks the seed

@@ -100,6 +100,18 @@ def test_refuses_another_recipe_or_other_rings(rng, tmp_path):
       checkpoint.save(tmp_path / "wrong", state, wrong)
   with pytest.raises(FileExistsError):
     checkpoint.save(tmp_path / "ckpt", state, RECIPE)
+  # A target of other leaves: another shape or dtype, a leaf more or less.
+  kernel = state["params"]["Dense_1"]["kernel"]
+  for params, want in (
+      ({**state["params"], "Dense_1": {**state["params"]["Dense_1"], "kernel": kernel[:8]}},
+       r"\['Dense_1'\]\['kernel'\]\W+\(\{'shape': \[64, 16\], 'dtype'.*\{'shape': \[8, 16\]"),
+      ({**state["params"], "Dense_1": {**state["params"]["Dense_1"],
+                                       "kernel": kernel.astype(jnp.bfloat16)}}, "'bfloat16'"),
+      ({**state["params"], "extra": jnp.ones(3)}, r"\['extra'\]\W+\(None, \{'shape': \[3\]"),
+      ({"Dense_0": state["params"]["Dense_0"]}, r"\(2 differences.*\['Dense_1'\]\['bias'\]\W+\(\{"),
+  ):
+    with pytest.raises(ValueError, match=r"target's leaves differ from the checkpoint's.*" + want):
+      checkpoint.restore(tmp_path / "ckpt", {**state, "params": params}, RECIPE)
   with pytest.raises(TypeError, match="recipe must be a DelayedScaling, a CurrentScaling, a "
                                       "BlockScaling, an MXFP8BlockScaling or an NVFP4"):
     checkpoint.save(tmp_path / "other", state, "hybrid")
@@ -112,6 +124,32 @@ def test_refuses_another_recipe_or_other_rings(rng, tmp_path):
   meta_path.write_text(json.dumps({**meta, "schema_version": 99}))
   with pytest.raises(ValueError, match="schema version 99; this jax_fp8 reads version 1"):
     checkpoint.restore(tmp_path / "ckpt", state, RECIPE)
+
+
+def test_a_failed_save_leaves_nothing(rng, tmp_path, monkeypatch):
+  """A leaf orbax cannot store is refused before anything is written; a save that fails while
+  writing leaves no directory behind, so the same save can be retried; a recipe built from
+  NumPy scalars saves and restores."""
+  x, y = data(rng)
+  state, _ = linen_run(RECIPE, x, y)
+  with pytest.raises(TypeError, match=r"state\['name'\] is a str; a checkpoint stores arrays"):
+    checkpoint.save(tmp_path / "ckpt", {**state, "name": "run1"}, RECIPE)
+
+  def fail(*args, **kwargs):
+    raise OSError("disk full")
+  with monkeypatch.context() as m:
+    m.setattr(checkpoint.ocp.StandardCheckpointer, "save", fail)
+    with pytest.raises(OSError, match="disk full"):
+      checkpoint.save(tmp_path / "ckpt", state, RECIPE)
+  assert list(tmp_path.iterdir()) == []
+  numpy_recipe = jax_fp8.DelayedScaling(history_len=np.int64(RECIPE.history_len),
+                                        margin=np.int32(0), fp8_min_intensity=np.float32(0),
+                                        fast_accum_gemms=RECIPE.fast_accum_gemms)
+  assert numpy_recipe == RECIPE and type(numpy_recipe.history_len) is int
+  checkpoint.save(tmp_path / "ckpt", state, numpy_recipe)
+  assert sorted(v.name for v in tmp_path.iterdir()) == ["ckpt"]
+  fresh, _ = linen_run(RECIPE, x, y)
+  assert_same(checkpoint.restore(tmp_path / "ckpt", fresh, RECIPE), state)
 
 
 def test_nnx_state(rng, tmp_path):
