@@ -183,6 +183,21 @@ def _check_like(value, name: str, like, like_name: str) -> None:
                        f"against {jnp.shape(l)}")
 
 
+def _check_not_swapped(state, state_grads) -> None:
+  """Where the scales are concrete (outside a jit): a ring's scale is a positive float and an
+  observation's is 0, so a zero scale in ``state`` or a nonzero one in ``state_grads`` means
+  the arguments were swapped or the wrong trees passed. ValueError then."""
+  scales = [(name, ring.scale) for name, tree in (("state", state), ("state_grads", state_grads))
+            for ring in jax.tree.leaves(tree, is_leaf=_is_ring)
+            if _is_ring(ring) and not isinstance(ring.scale, jax.core.Tracer)]
+  for (name, _), scale in zip(scales, jax.device_get([v for _, v in scales])):
+    zero = np.asarray(scale) == 0
+    if np.any(zero) if name == "state" else not np.all(zero):
+      raise ValueError(f"{name} holds a ring whose scale is {'0' if name == 'state' else 'not 0'}"
+                       f": a ring's scale is positive and its observation's 0; call "
+                       f"update_state(state, state_grads), the state first")
+
+
 def update_state(state, state_grads):
   """The state for the next step from the gradient with respect to the state.
 
@@ -196,7 +211,8 @@ def update_state(state, state_grads):
     the ring as it was.
   Raises:
     TypeError: a leaf of ``state`` that is no ScaleRing. ValueError: ``state_grads`` not of
-    ``state``'s structure and leaf shapes.
+    ``state``'s structure and leaf shapes; outside a jit, also a ring of ``state`` with a zero
+    scale or one of ``state_grads`` with a nonzero one (the arguments swapped).
 
   A ring used n times in one differentiation without ``share`` (e.g. under ``vmap``) has its
   observations summed by JAX; that shows as ``steps`` = n * (old steps + 1). The front entry
@@ -209,6 +225,7 @@ def update_state(state, state_grads):
       raise TypeError(f"state must be a pytree of ScaleRings (a LinearState, a Flax "
                       f"\"fp8_state\" collection), got a leaf {checks.describe(leaf)}")
   _check_like(state_grads, "state_grads", state, "state")
+  _check_not_swapped(state, state_grads)
 
   def advance_stacked(ring, obs):  # rings stacked by a scan over layers: [..., L]
     fn = advance

@@ -59,6 +59,21 @@ def test_unused_and_zero_gradient():
                      next_ring(ring, jnp.float32(1.0)))
 
 
+def test_swapped_arguments(rng):
+  """update_state(state_grads, state), the arguments swapped, would publish a zero scale
+  (every output of the next step zero): outside a jit it raises, naming the order."""
+  x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((64, 48)), jnp.float32)
+  state = jax_fp8.LinearState.create()
+  grads = jax.grad(lambda s: jnp.sum(jax_fp8.linear(x, w, state=s)))(state)
+  jax_fp8.update_state(state, grads)
+  with pytest.raises(ValueError, match=r"state holds a ring whose scale is 0.*"
+                                       r"update_state\(state, state_grads\), the state first"):
+    jax_fp8.update_state(grads, state)
+  with pytest.raises(ValueError, match="state_grads holds a ring whose scale is not 0"):
+    jax_fp8.update_state(state, state)
+
+
 def test_zero_initialized_kernel_stays_on_current_scaling(rng):
   """A layer whose kernel starts at zero (LoRA's B, say): the kernel ring records the zero
   step but does not count it, so its next step scales from that step's own amax."""
