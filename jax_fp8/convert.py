@@ -43,7 +43,7 @@ from flax import nnx
 
 from . import nnx as fp8_nnx
 from ._layer import call_layer, create_state, linen_key
-from .flax import STATE_COLLECTION
+from .flax import fp8_state_variable
 from .inference import Fp8Weight
 from .linear import fp8_multiple
 from .recipes import CROSSOVER_INTENSITY, DelayedScaling, Recipe, check_recipe, draws_key
@@ -140,10 +140,12 @@ def _dense_plan(m, x):
 
 def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
   m = context.module
+  # The layer's one argument, ``inputs``, given by position or by name.
+  x = args[0] if len(args) == 1 and not kwargs else (
+      kwargs["inputs"] if not args and set(kwargs) == {"inputs"} else None)
   if (context.method_name != "__call__" or type(m) not in (nn.Dense, nn.DenseGeneral)
-      or kwargs or len(args) != 1 or jnp.ndim(args[0]) < 1):
+      or x is None or jnp.ndim(x) < 1):
     return next_fun(*args, **kwargs)
-  x = args[0]
   plan = _dense_plan(m, x)
   if plan is None or not _selects("/".join(map(str, m.scope.path)), plan[1], plan[2], recipe,
                                   include, exclude):
@@ -158,7 +160,7 @@ def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
                     m.param_dtype).reshape(k, n))
   bias = (m.param("bias", flat_init(m.bias_init, (n,)), features, m.param_dtype)
           if m.use_bias else None)
-  state = (m.variable(STATE_COLLECTION, "linear", create_state, recipe, None).value
+  state = (fp8_state_variable(m, "linear", create_state, recipe, None)
            if isinstance(recipe, DelayedScaling) else None)
   lead = x.shape[:x.ndim - (len(kernel_shape) - len(features))]
   y, = call_layer(x.reshape(*lead, k), (kernel,),

@@ -67,7 +67,7 @@ def _norm_args(module: nn.Module, name: str, k: int):
   return module.norm, gamma, beta, module.norm_epsilon
 
 
-def _fp8_state(module: nn.Module, name: str, create, *args):
+def fp8_state_variable(module: nn.Module, name: str, create, *args):
   """The layer's ``name`` variable in the "fp8_state" collection (its ``DelayedScaling``
   rings), made by ``create(*args)`` where the collection is mutable. A ValueError saying how to
   pass the collection where the call can neither read nor create it (Flax's own error names
@@ -110,7 +110,7 @@ class _Layer(nn.Module):
                     for sfx, f in zip(names, features))
     biases = tuple(self.param(f"bias{sfx}", self.bias_init, (f,), self.param_dtype)
                    if use_bias else None for sfx, f in zip(names, features))
-    state = (_fp8_state(self, "linear", create_state, self.recipe,
+    state = (fp8_state_variable(self, "linear", create_state, self.recipe,
                         len(features) if multi else None)
              if isinstance(self.recipe, DelayedScaling) else None)
     # init usually runs outside the pmap / shard_map whose axis is named; the axis serves the
@@ -244,7 +244,7 @@ class Mlp(nn.Module):
     biases = ((self.param("bias_in", self.bias_init, (n,), self.param_dtype),
                self.param("bias_out", self.bias_init, (d,), self.param_dtype))
               if use_bias else (None, None))
-    state = (_fp8_state(self, "mlp", MlpState.create, self.recipe)
+    state = (fp8_state_variable(self, "mlp", MlpState.create, self.recipe)
              if isinstance(self.recipe, DelayedScaling) else None)
     axis = None if self.is_initializing() else self.amax_axis_name
     return call_mlp(inputs, (kernel_in, kernel_out), biases, state, self.recipe, self.dtype,

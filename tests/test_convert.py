@@ -142,7 +142,7 @@ def test_filter():
   class Net(nn.Module):
     @nn.compact
     def __call__(self, x):
-      x = nn.Dense(256, name="a")(x)
+      x = nn.Dense(256, name="a")(inputs=x)  # the input by name is converted too
       x = nn.Dense(24, name="odd")(x)  # N not a multiple of 16: stays
       return nn.Dense(256, name="head")(nn.Dense(128, name="b")(x[..., :16]))
 
@@ -156,6 +156,11 @@ def test_filter():
   assert "fp8_state" not in v
   assert np.array_equal(block.apply(v, x), Net().apply(v, x))
   assert convert(Net()).recipe == jax_fp8.DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY)
+  # Applied with the params alone, a converted layer says where its rings live.
+  v = convert(Net(), RECIPE).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match='keeps its scale rings in the "fp8_state" collection.*'
+                                       'the layer at /a: apply with the variables init'):
+    convert(Net(), RECIPE).apply({"params": v["params"]}, x)
 
 
 def test_bad_arguments():
