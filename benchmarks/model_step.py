@@ -362,8 +362,11 @@ def main(argv=None):
     if cfg != dataclasses.replace(Config(), microbatches=cfg.microbatches):
       p.error("--quick runs its own tiny model: give no model flags but --microbatches with it")
     cfg = dataclasses.replace(QUICK, microbatches=cfg.microbatches)
-  if cfg.microbatches < 1 or cfg.batch % cfg.microbatches:
-    p.error(f"--microbatches ({cfg.microbatches}) must be >= 1 and divide --batch ({cfg.batch})")
+  for f in dataclasses.fields(Config):
+    if f.type in (int, "int") and getattr(cfg, f.name) < 1:
+      p.error(f"--{f.name.replace('_', '-')} must be >= 1, got {getattr(cfg, f.name)}")
+  if cfg.batch % cfg.microbatches:
+    p.error(f"--microbatches ({cfg.microbatches}) must divide --batch ({cfg.batch})")
   if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
     p.error(f"--d-model ({cfg.d_model}) must be a multiple of --heads ({cfg.heads}) with an even "
             f"head size")

@@ -2,8 +2,9 @@
 not rot between runs on a GPU)."""
 
 import json
-import sys
 import pathlib
+import re
+import sys
 
 import jax
 import pytest
@@ -153,6 +154,21 @@ def test_model_step_microbatches(tmp_path):
   losses = {r["variant"]: r["loss"] for r in res["rows"]}
   assert all(0 < v < 10 for v in losses.values())
   assert losses["delayed_fused_norm_mlp_cast_kernels"] == losses["delayed_fused_norm_mlp"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--heads", "0"], "--heads must be >= 1, got 0"),
+    (["--layers", "-1"], "--layers must be >= 1, got -1"),
+    (["--quick", "--microbatches", "0"], "--microbatches must be >= 1, got 0"),
+    (["--d-model", "100", "--heads", "8"], r"--d-model \(100\) must be a multiple of --heads"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+])
+def test_model_step_bad_flags(capsys, argv, message):
+  """Bad sizes and counts stop the model-step benchmark at its command line, before a model
+  is built, with the flag named."""
+  with pytest.raises(SystemExit):
+    model_step.main(argv)
+  assert re.search(message, capsys.readouterr().err)
 
 
 def test_demo_step_benchmark(tmp_path):

@@ -88,6 +88,20 @@ def test_demo_rejects_a_negative_tolerance(capsys, tolerance):
       capsys.readouterr().err)
 
 
+def test_demo_rejects_a_bad_seed_or_out(tmp_path, capsys):
+  """A seed out of range and an --out that is a file or cannot be created are refused before
+  the corpus is read."""
+  a_file = tmp_path / "results.json"
+  a_file.write_text("{}")
+  for argv, message in ((["--seed", "-1"], "--seed must be in [0, 2**63), got -1"),
+                        (["--seed", str(2**64)], f"--seed must be in [0, 2**63), got {2**64}"),
+                        (["--out", str(a_file)], f"--out must be a folder, got the file {a_file}"),
+                        (["--out", str(a_file / "sub")], "--out: cannot create the folder")):
+    with pytest.raises(SystemExit):
+      main(["--preset", "smoke", *argv])
+    assert message in capsys.readouterr().err
+
+
 def test_demo_resumes_a_stopped_run(tmp_path, capsys):
   """--stop-after checkpoints a run in --out and the same command resumes it: a run trained in
   segments of a few steps has the uninterrupted run's losses, bit for bit (with XLA's attention:

@@ -175,9 +175,9 @@ def _load_checkpoint(out, name, settings, arrays):
   return flax.serialization.from_state_dict(arrays, saved["arrays"]), progress
 
 
-def train(name: str, cfg: Config, preset: Preset, batches: np.ndarray, val: np.ndarray,
+def train(name: str, cfg: Config, preset: Preset, batches: data.TrainBatches, val: np.ndarray,
           seed: int, out: str, settings: dict, deadline: float | None = None) -> dict | None:
-  """Train one variant on ``batches`` (uint8 [steps, B, T + 1]); return its figures, or None
+  """Train one variant on ``batches`` (``steps`` of uint8 [B, T + 1]); return its figures, or None
   when ``deadline`` (a ``time.perf_counter()`` value) passed first: the run's state is then
   checkpointed in ``out`` and a later call under the same ``settings`` resumes it (each
   resumed segment leaves its own first ``SKIP_STEPS`` steps out of the timing)."""
@@ -325,6 +325,14 @@ def parse_args(argv):
   args.fast_accum = list(canonical)
   if args.steps is not None and args.steps <= SKIP_STEPS:
     p.error(f"--steps must be more than {SKIP_STEPS} (the untimed compile steps)")
+  if not 0 <= args.seed < 2**63:
+    p.error(f"--seed must be in [0, 2**63), got {args.seed}")
+  if os.path.exists(args.out) and not os.path.isdir(args.out):
+    p.error(f"--out must be a folder, got the file {args.out}")
+  try:
+    os.makedirs(args.out, exist_ok=True)
+  except OSError as e:
+    p.error(f"--out: cannot create the folder {args.out} ({e.strerror})")
   return args
 
 
@@ -354,7 +362,6 @@ def main(argv=None) -> None:
 
   print(f"FP8 recipes: {', '.join(args.recipe)}" + (
       f" (fast accumulation in {', '.join(args.fast_accum)})" if args.fast_accum else ""))
-  os.makedirs(args.out, exist_ok=True)
   attention = args.attention or default_attention(jax.default_backend())
   settings = {"preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
               "attention": attention, "device": device, "backend": jax.default_backend(),

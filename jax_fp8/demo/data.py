@@ -55,8 +55,31 @@ def load_corpus(val_fraction: float = 0.05) -> Corpus:
   return Corpus(train=data[:split], val=data[split:], files=len(paths))
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainBatches:
+  """The training batches, each cut from the bytes when indexed (a run of any length holds
+  only the window offsets): ``batches[i]`` is uint8 [batch, seq_len + 1], inputs ``[:, :-1]``
+  and targets ``[:, 1:]``; ``len(batches)`` is the number of steps.
+
+  Attributes:
+    data: uint8 [N], the training bytes.
+    starts: int64 [steps, batch], each window's first byte.
+    seq_len: tokens per window.
+  """
+
+  data: np.ndarray
+  starts: np.ndarray
+  seq_len: int
+
+  def __len__(self) -> int:
+    return len(self.starts)
+
+  def __getitem__(self, step: int) -> np.ndarray:
+    return self.data[self.starts[step][:, None] + np.arange(self.seq_len + 1)]
+
+
 def train_batches(data: np.ndarray, steps: int, batch: int, seq_len: int,
-                  seed: int) -> np.ndarray:
+                  seed: int) -> TrainBatches:
   """Random windows of ``seq_len + 1`` bytes, the same for a given seed.
 
   Args:
@@ -64,12 +87,12 @@ def train_batches(data: np.ndarray, steps: int, batch: int, seq_len: int,
     steps, batch, seq_len: how many batches, windows per batch, tokens per window.
     seed: numpy seed for the window offsets.
   Returns:
-    uint8 [steps, batch, seq_len + 1]; inputs are ``[..., :-1]`` and targets ``[..., 1:]``.
+    ``TrainBatches``: ``steps`` batches of uint8 [batch, seq_len + 1].
   """
   if len(data) <= seq_len + 1:
     raise ValueError(f"training data ({len(data)} bytes) shorter than one window")
   starts = np.random.default_rng(seed).integers(0, len(data) - seq_len - 1, (steps, batch))
-  return data[starts[..., None] + np.arange(seq_len + 1)]
+  return TrainBatches(data, starts, seq_len)
 
 
 def val_batches(data: np.ndarray, max_batches: int, batch: int, seq_len: int) -> np.ndarray:
