@@ -2,9 +2,9 @@
 through orbax (``orbax-checkpoint``, which the ``flax`` extra installs).
 
 A checkpoint directory holds orbax's checkpoint of the state in ``state/`` and ``jax_fp8.json``,
-the schema (``SCHEMA_VERSION`` 1)::
+the schema (``SCHEMA_VERSION`` 2)::
 
-    {"schema_version": 1, "jax_fp8_version": "0.3.0",
+    {"schema_version": 2, "jax_fp8_version": "0.3.0",
      "recipe": {"type": "DelayedScaling", "fp8_format": "hybrid", "history_len": 16, ...},
      "rings": {"<path of a ScaleRing in the state>": {"fmt": "e4m3", "margin": 0,
                                                       "algo": "max", "shape": [16]}, ...},
@@ -26,17 +26,16 @@ import json
 import os
 import pathlib
 import shutil
-import tempfile
+import uuid
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from . import __version__
 from .recipes import DelayedScaling, check_recipe
 from .state import ScaleRing
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 METADATA = "jax_fp8.json"
 
 
@@ -85,16 +84,20 @@ def _directory(directory) -> pathlib.Path:
   return pathlib.Path(directory).absolute()
 
 
-def _leaves(state) -> dict:
-  """{path: shape and dtype} of every leaf of ``state``; TypeError naming the first leaf that
-  is no array or number (what orbax stores)."""
+def _leaves(tree, name: str) -> dict:
+  """{path: shape and dtype} of every leaf of ``tree`` (argument ``name``): arrays, abstract
+  arrays (``jax.ShapeDtypeStruct``, an abstract restore target) and Python numbers, what orbax
+  stores; TypeError naming the first other leaf."""
   out = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-    if not isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float)):
-      raise TypeError(f"state{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; a "
+  for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
+      shape, dtype = [], type(leaf).__name__
+    elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      shape, dtype = list(leaf.shape), str(leaf.dtype)
+    else:
+      raise TypeError(f"{name}{jax.tree_util.keystr(path)} is a {type(leaf).__name__}; a "
                       f"checkpoint stores arrays and numbers only")
-    out[jax.tree_util.keystr(path)] = {"shape": list(np.shape(leaf)),
-                                       "dtype": str(jax.numpy.result_type(leaf))}
+    out[jax.tree_util.keystr(path)] = {"shape": shape, "dtype": dtype}
   return out
 
 
@@ -117,14 +120,14 @@ def save(directory, state, recipe) -> None:
     raise ValueError("state holds no array (the stateless recipes keep no FP8 state, e.g. an "
                      "empty fp8_state collection): save a state with arrays, such as the "
                      "parameters with the FP8 state")
-  leaves, recipe_dict, rings = _leaves(state), _recipe_dict(recipe), _rings(state)
+  leaves, recipe_dict, rings = _leaves(state, "state"), _recipe_dict(recipe), _rings(state)
   _check_rings(rings, recipe)
   meta = json.dumps({"schema_version": SCHEMA_VERSION, "jax_fp8_version": __version__,
                      "recipe": recipe_dict, "rings": rings, "leaves": leaves}, indent=1)
   if directory.exists():
     raise FileExistsError(f"checkpoint directory {directory} exists already")
-  directory.parent.mkdir(parents=True, exist_ok=True)
-  partial = pathlib.Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+  partial = directory.with_name(f".{directory.name}.{uuid.uuid4().hex}.partial")
+  partial.mkdir(parents=True)  # the user's umask applies, as to the directory itself
   try:
     with ocp.StandardCheckpointer() as ckpt:
       ckpt.save(partial / "state", state)
@@ -137,11 +140,12 @@ def save(directory, state, recipe) -> None:
 
 def restore(directory, target, recipe):
   """The state saved in ``directory``, restored against ``target`` (a state of the same
-  structure, e.g. a freshly initialized one, whose rings carry the static fields).
+  structure, e.g. a freshly initialized one, whose rings carry the static fields; its leaves
+  may be abstract, ``jax.eval_shape``'s ``ShapeDtypeStruct``s, with shardings for orbax).
 
   Raises:
     TypeError when ``directory`` is no str or os.PathLike, or a leaf of ``target`` is no
-    array or number.
+    array, abstract array or number.
     ValueError when the checkpoint's schema version is not ``SCHEMA_VERSION``, when
     ``recipe`` differs from the saved one in a field that defines the state
     (``STATE_FIELDS``: the recipe type, format, history length, margin, algo; the differing
@@ -169,7 +173,7 @@ def restore(directory, target, recipe):
   if rings != meta["rings"]:
     raise ValueError(f"the target's scale rings differ from the checkpoint's; (saved, target) per "
                      f"ring: {_differences(meta['rings'], rings)}")
-  leaves = _leaves(target)
+  leaves = _leaves(target, "target")
   if leaves != meta["leaves"]:
     diff = _differences(meta["leaves"], leaves)
     raise ValueError(f"the target's leaves differ from the checkpoint's ({len(diff)} "

@@ -199,8 +199,13 @@ def activation_grad_group_cast_transpose(dh, y, *, activation: str, fmt="e4m3", 
 
 
 def expand_scales(scale, rows: int, cols: int, block_rows: int) -> jax.Array:
-  """The scale of each element [rows, cols] of block scales with blocks of block_rows x 128:
-  element (i, j) reads scale[i // block_rows, j // 128]."""
+  """The scale of each element [rows, cols] of block scales [ceil(rows / block_rows),
+  ceil(cols / 128)] with blocks of block_rows x 128: element (i, j) reads
+  scale[i // block_rows, j // 128]. ValueError for scales of another shape."""
+  want = (-(-rows // block_rows), -(-cols // BLOCK))
+  if scale.shape != want:
+    raise ValueError(f"scales of {rows} x {cols} in blocks of {block_rows} x {BLOCK} must be "
+                     f"{want}, got {scale.shape}")
   return scale[(jnp.arange(rows) // block_rows)[:, None], (jnp.arange(cols) // BLOCK)[None, :]]
 
 

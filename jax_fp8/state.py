@@ -184,18 +184,23 @@ def _check_like(value, name: str, like, like_name: str) -> None:
 
 
 def _check_not_swapped(state, state_grads) -> None:
-  """Where the scales are concrete (outside a jit): a ring's scale is a positive float and an
-  observation's is 0, so a zero scale in ``state`` or a nonzero one in ``state_grads`` means
-  the arguments were swapped or the wrong trees passed. ValueError then."""
-  scales = [(name, ring.scale) for name, tree in (("state", state), ("state_grads", state_grads))
-            for ring in jax.tree.leaves(tree, is_leaf=_is_ring)
-            if _is_ring(ring) and not isinstance(ring.scale, jax.core.Tracer)]
-  for (name, _), scale in zip(scales, jax.device_get([v for _, v in scales])):
-    zero = np.asarray(scale) == 0
-    if np.any(zero) if name == "state" else not np.all(zero):
-      raise ValueError(f"{name} holds a ring whose scale is {'0' if name == 'state' else 'not 0'}"
-                       f": a ring's scale is positive and its observation's 0; call "
-                       f"update_state(state, state_grads), the state first")
+  """Where the scales are concrete and this process holds them whole (outside a jit): a ring's
+  scale is a positive float and an observation's is 0, so a zero scale in ``state`` or a
+  nonzero one in ``state_grads`` means the arguments were swapped. ValueError naming the ring
+  then."""
+  scales = []
+  for name, tree in (("state", state), ("state_grads", state_grads)):
+    for path, ring in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_ring)[0]:
+      scale = ring.scale if _is_ring(ring) else None
+      if (scale is not None and not isinstance(scale, jax.core.Tracer)
+          and getattr(scale, "is_fully_addressable", True)):
+        scales.append((name + jax.tree_util.keystr(path), name == "state", scale))
+  for (where, in_state, _), value in zip(scales, jax.device_get([v for *_, v in scales])):
+    zero = np.asarray(value) == 0
+    if np.any(zero) if in_state else not np.all(zero):
+      raise ValueError(f"{where}.scale is {'0' if in_state else 'not 0'}: a ring's scale is "
+                       f"positive and its observation's 0; call update_state(state, "
+                       f"state_grads), the state first")
 
 
 def update_state(state, state_grads):
@@ -212,7 +217,8 @@ def update_state(state, state_grads):
   Raises:
     TypeError: a leaf of ``state`` that is no ScaleRing. ValueError: ``state_grads`` not of
     ``state``'s structure and leaf shapes; outside a jit, also a ring of ``state`` with a zero
-    scale or one of ``state_grads`` with a nonzero one (the arguments swapped).
+    scale or one of ``state_grads`` with a nonzero one (the arguments swapped). That check
+    reads the scales to the host, so an eager call waits for the step that computed them.
 
   A ring used n times in one differentiation without ``share`` (e.g. under ``vmap``) has its
   observations summed by JAX; that shows as ``steps`` = n * (old steps + 1). The front entry

@@ -122,7 +122,7 @@ def test_refuses_another_recipe_or_other_rings(rng, tmp_path):
   meta_path = tmp_path / "ckpt" / checkpoint.METADATA
   meta = json.loads(meta_path.read_text())
   meta_path.write_text(json.dumps({**meta, "schema_version": 99}))
-  with pytest.raises(ValueError, match="schema version 99; this jax_fp8 reads version 1"):
+  with pytest.raises(ValueError, match="schema version 99; this jax_fp8 reads version 2"):
     checkpoint.restore(tmp_path / "ckpt", state, RECIPE)
 
 
@@ -150,6 +150,8 @@ def test_a_failed_save_leaves_nothing(rng, tmp_path, monkeypatch):
   assert sorted(v.name for v in tmp_path.iterdir()) == ["ckpt"]
   fresh, _ = linen_run(RECIPE, x, y)
   assert_same(checkpoint.restore(tmp_path / "ckpt", fresh, RECIPE), state)
+  abstract = jax.eval_shape(lambda: linen_run(RECIPE, x, y)[0])  # restore without allocating
+  assert_same(checkpoint.restore(tmp_path / "ckpt", abstract, RECIPE), state)
 
 
 def test_nnx_state(rng, tmp_path):

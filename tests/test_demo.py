@@ -2,8 +2,10 @@
 
 import json
 
+import numpy as np
 import pytest
 
+from jax_fp8.demo import data
 from jax_fp8.demo.__main__ import main
 from jax_fp8.demo.model import Config, _fp8_kw
 
@@ -34,6 +36,19 @@ def test_demo_split_runs(tmp_path, capsys):
   fp8 = json.loads((tmp_path / "run-delayed.json").read_text())
   assert res["runs"]["delayed"]["train_losses"] == fp8["train_losses"]
   assert res["seed"] == 0 and list(res["runs"]) == ["bf16", "delayed"] and res["passed"]
+
+
+def test_training_batches():
+  """Each batch is cut from the bytes when indexed: windows of seq_len + 1 consecutive bytes at
+  the seeded offsets, the same for the same seed; an index that is no int is refused."""
+  corpus = np.arange(200, dtype=np.uint8)
+  batches = data.train_batches(corpus, steps=5, batch=3, seq_len=7, seed=1)
+  assert len(batches) == 5 and [b.shape for b in batches] == [(3, 8)] * 5
+  for b, starts in zip(batches, batches.starts):  # the corpus counts up: a window does too
+    assert np.all(b[:, 0] == starts) and np.all(np.diff(b.astype(int), axis=1) == 1)
+  np.testing.assert_array_equal(batches[4], data.train_batches(corpus, 5, 3, 7, seed=1)[4])
+  with pytest.raises(TypeError):
+    batches[1:3]
 
 
 def test_demo_config_rejects_an_unknown_attention():

@@ -67,10 +67,10 @@ def test_swapped_arguments(rng):
   state = jax_fp8.LinearState.create()
   grads = jax.grad(lambda s: jnp.sum(jax_fp8.linear(x, w, state=s)))(state)
   jax_fp8.update_state(state, grads)
-  with pytest.raises(ValueError, match=r"state holds a ring whose scale is 0.*"
+  with pytest.raises(ValueError, match=r"state.x.scale is 0: a ring.s scale is positive.*"
                                        r"update_state\(state, state_grads\), the state first"):
     jax_fp8.update_state(grads, state)
-  with pytest.raises(ValueError, match="state_grads holds a ring whose scale is not 0"):
+  with pytest.raises(ValueError, match=r"state_grads.x.scale is not 0"):
     jax_fp8.update_state(state, state)
 
 

@@ -7,6 +7,7 @@ sorted order and concatenated, so the corpus is the same on every run on one Pyt
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import sysconfig
 
@@ -75,7 +76,9 @@ class TrainBatches:
     return len(self.starts)
 
   def __getitem__(self, step: int) -> np.ndarray:
-    return self.data[self.starts[step][:, None] + np.arange(self.seq_len + 1)]
+    """Batch ``step`` (an int); TypeError for a slice or another index."""
+    starts = self.starts[operator.index(step)]
+    return self.data[starts[:, None] + np.arange(self.seq_len + 1)]
 
 
 def train_batches(data: np.ndarray, steps: int, batch: int, seq_len: int,

@@ -42,7 +42,7 @@ def _check_rows(name: str, rows: int) -> None:
                      f"kernel's grid per 128 rows)")
 
 
-def group_quantize(x: jax.Array, *, group_size: int = 128, fmt: str = "e4m3",
+def group_quantize(x: jax.Array, *, group_size: int = BLOCK, fmt: str = "e4m3",
                    eps: float = GROUP_EPS, ue8m0: bool = False, scale_layout: str = "row"):
   """Per-token-group FP8 quantization: one scale per ``group_size`` consecutive elements of
   the last axis.
