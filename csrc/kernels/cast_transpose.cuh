@@ -2,9 +2,10 @@
 // transposed copy qt [C, R16] (R16 = R rounded up to 16, padding columns zero), with the amax
 // fused, optionally the column sums of what was quantized (the bias gradient: per-tile partials
 // here, summed by dbias_reduce_kernel), and optionally the scale ring's outputs written by the
-// last block, as in quantize.cuh. These are the layouts Hopper's TN-only FP8 GEMMs need: q feeds
-// the forward / dgrad, qt the wgrad (docs/design.md, "Linear layout"). What is quantized comes
-// from a source (sources.cuh): x, an activation of x, the gradient through one, or a norm of x.
+// last block (quantize.cuh's finish_amax). These are the layouts Hopper's TN-only FP8 GEMMs
+// need: q feeds the forward / dgrad, qt the wgrad (docs/design.md, "Linear layout"). What is
+// quantized comes from a source (sources.cuh): x, an activation of x, the gradient through one,
+// or a norm of x.
 #pragma once
 
 #include "sources.cuh"
@@ -15,8 +16,8 @@ namespace jax_fp8 {
 static_assert(kQtRowMultiple == kElemsPerThread, "a thread stores 16 bytes of a qt row");
 static_assert(kTileBlocks == 4, "the dbias shuffles assume 4 lanes a row");
 
-// The amax of a source's values (all its outputs) when the ring is on its first step (the cast-transpose
-// then quantizes with the scale from it); otherwise every block returns at once.
+// The amax of a source's values (all its outputs) when the ring is on its first step (the
+// cast-transpose then quantizes with the scale from it); otherwise every block returns at once.
 template <typename Src>
 __global__ void __launch_bounds__(kQuantizeThreads)
     first_step_source_amax_kernel(Src src, int64_t rows, int64_t cols, const float* steps,
@@ -38,8 +39,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
 #pragma unroll
       for (int k = 0; k < kElemsPerThread; ++k) m = max(m, abs_bits(f[j][k]));
   }
-  m = block_max(m);
-  if (threadIdx.x == 0) atomicMax(&scratch->first_amax_bits, m);
+  add_first_amax(m, scratch);
   pdl_trigger();
 }
 
@@ -49,10 +49,11 @@ __global__ void __launch_bounds__(kQuantizeThreads)
 //
 // cols: the source's columns (of each output); q is [R, kOutputs * cols], its outputs side by
 // side, and qt [kOutputs * cols, R16].
-// dbias_partial: f32 [ceil(R / 64), kOutputs * cols], the column sums of each row-tile (dbias_reduce_kernel
-// sums them). Inside a tile the order is fixed, so the kernel is deterministic: a warp holds
-// 8 rows and sums them pairwise by shuffles, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)),
-// then the 8 warps' sums are added in warp order onto 0 (the CPU handler follows the order).
+// dbias_partial: f32 [ceil(R / 64), kOutputs * cols], the column sums of each row-tile
+// (dbias_reduce_kernel sums them). Inside a tile the order is fixed, so the kernel is
+// deterministic: a warp holds 8 rows and sums them pairwise by shuffles, ((r0 + r1) + (r2 +
+// r3)) + ((r4 + r5) + (r6 + r7)), then the 8 warps' sums are added in warp order onto 0 (the
+// CPU handler follows the order).
 // 16-bit inputs take their source's launch bound (blocks_per_sm in sources.cuh): enough
 // resident blocks for the loads in flight to cover the memory's latency; f32 inputs keep
 // their registers.
@@ -146,20 +147,7 @@ __global__ void __launch_bounds__(
     __syncthreads();  // the next tile reuses tile_q and warp_sums
   });
 
-  m = block_max(m);
-  __shared__ bool is_last;
-  if (threadIdx.x == 0) {
-    atomicMax(&scratch->amax_bits, m);
-    __threadfence();
-    is_last = atomicAdd(&scratch->blocks_done, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (is_last) {
-    __threadfence();
-    const float amax = bits_float(atomicMax(&scratch->amax_bits, 0u));
-    if (threadIdx.x == 0) *amax_out = amax;
-    if constexpr (kRing) ring_write_block(ring, amax, fmt);
-  }
+  finish_amax<kRing>(m, scratch, amax_out, ring, fmt);
   pdl_trigger();
 }
 

@@ -136,6 +136,12 @@ __device__ __forceinline__ void load16(const T* p, float (&v)[kElemsPerThread]) 
   unpack16<T, kFlush>(load_raw16(p), v);
 }
 
+// A first-step pre-pass's end: this thread's amax `m` (abs_bits) joins the grid's.
+__device__ __forceinline__ void add_first_amax(unsigned m, QuantizeScratch* scratch) {
+  m = block_max(m);
+  if (threadIdx.x == 0) atomicMax(&scratch->first_amax_bits, m);
+}
+
 // Amax over x when the ring is on its first step; otherwise every block returns at once.
 template <typename T>
 __global__ void __launch_bounds__(kQuantizeThreads)
@@ -150,8 +156,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n;
        i += size_t(gridDim.x) * blockDim.x)
     m = max(m, abs_bits(to_float(x[i])));
-  m = block_max(m);
-  if (threadIdx.x == 0) atomicMax(&scratch->first_amax_bits, m);
+  add_first_amax(m, scratch);
   pdl_trigger();
 }
 
@@ -161,6 +166,29 @@ __device__ inline void ring_write_block(const RingArgs& ring, float amax, Fp8For
   const float front = ring_front(amax);
   const unsigned m = block_max(ring_write_history(ring, front, threadIdx.x, blockDim.x));
   if (threadIdx.x == 0) ring_write_scalars(ring, front, m, fmt);
+}
+
+// A quantize's end: this thread's amax `m` (abs_bits) joins the grid's, and the last block to
+// finish writes the amax and, with a ring, the ring's outputs. Every thread of the block calls
+// it, once per kernel (its is_last is one byte of the kernel's shared memory).
+template <bool kRing>
+__device__ __forceinline__ void finish_amax(unsigned m, QuantizeScratch* scratch,
+                                            float* amax_out, const RingArgs& ring,
+                                            Fp8Format fmt) {
+  m = block_max(m);
+  __shared__ bool is_last;
+  if (threadIdx.x == 0) {
+    atomicMax(&scratch->amax_bits, m);
+    __threadfence();
+    is_last = atomicAdd(&scratch->blocks_done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (is_last) {
+    __threadfence();
+    const float amax = bits_float(atomicMax(&scratch->amax_bits, 0u));
+    if (threadIdx.x == 0) *amax_out = amax;
+    if constexpr (kRing) ring_write_block(ring, amax, fmt);
+  }
 }
 
 // The ring's scale this step (or, on its first step, the scale from the pre-pass amax); one
@@ -199,21 +227,7 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     m = max(m, abs_bits(f));
     q[i] = float_to_fp8(mul_flushed(f, inv), fmt);
   }
-  m = block_max(m);
-
-  __shared__ bool is_last;
-  if (threadIdx.x == 0) {
-    atomicMax(&scratch->amax_bits, m);
-    __threadfence();
-    is_last = atomicAdd(&scratch->blocks_done, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (is_last) {
-    __threadfence();
-    const float amax = bits_float(atomicMax(&scratch->amax_bits, 0u));
-    if (threadIdx.x == 0) *amax_out = amax;
-    if constexpr (kRing) ring_write_block(ring, amax, fmt);
-  }
+  finish_amax<kRing>(m, scratch, amax_out, ring, fmt);
   pdl_trigger();
 }
 
