@@ -6,10 +6,11 @@ extra and is imported on its own: ``import jax_fp8.flax``.
 
 from ._ffi import cuda_available
 from .formats import fp8_dtype, fp8_max
+from .cast_kernel import CastKernel, cast_kernel
 from .inference import Fp8Weight, quantize_weight, quantize_weights
-from .linear import (CastKernel, LinearState, MultiLinearState, cast_kernel, linear,
-                     multi_linear)
-from .mlp import MlpState, mlp
+from .layer_state import LinearState, MlpState, MultiLinearState
+from .linear import linear, multi_linear
+from .mlp import mlp
 from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_transpose,
                   activation_grad_cast_transpose, activation_grad_group_cast_transpose,
                   activation_group_cast_transpose, block_quantize, cast_transpose_delayed,
@@ -18,7 +19,7 @@ from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_t
                   nvfp4_dequantize, nvfp4_gemm, nvfp4_kernel, nvfp4_quantize, quantize,
                   quantize_delayed)
 from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
-                      NVFP4BlockScaling)
+                      NVFP4BlockScaling, Recipe)
 from .state import ScaleRing, combine_updates, share, update_state
 
 __version__ = "0.3.0.dev0"
@@ -26,7 +27,7 @@ __version__ = "0.3.0.dev0"
 __all__ = [
     "BlockScaling", "CastKernel", "CastTransposed", "CurrentScaling", "DelayedQuantized",
     "DelayedScaling", "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState",
-    "MultiLinearState", "NVFP4BlockScaling", "Quantized", "ScaleRing",
+    "MultiLinearState", "NVFP4BlockScaling", "Quantized", "Recipe", "ScaleRing",
     "activation_cast_transpose", "activation_grad_cast_transpose",
     "activation_grad_group_cast_transpose", "activation_group_cast_transpose", "block_quantize",
     "cast_kernel", "cast_transpose_delayed",

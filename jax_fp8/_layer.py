@@ -12,9 +12,11 @@ from flax.linen import dtypes
 from . import _names, checks, norms
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
-from .linear import CastKernel, LinearState, MultiLinearState, cast_kernel, linear, multi_linear
-from .mlp import MlpState, mlp
-from .recipes import BlockScaling, CurrentScaling, DelayedScaling, check_recipe, draws_key
+from .cast_kernel import CastKernel, cast_kernel
+from .layer_state import LinearState, MlpState, MultiLinearState
+from .linear import linear, multi_linear
+from .mlp import mlp
+from .recipes import DelayedScaling, check_recipe
 
 # The Flax rng stream that NVFP4's stochastic rounding draws its key from, each call.
 SR_STREAM = "stochastic_rounding"
@@ -73,7 +75,7 @@ def linen_key(module, recipe):
   """A linen module's key for ``recipe``'s stochastic rounding: the next of its
   "stochastic_rounding" rng stream where the recipe draws one and ``apply`` was given the
   stream, else None (a forward needs none; the backward then asks for it)."""
-  return module.make_rng(SR_STREAM) if draws_key(recipe) and module.has_rng(SR_STREAM) else None
+  return module.make_rng(SR_STREAM) if recipe.draws_key and module.has_rng(SR_STREAM) else None
 
 
 def create_state(recipe: DelayedScaling, outputs: int | None):
@@ -87,8 +89,8 @@ def check_cast_kernels(recipe, fp8_state, select, state_name: str) -> bool:
   their rings from ``fp8_state``)."""
   if not callable(select):
     raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
-  check_recipe(recipe, allowed=(DelayedScaling, CurrentScaling, BlockScaling))
-  delayed = isinstance(recipe, DelayedScaling)
+  check_recipe(recipe, casts_kernel=True)
+  delayed = recipe.stateful
   if delayed and fp8_state is None:
     raise TypeError(f"cast_kernels under DelayedScaling takes {state_name}, whose kernel rings "
                     f"the casts observe: pass fp8_state")
@@ -120,7 +122,7 @@ def cast_leaf(where: str, kernel, ring, recipe, amax_axis_name, select):
     raise TypeError(f"{where} is a CastKernel already (cast_kernels' output): pass the float "
                     f"params")
   if (not isinstance(kernel, (jax.Array, np.ndarray)) or jnp.ndim(kernel) < 2
-      or (isinstance(recipe, DelayedScaling) and ring is None)):
+      or (recipe.stateful and ring is None)):
     return None
   if not checks.selected(select, where, kernel):
     return None

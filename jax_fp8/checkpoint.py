@@ -32,7 +32,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from . import __version__
-from .recipes import DelayedScaling, check_recipe
+from .recipes import check_recipe
 from .state import ScaleRing
 
 SCHEMA_VERSION = 2
@@ -62,7 +62,7 @@ def _rings(state) -> dict:
 
 def _check_rings(rings: dict, recipe) -> None:
   """Every ring was made by ``recipe`` (none under the stateless recipes)."""
-  if not isinstance(recipe, DelayedScaling):
+  if not recipe.stateful:
     if rings:
       raise ValueError(f"the state holds scale rings ({sorted(rings)[:3]} ...) but "
                        f"{type(recipe).__name__} is stateless: pass the recipe the layers ran "
@@ -163,7 +163,7 @@ def restore(directory, target, recipe):
   if meta.get("schema_version") != SCHEMA_VERSION:
     raise ValueError(f"checkpoint schema version {meta.get('schema_version')!r}; this jax_fp8 "
                      f"reads version {SCHEMA_VERSION}")
-  fields = STATE_FIELDS if isinstance(recipe, DelayedScaling) else ("type",)
+  fields = STATE_FIELDS if recipe.stateful else ("type",)
   saved, wanted = ({k: v for k, v in d.items() if k in fields}
                    for d in (meta["recipe"], _recipe_dict(recipe)))
   if saved != wanted:

@@ -45,8 +45,7 @@ from . import nnx as fp8_nnx
 from ._layer import call_layer, create_state, linen_key
 from .flax import fp8_state_variable
 from .inference import Fp8Weight
-from .linear import fp8_multiple
-from .recipes import CROSSOVER_INTENSITY, DelayedScaling, Recipe, check_recipe, draws_key
+from .recipes import CROSSOVER_INTENSITY, DelayedScaling, Recipe, check_recipe
 
 HEAD_PATTERN = r"(^|/)(lm_head|head|logits|unembed|unembedding|output_projection)$"
 
@@ -85,7 +84,7 @@ def convert(model, recipe: Recipe | None = None, *,
   if not isinstance(model, (nn.Module, nnx.Module)):
     raise TypeError(f"model must be a flax.linen.Module or a flax.nnx.Module, got "
                     f"{type(model).__name__}")
-  if isinstance(model, nnx.Module) and draws_key(recipe) != (rngs is not None):
+  if isinstance(model, nnx.Module) and recipe.draws_key != (rngs is not None):
     raise ValueError(f"rngs: an NNX model converted under {type(recipe).__name__}"
                      f"{' with stochastic rounding needs an nnx.Rngs for its keys' if rngs is None else ' draws no keys: pass rngs=None'}")
   if not isinstance(model, nnx.Module) and rngs is not None:
@@ -99,7 +98,7 @@ def convert(model, recipe: Recipe | None = None, *,
 
 
 def _selects(path: str, k: int, n: int, recipe, include, exclude) -> bool:
-  multiple, _ = fp8_multiple(recipe)
+  multiple = recipe.dim_multiple
   return (k % multiple == 0 and n % multiple == 0 and k > 0 and n > 0
           and (include is None or re.search(include, path) is not None)
           and (exclude is None or re.search(exclude, path) is None))
@@ -161,7 +160,7 @@ def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
   bias = (m.param("bias", flat_init(m.bias_init, (n,)), features, m.param_dtype)
           if m.use_bias else None)
   state = (fp8_state_variable(m, "linear", create_state, recipe, None)
-           if isinstance(recipe, DelayedScaling) else None)
+           if recipe.stateful else None)
   lead = x.shape[:x.ndim - (len(kernel_shape) - len(features))]
   y, = call_layer(x.reshape(*lead, k), (kernel,),
                   (None if bias is None else bias.reshape(n),), state, recipe, m.dtype, None,

@@ -18,8 +18,8 @@ from . import _names, activations, checks, norms
 from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kernels, check_layer,
                      check_norm_attr, create_state, kernel_ring, linen_key)
 from .inference import Fp8Weight
-from .linear import CastKernel, LinearState, MultiLinearState
-from .mlp import MlpState
+from .cast_kernel import CastKernel
+from .layer_state import LinearState, MlpState, MultiLinearState
 from .recipes import DelayedScaling, Recipe
 from .state import ScaleRing
 
@@ -112,7 +112,7 @@ class _Layer(nn.Module):
                    if use_bias else None for sfx, f in zip(names, features))
     state = (fp8_state_variable(self, "linear", create_state, self.recipe,
                         len(features) if multi else None)
-             if isinstance(self.recipe, DelayedScaling) else None)
+             if self.recipe.stateful else None)
     # init usually runs outside the pmap / shard_map whose axis is named; the axis serves the
     # backward only, and init takes no gradient.
     axis = None if self.is_initializing() else self.amax_axis_name
@@ -245,7 +245,7 @@ class Mlp(nn.Module):
                self.param("bias_out", self.bias_init, (d,), self.param_dtype))
               if use_bias else (None, None))
     state = (fp8_state_variable(self, "mlp", MlpState.create, self.recipe)
-             if isinstance(self.recipe, DelayedScaling) else None)
+             if self.recipe.stateful else None)
     axis = None if self.is_initializing() else self.amax_axis_name
     return call_mlp(inputs, (kernel_in, kernel_out), biases, state, self.recipe, self.dtype,
                     self.activation, axis, _norm_args(self, "Mlp", k),

@@ -111,6 +111,14 @@ def apply_scales(acc: jax.Array, a_scale: jax.Array, b_scale: jax.Array) -> jax.
   return jnp.ldexp(acc * (ma * mb), ea + eb)
 
 
+# Block scaling (DeepSeek-V3): 1 x BLOCK groups of activations and gradients, BLOCK x BLOCK blocks
+# of weights, each group's amax floored at GROUP_EPS by default (recipes.BlockScaling.eps).
+BLOCK = _ffi.CONSTANTS["block_tile"]  # 128
+GROUP_EPS = 1e-10
+# K and N of every FP8 GEMM: cuBLASLt's FP8 alignment.
+DIM_MULTIPLE = _ffi.CONSTANTS["gemm_dim_multiple"]  # 16
+
+
 # MXFP8 (OCP Microscaling Formats v1.0): one E8M0 scale per MX_BLOCK consecutive elements. An
 # E8M0 byte e means 2**(e - E8M0_BIAS); 0xFF (E8M0_NAN) is NaN; there is no zero.
 MX_BLOCK = _ffi.CONSTANTS["mx_block"]  # 32

@@ -22,13 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from . import _names, checks
-from .formats import FLOAT_DTYPES, amax
-from .ops.blockwise import BLOCK, block_quantize, group_quantize
-from .ops.gemm import DIM_MULTIPLE, expand_scales, gemm_bias
-from .ops.quantize import quantize, quantize_delayed
-from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
-                      NVFP4BlockScaling, check_recipe)
-from .state import scale_from_amax
+from .cast_kernel import CastKernel
+from .families import family
+from .formats import BLOCK
+from .layer_checks import kernel_to_cast
+from .ops.gemm import expand_scales, gemm_bias
+from .recipes import BlockScaling, CurrentScaling, DelayedScaling, Recipe
 
 
 class Fp8Weight(NamedTuple):
@@ -49,27 +48,12 @@ def quantize_weight(kernel: jax.Array,
                     recipe: DelayedScaling | CurrentScaling | BlockScaling) -> Fp8Weight:
   """``kernel`` [K, N] (float32 / bfloat16 / float16) as an ``Fp8Weight`` for ``recipe``.
 
-  Raises TypeError / ValueError for another dtype or rank, a recipe of another type, or K, N
-  not multiples of 128 under BlockScaling (16 under the per-tensor recipes). Method: per-tensor
-  current scaling of the weight (DelayedScaling, CurrentScaling) or DeepSeek-V3's 128 x 128
-  blocks (BlockScaling)."""
-  kernel = checks.array(kernel, "kernel")
-  if kernel.dtype not in FLOAT_DTYPES or kernel.ndim != 2:
-    raise TypeError(f"kernel must be a float32 / bfloat16 / float16 [K, N] array, got "
-                    f"{kernel.dtype}{list(kernel.shape)}")
-  check_recipe(recipe, allowed=(DelayedScaling, CurrentScaling, BlockScaling))
-  if isinstance(recipe, BlockScaling):
-    if kernel.shape[0] % BLOCK or kernel.shape[1] % BLOCK:
-      raise ValueError(f"kernel's K and N must be multiples of {BLOCK} under BlockScaling, got "
-                       f"{list(kernel.shape)}")
-    qk, sk = block_quantize(kernel, **recipe.kwargs())  # [K, N], [K/128, N/128]
-    return Fp8Weight(qk.T, sk.T)
-  k, n = kernel.shape
-  if k % DIM_MULTIPLE or n % DIM_MULTIPLE:
-    raise ValueError(f"kernel's K and N must be multiples of {DIM_MULTIPLE} for the FP8 GEMMs, got "
-                     f"{list(kernel.shape)}")
-  scale = scale_from_amax(amax(kernel), jnp.float32(1), "e4m3", recipe.margin)
-  return Fp8Weight(quantize(kernel.T, scale, "e4m3").q, scale)
+  Raises TypeError / ValueError for another dtype or rank, a recipe that does not serve FP8
+  weights (``casts_kernel`` False), or K, N not multiples of 128 under BlockScaling (16 under
+  the per-tensor recipes). Method: per-tensor current scaling of the weight (DelayedScaling,
+  CurrentScaling) or DeepSeek-V3's 128 x 128 blocks (BlockScaling)."""
+  kernel = kernel_to_cast(kernel, recipe)
+  return Fp8Weight(*family(recipe).quantize_weight(kernel, recipe))
 
 
 def quantize_weights(params, recipe, *, select=lambda path, kernel: True, stacked_axes: int = 0):
@@ -90,7 +74,6 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True, stacke
   that is not an int >= 0 (ValueError for a negative one) or a ``CastKernel`` among the params
   (``flax.cast_kernels``' output, for training: quantize the float params), and
   ``quantize_weight``'s errors."""
-  from .linear import CastKernel  # here: linear imports this module
   if not callable(select):
     raise TypeError(f"select must be a callable (path, kernel) -> bool, got {select!r}")
   stacked_axes = checks.integer(stacked_axes, "stacked_axes", lo=0)
@@ -122,10 +105,10 @@ def dequantized(w: Fp8Weight, dtype) -> jax.Array:
   return (w.q.astype(jnp.float32) * scale).astype(dtype).T
 
 
-def check_weight(w: Fp8Weight, name: str, recipe) -> tuple[int, int]:
+def check_weight(w: Fp8Weight, name: str, recipe: Recipe) -> tuple[int, int]:
   """(K, N) of an Fp8Weight quantized for ``recipe``; TypeError / ValueError naming it (and
-  TypeError under MXFP8BlockScaling and NVFP4BlockScaling, which have no FP8 weights)."""
-  if isinstance(recipe, (MXFP8BlockScaling, NVFP4BlockScaling)):
+  TypeError under a recipe that has no FP8 weights: MXFP8BlockScaling, NVFP4BlockScaling)."""
+  if not recipe.casts_kernel:
     raise TypeError(f"{name} is an Fp8Weight, which serves DelayedScaling, CurrentScaling and "
                     f"BlockScaling; under {type(recipe).__name__} pass the float kernel")
   q, scale = checks.array(w.q, f"{name}.q"), checks.array(w.scale, f"{name}.scale")
@@ -133,7 +116,7 @@ def check_weight(w: Fp8Weight, name: str, recipe) -> tuple[int, int]:
     raise TypeError(f"{name} must hold float8_e4m3fn q [N, K] and a float32 scale, got "
                     f"{q.dtype}{list(q.shape)} and {scale.dtype}")
   n, k = q.shape
-  want = ((-(-n // BLOCK), k // BLOCK) if isinstance(recipe, BlockScaling) else ())
+  want = family(recipe).weight_scale_shape(n, k)
   if scale.shape != want:
     raise ValueError(f"{name}.scale must be {list(want)} for a {type(recipe).__name__} "
                      f"recipe (quantize_weight with the recipe the layer runs), got "
@@ -141,20 +124,17 @@ def check_weight(w: Fp8Weight, name: str, recipe) -> tuple[int, int]:
   return k, n
 
 
-def forward(x2, weights, biases, x_ring, recipe, fp8: bool, dtype):
+def forward(x2, weights, biases, quantize_x, fp8: bool, dtype):
   """The outputs [M, N_i] in ``dtype`` of x2 [M, K] against ``weights``: FP8 GEMMs with x
-  quantized once (by ``x_ring`` under the per-tensor recipes), or below ``fp8_min_intensity``
-  (``fp8`` False) XLA's GEMMs on the dequantized weights. Not differentiable."""
+  quantized once by ``quantize_x`` (x2 -> (q, scale), the family's ``weight_input``), or below
+  ``fp8_min_intensity`` (``fp8`` False) XLA's GEMMs on the dequantized weights. Not
+  differentiable."""
   @jax.custom_jvp
   def run(x2, weights, biases):
     if not fp8:
       return tuple(x2 @ dequantized(w, dtype) + (0 if b is None else b.astype(dtype))
                    for w, b in zip(weights, biases))
-    if isinstance(recipe, BlockScaling):
-      qx, sx = group_quantize(x2, scale_layout="col", **recipe.kwargs())
-      sx = sx.T
-    else:
-      qx, _, _, sx = quantize_delayed(x2, x_ring)
+    qx, sx = quantize_x(x2)
     return tuple(gemm_bias(qx, w.q, sx, w.scale, b, dtype) for w, b in zip(weights, biases))
 
   @run.defjvp

@@ -28,9 +28,9 @@ from flax import nnx
 from . import _names, activations, checks, norms
 from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kernels, check_layer,
                      check_norm_attr, create_state, kernel_ring)
-from .linear import check_split
-from .mlp import MlpState
-from .recipes import DelayedScaling, Recipe, draws_key
+from .layer_checks import check_split
+from .layer_state import MlpState
+from .recipes import DelayedScaling, Recipe
 from .state import update_state
 
 
@@ -53,7 +53,7 @@ def sr_stream(recipe, rngs: nnx.Rngs):
   """The rng stream a layer draws its stochastic rounding keys from (``rngs``'
   "stochastic_rounding" stream, or its default), or None where ``recipe`` draws none;
   ValueError where ``rngs`` has neither."""
-  if not draws_key(recipe):
+  if not recipe.draws_key:
     return None
   try:
     return getattr(rngs, SR_STREAM)
@@ -103,7 +103,7 @@ class _Layer(nnx.Module):
       setattr(self, f"bias{sfx}",
               nnx.Param(bias_init(rngs.params(), (f,), param_dtype)) if use_bias else None)
     self.fp8_state = (Fp8State(create_state(recipe, len(features) if multi else None))
-                      if isinstance(recipe, DelayedScaling) else None)
+                      if recipe.stateful else None)
     self.rngs = sr_stream(recipe, rngs)
     _init_norm(self, name, norm, norm_epsilon, in_features, param_dtype)
 
@@ -214,7 +214,7 @@ class Mlp(nnx.Module):
     self.kernel_out = nnx.Param(kernel_init(rngs.params(), (f, d), param_dtype))
     self.bias_in = nnx.Param(bias_init(rngs.params(), (n,), param_dtype)) if use_bias else None
     self.bias_out = nnx.Param(bias_init(rngs.params(), (d,), param_dtype)) if use_bias else None
-    self.fp8_state = (Fp8State(MlpState.create(recipe)) if isinstance(recipe, DelayedScaling)
+    self.fp8_state = (Fp8State(MlpState.create(recipe)) if recipe.stateful
                       else None)
     self.rngs = sr_stream(recipe, rngs)
     _init_norm(self, "Mlp", norm, norm_epsilon, k, param_dtype)

@@ -1,5 +1,11 @@
 """Training recipes for ``jax_fp8.linear`` and ``jax_fp8.flax.Dense``: frozen, hashable
-dataclasses (usable as jit static arguments), checked when built."""
+dataclasses (usable as jit static arguments), checked when built.
+
+Each recipe answers what the layers ask of it (``Recipe``'s attributes): whether it keeps scale
+rings, the multiple K and N must be of, over which devices its amaxes are reduced, whether it
+draws a PRNG key, whether it serves ``cast_kernel`` and ``Fp8Weight`` and fuses the norm and the
+MLP's activation, and which family module in ``jax_fp8.families`` quantizes its operands and
+runs its GEMMs. A new recipe is a class here and a family module there."""
 
 from __future__ import annotations
 
@@ -9,8 +15,7 @@ from typing import Literal
 import numpy as np
 
 from . import checks
-from .formats import rht_signs
-from .ops.blockwise import GROUP_EPS
+from .formats import BLOCK, DIM_MULTIPLE, GROUP_EPS, MX_BLOCK, NVFP4_BLOCK, rht_signs
 from .state import HISTORY_LEN, ScaleRing, check_history_len, check_ring_params
 
 LINEAR_GEMMS = ("fprop", "dgrad", "wgrad")  # a linear's three GEMMs
@@ -55,8 +60,52 @@ def python_values(recipe) -> None:
       object.__setattr__(recipe, field.name, value.item())
 
 
-class PerTensorFormats:
-  """The FP8 formats of the per-tensor recipes (``fp8_format``: "hybrid" or "e4m3")."""
+class Recipe:
+  """What every recipe answers, as class attributes (and ``draws_key``, a property).
+
+  Attributes:
+    family: the module of ``jax_fp8.families`` that quantizes x, the kernel and the gradient
+      and runs the GEMMs under this recipe (its ``custom_vjp``s).
+    stateful: whether a layer keeps scale rings (a ``LinearState`` and its kin) under it.
+    amax_scope: "state" (amaxes max-reduced over ``amax_axis_name`` so the devices' rings stay
+      in step), "tensor" (each tensor's amax of this step reduced over the devices that share
+      it, before quantizing) or "local" (block scales from each device's own data: no
+      reduction, and ``amax_axis_name`` must be None).
+    dim_multiple: the multiple K and N (an MLP's F and D too) must be of on the FP8 path.
+    dim_rule: that rule in words, for errors.
+    casts_kernel: whether ``cast_kernel`` and ``Fp8Weight`` (inference) serve it.
+    fuses: whether the input norm and the MLP's activation run inside its quantizers (else the
+      layers compose XLA's norm and activation with its linears).
+  """
+
+  family: str
+  stateful: bool = False
+  amax_scope: str
+  dim_multiple: int
+  dim_rule: str
+  casts_kernel: bool = False
+  fuses: bool = False
+
+  @property
+  def draws_key(self) -> bool:
+    """Whether a linear under this recipe takes a PRNG key (stochastic rounding)."""
+    return False
+
+  @classmethod
+  def article(cls) -> str:
+    """The class's name with its indefinite article, for messages."""
+    return ("an " if cls.__name__[0] in "MN" else "a ") + cls.__name__
+
+
+class PerTensorFormats(Recipe):
+  """The per-tensor recipes: one scale per tensor, their FP8 formats (``fp8_format``: "hybrid"
+  or "e4m3"), GEMMs by cuBLASLt."""
+
+  family = "per_tensor"
+  dim_multiple = DIM_MULTIPLE
+  dim_rule = f"K and N must be multiples of {DIM_MULTIPLE} for the FP8 GEMMs"
+  casts_kernel = True
+  fuses = True
 
   @property
   def fwd_fmt(self) -> str:
@@ -67,6 +116,11 @@ class PerTensorFormats:
   def bwd_fmt(self) -> str:
     """The FP8 format of the output gradient."""
     return "e5m2" if self.fp8_format == "hybrid" else "e4m3"
+
+  def cast_key(self) -> tuple:
+    """What decides a ``CastKernel``'s bytes and its ring's protocol: the recipe's type, its
+    forward format and margin. A layer takes casts made under a recipe of the same key."""
+    return type(self), self.fwd_fmt, self.margin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +144,9 @@ class DelayedScaling(PerTensorFormats):
     TypeError / ValueError when built with a field out of range.
   """
 
+  stateful = True
+  amax_scope = "state"
+
   fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
   history_len: int = HISTORY_LEN
   margin: int = 0
@@ -110,7 +167,7 @@ class DelayedScaling(PerTensorFormats):
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockScaling:
+class BlockScaling(Recipe):
   """Block-scaling recipe (DeepSeek-V3 technical report, arXiv 2412.19437, section 3.3): E4M3
   everywhere; activations and output gradients in 1 x 128 groups (along K for the forward and
   dgrad, along the tokens for wgrad), weights in 128 x 128 blocks (the only sizes cuBLASLt's
@@ -125,6 +182,14 @@ class BlockScaling:
     TypeError / ValueError when built with a field out of range.
   """
 
+  family = "block"
+  amax_scope = "local"
+  dim_multiple = BLOCK
+  dim_rule = (f"BlockScaling needs K and N multiples of {BLOCK} (the groups of x along K and "
+              f"of the gradient along N)")
+  casts_kernel = True
+  fuses = True
+
   ue8m0: bool = False
   eps: float = GROUP_EPS
   fp8_min_intensity: float = 0.0
@@ -138,6 +203,11 @@ class BlockScaling:
   def kwargs(self) -> dict:
     """The quantizers' keyword arguments under this recipe."""
     return {"fmt": "e4m3", "eps": self.eps, "ue8m0": self.ue8m0}
+
+  def cast_key(self) -> tuple:
+    """What decides a ``CastKernel``'s bytes: the recipe's type and its quantizers'
+    arguments. A layer takes casts made under a recipe of the same key."""
+    return type(self), tuple(sorted(self.kwargs().items()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +231,8 @@ class CurrentScaling(PerTensorFormats):
     TypeError / ValueError when built with a field out of range.
   """
 
+  amax_scope = "tensor"
+
   fp8_format: Literal["hybrid", "e4m3"] = "hybrid"
   margin: int = 0
   fp8_min_intensity: float = 0.0
@@ -179,7 +251,7 @@ class CurrentScaling(PerTensorFormats):
 
 
 @dataclasses.dataclass(frozen=True)
-class MXFP8BlockScaling:
+class MXFP8BlockScaling(Recipe):
   """MXFP8 recipe (OCP MX v1.0; TransformerEngine's ``MXFP8BlockScaling``): every GEMM operand in
   1 x 32 blocks along the GEMM's contraction dimension, each with an E8M0 scale rounded up
   (``mxfp8_quantize``), E4M3 elements for activations, weights and gradients: E5M2 gradients
@@ -197,6 +269,12 @@ class MXFP8BlockScaling:
     TypeError / ValueError when built with a field out of range.
   """
 
+  family = "mxfp8"
+  amax_scope = "local"
+  dim_multiple = MX_BLOCK
+  dim_rule = (f"MXFP8BlockScaling needs K and N multiples of {MX_BLOCK} (whole MXFP8 blocks of "
+              f"x and the kernel along K, of the gradient and the kernel along N)")
+
   fp8_format: Literal["e4m3"] = "e4m3"
   fp8_min_intensity: float = 0.0
 
@@ -212,7 +290,7 @@ class MXFP8BlockScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class NVFP4BlockScaling:
+class NVFP4BlockScaling(Recipe):
   """NVFP4 recipe as NVIDIA's NVFP4 pretraining report publishes it (arXiv 2509.25149, section
   4; TransformerEngine's ``NVFP4BlockScaling``): E2M1 elements, one E4M3 scale per block and
   one f32 global scale per tensor (``nvfp4_quantize``). x and the output gradient in 1 x 16
@@ -243,6 +321,12 @@ class NVFP4BlockScaling:
     TypeError / ValueError when built with a field out of range.
   """
 
+  family = "nvfp4"
+  amax_scope = "tensor"
+  dim_multiple = NVFP4_BLOCK
+  dim_rule = (f"NVFP4BlockScaling needs K and N multiples of {NVFP4_BLOCK} (whole NVFP4 blocks "
+              f"of x and the kernel along K, of the gradient and the kernel along N)")
+
   weight_block_2d: bool = True
   stochastic_rounding: bool = True
   rht: bool = True
@@ -259,25 +343,24 @@ class NVFP4BlockScaling:
                        f"rht=True, got rht_seed={self.rht_seed!r} with rht=False")
     check_fp8_min_intensity(self)
 
-
-def draws_key(recipe) -> bool:
-  """Whether a linear under ``recipe`` takes a PRNG key (NVFP4's stochastic rounding)."""
-  return isinstance(recipe, NVFP4BlockScaling) and recipe.stochastic_rounding
+  @property
+  def draws_key(self) -> bool:
+    """Whether a linear takes a PRNG key: for the gradients' stochastic rounding."""
+    return self.stochastic_rounding
 
 
 RECIPES = (DelayedScaling, CurrentScaling, BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling)
-Recipe = (DelayedScaling | CurrentScaling | BlockScaling | MXFP8BlockScaling
-          | NVFP4BlockScaling)  # any of RECIPES
 
 
-def check_recipe(recipe, name: str = "recipe", allowed: tuple = RECIPES,
+def check_recipe(recipe, name: str = "recipe", casts_kernel: bool = False,
                  none_ok: bool = False) -> None:
-  """TypeError naming ``name`` unless ``recipe`` is an instance of one of ``allowed`` (or None
-  where ``none_ok``); a recipe class given for an instance is told so."""
+  """TypeError naming ``name`` unless ``recipe`` is a recipe instance (``casts_kernel``: one
+  that serves ``cast_kernel`` and ``Fp8Weight``), or None where ``none_ok``; a recipe class given
+  for an instance is told so."""
+  allowed = tuple(c for c in RECIPES if c.casts_kernel or not casts_kernel)
   if isinstance(recipe, allowed) or (none_ok and recipe is None):
     return
-  kinds = ["None"] * none_ok + [("an " if c.__name__[0] in "MN" else "a ") + c.__name__
-                                for c in allowed]
+  kinds = ["None"] * none_ok + [c.article() for c in allowed]
   kinds = kinds[0] if len(kinds) == 1 else ", ".join(kinds[:-1]) + " or " + kinds[-1]
   got = (f"the class {recipe.__name__}: pass an instance, e.g. {recipe.__name__}()"
          if isinstance(recipe, type) else type(recipe).__name__)

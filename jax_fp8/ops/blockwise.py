@@ -25,12 +25,10 @@ import numpy as np
 
 from .. import _ffi, checks, sharding
 from . import sources
-from ..formats import fp8_dtype
+from ..formats import BLOCK, GROUP_EPS, fp8_dtype
 
-BLOCK = _ffi.CONSTANTS["block_tile"]  # the tile of block_quantize / group_cast_transpose: 128
 _LAYOUTS = {"row": _ffi.CONSTANTS["layout_row"], "col": _ffi.CONSTANTS["layout_col"],
             "col_tma": _ffi.CONSTANTS["layout_col_tma"]}
-GROUP_EPS = 1e-10  # the default floor of a group's amax (recipes.BlockScaling.eps)
 _GROUP_SIZES = tuple(_ffi.CONSTANTS["group_sizes"])
 _MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y
 

@@ -15,16 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi, checks, sharding
-from ..formats import FLOAT_DTYPES, apply_scales
+from ..formats import BLOCK, DIM_MULTIPLE, FLOAT_DTYPES, apply_scales
 from . import gemm_algorithms
-from .blockwise import BLOCK
 from .quantize import quantize_kernel
 
 _WORKSPACE = jax.ShapeDtypeStruct((_ffi.CONSTANTS["gemm_workspace_bytes"],), jnp.uint8)
 PER_TENSOR = _ffi.CONSTANTS["scale_mode_per_tensor"]
 BLOCK_128X128 = _ffi.CONSTANTS["scale_mode_block"]  # b in 128 x 128 blocks (weights)
 GROUP_1X128 = _ffi.CONSTANTS["scale_mode_group"]  # b in 1 x 128 groups (wgrad)
-DIM_MULTIPLE = _ffi.CONSTANTS["gemm_dim_multiple"]  # K and N (cuBLASLt FP8 alignment)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,71 @@
+"""What several families' rules share: the input norm's two ends, the output cut by ``split``,
+zero rows for whole blocks along M, the bias gradient by XLA, and the ``CastKernel`` counts."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+
+from .. import norms
+
+
+def normalized(x, norm_params, norm):
+  """x's norm by XLA in f32 (``norm``: (name, epsilon)), or x without one."""
+  if norm is None:
+    return x
+  return norms.normalize(x, *norm_params, norm=norm[0], epsilon=norm[1])
+
+
+def input_grad(dx, normed, norm, x_dtype):
+  """(dx, the norm parameters' gradients) from the gradient of the GEMMs' input: through the
+  norm (its jnp backward, which XLA fuses; ``normed``: the residual (x, norm_params)), or dx
+  itself in x's dtype without one."""
+  if norm is None:
+    return dx.astype(x_dtype), (None, None)
+  x, norm_params = normed
+  name, epsilon = norm
+  _, vjp = jax.vjp(lambda x, g, b: norms.normalize(x, g, b, norm=name, epsilon=epsilon), x,
+                   *norm_params)
+  dx, *grads = vjp(dx.astype(jnp.float32))
+  return dx, tuple(grads)
+
+
+def normed_residual(x, norm_params, norm):
+  """What the backward of a fused norm needs: (x, norm_params), or None without a norm."""
+  return None if norm is None else (x, norm_params)
+
+
+def split_output(ys, split):
+  """The one output of ``ys`` cut along its last axis into parts of ``split``'s sizes (None:
+  ys as they are)."""
+  if split is None:
+    return ys
+  return tuple(jnp.split(ys[0], list(itertools.accumulate(split))[:-1], axis=-1))
+
+
+def pad_rows(v, multiple: int):
+  """v [M, C] with zero rows appended up to a multiple of ``multiple``: whole MXFP8 / NVFP4
+  blocks along M for wgrad. Zeros change no block's amax and add nothing to a sum; NVFP4's
+  Hadamard transform, the same on both wgrad operands, cancels in their product whatever the
+  rows hold."""
+  return jnp.pad(v, ((0, -v.shape[0] % multiple), (0, 0)))
+
+
+def bias_grad(g, b_dtype):
+  """dbias, the column sums of g [M, N] in f32 by XLA, in the bias's dtype (None without a
+  bias)."""
+  return None if b_dtype is None else jnp.sum(g.astype(jnp.float32), axis=0).astype(b_dtype)
+
+
+def cast_uses(casts):
+  """The ``uses`` of a layer's ``casts`` (each None or (FP8 copies..., uses)), kept as
+  residuals for ``cast_grads``."""
+  return tuple(None if c is None else c[-1] for c in casts)
+
+
+def cast_grads(uses, fields: int):
+  """The cotangent of a layer's ``casts`` in its backward, from their ``cast_uses``
+  (``fields``: the FP8 copies' count): one use each, none for the copies."""
+  return tuple(None if u is None else (None,) * fields + (jnp.ones_like(u),) for u in uses)

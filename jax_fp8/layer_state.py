@@ -1,0 +1,110 @@
+"""The scale rings of a layer under a stateful recipe (``DelayedScaling``): ``LinearState``
+(``linear``), ``MultiLinearState`` (``multi_linear``) and ``MlpState`` (``mlp``), pytrees to
+differentiate with respect to and to advance with ``jax_fp8.update_state``."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from . import checks
+from .recipes import DelayedScaling, Recipe
+from .state import ScaleRing
+
+
+def _check_stateful(recipe: Recipe, cls) -> None:
+  if not getattr(recipe, "stateful", False):
+    raise TypeError(f"{cls.__name__}.create takes a DelayedScaling recipe, got "
+                    f"{type(recipe).__name__} (stateless: pass state=None)")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "kernel", "grad"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class LinearState:
+  """The three scale rings of one linear layer: input x, kernel, and output gradient."""
+
+  x: ScaleRing
+  kernel: ScaleRing
+  grad: ScaleRing
+
+  @classmethod
+  def create(cls, recipe: DelayedScaling = DelayedScaling()) -> "LinearState":
+    """Fresh rings for x and the kernel (the recipe's forward format) and for the gradient
+    (its backward format). Raises TypeError for a stateless recipe (its linear takes no
+    state)."""
+    _check_stateful(recipe, cls)
+    return cls(recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.fwd_fmt),
+               recipe.ring(recipe.bwd_fmt))
+
+  def named_rings(self):
+    """(x's, the kernels', the gradients') (name, ring) pairs, as ``multi_linear`` orders
+    them."""
+    return ("state.x", self.x), (("state.kernel", self.kernel),), (("state.grad", self.grad),)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "kernels", "grads"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class MultiLinearState:
+  """The scale rings of ``multi_linear``: its shared input x's, and per kernel the kernel's
+  and its output gradient's (tuples in the kernels' order)."""
+
+  x: ScaleRing
+  kernels: tuple[ScaleRing, ...]
+  grads: tuple[ScaleRing, ...]
+
+  @classmethod
+  def create(cls, outputs: int,
+             recipe: DelayedScaling = DelayedScaling()) -> "MultiLinearState":
+    """Fresh rings for x and ``outputs`` kernels and gradients (formats as in
+    ``LinearState.create``). Raises TypeError / ValueError for outputs not an int >= 1 or a
+    stateless recipe."""
+    outputs = checks.integer(outputs, "outputs", lo=1)
+    _check_stateful(recipe, cls)
+    return cls(recipe.ring(recipe.fwd_fmt),
+               tuple(recipe.ring(recipe.fwd_fmt) for _ in range(outputs)),
+               tuple(recipe.ring(recipe.bwd_fmt) for _ in range(outputs)))
+
+  def named_rings(self):
+    """(x's, the kernels', the gradients') (name, ring) pairs."""
+    for name in ("kernels", "grads"):
+      if not isinstance(getattr(self, name), tuple):
+        raise TypeError(f"state.{name} must be a tuple of jax_fp8.ScaleRing, got "
+                        f"{type(getattr(self, name)).__name__}")
+    return (("state.x", self.x),
+            tuple((f"state.kernels[{i}]", r) for i, r in enumerate(self.kernels)),
+            tuple((f"state.grads[{i}]", r) for i, r in enumerate(self.grads)))
+
+
+MLP_RINGS = ("x", "kernel_in", "grad_in", "hidden", "kernel_out", "grad_out")
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=list(MLP_RINGS),
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class MlpState:
+  """The scale rings of ``mlp``: its input x, kernel_in, the up projection's output gradient
+  (grad_in), the activation (hidden), kernel_out, and the output gradient (grad_out)."""
+
+  x: ScaleRing
+  kernel_in: ScaleRing
+  grad_in: ScaleRing
+  hidden: ScaleRing
+  kernel_out: ScaleRing
+  grad_out: ScaleRing
+
+  @classmethod
+  def create(cls, recipe: DelayedScaling = DelayedScaling()) -> "MlpState":
+    """Fresh rings: the recipe's forward format for x, the kernels and the activation, its
+    backward format for the two gradients. Raises TypeError for a stateless recipe (pass
+    state=None)."""
+    _check_stateful(recipe, cls)
+    fwd, bwd = recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.bwd_fmt)
+    return cls(fwd, fwd, bwd, fwd, fwd, bwd)
+
+  def named_rings(self):
+    """(name, ring) pairs in ``MLP_RINGS``' order."""
+    return tuple((f"state.{name}", getattr(self, name)) for name in MLP_RINGS)
