@@ -43,6 +43,9 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
   echo "build $(( $(date +%s) - t0 )) s"
 fi
 python3 -c "import jax_fp8; print('cuda targets:', jax_fp8.cuda_available())" || exit 1
+# A GPU machine whose CUDA extension did not build or load would skip every CUDA case: stop.
+python3 -m pytest tests/test_cuda_build.py -q -p no:cacheprovider > "$OUT/cuda_build.log" 2>&1 \
+  || { tail -20 "$OUT/cuda_build.log"; echo "the CUDA targets did not load: stopping" >&2; exit 1; }
 for s in "${steps[@]}"; do
   t0=$(date +%s)
   case $s in
