@@ -20,7 +20,7 @@ instead: the ops' outputs through ``op_outputs``, those residuals through ``read
 The fusion also takes a custom call together with the slice of the scan's xs it reads (the
 kernel's quantization reads its layer's slice of the stacked kernels); such a call whose output
 had readers both before and behind the barrier ran twice too, so every reader of its output
-takes it from behind the barrier (``linear.block_kernel_saved``).
+takes it from behind the barrier (``families.block.kernel_saved``).
 """
 
 from __future__ import annotations
