@@ -35,8 +35,8 @@ import jax.numpy as jnp
 
 from . import checks, norms, sharding
 from ._residuals import op_outputs, packed, read_and_saved
-from .formats import (FLOAT_DTYPES, MX_BLOCK, NVFP4_BLOCK, amax, amax_of_parts, as_f32,
-                      hadamard_amax)
+from .formats import FLOAT_DTYPES, MX_BLOCK, NVFP4_BLOCK, amax, amax_of_parts, as_f32
+from .hadamard import hadamard_amax
 from .inference import Fp8Weight, check_weight, forward
 from .ops import blockwise
 from .ops._ring import check_ring

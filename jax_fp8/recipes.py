@@ -9,7 +9,7 @@ from typing import Literal
 import numpy as np
 
 from . import checks
-from .formats import rht_signs
+from .hadamard import rht_signs
 from .ops.blockwise import GROUP_EPS
 from .state import HISTORY_LEN, ScaleRing, check_history_len, check_ring_params
 

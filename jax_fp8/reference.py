@@ -17,8 +17,9 @@ import numpy as np
 
 from . import activations, norms
 from .formats import (E2M1_MAX, INV_E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax,
-                      apply_scales, as_f32, e2m1_round_stochastic, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
-                      hadamard_transform, nvfp4_global_scale, sr_bits)
+                      apply_scales, as_f32, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
+                      nvfp4_global_scale)
+from .hadamard import hadamard_transform
 from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.blockwise import BLOCK, GROUP_EPS
 from .ops.cast_transpose import QT_ROW_MULTIPLE
@@ -26,6 +27,7 @@ from .ops.nvfp4 import check_options as check_nvfp4_options
 from .ops.sources import in_parts
 from .philox import key_words
 from .state import ScaleRing, next_ring, observe as observe_ring, scale_for_step
+from .stochastic_rounding import e2m1_round_stochastic, sr_bits
 
 _CANONICAL_NAN = 0x7F  # what the hardware's cvt.rn.satfinite writes for any NaN
 
@@ -304,9 +306,9 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   ``formats.nvfp4_global_scale(amax(x))``, each block's scale ``e4m3(block_amax *
   (f32(1 / 6) / global_scale))``, each element ``e2m1(x * (1 / (scale * global_scale)))`` saturating at +-6 (an
   all-zero block: scale 0, elements 0), rounded to nearest even or, with
-  ``stochastic_rounding``, by ``formats.e2m1_round_stochastic`` with the bits
-  ``formats.sr_bits`` draws under ``key`` (direction 0 for the rowwise copy, 1 for the
-  columnwise). A NaN or infinity makes its block's scale NaN (and the global scale NaN).
+  ``stochastic_rounding``, by ``stochastic_rounding.e2m1_round_stochastic`` with the bits
+  ``stochastic_rounding.sr_bits`` draws under ``key`` (direction 0 for the rowwise copy, 1 for
+  the columnwise). A NaN or infinity makes its block's scale NaN (and the global scale NaN).
 
   x [R, C] (f32 / bf16 / f16; C a multiple of 16, and R too with ``columnwise`` or
   ``block_2d``) -> a dict with ``global_scale`` f32 [], and ``data`` uint8 [R, C/2] (element
@@ -314,7 +316,7 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   ``scales_t`` the same for x.T (``columnwise``). ``block_2d``: 16 x 16 tiles, one scale each
   (repeated on the tile's rows), so the two directions hold the same numbers (round to
   nearest only). ``rht``: the columnwise copy quantizes x.T with each 16-element group of its
-  rows through ``formats.hadamard_transform(., rht_seed)`` (``rht_seed`` a Python int, None:
+  rows through ``hadamard.hadamard_transform(., rht_seed)`` (``rht_seed`` a Python int, None:
   0), under its own global scale ``global_scale_t`` (from the transformed tensor's amax).
   ``global_amax`` / ``global_amax_t``: the amax (f32 []) to take the global scales from
   instead of this x's, e.g. the max over the devices that hold parts of the tensor; a value

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
-from jax_fp8 import formats
+from jax_fp8.hadamard import rht_signs
 from jax_fp8.ops import nvfp4 as nvfp4_ops
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -186,7 +186,7 @@ def nvfp4():
   rng = np.random.default_rng(2)
   cpu, gpu = jax.devices("cpu")[0], jax.devices()[0]
   words = jax.device_put(np.array([7, 11], np.uint32), gpu)  # the key's words
-  signs = jax.device_put(formats.rht_signs(0), gpu)
+  signs = jax.device_put(rht_signs(0), gpu)
   options = (dict(), dict(columnwise=True), dict(rowwise=False, columnwise=True),
              dict(columnwise=True, block_2d=True),
              dict(columnwise=True, rht=True, stochastic_rounding=True),

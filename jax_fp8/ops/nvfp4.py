@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import checks, sharding
-from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32,
-                       hadamard_amax, nvfp4_global_scale, rht_signs)
+from ..formats import FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32, nvfp4_global_scale
+from ..hadamard import hadamard_amax, rht_signs
 from ..philox import key_words
 
 
@@ -138,12 +138,13 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
     stochastic_rounding: round each element up or down at random with the probabilities that
       make it unbiased (gradients), 16 Philox4x32-10 bits an element: block b of row r in
       direction d (0 rowwise, 1 columnwise, rows then x's columns) draws counters (b, r, d, 0)
-      and (b, r, d, 1) under ``key`` (``jax_fp8.formats.sr_bits``). Needs ``key``.
+      and (b, r, d, 1) under ``key`` (``jax_fp8.stochastic_rounding.sr_bits``). Needs ``key``.
     key: a JAX PRNG key (``jax.random.key(seed)``, threefry) or raw uint32 [2]; give a fresh
       one each step and tensor (``jax.random.fold_in``).
     rht: the columnwise copy quantizes each 16-element group of x.T's rows after the random
-      Hadamard transform ``formats.hadamard_transform(., rht_seed)`` (the report's wgrad
-      operands), under its own global scale ``global_scale_t``. Needs ``columnwise``, 1D blocks.
+      Hadamard transform ``jax_fp8.hadamard.hadamard_transform(., rht_seed)`` (the report's
+      wgrad operands), under its own global scale ``global_scale_t``. Needs ``columnwise``, 1D
+      blocks.
     rht_seed: the transform's sign seed, a Python int in [0, 2^64); None (default): 0. Only
       with ``rht``.
     global_amax, global_amax_t: f32 scalars to take the global scales from instead of this x's
