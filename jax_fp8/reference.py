@@ -5,8 +5,10 @@ kernels).
 Same signatures and results as the fast ops; unfused and written to be read. Quantize results
 must match the CUDA and CPU kernels bit for bit; GEMM and linear results within stated
 tolerances. Tests and benchmarks import this module; the library does not. The ring rules and
-the formats' numerics come from ``jax_fp8.state`` and ``jax_fp8.formats`` (their one jnp
-definition), so the twins check the kernels against them.
+the formats' numerics come from ``jax_fp8.state``, ``jax_fp8.formats``, ``stochastic_rounding``,
+``hadamard`` and ``philox`` (their one jnp definition), so the twins check the kernels against
+them; from ``jax_fp8.ops`` only result types and layout constants, none of the ops' argument
+checks: a twin raises only where it cannot compute.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from .hadamard import hadamard_transform
 from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.blockwise import BLOCK, GROUP_EPS
 from .ops.cast_transpose import QT_ROW_MULTIPLE
-from .ops.nvfp4 import check_options as check_nvfp4_options
 from .ops.sources import in_parts
 from .philox import key_words
 from .state import ScaleRing, next_ring, observe as observe_ring, scale_for_step
@@ -322,10 +323,14 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   instead of this x's, e.g. the max over the devices that hold parts of the tensor; a value
   below the tensor's own amax saturates the block scales at 448 and the elements at +-6.
 
-  Raises ValueError: ``stochastic_rounding`` without ``key`` (or ``key`` without it, or with
-  ``block_2d``), ``rht`` without ``columnwise`` or with ``block_2d``, ``global_amax_t``
-  without ``rht``, a global amax that is not a scalar."""
-  check_nvfp4_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t)
+  Raises ValueError only where the twin cannot compute: ``stochastic_rounding`` without a
+  ``key`` (or with a key that is not two uint32 words), a global amax that is not a scalar. The
+  combinations ``jax_fp8.nvfp4_quantize`` refuses besides (stochastic rounding with
+  ``block_2d``, ``rht`` without ``columnwise`` or with ``block_2d``, an option given without
+  the one it belongs to) are the op's own checks, tested there; here such an option is
+  computed as written or has no effect."""
+  if stochastic_rounding and key is None:
+    raise ValueError("stochastic_rounding=True draws its bits under a key: got key=None")
   for name, v in (("global_amax", global_amax), ("global_amax_t", global_amax_t)):
     if v is not None and jnp.shape(v) != ():
       raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(v)}")

@@ -30,9 +30,9 @@ from ..hadamard import hadamard_amax, rht_signs
 from ..philox import key_words
 
 
-def check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t) -> None:
-  """The combinations of ``nvfp4_quantize``'s options that it refuses (and its jnp twin,
-  ``reference.nvfp4_quantize``), each a ValueError saying what the option needs."""
+def _check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t) -> None:
+  """The combinations of ``nvfp4_quantize``'s options that it refuses, each a ValueError saying
+  what the option needs."""
   if stochastic_rounding and key is None:
     raise ValueError("stochastic_rounding=True needs a key (a jax.random key), got key=None")
   if key is not None and not stochastic_rounding:
@@ -166,7 +166,7 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   specialised = kernel == _SPECIALISED
   stochastic_rounding = checks.boolean(stochastic_rounding, "stochastic_rounding")
   rht = checks.boolean(rht, "rht")
-  check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t)
+  _check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t)
   if rht_seed is not None and not rht:
     raise ValueError("rht_seed is the Hadamard transform's seed: it needs rht=True")
   rht_seed = 0 if rht_seed is None else rht_seed
