@@ -201,8 +201,9 @@ def nvfp4():
         key = np.array([7, 11], np.uint32) if kw["stochastic_rounding"] else None
         q = jax_fp8.nvfp4_quantize(jax.device_put(host, cpu), key=key, **kw)
         scales = np.array([q["global_scale"], q.get("global_scale_t", q["global_scale"])])
-        chosen = jax_fp8.nvfp4_kernel(rowwise=kw["rowwise"], columnwise=kw["columnwise"],
-                                      block_2d=kw["block_2d"])[0] == "nvfp4_rowwise_kernel"
+        chosen = jax_fp8.nvfp4_quantize_cuda_kernel(
+            rowwise=kw["rowwise"], columnwise=kw["columnwise"],
+            block_2d=kw["block_2d"])[0] == "nvfp4_rowwise_kernel"
         for specialised in {chosen, False}:  # the general kernel also on the rowwise case
           jax.block_until_ready(nvfp4_ops.quantize_call(
               jax.device_put(host, gpu), jax.device_put(scales, gpu), words, signs,

@@ -320,15 +320,15 @@ def test_kernel_rounding_ties(platform, option):
   _check_against_reference(jnp.asarray(x), OPTIONS[option])
 
 
-@pytest.mark.parametrize("options,kernel,reason", [
+@pytest.mark.parametrize("options,cuda_kernel,reason", [
     (dict(), "nvfp4_rowwise_kernel", ""),
     (dict(columnwise=True), "nvfp4_quantize_kernel", "columnwise=True"),
     (dict(rowwise=False, columnwise=True), "nvfp4_quantize_kernel", "columnwise=True"),
     (dict(block_2d=True), "nvfp4_quantize_kernel", "block_2d=True"),
 ])
-def test_kernel_choice(options, kernel, reason):
-  got_kernel, got_reason = jax_fp8.nvfp4_kernel(**options)
-  assert got_kernel == kernel and got_reason.startswith(reason) and bool(got_reason) == bool(reason)
+def test_cuda_kernel_choice(options, cuda_kernel, reason):
+  got, got_reason = jax_fp8.nvfp4_quantize_cuda_kernel(**options)
+  assert got == cuda_kernel and got_reason.startswith(reason) and bool(got_reason) == bool(reason)
 
 
 @pytest.mark.gpu
@@ -448,8 +448,9 @@ def test_gemm_is_exact_to_the_f32_sums(platform, rng):
     (lambda: jax_fp8.nvfp4_quantize(X, rowwise=False), ValueError,
      "needs rowwise=True or columnwise=True"),
     (lambda: jax_fp8.nvfp4_quantize(X, block_2d=1), TypeError, "block_2d must be a bool"),
-    (lambda: jax_fp8.nvfp4_kernel(columnwise="no"), TypeError, "columnwise must be a bool"),
-    (lambda: jax_fp8.nvfp4_kernel(rowwise=False), ValueError,
+    (lambda: jax_fp8.nvfp4_quantize_cuda_kernel(columnwise="no"), TypeError,
+     "columnwise must be a bool"),
+    (lambda: jax_fp8.nvfp4_quantize_cuda_kernel(rowwise=False), ValueError,
      "needs rowwise=True or columnwise=True"),
     (lambda: jax_fp8.nvfp4_quantize(X, columnwise=True, rht=True, rht_seed=-1), ValueError,
      "seed must be an int in"),

@@ -11,7 +11,7 @@ The global amaxes are XLA reductions (under a sharded ``jit`` over the whole ten
 device quantizes with one global scale; inside ``shard_map`` pass ``global_amax`` reduced over
 the axes that split x); then one kernel writes both directions from one read of x: the
 specialised register-resident kernel where only 1 x 16 rowwise blocks are asked for, the
-general tile kernel otherwise (``nvfp4_kernel`` says which, and why).
+general tile kernel otherwise (``nvfp4_quantize_cuda_kernel`` says which, and why).
 
 CUDA kernel: ``csrc/kernels/nvfp4_quantize.cuh``; numerics ``csrc/nvfp4.h`` (with
 ``csrc/philox.h``), shared with the CPU handler ``csrc/ffi/nvfp4_quantize_cpu.cc``; jnp twins
@@ -63,8 +63,8 @@ _OUTPUTS = ("data", "scales", "data_t", "scales_t")
 _SPECIALISED, _GENERAL = "nvfp4_rowwise_kernel", "nvfp4_quantize_kernel"
 
 
-def nvfp4_kernel(*, rowwise: bool = True, columnwise: bool = False,
-                 block_2d: bool = False) -> tuple[str, str]:
+def nvfp4_quantize_cuda_kernel(*, rowwise: bool = True, columnwise: bool = False,
+                               block_2d: bool = False) -> tuple[str, str]:
   """Which CUDA kernel ``nvfp4_quantize`` launches for these options (one per call), and why
   the specialised one was refused.
 
@@ -98,8 +98,8 @@ def quantize_call(x, global_scales, words, signs, *, rowwise, columnwise, block_
                   stochastic_rounding, rht, specialised):
   """The kernel's call on one device, inputs as the kernel reads them (global_scales f32 [2]:
   rowwise, columnwise; words uint32 [2]; signs f32 [16]; ``specialised``: the CUDA handler
-  launches the specialised kernel, which ``nvfp4_kernel`` must allow): the outputs data,
-  scales, data_t, scales_t, a direction not asked for shaped (0,)."""
+  launches the specialised kernel, which ``nvfp4_quantize_cuda_kernel`` must allow): the
+  outputs data, scales, data_t, scales_t, a direction not asked for shaped (0,)."""
   r, c = x.shape
   shapes = {"data": ((r, c // 2), jnp.uint8),
             "scales": ((r, c // NVFP4_BLOCK), jnp.float8_e4m3fn),
@@ -162,8 +162,9 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
     what it excludes), a global amax that is not a float scalar.
   """
   x = checks.float_input(x)
-  kernel, _ = nvfp4_kernel(rowwise=rowwise, columnwise=columnwise, block_2d=block_2d)
-  specialised = kernel == _SPECIALISED
+  cuda_kernel, _ = nvfp4_quantize_cuda_kernel(rowwise=rowwise, columnwise=columnwise,
+                                              block_2d=block_2d)
+  specialised = cuda_kernel == _SPECIALISED
   stochastic_rounding = checks.boolean(stochastic_rounding, "stochastic_rounding")
   rht = checks.boolean(rht, "rht")
   _check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t)
