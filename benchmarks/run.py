@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 import jax_fp8
 from jax_fp8 import activations, norms, reference
-from jax_fp8.formats import hadamard_transform
+from jax_fp8.hadamard import hadamard_transform
 from jax_fp8.recipes import CROSSOVER_INTENSITY, LINEAR_GEMMS
 
 from . import block, block_scaled, peers

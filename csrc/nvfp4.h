@@ -7,8 +7,9 @@
 // E2M1 value rounded to nearest even (e2m1_magnitude_biased) or stochastically
 // (e2m1_magnitude_stochastic_biased, 16 Philox bits per element: sr_bits_of_block). Optionally
 // each 16-element group first goes through the random Hadamard transform (hadamard16). Shared
-// by the CPU handler and the CUDA kernel; the jnp twins: jax_fp8.formats (nvfp4_global_scale,
-// sr_bits, e2m1_round_stochastic, hadamard_transform) and jax_fp8.reference.nvfp4_quantize.
+// by the CPU handler and the CUDA kernel; the jnp twins: jax_fp8.formats.nvfp4_global_scale,
+// jax_fp8.stochastic_rounding (sr_bits, e2m1_round_stochastic), jax_fp8.hadamard
+// (hadamard_transform) and jax_fp8.reference.nvfp4_quantize.
 #pragma once
 
 #include "philox.h"
@@ -47,10 +48,10 @@ JF8_HD uint32_t e2m1_magnitude_biased(float a) {
 }
 
 // The 3-bit E2M1 magnitude code of a in [0, 6] (zero or normal: a flushed product) rounded
-// stochastically, formats.e2m1_round_stochastic's rule: with q = a / gap and k = floor(q), up
-// from the code of k * gap exactly when bits16 < (q - k) * 2^16, i.e. when a > (k + bits16 *
-// 2^-16) * gap. Every value below is exact in f32 (bits16 as an f32 through its bits, without a
-// conversion instruction).
+// stochastically, stochastic_rounding.e2m1_round_stochastic's rule: with q = a / gap and
+// k = floor(q), up from the code of k * gap exactly when bits16 < (q - k) * 2^16, i.e. when
+// a > (k + bits16 * 2^-16) * gap. Every value below is exact in f32 (bits16 as an f32 through
+// its bits, without a conversion instruction).
 // On the host: q by a power of two, k by floorf, the code k + up + 2e for the spacing 2^(e-1),
 // k read from the bits of k + 2^23.
 // On the device, fewer instructions (the add's rounding mode is an instruction's modifier
@@ -75,8 +76,8 @@ JF8_HD uint32_t e2m1_magnitude_stochastic_biased(float a, uint32_t bits16) {
 }
 
 // The 16 stochastic-rounding bits of element i (< 16) of block b of row r in direction d
-// (formats.sr_bits): words w0..w7 of Philox under the key with counters (b, r, d, 0) and
-// (b, r, d, 1); element i takes (w[i / 2] >> 16 (i % 2)) & 0xFFFF.
+// (stochastic_rounding.sr_bits): words w0..w7 of Philox under the key with counters
+// (b, r, d, 0) and (b, r, d, 1); element i takes (w[i / 2] >> 16 (i % 2)) & 0xFFFF.
 struct SrBlockBits {
   uint32_t w[8];
   JF8_HD uint32_t bits(int i) const { return (w[i / 2] >> (16 * (i % 2))) & 0xFFFFu; }
@@ -108,7 +109,7 @@ JF8_HD void hadamard16_stages(float (&v)[kNvfp4Block]) {
   if constexpr (2 * kH < kNvfp4Block) hadamard16_stages<2 * kH>(v);
 }
 
-// The random Hadamard transform of one 16-element group in place (formats.hadamard_transform):
+// The random Hadamard transform of one 16-element group in place (hadamard.hadamard_transform):
 // v_i * (signs_i / 4), then the butterfly, distances 1, 2, 4, 8.
 JF8_HD void hadamard16(float (&v)[kNvfp4Block], const float* signs) {
   JF8_UNROLL

@@ -16,8 +16,8 @@ from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_t
                   activation_group_cast_transpose, block_quantize, cast_transpose_delayed,
                   dequantize, gemm, group_cast_transpose, group_quantize, mxfp8_dequantize,
                   mxfp8_gemm, mxfp8_quantize, norm_cast_transpose, norm_group_cast_transpose,
-                  nvfp4_dequantize, nvfp4_gemm, nvfp4_kernel, nvfp4_quantize, quantize,
-                  quantize_delayed)
+                  nvfp4_dequantize, nvfp4_gemm, nvfp4_quantize, nvfp4_quantize_cuda_kernel,
+                  quantize, quantize_delayed)
 from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
                       NVFP4BlockScaling, Recipe)
 from .state import ScaleRing, combine_updates, share, update_state
@@ -33,7 +33,7 @@ __all__ = [
     "cast_kernel", "cast_transpose_delayed",
     "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
     "group_cast_transpose", "group_quantize", "linear", "multi_linear", "mxfp8_dequantize",
-    "mxfp8_gemm", "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_gemm", "nvfp4_kernel",
-    "nvfp4_quantize", "norm_cast_transpose", "norm_group_cast_transpose", "quantize",
+    "mxfp8_gemm", "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_gemm", "nvfp4_quantize",
+    "nvfp4_quantize_cuda_kernel", "norm_cast_transpose", "norm_group_cast_transpose", "quantize",
     "mlp", "quantize_delayed", "quantize_weight", "quantize_weights", "share", "update_state",
 ]

@@ -7,11 +7,13 @@ values beyond the format's largest finite value go to ±max); NaN stays NaN (byt
 f32 subnormals count as zero on every backend (XLA's CPU runtime flushes them).
 
 Formats (Micikevicius et al., "FP8 Formats for Deep Learning", 2022): "e4m3" is
-``float8_e4m3fn`` (max 448, no inf), "e5m2" is ``float8_e5m2`` (max 57344).
+``float8_e4m3fn`` (max 448, no inf), "e5m2" is ``float8_e5m2`` (max 57344). The block-scaled
+formats' facts too: MXFP8's E8M0 scales and NVFP4's E2M1 elements with their scale rules. The
+NVFP4 recipe's stochastic rounding is in ``jax_fp8.stochastic_rounding``, its random Hadamard
+transform in ``jax_fp8.hadamard``.
 """
 
 from __future__ import annotations
-
 
 import functools
 
@@ -20,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import _ffi
-from .philox import philox4x32
 
 FORMATS: dict[str, jnp.dtype] = {
     "e4m3": jnp.dtype(jnp.float8_e4m3fn),
@@ -175,109 +176,3 @@ def nvfp4_global_scale(tensor_amax: jax.Array) -> jax.Array:
   s = jnp.where(a > 0, jnp.maximum(a * np.float32(1 / (fp8_max("e4m3") * E2M1_MAX)), tiny),
                 jnp.float32(1))
   return jnp.where(jnp.isfinite(a), s, jnp.nan)
-
-
-# Stochastic rounding to E2M1 (the NVFP4 report's rounding of gradients): 16 random bits per
-# element, drawn with Philox4x32-10 (jax_fp8.philox) from a counter made of the element's block
-# coordinates, so any implementation reproduces them from the key alone.
-SR_BITS = 16
-
-
-def sr_bits(key_words: jax.Array, rows: int, blocks: int, direction: int) -> jax.Array:
-  """The random integers of stochastic rounding for rows x (blocks x 16) elements quantized in
-  1 x 16 blocks along their rows: block b of row r draws Philox4x32-10 under ``key_words`` with
-  counters (b, r, direction, 0) and (b, r, direction, 1), eight words w0..w7, and its element
-  i takes bits ``(w[i // 2] >> (16 * (i % 2))) & 0xFFFF``. ``direction``: 0 for the rowwise
-  copy, 1 for the columnwise one (rows then are x's columns). uint32 [rows, blocks * 16]."""
-  b, r, j = jnp.meshgrid(jnp.arange(blocks, dtype=jnp.uint32), jnp.arange(rows, dtype=jnp.uint32),
-                         jnp.arange(2, dtype=jnp.uint32), indexing="xy")
-  counter = jnp.stack([b, r, jnp.full_like(b, direction), j], axis=-1)  # [rows, blocks, 2, 4]
-  words = philox4x32(counter, key_words).reshape(rows, blocks, 8)
-  halves = jnp.stack([words & 0xFFFF, words >> 16], axis=-1)  # element 2w + h
-  return halves.reshape(rows, blocks * NVFP4_BLOCK)
-
-
-def e2m1_round_stochastic(y: jax.Array, bits: jax.Array) -> jax.Array:
-  """E2M1 values of f32 ``y`` in [-6, 6], each magnitude rounded up to the next E2M1 value with
-  probability (|y| - lo) / gap (lo the E2M1 value at or below |y|, gap the distance to the next:
-  0.5 below 2, 1 below 4, 2 below 6): up exactly when ``bits`` (uniform 16-bit integers) is
-  below (|y| - lo) / gap * 2^16, which is exact in f32: probability ceil(2^16 t) / 2^16 for
-  t = (|y| - lo) / gap, biased up by less than 2^-16 of a gap; an E2M1 value never moves. A
-  subnormal |y| counts as 0 (as XLA's CPU runtime flushes it), and the sign is kept (a negative
-  value that rounds to zero gives -0). f32, same shape."""
-  a = jnp.abs(y)
-  a = jnp.where(a < jnp.finfo(jnp.float32).tiny, 0.0, a)  # subnormals are zero everywhere
-  gap = jnp.where(a < 2, 0.5, jnp.where(a < 4, 1.0, 2.0)).astype(jnp.float32)
-  lo = jnp.floor(a / gap) * gap
-  up = bits.astype(jnp.float32) < (a - lo) / gap * jnp.float32(1 << SR_BITS)
-  return jnp.copysign(jnp.where(up, lo + gap, lo), y)
-
-
-# The random Hadamard transform of the NVFP4 recipe's wgrad operands: each group of RHT_SIZE
-# elements along the quantized axis is multiplied by diag(signs) . H16 / 4 (H16 the Sylvester
-# Hadamard matrix), an orthogonal matrix, before the columnwise quantization.
-RHT_SIZE = 16
-
-
-def rht_signs(seed: int, name: str = "the Hadamard transform's seed") -> np.ndarray:
-  """The transform's signs, f32 [16]: ``s_i = -1`` where bit i of word 0 of
-  Philox4x32-10(counter 0, key (seed mod 2^32, seed >> 32)) is set, else 1. ``seed`` is a
-  Python int in [0, 2^64) (not traced: the signs are constants of the compiled program);
-  TypeError for another kind of value, ValueError for an int out of that range, each naming
-  the seed ``name``."""
-  if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-    raise TypeError(f"{name} must be an int in [0, 2^64), got {type(seed).__name__} {seed!r}")
-  if not 0 <= seed < 2**64:
-    raise ValueError(f"{name} must be an int in [0, 2^64), got {seed!r}")
-  seed = int(seed)
-  with jax.ensure_compile_time_eval():  # constants, also when called under a trace
-    word = np.uint32(philox4x32(jnp.zeros(4, jnp.uint32),
-                                jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32))[0])
-  return np.where((word >> np.arange(RHT_SIZE, dtype=np.uint32)) & 1, -1.0, 1.0).astype(np.float32)
-
-
-def hadamard_transform(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
-  """Each 16-element group along ``axis`` of f32 ``x`` as the row vector
-  ``g @ diag(s) @ H16 / 4`` (``s = rht_signs(seed)``, ``H16[i, j] = (-1)^popcount(i & j)``):
-  the products ``g_i * s_i / 4`` (exact), then the fast Walsh-Hadamard butterfly, stages of
-  distance 1, 2, 4, 8, each pair (a, b) becoming (a + b, a - b) in f32: the order of the sums
-  that every implementation follows, so the bytes agree. Subnormal products and sums are
-  flushed to zero on every backend (XLA's CPU does; a GPU would keep them). Orthogonal: the
-  transpose of its matrix undoes it. f32, x's shape (``axis`` a multiple of 16 long); along
-  axis 0 of [R, C] it equals the transform of x.T's rows, transposed, without moving x.
-  ValueError for an axis out of range or not a multiple of 16 long."""
-  v, axis = _hadamard_outputs(x, seed, axis, "hadamard_transform")
-  return jnp.stack(v, axis=axis + 1).reshape(x.shape)
-
-
-def hadamard_amax(x: jax.Array, seed: int, axis: int = -1) -> jax.Array:
-  """``amax(hadamard_transform(x, seed, axis))``, the same f32 bits (NaN where the transform
-  holds one), without forming the transform: the 16 outputs of each group are first reduced
-  to their largest magnitude, elementwise, so XLA evaluates each group's butterfly once. From
-  the formed transform its fused reduction evaluated the whole butterfly for every output
-  element, 16 times a group. ValueError as ``hadamard_transform``."""
-  def larger(a, b):  # the larger magnitude, NaN if either is (whatever XLA's max does)
-    return jnp.where(jnp.isnan(a) | (a > b), a, b)
-  outputs, _ = _hadamard_outputs(x, seed, axis, "hadamard_amax")
-  return amax(functools.reduce(larger, map(jnp.abs, outputs)))
-
-
-def _hadamard_outputs(x: jax.Array, seed: int, axis: int, name: str) -> tuple[list, int]:
-  """The transform's 16 outputs of every group along ``axis`` as 16 arrays (x's shape with that
-  axis 16 times shorter), so that each stage is elementwise and XLA fuses the transform (or
-  an amax of it) into one pass over x; and the axis, nonnegative."""
-  shape = x.shape
-  if not -x.ndim <= axis < x.ndim or shape[axis] % RHT_SIZE:
-    raise ValueError(f"{name} takes groups of {RHT_SIZE} along an axis of x whose "
-                     f"length is a multiple of {RHT_SIZE}: got axis {axis} of shape {shape}")
-  axis %= x.ndim
-  groups = x.reshape(*shape[:axis], shape[axis] // RHT_SIZE, RHT_SIZE, *shape[axis + 1:])
-  signs = rht_signs(seed) / 4
-  v = [_flush_subnormal(jnp.take(groups, i, axis=axis + 1) * signs[i]) for i in range(RHT_SIZE)]
-  h = 1
-  while h < RHT_SIZE:
-    for t in (t for j in range(0, RHT_SIZE, 2 * h) for t in range(j, j + h)):
-      v[t], v[t + h] = _flush_subnormal(v[t] + v[t + h]), _flush_subnormal(v[t] - v[t + h])
-    h *= 2
-  return v, axis
-

@@ -2,7 +2,8 @@
 SC 2011; the generator of Random123 and cuRAND) in jnp: counter-based random bits, so that
 every element's bits follow from its coordinates and a key alone, the same in the reference,
 the CPU handlers and the CUDA kernels. jax_fp8 draws the random bits of stochastic rounding
-with it (``jax_fp8.formats.sr_bits``).
+(``jax_fp8.stochastic_rounding.sr_bits``) and the Hadamard transform's signs
+(``jax_fp8.hadamard.rht_signs``) with it.
 
 Plain uint32 arithmetic: the 32 x 32 -> 64-bit products are built from 16-bit halves, so no
 64-bit integers (JAX's x64 mode) are needed.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from .checks import describe
 
 ROUNDS = 10
 MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
@@ -53,7 +56,6 @@ def philox4x32(counter: jax.Array, key: jax.Array) -> jax.Array:
 def key_words(key) -> jax.Array:
   """The two uint32 key words of a JAX PRNG key (a typed key of the default threefry
   implementation, or a raw uint32 [2] key); ValueError for keys of another size."""
-  from .checks import describe  # here: checks imports formats, which imports this module
   given = key
   if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)

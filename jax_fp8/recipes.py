@@ -15,7 +15,8 @@ from typing import Literal
 import numpy as np
 
 from . import checks
-from .formats import BLOCK, DIM_MULTIPLE, GROUP_EPS, MX_BLOCK, NVFP4_BLOCK, rht_signs
+from .formats import BLOCK, DIM_MULTIPLE, GROUP_EPS, MX_BLOCK, NVFP4_BLOCK
+from .hadamard import rht_signs
 from .state import HISTORY_LEN, ScaleRing, check_history_len, check_ring_params
 
 LINEAR_GEMMS = ("fprop", "dgrad", "wgrad")  # a linear's three GEMMs
@@ -313,7 +314,7 @@ class NVFP4BlockScaling(Recipe):
     stochastic_rounding: round the gradient's copies stochastically (True, the report's) or to
       nearest; a bool.
     rht: the random Hadamard transform of the wgrad operands (True, the report's); a bool.
-    rht_seed: the transform's sign seed (``formats.rht_signs``), an int in [0, 2^64); 0
+    rht_seed: the transform's sign seed (``hadamard.rht_signs``), an int in [0, 2^64); 0
       without the transform.
     fp8_min_intensity: below it a linear runs in its input's dtype (see
       ``check_fp8_min_intensity``); 0 (default): always NVFP4.

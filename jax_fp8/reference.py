@@ -5,8 +5,10 @@ kernels).
 Same signatures and results as the fast ops; unfused and written to be read. Quantize results
 must match the CUDA and CPU kernels bit for bit; GEMM and linear results within stated
 tolerances. Tests and benchmarks import this module; the library does not. The ring rules and
-the formats' numerics come from ``jax_fp8.state`` and ``jax_fp8.formats`` (their one jnp
-definition), so the twins check the kernels against them.
+the formats' numerics come from ``jax_fp8.state``, ``jax_fp8.formats``, ``stochastic_rounding``,
+``hadamard`` and ``philox`` (their one jnp definition), so the twins check the kernels against
+them; from ``jax_fp8.ops`` only result types and layout constants, none of the ops' argument
+checks: a twin raises only where it cannot compute.
 """
 
 from __future__ import annotations
@@ -16,16 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import activations, norms
-from .formats import (E2M1_MAX, INV_E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax,
-                      apply_scales, as_f32, e2m1_round_stochastic, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
-                      hadamard_transform, nvfp4_global_scale, sr_bits)
+from .formats import (BLOCK, GROUP_EPS, E2M1_MAX, INV_E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax,
+                      apply_scales, as_f32, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
+                      nvfp4_global_scale)
+from .hadamard import hadamard_transform
 from .ops import CastTransposed, DelayedQuantized, Quantized
-from .ops.blockwise import BLOCK, GROUP_EPS
 from .ops.cast_transpose import QT_ROW_MULTIPLE
-from .ops.nvfp4 import check_options as check_nvfp4_options
 from .ops.sources import in_parts
 from .philox import key_words
 from .state import ScaleRing, next_ring, observe as observe_ring, scale_for_step
+from .stochastic_rounding import e2m1_round_stochastic, sr_bits
 
 _CANONICAL_NAN = 0x7F  # what the hardware's cvt.rn.satfinite writes for any NaN
 
@@ -304,9 +306,9 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   ``formats.nvfp4_global_scale(amax(x))``, each block's scale ``e4m3(block_amax *
   (f32(1 / 6) / global_scale))``, each element ``e2m1(x * (1 / (scale * global_scale)))`` saturating at +-6 (an
   all-zero block: scale 0, elements 0), rounded to nearest even or, with
-  ``stochastic_rounding``, by ``formats.e2m1_round_stochastic`` with the bits
-  ``formats.sr_bits`` draws under ``key`` (direction 0 for the rowwise copy, 1 for the
-  columnwise). A NaN or infinity makes its block's scale NaN (and the global scale NaN).
+  ``stochastic_rounding``, by ``stochastic_rounding.e2m1_round_stochastic`` with the bits
+  ``stochastic_rounding.sr_bits`` draws under ``key`` (direction 0 for the rowwise copy, 1 for
+  the columnwise). A NaN or infinity makes its block's scale NaN (and the global scale NaN).
 
   x [R, C] (f32 / bf16 / f16; C a multiple of 16, and R too with ``columnwise`` or
   ``block_2d``) -> a dict with ``global_scale`` f32 [], and ``data`` uint8 [R, C/2] (element
@@ -314,16 +316,20 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   ``scales_t`` the same for x.T (``columnwise``). ``block_2d``: 16 x 16 tiles, one scale each
   (repeated on the tile's rows), so the two directions hold the same numbers (round to
   nearest only). ``rht``: the columnwise copy quantizes x.T with each 16-element group of its
-  rows through ``formats.hadamard_transform(., rht_seed)`` (``rht_seed`` a Python int, None:
+  rows through ``hadamard.hadamard_transform(., rht_seed)`` (``rht_seed`` a Python int, None:
   0), under its own global scale ``global_scale_t`` (from the transformed tensor's amax).
   ``global_amax`` / ``global_amax_t``: the amax (f32 []) to take the global scales from
   instead of this x's, e.g. the max over the devices that hold parts of the tensor; a value
   below the tensor's own amax saturates the block scales at 448 and the elements at +-6.
 
-  Raises ValueError: ``stochastic_rounding`` without ``key`` (or ``key`` without it, or with
-  ``block_2d``), ``rht`` without ``columnwise`` or with ``block_2d``, ``global_amax_t``
-  without ``rht``, a global amax that is not a scalar."""
-  check_nvfp4_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t)
+  Raises ValueError only where the twin cannot compute: ``stochastic_rounding`` without a
+  ``key`` (or with a key that is not two uint32 words), a global amax that is not a scalar. The
+  combinations ``jax_fp8.nvfp4_quantize`` refuses besides (stochastic rounding with
+  ``block_2d``, ``rht`` without ``columnwise`` or with ``block_2d``, an option given without
+  the one it belongs to) are the op's own checks, tested there; here such an option is
+  computed as written or has no effect."""
+  if stochastic_rounding and key is None:
+    raise ValueError("stochastic_rounding=True draws its bits under a key: got key=None")
   for name, v in (("global_amax", global_amax), ("global_amax_t", global_amax_t)):
     if v is not None and jnp.shape(v) != ():
       raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(v)}")

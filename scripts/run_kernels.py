@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
-from jax_fp8 import formats
+from jax_fp8.hadamard import rht_signs
 from jax_fp8.ops import nvfp4 as nvfp4_ops
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -186,7 +186,7 @@ def nvfp4():
   rng = np.random.default_rng(2)
   cpu, gpu = jax.devices("cpu")[0], jax.devices()[0]
   words = jax.device_put(np.array([7, 11], np.uint32), gpu)  # the key's words
-  signs = jax.device_put(formats.rht_signs(0), gpu)
+  signs = jax.device_put(rht_signs(0), gpu)
   options = (dict(), dict(columnwise=True), dict(rowwise=False, columnwise=True),
              dict(columnwise=True, block_2d=True),
              dict(columnwise=True, rht=True, stochastic_rounding=True),
@@ -201,8 +201,9 @@ def nvfp4():
         key = np.array([7, 11], np.uint32) if kw["stochastic_rounding"] else None
         q = jax_fp8.nvfp4_quantize(jax.device_put(host, cpu), key=key, **kw)
         scales = np.array([q["global_scale"], q.get("global_scale_t", q["global_scale"])])
-        chosen = jax_fp8.nvfp4_kernel(rowwise=kw["rowwise"], columnwise=kw["columnwise"],
-                                      block_2d=kw["block_2d"])[0] == "nvfp4_rowwise_kernel"
+        chosen = jax_fp8.nvfp4_quantize_cuda_kernel(
+            rowwise=kw["rowwise"], columnwise=kw["columnwise"],
+            block_2d=kw["block_2d"])[0] == "nvfp4_rowwise_kernel"
         for specialised in {chosen, False}:  # the general kernel also on the rowwise case
           jax.block_until_ready(nvfp4_ops.quantize_call(
               jax.device_put(host, gpu), jax.device_put(scales, gpu), words, signs,

@@ -110,6 +110,10 @@ def poison_allocator(nbytes: int):
   del junk
 
 
+# E2M1's magnitudes, the codes 0..7 (code | 8 is the negative): NVFP4's elements.
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
 def bits(a) -> np.ndarray:
   """The raw bytes of an FP8 array, for bitwise comparison."""
   return np.asarray(a).view(np.uint8)

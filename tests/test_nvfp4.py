@@ -1,22 +1,22 @@
-"""NVFP4 (NVIDIA's NVFP4 report, arXiv 2509.25149): the global scale, stochastic rounding, the
-random Hadamard transform in jax_fp8.formats, the reference twin
-(jax_fp8.reference.nvfp4_quantize), and jax_fp8.nvfp4_quantize's CUDA kernel and CPU handler,
-byte for byte against it."""
+"""NVFP4 (NVIDIA's NVFP4 report, arXiv 2509.25149): the global scale (jax_fp8.formats), the
+reference twin (jax_fp8.reference.nvfp4_quantize) with stochastic rounding and the random
+Hadamard transform, and jax_fp8.nvfp4_quantize's CUDA kernel and CPU handler, byte for byte
+against it. The rounding rule and the transform alone: test_stochastic_rounding.py,
+test_hadamard.py."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HAS_CUDA, bits, block_scaled_data, on_cpu, poison_allocator, summation_error
+from conftest import (E2M1, HAS_CUDA, bits, block_scaled_data, on_cpu, poison_allocator,
+                      summation_error)
 
 import jax_fp8
-from jax_fp8 import _ffi, formats, reference
+from jax_fp8 import _ffi, reference
+from jax_fp8.formats import NVFP4_BLOCK, nvfp4_global_scale
+from jax_fp8.hadamard import hadamard_transform, rht_signs
 from jax_fp8.ops import nvfp4 as nvfp4_ops
-from jax_fp8.formats import (NVFP4_BLOCK, e2m1_round_stochastic, hadamard_transform,
-                             nvfp4_global_scale, rht_signs)
 from jax_fp8.philox import philox4x32
-
-E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # the codes 0..7; code | 8 is the negative
 
 
 @pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "2d"])
@@ -150,23 +150,6 @@ def test_stochastic_rounding_bits_follow_the_documented_counter():
           name, row, col)
 
 
-@pytest.mark.parametrize("y", [0.3, 2.7, 5.123, 1.0000001, 0.5, 3.0, 6.0, -6.0, 0.0, -0.0, -0.3,
-                               -4.75, 1e-45, -1e-40], ids=repr)
-def test_stochastic_rounding_over_all_16_bit_draws(y):
-  """All 65536 values of the bits: the magnitude rounds up for exactly ceil(2^16 t) of them
-  (t its position in its gap, exact in f64), never for an E2M1 value or a subnormal (zero on
-  every backend); the sign is kept."""
-  y32 = np.float32(y)
-  got = np.asarray(e2m1_round_stochastic(jnp.full(1 << 16, y32), jnp.arange(1 << 16,
-                                                                             dtype=jnp.uint32)))
-  a = 0.0 if abs(y32) < np.finfo(np.float32).tiny else abs(float(y32))
-  gap = 0.5 if a < 2 else 1.0 if a < 4 else 2.0
-  lo = max(c for c in E2M1 if c <= a)
-  assert set(np.abs(got).tolist()) <= {lo, min(lo + gap, 6.0)}
-  assert int(np.sum(np.abs(got) > lo)) == int(np.ceil((a - lo) / gap * 65536))
-  assert np.all(np.signbit(got) == np.signbit(y32))
-
-
 def test_stochastic_rounding_keys():
   x = jnp.asarray(unit_step_blocks([0.25, 2.5, 5.0], rows=16))
   q = lambda k: np.asarray(reference.nvfp4_quantize(  # noqa: E731
@@ -184,84 +167,6 @@ def test_stochastic_rounding_keeps_nan_visible():
   assert np.isnan(float(t["global_scale"])) and np.all(np.isnan(e2m1_values(t)))
 
 
-def hadamard_matrix(seed):
-  """diag(s) @ H16 / 4 built here from the definition: s from Philox by hand."""
-  word = int(philox4x32(jnp.zeros(4, jnp.uint32),
-                        jnp.array([seed % 2**32, seed >> 32], jnp.uint32))[0])
-  s = np.array([-1.0 if word >> i & 1 else 1.0 for i in range(16)])
-  h = np.array([[(-1.0) ** bin(i & j).count("1") for j in range(16)] for i in range(16)])
-  return s[:, None] * h / 4
-
-
-@pytest.mark.parametrize("seed", [0, 5, 2**32 + 7, 2**64 - 1])
-def test_hadamard_transform_is_its_definition(rng, seed):
-  """The butterfly equals g @ diag(s) @ H16 / 4 (signs from the documented Philox word), is
-  orthogonal, and the transpose undoes it; seeds differ."""
-  m = hadamard_matrix(seed)
-  np.testing.assert_array_equal(np.asarray(rht_signs(seed)), 4 * m[:, 0])  # H16's column 0: 1s
-  np.testing.assert_array_equal(np.asarray(hadamard_transform(jnp.eye(16), seed)), m)
-  np.testing.assert_array_equal(m @ m.T, np.eye(16))  # entries +-1/4: the products are exact
-  g = rng.standard_normal((8, 32)).astype(np.float32)
-  got = np.asarray(hadamard_transform(jnp.asarray(g), seed), np.float64)
-  np.testing.assert_allclose(got, (g.astype(np.float64).reshape(16, 16) @ m).reshape(8, 32),
-                             rtol=0, atol=2.0**-20 * np.abs(g).max())
-  assert np.any(np.asarray(rht_signs(seed)) != np.asarray(rht_signs(seed + 1 if seed < 9 else 1)))
-  for bad, error in ((-1, ValueError), (2**64, ValueError), (1.0, TypeError), (True, TypeError),
-                     ("0", TypeError)):
-    with pytest.raises(error, match="seed must be an int in"):
-      rht_signs(bad)
-
-
-def test_hadamard_transform_along_any_axis(rng):
-  """Groups along axis 0 of [R, C] (or a middle axis) are those of the transposed array's rows,
-  bit for bit, subnormal flushes included; an axis out of range or not a multiple of 16 long
-  raises."""
-  x = block_scaled_data(rng, (64, 48), NVFP4_BLOCK, 38, jnp.float32)  # subnormal sums too
-  np.testing.assert_array_equal(np.asarray(hadamard_transform(x, 9, axis=0)),
-                                np.asarray(hadamard_transform(x.T, 9)).T)
-  y = jnp.asarray(rng.standard_normal((3, 32, 5)), jnp.float32)
-  np.testing.assert_array_equal(
-      np.asarray(hadamard_transform(y, 9, axis=1)),
-      np.asarray(hadamard_transform(jnp.swapaxes(y, 1, 2), 9)).swapaxes(1, 2))
-  for axis in (2, -3, 0):
-    with pytest.raises(ValueError, match="groups of 16 along an axis"):
-      hadamard_transform(jnp.ones((8, 32)), 9, axis=axis)
-
-
-def test_hadamard_amax_is_the_transforms_amax(platform, rng):
-  """hadamard_amax gives amax(hadamard_transform(.)) bit for bit under jit, along either axis:
-  subnormal sums flushed, a NaN or an infinity anywhere, all zeros; NaN where only some of a
-  group's outputs are (two infinities: inf - inf in the outputs where their signs differ);
-  the same error for a bad axis."""
-  x = block_scaled_data(rng, (64, 48), NVFP4_BLOCK, 38, jnp.float32)  # subnormal sums too
-  big = jnp.asarray(rng.standard_normal((32, 64)) * 1e37, jnp.float32)  # sums overflow to inf
-  # +inf at rows 0 and j of one column: along axis 0 the group's output k is
-  # s_0 inf + s_j (-1)^popcount(k & j) inf, NaN where the two signs differ. With s_j != s_0 and
-  # popcount(j) odd, output 0 is NaN and output 15 is not: a reduction that kept its last
-  # operand over a NaN would miss it.
-  signs = np.asarray(rht_signs(9))
-  j = next(j for j in range(1, 16) if signs[j] != signs[0] and bin(j).count("1") % 2)
-  two_infs = jnp.zeros((16, 32)).at[0, 3].set(jnp.inf).at[j, 3].set(jnp.inf)
-  cases = [x, x * 2.0**100, big, x.at[17, 5].set(jnp.nan), x.at[3, 40].set(jnp.inf),
-           two_infs, jnp.zeros((16, 32))]
-  ours = jax.jit(formats.hadamard_amax, static_argnums=1, static_argnames="axis")
-  theirs = jax.jit(lambda v, seed, axis: formats.amax(hadamard_transform(v, seed, axis=axis)),
-                   static_argnums=(1, 2))
-  for v in cases:
-    for axis in (0, -1):
-      if v.shape[axis % 2] % 16:
-        continue
-      got, want = ours(v, 9, axis=axis), theirs(v, 9, axis)
-      got, want = np.asarray(got), np.asarray(want)
-      assert got.dtype == want.dtype == np.float32 and got.shape == want.shape == ()
-      assert np.isnan(got) == np.isnan(want) and (np.isnan(got) or got.view(np.uint32) ==
-                                                    want.view(np.uint32)), (axis, got, want)
-  assert np.isnan(np.asarray(formats.hadamard_amax(cases[3], 9, axis=0)))
-  assert np.isnan(np.asarray(formats.hadamard_amax(two_infs, 9, axis=0)))
-  with pytest.raises(ValueError, match="hadamard_amax takes groups of 16 along an axis"):
-    formats.hadamard_amax(jnp.ones((8, 32)), 9, axis=0)
-
-
 def test_hadamard_transform_of_the_columnwise_copy(rng):
   """rht: the rowwise copy is untouched; the columnwise copy, dequantized and transformed back
   by the matrix's transpose, is x.T within the format's bound carried through the orthogonal
@@ -270,7 +175,7 @@ def test_hadamard_transform_of_the_columnwise_copy(rng):
   plain = reference.nvfp4_quantize(x, columnwise=True)
   t = reference.nvfp4_quantize(x, columnwise=True, rht=True, rht_seed=5)
   np.testing.assert_array_equal(t["data"], plain["data"])
-  m = hadamard_matrix(5)
+  m = np.asarray(hadamard_transform(jnp.eye(16), 5), np.float64)  # its matrix
   xt = np.asarray(x, np.float64).T
   transformed = np.asarray(hadamard_transform(jnp.asarray(x).T, 5), np.float64)
   want_gs = np.float32(np.max(np.abs(transformed))) * np.float32(1 / 2688)
@@ -308,15 +213,25 @@ def test_global_amax_sets_the_global_scales(rng):
     (dict(rht=True), "needs columnwise=True"),
     (dict(rht=True, columnwise=True, block_2d=True), "block_2d=False"),
     (dict(stochastic_rounding=True, key=jax.random.key(0), block_2d=True), "1 x 16 blocks"),
-    (dict(global_amax=jnp.ones(2)), "global_amax must be a (float )?scalar"),
+    (dict(global_amax=jnp.ones(2)), "global_amax must be a float scalar"),
     (dict(global_amax_t=jnp.float32(1)), "needs rht=True"),
     (dict(stochastic_rounding=True, key=jnp.zeros(3, jnp.uint32)), "two uint32 words"),
 ])
-@pytest.mark.parametrize("quantize", [reference.nvfp4_quantize, jax_fp8.nvfp4_quantize],
-                         ids=["reference", "op"])
-def test_unsupported_combinations_raise(quantize, kwargs, match):
+def test_unsupported_combinations_raise(kwargs, match):
   with pytest.raises(ValueError, match=match):
-    quantize(jnp.ones((16, 32)), **kwargs)
+    jax_fp8.nvfp4_quantize(jnp.ones((16, 32)), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(stochastic_rounding=True), "draws its bits under a key: got key=None"),
+    (dict(stochastic_rounding=True, key=jnp.zeros(3, jnp.uint32)), "two uint32 words"),
+    (dict(global_amax=jnp.ones(2)), "global_amax must be a scalar"),
+    (dict(columnwise=True, rht=True, global_amax_t=jnp.ones(2)), "global_amax_t must be a scalar"),
+])
+def test_reference_raises_where_it_cannot_compute(kwargs, match):
+  """The twin has its own checks, of what it needs to compute (none of the op's)."""
+  with pytest.raises(ValueError, match=match):
+    reference.nvfp4_quantize(jnp.ones((16, 32)), **kwargs)
 
 
 KEY = jax.random.key(7)
@@ -405,15 +320,15 @@ def test_kernel_rounding_ties(platform, option):
   _check_against_reference(jnp.asarray(x), OPTIONS[option])
 
 
-@pytest.mark.parametrize("options,kernel,reason", [
+@pytest.mark.parametrize("options,cuda_kernel,reason", [
     (dict(), "nvfp4_rowwise_kernel", ""),
     (dict(columnwise=True), "nvfp4_quantize_kernel", "columnwise=True"),
     (dict(rowwise=False, columnwise=True), "nvfp4_quantize_kernel", "columnwise=True"),
     (dict(block_2d=True), "nvfp4_quantize_kernel", "block_2d=True"),
 ])
-def test_kernel_choice(options, kernel, reason):
-  got_kernel, got_reason = jax_fp8.nvfp4_kernel(**options)
-  assert got_kernel == kernel and got_reason.startswith(reason) and bool(got_reason) == bool(reason)
+def test_cuda_kernel_choice(options, cuda_kernel, reason):
+  got, got_reason = jax_fp8.nvfp4_quantize_cuda_kernel(**options)
+  assert got == cuda_kernel and got_reason.startswith(reason) and bool(got_reason) == bool(reason)
 
 
 @pytest.mark.gpu
@@ -533,8 +448,9 @@ def test_gemm_is_exact_to_the_f32_sums(platform, rng):
     (lambda: jax_fp8.nvfp4_quantize(X, rowwise=False), ValueError,
      "needs rowwise=True or columnwise=True"),
     (lambda: jax_fp8.nvfp4_quantize(X, block_2d=1), TypeError, "block_2d must be a bool"),
-    (lambda: jax_fp8.nvfp4_kernel(columnwise="no"), TypeError, "columnwise must be a bool"),
-    (lambda: jax_fp8.nvfp4_kernel(rowwise=False), ValueError,
+    (lambda: jax_fp8.nvfp4_quantize_cuda_kernel(columnwise="no"), TypeError,
+     "columnwise must be a bool"),
+    (lambda: jax_fp8.nvfp4_quantize_cuda_kernel(rowwise=False), ValueError,
      "needs rowwise=True or columnwise=True"),
     (lambda: jax_fp8.nvfp4_quantize(X, columnwise=True, rht=True, rht_seed=-1), ValueError,
      "seed must be an int in"),

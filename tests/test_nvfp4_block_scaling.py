@@ -18,7 +18,7 @@ import jax_fp8.flax
 import jax_fp8.nnx
 from jax_fp8 import reference
 from jax_fp8.convert import convert
-from jax_fp8.formats import hadamard_transform
+from jax_fp8.hadamard import hadamard_transform
 
 NV = jax_fp8.NVFP4BlockScaling()
 KEY = jax.random.key(11)

@@ -1,5 +1,5 @@
 // NVFP4 quantization (csrc/nvfp4.h) of x [R, C]: two kernels, one launched per call
-// (jax_fp8.ops.nvfp4.nvfp4_kernel decides; the FFI attribute `specialised` says which).
+// (jax_fp8.nvfp4_quantize_cuda_kernel decides; the FFI attribute `specialised` says which).
 //
 // nvfp4_rowwise_kernel, the specialised one: rowwise 1 x 16 blocks only (data [R, C/2], scales
 // [R, C/16]). Register-resident: thread v of a grid-stride loop quantizes block v of x (its 16

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from .. import sharding
 from .._residuals import op_outputs, packed
-from ..formats import NVFP4_BLOCK, amax, as_f32, hadamard_amax
+from ..formats import NVFP4_BLOCK, amax, as_f32
+from ..hadamard import hadamard_amax
 from ..ops.nvfp4 import nvfp4_gemm, nvfp4_quantize
 from ._shared import bias_grad, pad_rows, split_output
 

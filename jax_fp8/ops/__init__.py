@@ -10,7 +10,7 @@ from .cast_transpose import (CastTransposed, activation_cast_transpose,
                              norm_cast_transpose)
 from .gemm import gemm
 from .mxfp8 import mxfp8_dequantize, mxfp8_gemm, mxfp8_quantize
-from .nvfp4 import nvfp4_dequantize, nvfp4_gemm, nvfp4_kernel, nvfp4_quantize
+from .nvfp4 import nvfp4_dequantize, nvfp4_gemm, nvfp4_quantize, nvfp4_quantize_cuda_kernel
 from .quantize import DelayedQuantized, Quantized, dequantize, quantize, quantize_delayed
 
 __all__ = ["CastTransposed", "DelayedQuantized", "Quantized", "activation_cast_transpose",
@@ -19,4 +19,4 @@ __all__ = ["CastTransposed", "DelayedQuantized", "Quantized", "activation_cast_t
            "cast_transpose_delayed", "dequantize", "gemm", "group_cast_transpose",
            "group_quantize", "mxfp8_dequantize", "mxfp8_gemm", "mxfp8_quantize",
            "norm_cast_transpose", "norm_group_cast_transpose", "nvfp4_dequantize", "nvfp4_gemm",
-           "nvfp4_kernel", "nvfp4_quantize", "quantize", "quantize_delayed"]
+           "nvfp4_quantize", "nvfp4_quantize_cuda_kernel", "quantize", "quantize_delayed"]

@@ -11,7 +11,7 @@ The global amaxes are XLA reductions (under a sharded ``jit`` over the whole ten
 device quantizes with one global scale; inside ``shard_map`` pass ``global_amax`` reduced over
 the axes that split x); then one kernel writes both directions from one read of x: the
 specialised register-resident kernel where only 1 x 16 rowwise blocks are asked for, the
-general tile kernel otherwise (``nvfp4_kernel`` says which, and why).
+general tile kernel otherwise (``nvfp4_quantize_cuda_kernel`` says which, and why).
 
 CUDA kernel: ``csrc/kernels/nvfp4_quantize.cuh``; numerics ``csrc/nvfp4.h`` (with
 ``csrc/philox.h``), shared with the CPU handler ``csrc/ffi/nvfp4_quantize_cpu.cc``; jnp twins
@@ -25,14 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import checks, sharding
-from ..formats import (FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32,
-                       hadamard_amax, nvfp4_global_scale, rht_signs)
+from ..formats import FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32, nvfp4_global_scale
+from ..hadamard import hadamard_amax, rht_signs
 from ..philox import key_words
 
 
-def check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t) -> None:
-  """The combinations of ``nvfp4_quantize``'s options that it refuses (and its jnp twin,
-  ``reference.nvfp4_quantize``), each a ValueError saying what the option needs."""
+def _check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t) -> None:
+  """The combinations of ``nvfp4_quantize``'s options that it refuses, each a ValueError saying
+  what the option needs."""
   if stochastic_rounding and key is None:
     raise ValueError("stochastic_rounding=True needs a key (a jax.random key), got key=None")
   if key is not None and not stochastic_rounding:
@@ -63,8 +63,8 @@ _OUTPUTS = ("data", "scales", "data_t", "scales_t")
 _SPECIALISED, _GENERAL = "nvfp4_rowwise_kernel", "nvfp4_quantize_kernel"
 
 
-def nvfp4_kernel(*, rowwise: bool = True, columnwise: bool = False,
-                 block_2d: bool = False) -> tuple[str, str]:
+def nvfp4_quantize_cuda_kernel(*, rowwise: bool = True, columnwise: bool = False,
+                               block_2d: bool = False) -> tuple[str, str]:
   """Which CUDA kernel ``nvfp4_quantize`` launches for these options (one per call), and why
   the specialised one was refused.
 
@@ -98,8 +98,8 @@ def quantize_call(x, global_scales, words, signs, *, rowwise, columnwise, block_
                   stochastic_rounding, rht, specialised):
   """The kernel's call on one device, inputs as the kernel reads them (global_scales f32 [2]:
   rowwise, columnwise; words uint32 [2]; signs f32 [16]; ``specialised``: the CUDA handler
-  launches the specialised kernel, which ``nvfp4_kernel`` must allow): the outputs data,
-  scales, data_t, scales_t, a direction not asked for shaped (0,)."""
+  launches the specialised kernel, which ``nvfp4_quantize_cuda_kernel`` must allow): the
+  outputs data, scales, data_t, scales_t, a direction not asked for shaped (0,)."""
   r, c = x.shape
   shapes = {"data": ((r, c // 2), jnp.uint8),
             "scales": ((r, c // NVFP4_BLOCK), jnp.float8_e4m3fn),
@@ -138,12 +138,13 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
     stochastic_rounding: round each element up or down at random with the probabilities that
       make it unbiased (gradients), 16 Philox4x32-10 bits an element: block b of row r in
       direction d (0 rowwise, 1 columnwise, rows then x's columns) draws counters (b, r, d, 0)
-      and (b, r, d, 1) under ``key`` (``jax_fp8.formats.sr_bits``). Needs ``key``.
+      and (b, r, d, 1) under ``key`` (``jax_fp8.stochastic_rounding.sr_bits``). Needs ``key``.
     key: a JAX PRNG key (``jax.random.key(seed)``, threefry) or raw uint32 [2]; give a fresh
       one each step and tensor (``jax.random.fold_in``).
     rht: the columnwise copy quantizes each 16-element group of x.T's rows after the random
-      Hadamard transform ``formats.hadamard_transform(., rht_seed)`` (the report's wgrad
-      operands), under its own global scale ``global_scale_t``. Needs ``columnwise``, 1D blocks.
+      Hadamard transform ``jax_fp8.hadamard.hadamard_transform(., rht_seed)`` (the report's
+      wgrad operands), under its own global scale ``global_scale_t``. Needs ``columnwise``, 1D
+      blocks.
     rht_seed: the transform's sign seed, a Python int in [0, 2^64); None (default): 0. Only
       with ``rht``.
     global_amax, global_amax_t: f32 scalars to take the global scales from instead of this x's
@@ -161,11 +162,12 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
     what it excludes), a global amax that is not a float scalar.
   """
   x = checks.float_input(x)
-  kernel, _ = nvfp4_kernel(rowwise=rowwise, columnwise=columnwise, block_2d=block_2d)
-  specialised = kernel == _SPECIALISED
+  cuda_kernel, _ = nvfp4_quantize_cuda_kernel(rowwise=rowwise, columnwise=columnwise,
+                                              block_2d=block_2d)
+  specialised = cuda_kernel == _SPECIALISED
   stochastic_rounding = checks.boolean(stochastic_rounding, "stochastic_rounding")
   rht = checks.boolean(rht, "rht")
-  check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t)
+  _check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t)
   if rht_seed is not None and not rht:
     raise ValueError("rht_seed is the Hadamard transform's seed: it needs rht=True")
   rht_seed = 0 if rht_seed is None else rht_seed
