@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import activations, norms
-from .formats import (BLOCK, GROUP_EPS, E2M1_MAX, INV_E2M1_MAX, MX_BLOCK, NVFP4_BLOCK, E8M0_BIAS, amax,
-                      apply_scales, as_f32, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
+from .formats import (BLOCK, E2M1_MAX, E8M0_BIAS, GROUP_EPS, INV_E2M1_MAX, MX_BLOCK, NVFP4_BLOCK,
+                      amax, apply_scales, as_f32, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
                       nvfp4_global_scale)
 from .hadamard import hadamard_transform
 from .ops import CastTransposed, DelayedQuantized, Quantized
