@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 import jax_fp8
 import jax_fp8.flax
-from jax_fp8.linear import fp8_multiple
+from jax_fp8.formats import DIM_MULTIPLE
 
 from .data import VOCAB
 
@@ -100,7 +100,7 @@ class Config:
         raise ValueError(f"fast_accum_gemms applies to the per-tensor recipes {PER_TENSOR}, not "
                          f"to recipe {self.recipe!r}")
       self.recipe_object()  # the recipe checks the GEMM names
-    align = fp8_multiple(self.recipe_object() if self.fp8 else None)[0]
+    align = self.recipe_object().dim_multiple if self.fp8 else DIM_MULTIPLE
     if self.d_model % align or self.d_model % self.n_heads:
       raise ValueError(f"d_model={self.d_model} must be a multiple of {align} and of "
                        f"n_heads={self.n_heads}")
