@@ -77,8 +77,10 @@ def check_key(recipe: Recipe, key):
   if key is None:
     return None
   if not recipe.draws_key:
+    off = ("(stochastic_rounding=False)"
+           if getattr(recipe, "stochastic_rounding", None) is False else "")
     raise ValueError(f"key serves NVFP4BlockScaling's stochastic rounding of the gradients; "
-                     f"{recipe!r} draws no random bits: pass key=None")
+                     f"{type(recipe).__name__}{off} draws no random bits: pass key=None")
   return key_words(key)
 
 
@@ -147,7 +149,7 @@ def amax_axes(x, kernel, bias, state, amax_axis_name):
   """
   names = axis_names(amax_axis_name)
   needed = sharding.varying_axes(x, kernel, bias) - sharding.varying_axes(state)
-  if state is None:  # amaxes of this step: the axes named, by default every axis a tensor varies over
+  if state is None:  # amaxes of this step: the axes named, by default every axis they vary over
     names = needed if amax_axis_name is None else names
   elif not needed <= names:
     raise ValueError(f"x, kernel or bias vary over the shard_map axes {sorted(needed)}, over "
