@@ -188,10 +188,12 @@ def kernel_to_cast(kernel, recipe: Recipe) -> jax.Array:
 
 
 def check_dims(recipe: Recipe, dims: dict) -> None:
-  """ValueError unless every size in ``dims`` (name -> size: K, N, ...) is a multiple of the
-  recipe's ``dim_multiple``."""
-  if any(v % recipe.dim_multiple for v in dims.values()):
-    raise ValueError(f"{recipe.dim_rule}, got {', '.join(f'{k}={v}' for k, v in dims.items())}")
+  """ValueError unless every size in ``dims`` (name -> a size or a tuple of sizes: K, N, ...)
+  is a multiple of the recipe's ``dim_multiple``."""
+  sizes = {k: v if isinstance(v, tuple) else (v,) for k, v in dims.items()}
+  if any(v % recipe.dim_multiple for vs in sizes.values() for v in vs):
+    got = ", ".join(f"{k}={', '.join(map(str, vs))}" for k, vs in sizes.items())
+    raise ValueError(f"{recipe.dim_rule}, got {got} under {type(recipe).__name__}")
 
 
 def gemm_input(x, norm_params, norm, dtype):

@@ -16,7 +16,7 @@ from .cast_kernel import CastKernel, check_cast
 from .families import family
 from .families._shared import split_output
 from .inference import Fp8Weight, check_weight, forward
-from .layer_checks import (amax_axes, check_key, check_norm, check_rings,
+from .layer_checks import (amax_axes, check_dims, check_key, check_norm, check_rings,
                            check_split, check_stateless, compute_dtype, float_array, fp8_pays,
                            gemm_input)
 from .layer_state import LinearState, MultiLinearState
@@ -233,8 +233,8 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
   fp8 = fp8_pays(recipe, math.prod(x.shape[:-1]), sum(ns), k)
   if fp8 and 0 in ns:
     raise ValueError(f"{kernel_names[ns.index(0)]} has N = 0 beside other kernels: leave it out")
-  if fp8 and (k % recipe.dim_multiple or any(n % recipe.dim_multiple for n in ns)):
-    raise ValueError(f"{recipe.dim_rule}, got K={k}, N={', '.join(map(str, ns))}")
+  if fp8:
+    check_dims(recipe, {"K": k, "N": ns})
   rings = None
   if recipe.stateful:
     rings = state_rings(recipe, state, state_cls, len(kernels))

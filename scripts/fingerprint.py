@@ -266,6 +266,18 @@ def weights_case(recipe, intensity):
   return run
 
 
+def linen_two_steps(model, recipe, x, seed: int):
+  """A linen model's initial params and ``two_steps`` of its mean-square output on x."""
+  rngs = {"stochastic_rounding": KEY} if key_for(recipe) is not None else {}
+  variables = model.init(jax.random.key(seed), x)
+  params, state = variables["params"], variables.get("fp8_state", {})
+
+  def loss(params, state):
+    y = model.apply({"params": params, "fp8_state": state}, x, rngs=rngs)
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
+  return params, two_steps(loss, params, state)
+
+
 def small_model_cases():
   import flax.linen as nn
   import optax
@@ -288,17 +300,8 @@ def small_model_cases():
         return h + jax_fp8.flax.Mlp(256, activation="gelu", out_features=128, recipe=recipe,
                                     norm="layernorm", dtype=jnp.bfloat16)(h)
 
-    def linen_run(recipe=recipe, Block=Block):
-      model = Block()
-      rngs = {"stochastic_rounding": KEY} if key_for(recipe) is not None else {}
-      variables = model.init(jax.random.key(0), x)
-      params, state = variables["params"], variables.get("fp8_state", {})
-
-      def loss(params, state):
-        y = model.apply({"params": params, "fp8_state": state}, x, rngs=rngs)
-        return jnp.mean(jnp.square(y.astype(jnp.float32)))
-      return params, two_steps(loss, params, state)
-    cases[f"flax/{rname}"] = linen_run
+    cases[f"flax/{rname}"] = (lambda recipe=recipe, Block=Block:
+                              linen_two_steps(Block(), recipe, x, 0))
 
     class NnxBlock(nnx.Module):
       def __init__(self, rngs):
@@ -334,17 +337,8 @@ def small_model_cases():
       return nn.Dense(64, dtype=jnp.bfloat16, name="lm_head")(h.reshape(*h.shape[:-2], 128))
 
   for rname in ("delayed", "current", "block", "nvfp4"):
-    def convert_run(recipe=RECIPES[rname]):
-      model = jax_fp8.convert.convert(Plain(), recipe)
-      rngs = {"stochastic_rounding": KEY} if key_for(recipe) is not None else {}
-      variables = model.init(jax.random.key(1), x)
-      params, state = variables["params"], variables.get("fp8_state", {})
-
-      def loss(params, state):
-        y = model.apply({"params": params, "fp8_state": state}, x, rngs=rngs)
-        return jnp.mean(jnp.square(y.astype(jnp.float32)))
-      return params, two_steps(loss, params, state)
-    cases[f"convert_linen/{rname}"] = convert_run
+    cases[f"convert_linen/{rname}"] = (lambda recipe=RECIPES[rname]: linen_two_steps(
+        jax_fp8.convert.convert(Plain(), recipe), recipe, x, 1))
 
   class NnxPlain(nnx.Module):
     def __init__(self, rngs):
