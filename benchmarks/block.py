@@ -23,8 +23,8 @@ QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
 def config(recipe: jax_fp8.DelayedScaling | None, d_model: int, ffn: int, heads: int,
            seq: int) -> Config:
   """The block's model options: FP8 under ``recipe`` (delayed scaling, any
-  ``fast_accum_gemms``), or BF16 for None."""
-  fp8 = (dict(linear="bf16") if recipe is None else
+  ``fast_accum_gemms``), or BF16 (``flax.linen.Dense``) for None."""
+  fp8 = (dict(linear="flax") if recipe is None else
          dict(recipe="delayed", fast_accum_gemms=recipe.fast_accum_gemms))
   cfg = Config(d_model, heads, 1, seq, d_ff=ffn, **dict(LLAMA, position=None, qkv="fused",
                                                           scan=False), **fp8)

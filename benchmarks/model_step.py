@@ -93,7 +93,7 @@ SHARED = dict(qkv="shared_input", mlp="shared_input")
 FUSED_MLP = dict(qkv="shared_input", mlp="fused")
 FUSED_NORM_MLP = dict(FUSED_MLP, fuse_norm=True)
 VARIANTS = {  # name -> the Config fields it sets
-    "bf16": dict(linear="bf16"),
+    "bf16": dict(linear="flax"),
     "flax_fp8": dict(linear="flax_fp8"),
     "delayed_bf16_kernel_copy": dict(linear="fp8_bf16_kernel_copy"),
     "delayed": {},

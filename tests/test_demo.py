@@ -159,10 +159,11 @@ def test_model_config_rejects_what_no_layer_computes(fields, message):
 
 def test_model_variants_name_parameters_alike():
   """One rule names the parameters: the demo's FP8 model and its BF16 twin have the same tree
-  and the same initial values (one seed); so do the Llama-style FP8 and BF16 models."""
-  for fields in ({}, LLAMA):
+  and the same initial values (one seed); so do the Llama-style FP8 model and its Flax BF16
+  peer."""
+  for fields, baseline in (({}, "bf16"), (LLAMA, "flax")):
     fp8, bf16 = (init_variables(Transformer(Config(128, 2, 2, 32, linear=linear, **fields)), 0)
-                 for linear in ("fp8", "bf16"))
+                 for linear in ("fp8", baseline))
     assert jax.tree.structure(fp8[0]) == jax.tree.structure(bf16[0])
     assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), fp8[0], bf16[0])))
     assert "fp8_state" in fp8[1] and bf16[1] == {}

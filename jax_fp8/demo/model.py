@@ -9,9 +9,10 @@ residual stream, Flax's initializers, the blocks under ``nn.scan``.
 
 ``linear``: "fp8", ``jax_fp8.flax`` layers under ``recipe`` (a key of ``RECIPES``; under
 "nvfp4" the last ``nvfp4_bf16_share`` of the blocks in BF16, as the NVFP4 report keeps them;
-MXFP8 and NVFP4 GEMMs emulated on Hopper); "bf16", ``flax.linen.Dense`` (where jax_fp8 fuses a
-norm, a split or an MLP, its twin here: ``Bf16Dense``, ``Bf16Mlp``); "flax_fp8", Flax's FP8
-``nn.Dense`` (``Fp8DirectDotGeneralOp``); "fp8_bf16_kernel_copy", ``KernelCopyDense``.
+MXFP8 and NVFP4 GEMMs emulated on Hopper); "bf16", their bf16 twins here (``Bf16Dense``,
+``Bf16Mlp``: the demo's baseline); "flax", ``flax.linen.Dense`` (the benchmarks' baseline);
+"flax_fp8", Flax's FP8 ``nn.Dense`` (``Fp8DirectDotGeneralOp``); "fp8_bf16_kernel_copy",
+``KernelCopyDense``.
 ``fuse_norm``: the norms before q / k / v and the MLP inside those layers (``norm=``; under the
 per-tensor and block recipes inside the FP8 cast-transposes). One rule names the parameters
 and one order creates them, so one seed gives a ``Config``'s FP8 and BF16 models the same ones.
@@ -44,7 +45,7 @@ PER_TENSOR = ("delayed", "current")  # the recipes with one scale a tensor (and 
 # precision (about 15% of the linear layers), rounded to whole blocks.
 NVFP4_BF16_SHARE = 0.15
 ATTENTION = ("cudnn", "xla")  # the implementations of jax.nn.dot_product_attention it runs
-LINEAR = ("fp8", "bf16", "flax_fp8", "fp8_bf16_kernel_copy")
+LINEAR = ("fp8", "bf16", "flax", "flax_fp8", "fp8_bf16_kernel_copy")
 QKV = ("split", "shared_input", "separate", "fused")
 MLP = ("fused", "shared_input", "separate")
 NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}
@@ -277,9 +278,9 @@ def dense(cfg: Config, features: int, name: str, norm: str | None = None,
   if cfg.fp8:
     split = (features // parts,) * parts if parts > 1 else None
     return jax_fp8.flax.Dense(features, split=split, **kw, **_fp8_kw(cfg, norm))
-  if norm is not None or parts > 1:  # linear="bf16" (Config checks)
-    return Bf16Dense(features, norm=norm, parts=parts, **kw)
   if cfg.linear == "bf16":
+    return Bf16Dense(features, norm=norm, parts=parts, **kw)
+  if cfg.linear == "flax":
     return nn.Dense(features, **kw)
   if cfg.linear == "flax_fp8":
     return nn.Dense(features, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp, **kw)
