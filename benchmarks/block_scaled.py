@@ -1,7 +1,7 @@
 """Block-scaling cases of the suite (DeepSeek-V3 recipe): the quantizers against copy bandwidth
 and their jnp twins, the block-scaled GEMM against the per-tensor FP8 GEMM, the block-scaled
 linear against BF16 and per-tensor FP8, and the effect of PDL on a quantize -> GEMM ->
-quantize chain."""
+quantize chain; the MXFP8 and NVFP4 quantizers against their jnp twins."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 import jax_fp8
 from jax_fp8 import reference
+from jax_fp8.hadamard import hadamard_transform
 
 from . import peers
 from .timing import device_time
@@ -108,4 +109,42 @@ def bench_pdl(shapes, rand):
     rows.append({"case": "pdl chain", "shape": [m, n, k], "us": times["1"] * 1e6,
                  "pdl_off_us": times["0"] * 1e6, "saved_us": (times["0"] - times["1"]) * 1e6,
                  "pdl_speedup": times["0"] / times["1"]})
+  return rows
+
+
+def bench_mx_nvfp4(shapes, rand, ceil):
+  """MXFP8 and NVFP4 quantization of bf16 x against the jnp twins (XLA's fusions): rowwise,
+  and both directions from one read (NVFP4 also with the wgrad operand's options: stochastic
+  rounding and the Hadamard transform). Bytes: x read (2 an element); per element and
+  direction written, MXFP8 1 + 1/32 (FP8 byte, E8M0 scale), NVFP4 1/2 + 1/16 (E2M1 nibble, E4M3
+  scale). NVFP4 runs twice: as called plainly, with XLA's pass for the global amax (two with
+  the transform), which these bytes do not count (the ratio to copy is against one read); and
+  with the global amaxes given ("amax given": e.g. known from the step before), where the op
+  is its kernel."""
+  key = jax.random.key(0)
+  rows = []
+  for shape in shapes:
+    x = rand(2, shape, jnp.bfloat16, 3.0)
+    given = dict(global_amax=jnp.max(jnp.abs(x)).astype(jnp.float32))
+    given_t = dict(given, global_amax_t=jnp.max(jnp.abs(
+        hadamard_transform(x.astype(jnp.float32), 0, axis=0))))
+    sr = dict(stochastic_rounding=True, key=key)
+    mx, nv = ((jax_fp8.mxfp8_quantize, reference.mxfp8_quantize),
+              (jax_fp8.nvfp4_quantize, reference.nvfp4_quantize))
+    cases = [("mxfp8_quantize rowwise", mx, dict(), 1 + 1 / 32),
+             ("mxfp8_quantize both", mx, dict(columnwise=True), 2 * (1 + 1 / 32))]
+    for suffix, amax, amax_t in (("", {}, {}), (", amax given", given, given_t)):
+      cases += [(f"nvfp4_quantize rowwise{suffix}", nv, amax, 1 / 2 + 1 / 16),
+                (f"nvfp4_quantize rowwise sr{suffix}", nv, dict(amax, **sr), 1 / 2 + 1 / 16),
+                (f"nvfp4_quantize both{suffix}", nv, dict(amax, columnwise=True),
+                 2 * (1 / 2 + 1 / 16)),
+                (f"nvfp4_quantize both rht+sr{suffix}", nv,
+                 dict(amax_t, columnwise=True, rht=True, **sr), 2 * (1 / 2 + 1 / 16))]
+    for name, (op, ref), kw, written in cases:
+      nbytes = x.size * (2 + written)
+      t = device_time(lambda x: op(x, **kw), x)
+      tj = device_time(lambda x: ref(x, **kw), x)
+      rows.append({"case": name, "shape": list(x.shape), "us": t * 1e6,
+                   "TBps": nbytes / t / 1e12, "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"],
+                   "jnp_us": tj * 1e6, "vs_jnp": tj / t})
   return rows

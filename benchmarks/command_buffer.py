@@ -37,7 +37,7 @@ import numpy as np
 import jax_fp8
 
 from . import block
-from .run import QUICK_BLOCK, environment, write_results
+from .common import environment, write_results
 
 TYPES = "FUSION,CUBLAS,CUBLASLT,CUDNN"
 MODES = {  # name -> XLA_FLAGS addition (None: XLA's default); "off", the baseline, runs first
@@ -53,16 +53,17 @@ CONFIG = dict(d_model=1024, ffn=3584, heads=8, seq=512, batch=4)
 
 def child(cfg: dict, steps: int, out_npz: str) -> dict:
   """Times both steps and saves their outputs to ``out_npz``, one array per leaf (bf16 as its
-  exact f32 value), named ``<step>:<path>`` (``fp8:[0]['params']['qkv']['kernel']``)."""
+  exact f32 value), named ``<step>:<path>`` (``fp8:[0]['qkv']['kernel']``: the gradients,
+  then the collections)."""
   times, leaves = {}, {}
   for name in STEPS:
-    blk, params, state, x = block.setup(jax_fp8.DelayedScaling() if name == "fp8" else None,
-                                        **cfg)
-    step = jax.jit(block.train_step_fn(blk))
-    res = jax.block_until_ready(step(params, state, x))  # compile and warm up
+    step, params, collections, x = block.setup(
+        jax_fp8.DelayedScaling() if name == "fp8" else None, **cfg)
+    step = jax.jit(step)
+    res = jax.block_until_ready(step(params, collections, x))  # compile and warm up
     t0 = time.perf_counter()
     for _ in range(steps):
-      res = step(params, state, x)
+      res = step(params, collections, x)
     jax.block_until_ready(res)
     times[f"{name}_step_ms"] = (time.perf_counter() - t0) / steps * 1e3
     for path, v in jax.tree_util.tree_flatten_with_path(res)[0]:
@@ -129,7 +130,7 @@ def main(argv=None):
   p.add_argument("--out", help="JSON path")
   p.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one mode, outputs here
   args = p.parse_args(argv)
-  cfg = QUICK_BLOCK if args.quick else CONFIG
+  cfg = block.QUICK_BLOCK if args.quick else CONFIG
   if args.child:
     print(json.dumps(child(cfg, args.steps, args.child)))
     return None

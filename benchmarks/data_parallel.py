@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import os
 import time
 
@@ -30,54 +29,36 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import Mesh, PartitionSpec as P  # noqa: E402
 
-import jax_fp8  # noqa: E402
 from jax_fp8.demo import data  # noqa: E402
-from jax_fp8.demo.__main__ import (PRESETS, SKIP_STEPS, init_variables, make_loss,  # noqa: E402
-                                   make_optimizer, step_key)
 from jax_fp8.demo.model import RECIPES, Transformer, default_attention  # noqa: E402
+from jax_fp8.demo.train import (PRESETS, SKIP_STEPS, init_variables, make_optimizer,  # noqa: E402
+                                make_train_step, step_key)
 
-from .run import environment, write_results  # noqa: E402
+from .common import environment, write_results  # noqa: E402
 
 AXIS = "data"
 
 
 def step_time(preset, cfg, devices, batches, seed: int) -> float:
-  """Seconds per training step of ``cfg`` data-parallel over ``devices``."""
+  """Seconds per training step of ``cfg`` data-parallel over ``devices`` (the demo's step
+  under ``shard_map``: ``make_train_step``'s ``mesh``)."""
   mesh = Mesh(np.array(devices), (AXIS,))
-  n = len(devices)
   model = Transformer(cfg)
   tx = make_optimizer(preset, len(batches))
-  loss_fn = make_loss(model)
-  params, fp8_state = init_variables(cfg, seed)
+  train_step = make_train_step(model, tx, mesh=mesh, axis=AXIS)
+  params, collections = init_variables(model, seed)
   opt_state = tx.init(params)
-
-  def device_step(params, fp8_state, batch, key):
-    loss, (grads, state_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-        params, fp8_state, batch, key)
-    grads = jax.tree.map(lambda g: g / n, grads)  # summed over the devices -> mean
-    return grads, jax_fp8.update_state(fp8_state, state_grads), jax.lax.pmean(loss, AXIS)
-
-  sharded = jax.shard_map(device_step, mesh=mesh, in_specs=(P(), P(), P(AXIS), P()),
-                          out_specs=(P(), P(), P()))
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))  # the train state is donated
-  def train_step(params, opt_state, fp8_state, batch, key):
-    grads, fp8_state, loss = sharded(params, fp8_state, batch, key)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, fp8_state, loss
-
   replicated = jax.sharding.NamedSharding(mesh, P())
-  params, opt_state, fp8_state = jax.device_put((params, opt_state, fp8_state), replicated)
+  params, opt_state, collections = jax.device_put((params, opt_state, collections), replicated)
   batch_sharding = jax.sharding.NamedSharding(mesh, P(AXIS))
   for i, batch in enumerate(batches):
     if i == SKIP_STEPS:
       jax.block_until_ready(params)
       t0 = time.perf_counter()
-    params, opt_state, fp8_state, loss = train_step(
-        params, opt_state, fp8_state, jax.device_put(batch, batch_sharding), step_key(seed, i))
+    params, opt_state, collections, loss = train_step(
+        params, opt_state, collections, jax.device_put(batch, batch_sharding), step_key(seed, i))
   jax.block_until_ready((params, loss))
   return (time.perf_counter() - t0) / (len(batches) - SKIP_STEPS)
 

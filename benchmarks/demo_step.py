@@ -2,11 +2,12 @@
 without a training run, and with ``--profile`` where each variant's step spends its time.
 
 The step is ``python -m jax_fp8.demo``'s own (its model, optimizer and jitted step of a
-preset, default ``gpu`` on a GPU backend, else ``cpu``), on one batch of random bytes placed
-on the device once and one step key, the same every step. Variants: ``bf16`` (the demo's BF16 twin); each recipe of the
-demo by name (``delayed``, ``current``, ``block``, ``mxfp8``, ``nvfp4``); ``delayed_fast_fprop``
-and ``delayed_fast_all``: delayed scaling with fast accumulation in the forward GEMM / in all
-three (the demo's ``--fast-accum``). Timing and profile as ``benchmarks.train_step``'s.
+preset, default ``gpu`` on a GPU backend, else ``cpu``: ``jax_fp8.demo.train``), on one batch
+of random bytes placed on the device once and one step key, the same every step. Variants:
+``bf16`` (the demo's BF16 twin); each recipe of the demo by name (``delayed``, ``current``,
+``block``, ``mxfp8``, ``nvfp4``); ``delayed_fast_fprop`` and ``delayed_fast_all``: delayed
+scaling with fast accumulation in the forward GEMM / in all three (the demo's
+``--fast-accum``). Timing and profile as ``benchmarks.train_step``'s.
 
     python -m benchmarks.demo_step [--preset auto|gpu|cpu|smoke] [--variants NAME ...]
         [--profile [NAME ...]] [--steps 10] [--windows 3] [--profile-steps 5] [--out PATH]
@@ -25,9 +26,9 @@ import dataclasses
 import jax
 import numpy as np
 
-from jax_fp8.demo.__main__ import (PRESETS, init_variables, make_optimizer, make_train_step,
-                                   preset_name, step_key)
 from jax_fp8.demo.model import RECIPES, Transformer
+from jax_fp8.demo.train import (PRESETS, init_variables, make_optimizer, make_train_step,
+                                preset_name, step_key)
 
 from . import train_step
 
@@ -42,12 +43,12 @@ def measure(preset_name: str, name: str, steps: int, windows: int, profile_steps
   """One variant's figures (``benchmarks.train_step.measure``'s)."""
   preset = PRESETS[preset_name]
   cfg = preset.config(**VARIANTS[name])
-  tx = make_optimizer(preset, preset.steps)
-  params, fp8_state = init_variables(cfg, 0)
+  model, tx = Transformer(cfg), make_optimizer(preset, preset.steps)
+  params, collections = init_variables(model, 0)
   batch = jax.device_put(np.random.default_rng(0).integers(
       0, cfg.vocab, (preset.batch, preset.seq_len + 1), dtype=np.uint8))
-  return train_step.measure(make_train_step(Transformer(cfg), tx),
-                            (params, tx.init(params), fp8_state), (batch, step_key(0, 0)),
+  return train_step.measure(make_train_step(model, tx),
+                            (params, tx.init(params), collections), (batch, step_key(0, 0)),
                             preset.batch * preset.seq_len, steps, windows, profile_steps)
 
 

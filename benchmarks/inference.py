@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import jax_fp8
 from jax_fp8.recipes import CROSSOVER_INTENSITY
 
-from .run import ceilings, environment, rand, write_results
+from .common import ceilings, environment, rand, write_results
 from .timing import device_time
 
 LAYERS = [(4096, 4096), (4096, 14336), (14336, 4096)]  # (K, N): attention, up / gate, down

@@ -1,10 +1,12 @@
 """The headline benchmark: a Llama-style decoder's whole train step, BF16 against Flax's FP8 and
 jax_fp8's recipes, all in one process.
 
-The model: token embedding, ``layers`` pre-RMSNorm decoder layers under ``nn.scan`` (separate
-q, k, v, o projections, rotary position embedding, causal attention through
-``jax.nn.dot_product_attention``, a SwiGLU MLP of gate, up and down projections), a final
-RMSNorm and a bf16 LM head (a plain ``nn.Dense`` in every variant, as FP8 recipes keep it).
+The model (``jax_fp8.demo.model.Transformer`` with the options ``LLAMA``; its step
+``jax_fp8.demo.train.make_train_step``): token embedding, ``layers`` pre-RMSNorm decoder layers
+under ``nn.scan`` (separate q, k, v, o projections, rotary position embedding, causal attention
+through ``jax.nn.dot_product_attention``, a SwiGLU MLP of gate, up and down projections), a
+final RMSNorm and a bf16 LM head (a plain ``nn.Dense`` in every variant, as FP8 recipes keep
+it).
 Compute in bf16, master weights in ``--param-dtype`` (f32 by default), AdamW (optax),
 cross-entropy in f32 on one batch of random tokens, the same every step (its loss after the
 timed steps, memorized by then, shows that every variant trains; the demo compares
@@ -44,8 +46,8 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
 - ``mxfp8_shared_input``, ``nvfp4_shared_input``: as ``block_shared_input`` under
   ``MXFP8BlockScaling()`` and ``NVFP4BlockScaling()`` (every projection in NVFP4: no layer kept
   in higher precision here), their GEMMs emulated (BF16 GEMMs of the dequantized operands): the
-  cost of the quantizations. NVFP4's stochastic rounding draws each step's key from a key
-  carried beside the state and folded once per step.
+  cost of the quantizations. NVFP4's stochastic rounding takes one key, the same every step
+  (as ``benchmarks.demo_step``'s).
 
 With ``--microbatches`` n the step scans over n microbatches of ``--batch`` / n sequences,
 accumulating the gradients (jax_fp8's state ``jax_fp8.share``d among them). Each variant's
@@ -66,121 +68,61 @@ date), ``config``, ``steps``, ``windows`` and a list ``rows``, one per variant, 
 ``temp_bytes``, ``peak_bytes`` (arguments, outputs and temporaries the compiled step plans,
 donated buffers counted once), ``loss`` (after the timed steps), ``speedup_vs_bf16`` and
 ``speedup_vs_flax_fp8`` (None without that peer), and with ``--profile`` ``profile``
-(``benchmarks.step_profile.summarize``'s rows).
+(``benchmarks.profiling.summarize``'s rows).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
-from flax.linen import fp8_ops
 
-import jax_fp8
-from jax_fp8.flax import STATE_COLLECTION, Dense, Mlp, MultiDense
+from jax_fp8.demo.model import LLAMA, Config, Transformer
+from jax_fp8.demo.train import init_variables, make_train_step
 
 from . import train_step
 
-COMPUTE = jnp.bfloat16
-FLAX_FP8_COLLECTION = "_overwrite_with_gradient"  # Flax's FP8 scales and amax histories
 PEERS = ("bf16", "flax_fp8")  # the variants every row's speedup is taken against
-FAST_ALL = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
-FAST_FPROP = jax_fp8.DelayedScaling(fast_accum_gemms=("fprop",))
-CURRENT, MXFP8 = jax_fp8.CurrentScaling(), jax_fp8.MXFP8BlockScaling()
-NVFP4 = jax_fp8.NVFP4BlockScaling()
-SR_KEY = "stochastic_rounding_key"  # the entry of the carried collections that holds the key
-CURRENT_FAST_ALL = jax_fp8.CurrentScaling(fast_accum_gemms=("fprop", "dgrad", "wgrad"))
-
-
-class KernelCopyDense(nn.Module):
-  """``jax_fp8.flax.Dense`` (delayed scaling) with its kernel cast to the compute dtype before
-  the quantization, as the layer did before it quantized f32 master weights directly: the
-  variant shows that fusion's gain."""
-
-  features: int
-  use_bias: bool
-  dtype: type
-  param_dtype: type
-
-  @nn.compact
-  def __call__(self, x):
-    kernel = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features),
-                        self.param_dtype)
-    bias = (self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
-            if self.use_bias else None)
-    state = self.variable(STATE_COLLECTION, "linear", jax_fp8.LinearState.create).value
-    return jax_fp8.linear(x, kernel.astype(self.dtype),
-                          None if bias is None else bias.astype(self.dtype), state=state)
-
-
-def split_dense(recipe):
-  """Several projections of one input as one ``jax_fp8.flax.Dense`` of all their features, its
-  output split into them (``split=``): one GEMM for q, k and v, the parts' gradients quantized
-  where they lie; called as ``MultiDense`` is (features, name, norm and the layer kwargs)."""
-  return lambda features, **kw: Dense(sum(features), split=features, recipe=recipe, **kw)
-
-
-DELAYED, BLOCK = jax_fp8.DelayedScaling(), jax_fp8.BlockScaling()
-# name -> (the projections' class, the class of several projections of one input or None for
-# one layer each, the recipe of a fused jax_fp8.flax.Mlp or None for gate / up / down
-# projections around jax.nn.silu, whether the RMSNorms before q / k / v and the MLP are fused
-# into those layers); the classes are called with features, name and the kwargs of Layer.
-VARIANTS = {
-    "bf16": (nn.Dense, None, None, False),
-    "flax_fp8": (functools.partial(nn.Dense, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp),
-                 None, None, False),
-    "delayed_bf16_kernel_copy": (KernelCopyDense, None, None, False),
-    "delayed": (functools.partial(Dense, recipe=DELAYED), None, None, False),
-    "delayed_shared_input": (functools.partial(Dense, recipe=DELAYED),
-                             functools.partial(MultiDense, recipe=DELAYED), None, False),
-    "delayed_shared_input_fast_all": (
-        functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
-        None, False),
-    "delayed_fused_mlp": (functools.partial(Dense, recipe=DELAYED),
-                          functools.partial(MultiDense, recipe=DELAYED), DELAYED, False),
-    "delayed_fused_mlp_fast_all": (
-        functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
-        FAST_ALL, False),
-    "delayed_fused_norm_mlp": (functools.partial(Dense, recipe=DELAYED),
-                               functools.partial(MultiDense, recipe=DELAYED), DELAYED, True),
-    "delayed_fused_norm_mlp_fast_all": (
-        functools.partial(Dense, recipe=FAST_ALL), functools.partial(MultiDense, recipe=FAST_ALL),
-        FAST_ALL, True),
-    "delayed_fused_norm_mlp_fast_fprop": (
-        functools.partial(Dense, recipe=FAST_FPROP),
-        functools.partial(MultiDense, recipe=FAST_FPROP), FAST_FPROP, True),
-    "delayed_split_qkv_fused_norm_mlp": (functools.partial(Dense, recipe=DELAYED),
-                                         split_dense(DELAYED), DELAYED, True),
-    "delayed_fused_norm_mlp_cast_kernels": (
-        functools.partial(Dense, recipe=DELAYED), functools.partial(MultiDense, recipe=DELAYED),
-        DELAYED, True),
-    "current_fused_norm_mlp": (functools.partial(Dense, recipe=CURRENT),
-                               functools.partial(MultiDense, recipe=CURRENT), CURRENT, True),
-    "current_fused_norm_mlp_fast_all": (
-        functools.partial(Dense, recipe=CURRENT_FAST_ALL),
-        functools.partial(MultiDense, recipe=CURRENT_FAST_ALL), CURRENT_FAST_ALL, True),
-    "block": (functools.partial(Dense, recipe=BLOCK), None, None, False),
-    "block_shared_input": (functools.partial(Dense, recipe=BLOCK),
-                           functools.partial(MultiDense, recipe=BLOCK), None, False),
-    "block_fused_norm_mlp": (functools.partial(Dense, recipe=BLOCK),
-                             functools.partial(MultiDense, recipe=BLOCK), BLOCK, True),
-    "mxfp8_shared_input": (functools.partial(Dense, recipe=MXFP8),
-                           functools.partial(MultiDense, recipe=MXFP8), None, False),
-    "nvfp4_shared_input": (functools.partial(Dense, recipe=NVFP4),
-                           functools.partial(MultiDense, recipe=NVFP4), None, False),
+FAST_ALL = ("fprop", "dgrad", "wgrad")
+# The projections' layers (Config fields over LLAMA's, whose projections are each a layer of
+# their own around nn.RMSNorms): q / k / v and gate / up each one MultiDense (shared input);
+# the MLP one jax_fp8.flax.Mlp too; the RMSNorms fused into the layers after them too.
+SHARED = dict(qkv="shared_input", mlp="shared_input")
+FUSED_MLP = dict(qkv="shared_input", mlp="fused")
+FUSED_NORM_MLP = dict(FUSED_MLP, fuse_norm=True)
+VARIANTS = {  # name -> the Config fields it sets
+    "bf16": dict(linear="flax"),
+    "flax_fp8": dict(linear="flax_fp8"),
+    "delayed_bf16_kernel_copy": dict(linear="fp8_bf16_kernel_copy"),
+    "delayed": {},
+    "delayed_shared_input": SHARED,
+    "delayed_shared_input_fast_all": dict(SHARED, fast_accum_gemms=FAST_ALL),
+    "delayed_fused_mlp": FUSED_MLP,
+    "delayed_fused_mlp_fast_all": dict(FUSED_MLP, fast_accum_gemms=FAST_ALL),
+    "delayed_fused_norm_mlp": FUSED_NORM_MLP,
+    "delayed_fused_norm_mlp_fast_all": dict(FUSED_NORM_MLP, fast_accum_gemms=FAST_ALL),
+    "delayed_fused_norm_mlp_fast_fprop": dict(FUSED_NORM_MLP, fast_accum_gemms=("fprop",)),
+    "delayed_split_qkv_fused_norm_mlp": dict(FUSED_NORM_MLP, qkv="split"),
+    "delayed_fused_norm_mlp_cast_kernels": FUSED_NORM_MLP,
+    "current_fused_norm_mlp": dict(FUSED_NORM_MLP, recipe="current"),
+    "current_fused_norm_mlp_fast_all": dict(FUSED_NORM_MLP, recipe="current",
+                                            fast_accum_gemms=FAST_ALL),
+    "block": dict(recipe="block"),
+    "block_shared_input": dict(SHARED, recipe="block"),
+    "block_fused_norm_mlp": dict(FUSED_NORM_MLP, recipe="block"),
+    "mxfp8_shared_input": dict(SHARED, recipe="mxfp8"),
+    "nvfp4_shared_input": dict(SHARED, recipe="nvfp4"),
 }
-KEYED = ("nvfp4_shared_input",)  # the variants whose recipe draws a key (stochastic rounding)
-# The variants whose kernels are cast once per step (jax_fp8.flax.cast_kernels) -> recipe.
-CAST_KERNELS = {"delayed_fused_norm_mlp_cast_kernels": DELAYED}
+# The variants whose kernels are cast once per step (jax_fp8.flax.cast_kernels).
+CAST_KERNELS = ("delayed_fused_norm_mlp_cast_kernels",)
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class Settings:
+  """The command line's sizes and options (the results' ``config``)."""
+
   d_model: int = 4096
   heads: int = 32
   ffn: int = 14336
@@ -190,166 +132,54 @@ class Config:
   vocab: int = 32000
   microbatches: int = 1
   param_dtype: str = "float32"
-  attention: str = "cudnn"  # jax.nn.dot_product_attention's implementation; "default": None
+  attention: str = "cudnn"  # jax.nn.dot_product_attention's; "default": the platform's
 
 
-QUICK = Config(d_model=256, heads=4, ffn=512, layers=2, seq=128, batch=2, vocab=512,
-               attention="default")
+QUICK = Settings(d_model=256, heads=4, ffn=512, layers=2, seq=128, batch=2, vocab=512,
+                 attention="default")
 
 
-def rope(x, base=10000.0):
-  """Rotary position embedding (Su et al. 2021, arXiv 2104.09864), halves rotated.
-  x: [B, T, H, Dh] -> same shape and dtype; angles in f32."""
-  t, dh = x.shape[1], x.shape[-1]
-  freq = base ** (-jnp.arange(0, dh // 2, dtype=jnp.float32) * 2 / dh)
-  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq  # [T, Dh/2]
-  cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+def model_config(s: Settings, variant: str) -> Config:
+  """The model of ``variant`` at the sizes of ``s``."""
+  return Config(s.d_model, s.heads, s.layers, s.seq, vocab=s.vocab, d_ff=s.ffn,
+                param_dtype=s.param_dtype,
+                attention=None if s.attention == "default" else s.attention,
+                **{**LLAMA, **VARIANTS[variant]})
 
 
-class Layer(nn.Module):
-  """One pre-RMSNorm decoder layer, bf16 [B, T, D] -> same (a scan body: carry, None)."""
-
-  cfg: Config
-  variant: str
-
-  def project(self, h, norm=None, **features):
-    """The projections of h named by ``features`` (name=N): one layer each, or one layer of
-    several outputs where the variant has one (``norm``: the norm it fuses)."""
-    single, multi, _, _ = VARIANTS[self.variant]
-    kw = dict(use_bias=False, dtype=COMPUTE, param_dtype=jnp.dtype(self.cfg.param_dtype))
-    if multi is None or len(features) == 1:
-      return tuple(single(n, name=name, **kw)(h) for name, n in features.items())
-    return multi(tuple(features.values()), name="_".join(features), norm=norm, **kw)(h)
-
-  def norm(self, x, name):
-    """(the input of the layer after the norm, the norm it fuses): x itself and "rmsnorm"
-    where the variant fuses the norm, else the norm of x and None."""
-    if VARIANTS[self.variant][3]:
-      return x, "rmsnorm"
-    return nn.RMSNorm(dtype=COMPUTE, name=name)(x), None
-
-  @nn.compact
-  def __call__(self, x, _):
-    cfg, (b, t, d) = self.cfg, x.shape
-    heads = lambda y: y.reshape(b, t, cfg.heads, d // cfg.heads)
-    h, norm = self.norm(x, "attention_norm")
-    q, k, v = map(heads, self.project(h, norm=norm, q=d, k=d, v=d))
-    a = jax.nn.dot_product_attention(
-        rope(q), rope(k), v, is_causal=True,
-        implementation=None if cfg.attention == "default" else cfg.attention)
-    x = x + self.project(a.reshape(b, t, d), o=d)[0]
-    h, norm = self.norm(x, "mlp_norm")
-    mlp_recipe = VARIANTS[self.variant][2]
-    if mlp_recipe is not None:
-      return x + Mlp(cfg.ffn, activation="swiglu", use_bias=False, dtype=COMPUTE,
-                     param_dtype=jnp.dtype(cfg.param_dtype), recipe=mlp_recipe, norm=norm,
-                     name="mlp")(h), None
-    gate, up = self.project(h, gate=cfg.ffn, up=cfg.ffn)
-    return x + self.project(jax.nn.silu(gate) * up, down=d)[0], None
+def setup(s: Settings, variant: str, tx):
+  """The jitted train step ``(params, opt_state, collections, tokens, key) -> (params,
+  opt_state, collections, loss)`` of ``variant`` (buffers donated) and its first arguments:
+  the carried ones and the inputs, one batch of random tokens and the stochastic-rounding key
+  (None where the recipe draws none)."""
+  cfg = model_config(s, variant)
+  model = Transformer(cfg)
+  step = make_train_step(model, tx, microbatches=s.microbatches, cast_kernels=(
+      cfg.recipe_object() if variant in CAST_KERNELS else None))
+  params, collections = init_variables(model, 1)
+  tokens = jax.random.randint(jax.random.key(0), (s.batch, s.seq + 1), 0, s.vocab)
+  key = jax.random.key(2) if cfg.fp8 and cfg.recipe == "nvfp4" else None
+  return step, (params, tx.init(params), collections), (tokens, key)
 
 
-class Decoder(nn.Module):
-  """tokens int32 [B, T] -> f32 [B, T, vocab] logits."""
-
-  cfg: Config
-  variant: str
-
-  @nn.compact
-  def __call__(self, tokens):
-    cfg, pdt = self.cfg, jnp.dtype(self.cfg.param_dtype)
-    x = nn.Embed(cfg.vocab, cfg.d_model, param_dtype=pdt, name="embed")(tokens).astype(COMPUTE)
-    layers = nn.scan(Layer, variable_axes={True: 0},
-                     split_rngs={"params": True, jax_fp8.flax.SR_STREAM: True},
-                     length=cfg.layers)
-    x, _ = layers(cfg, self.variant, name="layers")(x, None)
-    x = nn.RMSNorm(dtype=COMPUTE, name="final_norm")(x)
-    logits = nn.Dense(cfg.vocab, use_bias=False, dtype=COMPUTE, param_dtype=pdt,
-                      name="lm_head")(x)
-    return logits.astype(jnp.float32)
-
-
-def next_collections(other, other_grads):
-  """The non-parameter collections for the next step: jax_fp8's rings advanced by their
-  observations, Flax's FP8 collection replaced by its gradient."""
-  out = dict(other)
-  if STATE_COLLECTION in other:
-    out[STATE_COLLECTION] = jax_fp8.update_state(other[STATE_COLLECTION],
-                                                 other_grads[STATE_COLLECTION])
-  if FLAX_FP8_COLLECTION in other:
-    out[FLAX_FP8_COLLECTION] = other_grads[FLAX_FP8_COLLECTION]
-  return out
-
-
-def setup(cfg: Config, variant: str, tx):
-  """The model, its jitted train step ``(params, opt_state, other, tokens) -> (params,
-  opt_state, other, loss)`` (buffers donated) and its first arguments."""
-  model = Decoder(cfg, variant)
-  tokens = jax.random.randint(jax.random.key(0), (cfg.batch, cfg.seq + 1), 0, cfg.vocab)
-
-  def micro_loss(params, other, tokens, key):
-    rngs = {} if key is None else {jax_fp8.flax.SR_STREAM: key}
-    logits = model.apply({"params": params, **other}, tokens[:, :-1], rngs=rngs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-  def loss_fn(params, other, tokens, key):
-    """The mean loss of the microbatches, scanned over with jax_fp8's state shared among them
-    (Flax's FP8 collection, closed over, combines its gradients by max itself)."""
-    if variant in CAST_KERNELS:
-      params = jax_fp8.flax.cast_kernels(params, other[STATE_COLLECTION], CAST_KERNELS[variant])
-    mb = cfg.microbatches
-    if mb == 1:
-      return micro_loss(params, other, tokens, key)
-    rest = {k: v for k, v in other.items() if k != STATE_COLLECTION}
-    state = other.get(STATE_COLLECTION)
-
-    def body(total, xs):
-      part, shared, i = xs
-      collections = rest if shared is None else {**rest, STATE_COLLECTION: shared}
-      return total + micro_loss(params, collections, part,
-                                None if key is None else jax.random.fold_in(key, i)), None
-    xs = (tokens.reshape(mb, cfg.batch // mb, -1),
-          None if state is None else jax_fp8.share(state, mb), jnp.arange(mb))
-    return jax.lax.scan(body, 0.0, xs)[0] / mb
-
-  @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
-  def step(params, opt_state, other, tokens):
-    other = dict(other)
-    key = other.pop(SR_KEY, None)
-    loss, (grads, other_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(params, other,
-                                                                             tokens, key)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    other = next_collections(other, other_grads)
-    if key is not None:
-      other[SR_KEY] = jax.random.fold_in(key, 1)  # the next step's
-    return optax.apply_updates(params, updates), opt_state, other, loss
-
-  variables = jax.jit(model.init)(jax.random.key(1), tokens[:, :-1])
-  params = variables.pop("params")
-  other = dict(variables)
-  if variant in KEYED:
-    other[SR_KEY] = jax.random.key(2)
-  return step, (params, tx.init(params), other, tokens)
-
-
-def measure(cfg: Config, name: str, steps: int, windows: int, profile_steps: int):
+def measure(s: Settings, name: str, steps: int, windows: int, profile_steps: int):
   """One variant's figures (``benchmarks.train_step.measure``'s)."""
-  step, (params, opt_state, other, tokens) = setup(cfg, name, optax.adamw(1e-4, weight_decay=0.1))
-  return train_step.measure(step, (params, opt_state, other), (tokens,), cfg.batch * cfg.seq,
-                            steps, windows, profile_steps)
+  step, carried, inputs = setup(s, name, optax.adamw(1e-4, weight_decay=0.1))
+  return train_step.measure(step, carried, inputs, s.batch * s.seq, steps, windows,
+                            profile_steps)
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  d = Config()
-  for f in dataclasses.fields(Config):
+  d = Settings()
+  for f in dataclasses.fields(Settings):
     flag = "--" + f.name.replace("_", "-")
     if f.name == "param_dtype":
       p.add_argument(flag, choices=["float32", "bfloat16"], default=d.param_dtype)
     elif f.name == "attention":
       p.add_argument(flag, choices=["cudnn", "xla", "default"], default=d.attention,
-                     help="jax.nn.dot_product_attention's implementation (default: cudnn)")
+                     help="jax.nn.dot_product_attention's implementation; default: the "
+                          "platform's (cudnn on a GPU, else xla) (default: cudnn)")
     else:
       p.add_argument(flag, type=int, default=getattr(d, f.name),
                      help=f"(default: {getattr(d, f.name)})")
@@ -357,12 +187,12 @@ def main(argv=None):
                            out="model_step")
   p.add_argument("--quick", action="store_true", help="a tiny model (a CPU smoke run)")
   args = p.parse_args(argv)
-  cfg = Config(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Config)})
+  cfg = Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)})
   if args.quick:
-    if cfg != dataclasses.replace(Config(), microbatches=cfg.microbatches):
+    if cfg != dataclasses.replace(Settings(), microbatches=cfg.microbatches):
       p.error("--quick runs its own tiny model: give no model flags but --microbatches with it")
     cfg = dataclasses.replace(QUICK, microbatches=cfg.microbatches)
-  for f in dataclasses.fields(Config):
+  for f in dataclasses.fields(Settings):
     if f.type in (int, "int") and getattr(cfg, f.name) < 1:
       p.error(f"--{f.name.replace('_', '-')} must be >= 1, got {getattr(cfg, f.name)}")
   if cfg.batch % cfg.microbatches:

@@ -10,21 +10,17 @@ Prints a table and writes ``benchmarks/results/<gpu>-<date>.json``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import pathlib
-import platform as pyplatform
 
 import jax
 import jax.numpy as jnp
 
 import jax_fp8
 from jax_fp8 import activations, norms, reference
-from jax_fp8.hadamard import hadamard_transform
-from jax_fp8.recipes import CROSSOVER_INTENSITY, LINEAR_GEMMS
+from jax_fp8.recipes import CROSSOVER_INTENSITY
 
 from . import block, block_scaled, peers
-from .timing import device_time, loop_overhead
+from .common import FAST_ACCUM, ceilings, environment, rand, write_results
+from .timing import device_time
 
 QUANT_SHAPES = [(8192, 8192), (16384, 4096)]
 GEMM_SHAPES = [(8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096),
@@ -37,32 +33,11 @@ PDL_SHAPES = [(512, 4096, 4096), (4096, 4096, 4096)]
 CROSSOVER_SHAPES = [(4096, d, d) for d in (512, 1024, 1536, 2048, 3072, 4096)] + [
     (4096, 1024, 4096), (4096, 4096, 1024), (1024, 4096, 4096), (16384, 1024, 1024),
     (8192, 2048, 2048), (2048, 8192, 8192)]
-BLOCK = dict(d_model=4096, ffn=14336, heads=32, seq=2048, batch=8)
 # The per-tensor crossover that bench_crossover measures: FP8 below it is slower than BF16, so
 # the "auto" linear runs BF16 there.
 AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY)
-# Fast accumulation in the forward GEMM only (TransformerEngine's default), and in all three
-# (what XLA's FP8 dot, and so the pure-JAX FP8 path, does at default precision).
-FAST_ACCUM = {"fast_fprop": jax_fp8.DelayedScaling(fast_accum_gemms=("fprop",)),
-              "fast_all": jax_fp8.DelayedScaling(fast_accum_gemms=LINEAR_GEMMS)}
 GROUPS = ["quantize", "fused", "mx_nvfp4", "gemm", "linear", "block_step", "block_scaling",
           "crossover"]  # --only
-QUICK_BLOCK = dict(d_model=128, ffn=256, heads=2, seq=64, batch=2)
-
-
-def rand(key, shape, dtype, scale=1.0):
-  return (jax.random.normal(jax.random.PRNGKey(key), shape, jnp.float32) * scale).astype(dtype)
-
-
-def ceilings(quick):
-  n = 1 << 16 if quick else 1 << 30  # 2 GiB of bf16
-  x = rand(0, (n,), jnp.bfloat16)
-  t = device_time(lambda x: x + 1, x)
-  a = rand(1, (8192, 8192) if not quick else (256, 256), jnp.bfloat16)
-  tg = device_time(lambda a: a @ a, a)
-  m = a.shape[0]
-  return {"copy_TBps": 4 * n / t / 1e12, "bf16_gemm_TFLOPs": 2 * m**3 / tg / 1e12,
-          "timing_loop_overhead_us": loop_overhead() * 1e6}
 
 
 def bench_quantize(quick, ceil):
@@ -116,44 +91,6 @@ def bench_fused(quick, ceil):
     x = rand(2, shape, jnp.bfloat16, 3.0)
     ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(16))[2]  # past step 0
     rows += bench_fused_sources(x, ring, ceil) + bench_fused_sources(x, None, ceil, block=True)
-  return rows
-
-
-def bench_mx_nvfp4(quick, ceil):
-  """MXFP8 and NVFP4 quantization of bf16 x against the jnp twins (XLA's fusions): rowwise,
-  and both directions from one read (NVFP4 also with the wgrad operand's options: stochastic
-  rounding and the Hadamard transform). Bytes: x read (2 an element); per element and
-  direction written, MXFP8 1 + 1/32 (FP8 byte, E8M0 scale), NVFP4 1/2 + 1/16 (E2M1 nibble, E4M3
-  scale). NVFP4 runs twice: as called plainly, with XLA's pass for the global amax (two with
-  the transform), which these bytes do not count (the ratio to copy is against one read); and
-  with the global amaxes given ("amax given": e.g. known from the step before), where the op
-  is its kernel."""
-  key = jax.random.key(0)
-  rows = []
-  for shape in ([(512, 512)] if quick else QUANT_SHAPES):
-    x = rand(2, shape, jnp.bfloat16, 3.0)
-    given = dict(global_amax=jnp.max(jnp.abs(x)).astype(jnp.float32))
-    given_t = dict(given, global_amax_t=jnp.max(jnp.abs(
-        hadamard_transform(x.astype(jnp.float32), 0, axis=0))))
-    sr = dict(stochastic_rounding=True, key=key)
-    mx, nv = ((jax_fp8.mxfp8_quantize, reference.mxfp8_quantize),
-              (jax_fp8.nvfp4_quantize, reference.nvfp4_quantize))
-    cases = [("mxfp8_quantize rowwise", mx, dict(), 1 + 1 / 32),
-             ("mxfp8_quantize both", mx, dict(columnwise=True), 2 * (1 + 1 / 32))]
-    for suffix, amax, amax_t in (("", {}, {}), (", amax given", given, given_t)):
-      cases += [(f"nvfp4_quantize rowwise{suffix}", nv, amax, 1 / 2 + 1 / 16),
-                (f"nvfp4_quantize rowwise sr{suffix}", nv, dict(amax, **sr), 1 / 2 + 1 / 16),
-                (f"nvfp4_quantize both{suffix}", nv, dict(amax, columnwise=True),
-                 2 * (1 / 2 + 1 / 16)),
-                (f"nvfp4_quantize both rht+sr{suffix}", nv,
-                 dict(amax_t, columnwise=True, rht=True, **sr), 2 * (1 / 2 + 1 / 16))]
-    for name, (op, ref), kw, written in cases:
-      nbytes = x.size * (2 + written)
-      t = device_time(lambda x: op(x, **kw), x)
-      tj = device_time(lambda x: ref(x, **kw), x)
-      rows.append({"case": name, "shape": list(x.shape), "us": t * 1e6,
-                   "TBps": nbytes / t / 1e12, "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"],
-                   "jnp_us": tj * 1e6, "vs_jnp": tj / t})
   return rows
 
 
@@ -363,12 +300,12 @@ def bench_memory(quick):
 def bench_block(quick, ceil):
   """Transformer block train step (forward, backward, FP8 state update), FP8 vs BF16; FP8 also
   with the FAST_ACCUM recipes."""
-  cfg = QUICK_BLOCK if quick else BLOCK
+  cfg = block.QUICK_BLOCK if quick else block.BLOCK
   recipes = {"fp8": jax_fp8.DelayedScaling(), "bf16": None, **FAST_ACCUM}
   times = {}
   for name, recipe in recipes.items():
-    blk, params, state, x = block.setup(recipe, **cfg)
-    times[name] = device_time(block.train_step_fn(blk), params, state, x, iters=5 if quick else 10)
+    step, params, collections, x = block.setup(recipe, **cfg)
+    times[name] = device_time(step, params, collections, x, iters=5 if quick else 10)
   d, f, t = cfg["d_model"], cfg["ffn"], cfg["batch"] * cfg["seq"]
   flops = 6 * t * (4 * d * d + 3 * d * f)  # the linears only
   return [{"case": "block train step", "shape": [cfg["batch"], cfg["seq"], d, f],
@@ -382,23 +319,6 @@ def peak_bytes(fn, *args):
   program's memory analysis)."""
   m = jax.jit(fn).lower(*args).compile().memory_analysis()
   return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-
-
-def environment(device=None):
-  """The machine and versions a result was measured with; ``device`` (default: the default
-  backend's first) names the device."""
-  dev = device or jax.devices()[0]
-  return {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-          "python": pyplatform.python_version(), "date": datetime.date.today().isoformat(),
-          "jax_fp8_cuda": jax_fp8.cuda_available()}
-
-
-def write_results(results: dict, out: str | None, name: str) -> None:
-  """Write ``results`` as JSON to ``out``, or to ``benchmarks/results/<name>.json``."""
-  path = pathlib.Path(out) if out else pathlib.Path(__file__).parent / "results" / f"{name}.json"
-  path.parent.mkdir(parents=True, exist_ok=True)
-  path.write_text(json.dumps(results, indent=1))
-  print(f"wrote {path}")
 
 
 def print_table(results):
@@ -428,7 +348,8 @@ def main(argv=None):
   groups = {
       "quantize": lambda: bench_quantize(q, ceil),
       "fused": lambda: bench_fused(q, ceil),
-      "mx_nvfp4": lambda: bench_mx_nvfp4(q, ceil),
+      "mx_nvfp4": lambda: block_scaled.bench_mx_nvfp4([(512, 512)] if q else QUANT_SHAPES,
+                                                     rand, ceil),
       "gemm": lambda: bench_gemm(q, ceil),
       "linear": lambda: bench_linear(q, ceil) + bench_memory(q),
       "block_step": lambda: bench_block(q, ceil),

@@ -1,5 +1,5 @@
 """A whole jitted train step timed and profiled, and its rows reported: the method of
-``benchmarks.model_step`` and ``benchmarks.demo_step``.
+``benchmarks.model_step`` and ``benchmarks.demo_step`` (their steps: ``jax_fp8.demo.train``).
 
 Each step is one jitted call with its carried buffers (parameters, optimizer and FP8 state)
 donated. Time: the median of ``windows`` windows of ``steps`` back-to-back steps (dispatch is
@@ -7,7 +7,7 @@ asynchronous and a step lasts far longer than its dispatch, so the device never 
 host); compile seconds and temp bytes from the compiled step. A profile traces steps of the
 step compiled again with XLA's command buffers off (the profiler does not see the kernels
 inside CUDA graphs) and sums the device's work by kind (GEMMs, attention, our kernels, XLA's
-fusions) and its idle time (``benchmarks.step_profile``).
+fusions) and its idle time (``benchmarks.profiling``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import time
 
 import jax
 
-from .run import environment, write_results
-from .step_profile import summarize, trace_events
+from .common import environment, write_results
+from .profiling import summarize, trace_events
 
 
 def measure(step, carried: tuple, inputs: tuple, tokens: int, steps: int, windows: int,
@@ -27,7 +27,7 @@ def measure(step, carried: tuple, inputs: tuple, tokens: int, steps: int, window
   ``tokens`` a step): ``step_ms``, ``window_ms`` (each window's), ``tokens_per_s``,
   ``compile_s``, ``temp_bytes``, ``peak_bytes`` (arguments, outputs and temporaries the
   compiled step plans, donated buffers counted once), ``loss`` (after the timed steps), and
-  with ``profile_steps`` > 0 ``profile`` (``step_profile.summarize``'s rows)."""
+  with ``profile_steps`` > 0 ``profile`` (``profiling.summarize``'s rows)."""
   t0 = time.perf_counter()
   compiled = step.lower(*carried, *inputs).compile()
   compile_s = time.perf_counter() - t0

@@ -11,7 +11,8 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import data_parallel, demo_step, inference, model_step, run, timing  # noqa: E402
+from benchmarks import (data_parallel, demo_step, inference, model_step, profiling,  # noqa: E402
+                        run, timing)
 
 
 def test_quick_suite(tmp_path):
@@ -99,27 +100,27 @@ def test_step_profile(tmp_path):
   spans = [("t", 0.0, 10.0, "parent"), ("t", 2.0, 3.0, "a"), ("t", 6.0, 2.0, "b"),
            ("t", 10.0, 2.0, "next"), ("t", 11.0, 3.0, "overlaps next"),
            ("u", 1.0, 4.0, "other thread")]
-  assert step_profile.self_times(spans) == [("t", "parent", 5.0), ("t", "a", 3.0),
+  assert profiling.self_times(spans) == [("t", "parent", 5.0), ("t", "a", 3.0),
                                             ("t", "b", 2.0), ("t", "next", 2.0),
                                             ("t", "overlaps next", 2.0),
                                             ("u", "other thread", 4.0)]
   # A span launched early through PDL, inside the one before it, counts from that one's end;
   # children overlapping each other cover their parent once.
-  assert step_profile.self_times([("t", 0.0, 100.0, "p"), ("t", 0.0, 80.0, "x"),
+  assert profiling.self_times([("t", 0.0, 100.0, "p"), ("t", 0.0, 80.0, "x"),
                                   ("t", 20.0, 80.0, "y")]) == [("t", "p", 0.0), ("t", "x", 80.0),
                                                                ("t", "y", 20.0)]
-  assert step_profile.self_times([("t", 0.0, 10.0, "gemm"), ("t", 8.0, 5.0, "quantize"),
+  assert profiling.self_times([("t", 0.0, 10.0, "gemm"), ("t", 8.0, 5.0, "quantize"),
                                   ("t", 9.0, 2.0, "inside quantize")]) == [
       ("t", "gemm", 10.0), ("t", "quantize", 2.0), ("t", "inside quantize", 1.0)]
   # Two steps: the longest gap (15) is the host's round trip between them, nested and
   # overlapping events leave no gap.
   spans = [("t", 0.0, 10.0, "a"), ("t", 1.0, 2.0, "nested"), ("t", 12.0, 3.0, "b"),
            ("t", 30.0, 1.0, "c"), ("t", 30.5, 1.5, "overlapping"), ("t", 34.0, 1.0, "d")]
-  assert step_profile.idle_us(spans, steps=2) == (2.0 + 2.0) / 2
-  assert step_profile.idle_us(spans, steps=1) == 2.0 + 15.0 + 2.0
+  assert profiling.idle_us(spans, steps=2) == (2.0 + 2.0) / 2
+  assert profiling.idle_us(spans, steps=1) == 2.0 + 15.0 + 2.0
   assert all(r["idle_us_per_step"] >= 0 for r in res["rows"])
-  assert step_profile.kind("void jax_fp8::cast_transpose_kernel<...>") == "jax_fp8 quantize"
-  assert step_profile.kind("sm90_xmma_gemm_e4m3e4m3_bf16") == "GEMM"
+  assert profiling.kind("void jax_fp8::cast_transpose_kernel<...>") == "jax_fp8 quantize"
+  assert profiling.kind("sm90_xmma_gemm_e4m3e4m3_bf16") == "GEMM"
 
 
 def test_model_step_benchmark(tmp_path):
@@ -203,3 +204,26 @@ def test_inference_benchmark(tmp_path):
     for name in inference.variants():
       assert r[f"{name}_us"] > 0 and r[f"{name}_vs_bf16"] == r["bf16_us"] / r[f"{name}_us"]
       assert 0.5 < r[f"{name}_weight_bytes_vs_bf16"] < 0.51
+
+
+def test_no_module_imports_an_entry_point():
+  """The benchmarks and the demo share their model, train step and helpers through modules
+  that are no entry point: none imports a module with a ``main()``, nor ``__main__``."""
+  import ast
+  root = pathlib.Path(__file__).resolve().parent.parent
+  files = {f: package for package, folder in (("benchmarks", "benchmarks"),
+                                              ("jax_fp8.demo", "jax_fp8/demo"))
+           for f in sorted((root / folder).glob("*.py"))}
+  entry = {f"{package}.{f.stem}" for f, package in files.items()
+           if f.stem == "__main__" or re.search(r"^def main\(", f.read_text(), re.M)}
+  assert {"benchmarks.run", "benchmarks.model_step", "jax_fp8.demo.__main__"} <= entry
+  for f, package in files.items():
+    for node in ast.walk(ast.parse(f.read_text())):
+      if isinstance(node, ast.ImportFrom):
+        base = (package + (f".{node.module}" if node.module else "")) if node.level else node.module
+        names = {base} | {f"{base}.{a.name}" for a in node.names}
+      elif isinstance(node, ast.Import):
+        names = {a.name for a in node.names}
+      else:
+        continue
+      assert not names & entry, f"{f.name} imports the entry point {names & entry}"

@@ -2,12 +2,14 @@
 
 import json
 
+import jax
 import numpy as np
 import pytest
 
 from jax_fp8.demo import data
 from jax_fp8.demo.__main__ import main
-from jax_fp8.demo.model import Config, _fp8_kw
+from jax_fp8.demo.model import LLAMA, Config, Transformer, _fp8_kw
+from jax_fp8.demo.train import init_variables
 
 
 def test_demo_smoke(tmp_path):
@@ -52,7 +54,8 @@ def test_training_batches():
 
 
 def test_demo_config_rejects_an_unknown_attention():
-  with pytest.raises(ValueError, match="attention must be None or one of .*got 'flash'"):
+  with pytest.raises(ValueError, match=r"attention must be one of \[None, 'cudnn', 'xla'\], got "
+                                       "'flash'"):
     Config(128, 2, 1, 32, attention="flash")
 
 
@@ -66,8 +69,8 @@ def test_demo_fast_accumulation(tmp_path, capsys):
   assert res["fast_accum_gemms"] == settings("delayed")["fast_accum_gemms"] == ["fprop", "wgrad"]
   assert "fast_accum_gemms" not in settings("bf16")
   cfg = Config(128, 2, 1, 32, recipe="current", fast_accum_gemms=("fprop", "wgrad"))
-  assert _fp8_kw(cfg, norm=False)["recipe"].fast_accum_gemms == ("fprop", "wgrad")
-  assert _fp8_kw(Config(128, 2, 1, 32), norm=False)["recipe"].fast_accum_gemms == ()
+  assert _fp8_kw(cfg, norm=None)["recipe"].fast_accum_gemms == ("fprop", "wgrad")
+  assert _fp8_kw(Config(128, 2, 1, 32), norm=None)["recipe"].fast_accum_gemms == ()
   # without the flag the settings have no such key (as the runs saved before it), and the
   # exact run says that it replaces the fast one
   capsys.readouterr()
@@ -137,3 +140,30 @@ def test_demo_resumes_a_stopped_run(tmp_path, capsys):
   assert a["settings"]["attention"] == "xla"
   assert b["timed_steps"] == 6 - 2 * 2  # two segments of 3 steps
   assert not list(parts.glob("checkpoint-*"))
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(linear="flax_fp8"), "linear='flax_fp8' has no fused norm, split or MLP"),
+    (dict(LLAMA, linear="bf16", qkv="shared_input"), "linear='bf16' has no MultiDense"),
+    (dict(mlp="separate"), "the unfused MLPs are SwiGLU"),
+    (dict(LLAMA, recipe="nvfp4", nvfp4_bf16_share=0.5), "under scan every block runs alike"),
+    (dict(qkv="fused_split"), r"qkv must be one of \['split', 'shared_input', 'separate', "
+                              r"'fused'\], got 'fused_split'"),
+])
+def test_model_config_rejects_what_no_layer_computes(fields, message):
+  """The options the shared transformer has no layers for are refused when the Config is
+  made, with the fields named."""
+  with pytest.raises(ValueError, match=message):
+    Config(128, 2, 2, 32, **fields)
+
+
+def test_model_variants_name_parameters_alike():
+  """One rule names the parameters: the demo's FP8 model and its BF16 twin have the same tree
+  and the same initial values (one seed); so do the Llama-style FP8 model and its Flax BF16
+  peer."""
+  for fields, baseline in (({}, "bf16"), (LLAMA, "flax")):
+    fp8, bf16 = (init_variables(Transformer(Config(128, 2, 2, 32, linear=linear, **fields)), 0)
+                 for linear in ("fp8", baseline))
+    assert jax.tree.structure(fp8[0]) == jax.tree.structure(bf16[0])
+    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), fp8[0], bf16[0])))
+    assert "fp8_state" in fp8[1] and bf16[1] == {}

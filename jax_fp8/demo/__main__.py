@@ -31,118 +31,17 @@ import time
 
 import flax.serialization
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 from tqdm import tqdm
 
 import jax_fp8
 from jax_fp8.demo import data
 from jax_fp8.demo.model import (ATTENTION, PER_TENSOR, RECIPES, Config, Transformer,
                                  default_attention)
+from jax_fp8.demo.train import (PRESETS, SKIP_STEPS, Preset, init_variables, make_eval,
+                                make_optimizer, make_train_step, preset_name, step_key)
 
-SKIP_STEPS = 2  # steps left out of the timing: compilation, then the first donated-buffer step
 BF16 = "bf16"  # the baseline run's name; the FP8 runs are named by their recipe
-
-
-@dataclasses.dataclass(frozen=True)
-class Preset:
-  """Model, batch and schedule of one demo size."""
-
-  d_model: int
-  n_heads: int
-  n_layers: int
-  seq_len: int
-  batch: int
-  steps: int
-  lr: float
-  val_batches: int
-
-  def config(self, fp8: bool, recipe: str = "delayed", attention: str | None = None,
-             fast_accum_gemms: tuple[str, ...] = ()) -> Config:
-    return Config(self.d_model, self.n_heads, self.n_layers, self.seq_len, fp8=fp8,
-                  recipe=recipe, attention=attention, fast_accum_gemms=fast_accum_gemms)
-
-
-PRESETS = {
-    # For the test suite: a few seconds of training, most of it compilation.
-    "smoke": Preset(d_model=128, n_heads=2, n_layers=1, seq_len=32, batch=4, steps=10, lr=3e-3,
-                    val_batches=2),
-    # Two CPU cores: both runs in about two minutes, compilation included.
-    "cpu": Preset(d_model=128, n_heads=4, n_layers=2, seq_len=128, batch=16, steps=250, lr=3e-3,
-                  val_batches=8),
-    # One NVIDIA H200: ~400M parameters and 32K tokens a step, large enough GEMMs for FP8 to win.
-    "gpu": Preset(d_model=2048, n_heads=16, n_layers=8, seq_len=1024, batch=32, steps=300,
-                  lr=3e-4, val_batches=8),
-}
-
-
-def preset_name(name: str) -> str:
-  """A ``--preset`` choice as a key of ``PRESETS``: "auto" is "gpu" on a GPU backend, else
-  "cpu"."""
-  if name == "auto":
-    return "gpu" if jax.default_backend() == "gpu" else "cpu"
-  return name
-
-
-def make_optimizer(preset: Preset, steps: int) -> optax.GradientTransformation:
-  """AdamW with linear warmup (10% of the steps) and cosine decay to 10%, clipped at norm 1."""
-  schedule = optax.warmup_cosine_decay_schedule(0.0, preset.lr, max(1, steps // 10), steps,
-                                                end_value=preset.lr / 10)
-  decay_kernels = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1, mask=decay_kernels))
-
-
-def make_loss(model: Transformer):
-  """``loss(params, fp8_state, batch, key=None)``: mean next-byte cross-entropy, f32 [].
-
-  batch: uint8 [B, T + 1]. fp8_state: the model's "fp8_state" collection, ``{}`` for BF16 and
-  the stateless recipes. key: this step's key for NVFP4's stochastic rounding (the layers'
-  "stochastic_rounding" rng stream), None where no gradient is taken.
-  """
-  def loss(params, fp8_state, batch, key=None):
-    tokens = batch.astype(jnp.int32)
-    rngs = {} if key is None else {jax_fp8.flax.SR_STREAM: key}
-    logits = model.apply({"params": params, "fp8_state": fp8_state}, tokens[:, :-1], rngs=rngs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-  return loss
-
-
-def step_key(seed: int, step: int) -> jax.Array:
-  """The key of training step ``step``: the seed's key for stochastic rounding, folded with the
-  step (every layer folds in its own path)."""
-  return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 1), step)
-
-
-def make_train_step(model: Transformer, tx: optax.GradientTransformation):
-  """One jitted step for every variant: ``(params, opt_state, fp8_state, batch, key) ->
-  (params, opt_state, fp8_state, loss)``. The gradient with respect to the FP8 state is its
-  next value."""
-  loss_fn = make_loss(model)
-
-  def step(params, opt_state, fp8_state, batch, key):
-    loss, (grads, state_grads) = jax.value_and_grad(loss_fn, argnums=(0, 1))(
-        params, fp8_state, batch, key)
-    fp8_state = jax_fp8.update_state(fp8_state, state_grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, fp8_state, loss
-
-  return jax.jit(step, donate_argnums=(0, 1, 2))
-
-
-def make_eval(model: Transformer):
-  """Jitted ``(params, fp8_state, batches) -> mean loss`` over uint8 [n, B, T + 1] batches."""
-  loss_fn = make_loss(model)
-  return jax.jit(lambda params, fp8_state, batches: jnp.mean(
-      jax.lax.map(lambda b: loss_fn(params, fp8_state, b), batches)))
-
-
-def init_variables(cfg: Config, seed: int):
-  """``(params, fp8_state)`` of a fresh model; fp8_state is ``{}`` for BF16."""
-  tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)
-  variables = jax.jit(Transformer(cfg).init)(jax.random.key(seed), tokens)
-  return variables["params"], variables.get("fp8_state", {})
 
 
 def _checkpoint_path(out: str, name: str) -> str:
@@ -185,14 +84,14 @@ def train(name: str, cfg: Config, preset: Preset, batches: data.TrainBatches, va
   steps = len(batches)
   tx = make_optimizer(preset, steps)
   step_fn = make_train_step(model, tx)
-  params, fp8_state = init_variables(cfg, seed)
+  params, collections = init_variables(model, seed)
   opt_state = tx.init(params)
   n_params = sum(p.size for p in jax.tree.leaves(params))
   progress = {"step": 0, "train_losses": [], "timed_s": 0.0, "timed_steps": 0,
               "first_step_s": None}
-  kept = _load_checkpoint(out, name, settings, (params, opt_state, fp8_state))
+  kept = _load_checkpoint(out, name, settings, (params, opt_state, collections))
   if kept is not None:
-    (params, opt_state, fp8_state), progress = kept
+    (params, opt_state, collections), progress = kept
     print(f"{name} resumed at step {progress['step']} from {_checkpoint_path(out, name)}")
 
   start = progress["step"]
@@ -202,8 +101,8 @@ def train(name: str, cfg: Config, preset: Preset, batches: data.TrainBatches, va
   t_start = time.perf_counter()
   t_timed = None
   for i in bar:
-    params, opt_state, fp8_state, loss = step_fn(params, opt_state, fp8_state, batches[i],
-                                                 step_key(seed, i))
+    params, opt_state, collections, loss = step_fn(params, opt_state, collections, batches[i],
+                                                   step_key(seed, i))
     losses.append(loss)
     if i < start + SKIP_STEPS:  # untimed; the clock starts once the last of them has finished
       jax.block_until_ready(loss)
@@ -219,7 +118,7 @@ def train(name: str, cfg: Config, preset: Preset, batches: data.TrainBatches, va
       progress["timed_steps"] += i + 1 - start - SKIP_STEPS
       progress["step"] = i + 1
       progress["train_losses"] = [float(v) for v in jax.device_get(losses)]
-      _save_checkpoint(out, name, settings, (params, opt_state, fp8_state), progress)
+      _save_checkpoint(out, name, settings, (params, opt_state, collections), progress)
       bar.close()
       print(f"{name} stopped at step {i + 1} of {steps} (--stop-after): its state is in "
             f"{_checkpoint_path(out, name)}; the same command resumes it")
@@ -233,7 +132,7 @@ def train(name: str, cfg: Config, preset: Preset, batches: data.TrainBatches, va
     os.remove(_checkpoint_path(out, name))
 
   train_losses = [float(v) for v in jax.device_get(losses)]
-  val_loss = float(make_eval(model)(params, fp8_state, val))
+  val_loss = float(make_eval(model)(params, collections, val))
   step_s = progress["timed_s"] / progress["timed_steps"]
   return {
       "params": n_params,

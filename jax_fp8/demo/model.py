@@ -1,20 +1,24 @@
-"""The model: a byte-level decoder-only transformer (GPT style, pre-LayerNorm) in Flax linen.
+"""The transformer that the demo trains and the benchmarks time: one decoder-only language
+model in Flax linen whose ``Config`` fields cover every caller's variant.
 
-With ``fp8=True`` every matmul inside the blocks is FP8 under ``recipe`` ("delayed": per-tensor
-delayed scaling, HYBRID; "current": per-tensor current scaling, HYBRID; "block": DeepSeek-style
-block scaling; "mxfp8": MXFP8 blocks; "nvfp4": the NVFP4 report's recipe, its last
-``NVFP4_BF16_SHARE`` of the blocks in BF16 as the report keeps them; MXFP8 and NVFP4 GEMMs
-emulated on Hopper): the fused q/k/v projection and
-the attention output projection are ``jax_fp8.flax.Dense``, the MLP a ``jax_fp8.flax.Mlp``;
-the LayerNorms before q/k/v and the MLP are those layers' own (``norm="layernorm"``), and
-under the per-tensor recipes they and the MLP's GELU are computed inside the FP8
-cast-transposes.
-With ``fp8=False`` the same layers compute in bf16 (``Bf16Dense``, ``Bf16Mlp``, the LayerNorm
-by ``jax_fp8.norms``). Both variants name their parameters the same and create them in the same
-order, so one seed gives both exactly the same initial parameters.
+The demo's (the defaults): byte-level, GPT style: learned position embeddings, pre-LayerNorm
+blocks, q / k / v the split parts of one projection, a GELU MLP, biases, an f32 residual
+stream, weights N(0, 0.02). ``LLAMA``: the options of ``benchmarks.model_step`` (and of one
+block, ``benchmarks.block``): pre-RMSNorm, rotary positions, a SwiGLU MLP, no biases, a bf16
+residual stream, Flax's initializers, the blocks under ``nn.scan``.
 
-Dtypes: parameters f32; the residual stream f32; LayerNorm outputs, matmuls and attention in
-bf16 (softmax in f32); logits f32.
+``linear``: "fp8", ``jax_fp8.flax`` layers under ``recipe`` (a key of ``RECIPES``; under
+"nvfp4" the last ``nvfp4_bf16_share`` of the blocks in BF16, as the NVFP4 report keeps them;
+MXFP8 and NVFP4 GEMMs emulated on Hopper); "bf16", their bf16 twins here (``Bf16Dense``,
+``Bf16Mlp``: the demo's baseline); "flax", ``flax.linen.Dense`` (the benchmarks' baseline);
+"flax_fp8", Flax's FP8 ``nn.Dense`` (``Fp8DirectDotGeneralOp``); "fp8_bf16_kernel_copy",
+``KernelCopyDense``.
+``fuse_norm``: the norms before q / k / v and the MLP inside those layers (``norm=``; under the
+per-tensor and block recipes inside the FP8 cast-transposes). One rule names the parameters
+and one order creates them, so one seed gives a ``Config``'s FP8 and BF16 models the same ones.
+
+Dtypes: parameters ``param_dtype``; the residual stream ``residual_dtype``; norm outputs,
+matmuls and attention in bf16 (softmax in f32); logits f32.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen import fp8_ops
 
 import jax_fp8
 import jax_fp8.flax
-from jax_fp8.formats import DIM_MULTIPLE
+from jax_fp8 import norms
 
 from .data import VOCAB
 
@@ -39,8 +44,17 @@ PER_TENSOR = ("delayed", "current")  # the recipes with one scale a tensor (and 
 # The share of the last blocks that the NVFP4 report (arXiv 2509.25149) keeps in higher
 # precision (about 15% of the linear layers), rounded to whole blocks.
 NVFP4_BF16_SHARE = 0.15
-INIT = nn.initializers.normal(0.02)
 ATTENTION = ("cudnn", "xla")  # the implementations of jax.nn.dot_product_attention it runs
+LINEAR = ("fp8", "bf16", "flax", "flax_fp8", "fp8_bf16_kernel_copy")
+QKV = ("split", "shared_input", "separate", "fused")
+MLP = ("fused", "shared_input", "separate")
+NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}
+POSITION = ("learned", "rope", None)
+FLAX_FP8_COLLECTION = "_overwrite_with_gradient"  # Flax's FP8 scales and amax histories
+# The Llama-style decoder of benchmarks.model_step (the projections each a layer of their own).
+LLAMA = dict(norm="rmsnorm", fuse_norm=False, qkv="separate", mlp="separate",
+             activation="swiglu", position="rope", use_bias=False, init_std=None,
+             residual_dtype="bfloat16", scan=True, nvfp4_bf16_share=0.0)
 
 
 def default_attention(platform: str) -> str:
@@ -49,35 +63,87 @@ def default_attention(platform: str) -> str:
   return "cudnn" if platform == "gpu" else "xla"
 
 
+def _choice(name: str, value, choices) -> None:  # a ValueError naming the field
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
-  """Model size and FP8 recipe. ``d_model`` must be a multiple of 16 (FP8 GEMM alignment; 128
-  under the block recipe, whose groups are 128 wide, 32 under MXFP8) and of ``n_heads``."""
+  """Model size, architecture and FP8 recipe (the module docstring says what each choice
+  computes). ``d_model`` must be a multiple of ``n_heads``, and of 16 for the FP8 GEMMs (128
+  under the block recipe, 32 under MXFP8: the layers say so at trace time)."""
 
   d_model: int
   n_heads: int
   n_layers: int
   seq_len: int
   vocab: int = VOCAB
-  fp8: bool = True
-  recipe: str = "delayed"
-  amax_axis_name: str | None = None  # the data-parallel axis, under shard_map (per-tensor)
+  d_ff: int | None = None  # the MLP's hidden size; None: 4 * d_model
+  linear: str = "fp8"  # one of LINEAR
+  recipe: str = "delayed"  # a key of RECIPES, under linear="fp8"
+  # The per-tensor recipes' GEMMs with fast accumulation (DelayedScaling.fast_accum_gemms).
+  fast_accum_gemms: tuple[str, ...] = ()
+  amax_axis_name: str | None = None  # the data-parallel axis, under shard_map (per-tensor, NVFP4)
   # jax.nn.dot_product_attention's implementation, "cudnn" or "xla"; None: cuDNN's fused
   # attention on a GPU backend (as training stacks run it), XLA's on any other. XLA's is
   # deterministic on a GPU too, where cuDNN's backward adds in no fixed order.
   attention: str | None = None
-  # The per-tensor recipes' GEMMs with fast accumulation (DelayedScaling.fast_accum_gemms).
-  fast_accum_gemms: tuple[str, ...] = ()
+  norm: str = "layernorm"  # a key of NORMS
+  fuse_norm: bool = True  # the norms inside the layers after them (their "gamma", "beta")
+  qkv: str = "split"  # one of QKV: one layer split in three, MultiDense, three, one cut by jnp
+  mlp: str = "fused"  # one of MLP: one Mlp, gate / up one MultiDense, gate / up / down each one
+  activation: str = "gelu"  # the fused MLP's; "swiglu" (the only one of the unfused MLPs)
+  position: str | None = "learned"  # one of POSITION: learned embeddings, rotary, none
+  use_bias: bool = True
+  init_std: float | None = 0.02  # kernels and embeddings N(0, init_std); None: Flax's defaults
+  param_dtype: str = "float32"
+  residual_dtype: str = "float32"
+  scan: bool = False  # the blocks under nn.scan (one "layers" module) or each its own
+  nvfp4_bf16_share: float = NVFP4_BF16_SHARE  # of the last blocks in BF16 under NVFP4
+
+  def __post_init__(self):
+    if self.d_ff is None:
+      object.__setattr__(self, "d_ff", 4 * self.d_model)
+    _choice("recipe", self.recipe, RECIPES)
+    _choice("attention", self.attention, (None, *ATTENTION))
+    for name, choices in (("linear", LINEAR), ("qkv", QKV), ("mlp", MLP), ("norm", NORMS),
+                          ("position", POSITION), ("activation", ("gelu", "swiglu"))):
+      _choice(name, getattr(self, name), choices)
+    if self.fast_accum_gemms:
+      if self.recipe not in PER_TENSOR:
+        raise ValueError(f"fast_accum_gemms applies to the per-tensor recipes {PER_TENSOR}, not "
+                         f"to recipe {self.recipe!r}")
+      self.recipe_object()  # the recipe checks the GEMM names
+    if self.d_model % self.n_heads:
+      raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
+    fused = self.fuse_norm or self.qkv in ("split", "shared_input") or self.mlp != "separate"
+    if self.linear not in ("fp8", "bf16") and fused:
+      raise ValueError(f"linear={self.linear!r} has no fused norm, split or MLP: give "
+                       f"fuse_norm=False, qkv 'separate' or 'fused', mlp 'separate'")
+    if self.linear == "bf16" and (self.qkv == "shared_input" or self.mlp == "shared_input"):
+      raise ValueError("linear='bf16' has no MultiDense: give qkv and mlp other than "
+                       "'shared_input'")
+    if self.activation != ("swiglu" if self.mlp != "fused" else
+                           "gelu" if self.linear == "bf16" else self.activation):
+      raise ValueError(f"activation={self.activation!r} with mlp={self.mlp!r} and linear="
+                       f"{self.linear!r}: the unfused MLPs are SwiGLU, BF16's fused one GELU")
+    if self.scan and self.bf16_blocks:
+      raise ValueError(f"under scan every block runs alike: {self.bf16_blocks} BF16 blocks "
+                       f"need scan=False (or nvfp4_bf16_share=0)")
 
   @property
-  def d_ff(self) -> int:
-    return 4 * self.d_model
+  def fp8(self) -> bool:
+    """Whether the blocks' layers are jax_fp8's."""
+    return self.linear == "fp8"
 
   @property
   def bf16_blocks(self) -> int:
-    """How many of the last blocks run in BF16 under an FP8 recipe (NVFP4's, see
-    ``NVFP4_BF16_SHARE``; none under the others)."""
-    return round(NVFP4_BF16_SHARE * self.n_layers) if self.fp8 and self.recipe == "nvfp4" else 0
+    """How many of the last blocks run in BF16 (NVFP4's, ``nvfp4_bf16_share``; none under
+    the other recipes)."""
+    if self.fp8 and self.recipe == "nvfp4":
+      return round(self.nvfp4_bf16_share * self.n_layers)
+    return 0
 
   def recipe_object(self):
     """The jax_fp8 recipe the FP8 layers take: ``RECIPES[recipe]``, with ``fast_accum_gemms``."""
@@ -90,156 +156,240 @@ class Config:
   def attention_implementation(self) -> str:
     return self.attention or default_attention(jax.default_backend())
 
-  def __post_init__(self):
-    if self.recipe not in RECIPES:
-      raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
-    if self.attention not in (None, *ATTENTION):
-      raise ValueError(f"attention must be None or one of {ATTENTION}, got {self.attention!r}")
-    if self.fast_accum_gemms:
-      if self.recipe not in PER_TENSOR:
-        raise ValueError(f"fast_accum_gemms applies to the per-tensor recipes {PER_TENSOR}, not "
-                         f"to recipe {self.recipe!r}")
-      self.recipe_object()  # the recipe checks the GEMM names
-    align = self.recipe_object().dim_multiple if self.fp8 else DIM_MULTIPLE
-    if self.d_model % align or self.d_model % self.n_heads:
-      raise ValueError(f"d_model={self.d_model} must be a multiple of {align} and of "
-                       f"n_heads={self.n_heads}")
+
+def _init(cfg: Config, key: str = "kernel_init") -> dict:
+  """The initializer keyword of a layer: N(0, init_std), or none (the layer's default)."""
+  return {} if cfg.init_std is None else {key: nn.initializers.normal(cfg.init_std)}
 
 
-def _fp8_kw(cfg: Config, norm: bool) -> dict:
+def _layer_kw(cfg: Config, name: str) -> dict:
+  """What every projection of the block takes: bias, dtypes, name, initializer."""
+  return dict(use_bias=cfg.use_bias, dtype=COMPUTE, param_dtype=jnp.dtype(cfg.param_dtype),
+              name=name, **_init(cfg))
+
+
+def _fp8_kw(cfg: Config, norm: str | None) -> dict:
+  """A jax_fp8 layer's recipe, amax axis and fused norm (None: none)."""
   # BlockScaling's and MXFP8's scales are device-local: no amax to reduce (NVFP4's global
   # scales are per tensor)
   axis = cfg.amax_axis_name if cfg.recipe in (*PER_TENSOR, "nvfp4") else None
-  return dict(recipe=cfg.recipe_object(), amax_axis_name=axis,
-              norm="layernorm" if norm else None)
+  return dict(recipe=cfg.recipe_object(), amax_axis_name=axis, norm=norm)
 
 
-def _layer_norm(module: nn.Module, x, norm: bool):
-  """x through a LayerNorm whose "gamma" and "beta" the module creates, as jax_fp8's layers
-  with ``norm="layernorm"`` name them (after their kernels and biases), in bf16; x itself
+def _normalized(module: nn.Module, x, norm: str | None):
+  """x through the norm ``norm`` whose "gamma" (and LayerNorm's "beta") the module creates, as
+  jax_fp8's layers with ``norm=`` name them (after their kernels and biases), in bf16; x itself
   without a norm."""
-  if not norm:
+  if norm is None:
     return x
   d = x.shape[-1]
   gamma = module.param("gamma", nn.initializers.ones_init(), (d,), jnp.float32)
-  beta = module.param("beta", nn.initializers.zeros_init(), (d,), jnp.float32)
-  return jax_fp8.norms.normalize(x, gamma, beta, norm="layernorm", epsilon=1e-6).astype(COMPUTE)
+  beta = (module.param("beta", nn.initializers.zeros_init(), (d,), jnp.float32)
+          if norms.centered(norm) else None)
+  return norms.normalize(x, gamma, beta, norm=norm, epsilon=1e-6).astype(COMPUTE)
 
 
-class Bf16Dense(nn.Module):
-  """``nn.Dense`` in bf16 with f32 parameters, optionally after a LayerNorm of its input, its
-  output cut into ``parts`` equal parts (a tuple) where more than one: the parameters of
-  ``jax_fp8.flax.Dense(features, norm=...)``, named and created in its order. The parts are
-  indexed out of the output viewed as [..., parts, features / parts], as the model did before
-  its FP8 layer took ``split``: XLA fuses that indexing's backward into the bias gradient's
-  reduction, where ``jnp.split``'s (a concatenation) ran as passes of their own."""
+class _Projection(nn.Module):
+  """The fields of a projection layer, as ``nn.Dense`` names them."""
 
   features: int
-  norm: bool = False
+  use_bias: bool = True
+  dtype: type = COMPUTE
+  param_dtype: type = jnp.float32
+  kernel_init: object = nn.initializers.lecun_normal()
+
+  def kernel_and_bias(self, k: int):
+    """The kernel [k, features] and the bias [features] (None without), in that order."""
+    kernel = self.param("kernel", self.kernel_init, (k, self.features), self.param_dtype)
+    bias = (self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype)
+            if self.use_bias else None)
+    return kernel, bias
+
+
+class Bf16Dense(_Projection):
+  """The bf16 twin of ``jax_fp8.flax.Dense(features, norm=..., split=...)``: its parameters,
+  named and created in its order, its input normalized first where ``norm``, its output cut
+  into ``parts`` equal parts (a tuple) where more than one. The parts are indexed out of the
+  output viewed as [..., parts, features / parts]: XLA fuses that indexing's backward into the
+  bias gradient's reduction, where ``jnp.split``'s (a concatenation) ran as passes of their
+  own."""
+
+  norm: str | None = None
   parts: int = 1
 
   @nn.compact
   def __call__(self, x):
-    kernel = self.param("kernel", INIT, (x.shape[-1], self.features), jnp.float32)
-    bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32)
-    y = _layer_norm(self, x, self.norm) @ kernel.astype(COMPUTE) + bias.astype(COMPUTE)
+    kernel, bias = self.kernel_and_bias(x.shape[-1])
+    y = _normalized(self, x, self.norm) @ kernel.astype(self.dtype)
+    if bias is not None:
+      y = y + bias.astype(self.dtype)
     if self.parts == 1:
       return y
     y = y.reshape(*y.shape[:-1], self.parts, self.features // self.parts)
     return tuple(y[..., i, :] for i in range(self.parts))
 
 
-def dense(cfg: Config, features: int, name: str, norm: bool = False, parts: int = 1) -> nn.Module:
-  """A bf16-compute linear layer with f32 parameters, its input LayerNorm fused where ``norm``
-  and its output cut into ``parts`` equal parts (a tuple) where more than one: FP8 (jax_fp8,
-  ``split=``, so the parts' gradients reach its backward separately) or plain, per
-  ``cfg.fp8``."""
-  if cfg.fp8:
-    split = (features // parts,) * parts if parts > 1 else None
-    return jax_fp8.flax.Dense(features, dtype=COMPUTE, param_dtype=jnp.float32, kernel_init=INIT,
-                              name=name, split=split, **_fp8_kw(cfg, norm))
-  return Bf16Dense(features, norm, parts, name=name)
-
-
 class Bf16Mlp(nn.Module):
-  """The MLP ``gelu(ln(h) @ kernel_in + bias_in) @ kernel_out + bias_out`` in bf16 with f32
-  parameters, named and created in the order of ``jax_fp8.flax.Mlp(norm="layernorm")``'s.
-  h: [B, T, D]."""
+  """The bf16 twin of ``jax_fp8.flax.Mlp(d_ff, activation="gelu", norm=...)``:
+  ``gelu(norm(h) @ kernel_in + bias_in) @ kernel_out + bias_out``, its parameters named and
+  created in that layer's order. h: [B, T, D]."""
 
   d_ff: int
+  norm: str | None = None
+  use_bias: bool = True
+  dtype: type = COMPUTE
+  param_dtype: type = jnp.float32
+  kernel_init: object = nn.initializers.lecun_normal()
 
   @nn.compact
   def __call__(self, h):
     d = h.shape[-1]
-    k_in = self.param("kernel_in", INIT, (d, self.d_ff), jnp.float32)
-    k_out = self.param("kernel_out", INIT, (self.d_ff, d), jnp.float32)
-    b_in = self.param("bias_in", nn.initializers.zeros_init(), (self.d_ff,), jnp.float32)
-    b_out = self.param("bias_out", nn.initializers.zeros_init(), (d,), jnp.float32)
-    h = nn.gelu(_layer_norm(self, h, True) @ k_in.astype(COMPUTE) + b_in.astype(COMPUTE))
-    return h @ k_out.astype(COMPUTE) + b_out.astype(COMPUTE)
+    k_in = self.param("kernel_in", self.kernel_init, (d, self.d_ff), self.param_dtype)
+    k_out = self.param("kernel_out", self.kernel_init, (self.d_ff, d), self.param_dtype)
+    zeros = nn.initializers.zeros_init()
+    b_in, b_out = ((self.param("bias_in", zeros, (self.d_ff,), self.param_dtype),
+                    self.param("bias_out", zeros, (d,), self.param_dtype))
+                   if self.use_bias else (None, None))
+    h = _normalized(self, h, self.norm) @ k_in.astype(self.dtype)
+    h = nn.gelu(h if b_in is None else h + b_in.astype(self.dtype)) @ k_out.astype(self.dtype)
+    return h if b_out is None else h + b_out.astype(self.dtype)
 
 
-def mlp(cfg: Config, name: str) -> nn.Module:
-  """The block's MLP with its input LayerNorm, d_model -> d_ff -> d_model with GELU: FP8
-  (jax_fp8) or plain."""
+class KernelCopyDense(_Projection):
+  """``jax_fp8.flax.Dense`` (delayed scaling) with its kernel cast to the compute dtype before
+  the quantization, as the layer did before it quantized f32 master weights directly: the
+  ``benchmarks.model_step`` variant that shows that fusion's gain."""
+
+  @nn.compact
+  def __call__(self, x):
+    kernel, bias = self.kernel_and_bias(x.shape[-1])
+    state = self.variable(jax_fp8.flax.STATE_COLLECTION, "linear",
+                          jax_fp8.LinearState.create).value
+    return jax_fp8.linear(x, kernel.astype(self.dtype),
+                          None if bias is None else bias.astype(self.dtype), state=state)
+
+
+def dense(cfg: Config, features: int, name: str, norm: str | None = None,
+          parts: int = 1) -> nn.Module:
+  """One projection to ``features`` in bf16 compute, of the kind ``cfg.linear``, its input norm
+  fused where ``norm`` and its output cut into ``parts`` equal parts (a tuple) where more than
+  one (jax_fp8: ``split=``, so the parts' gradients reach its backward separately)."""
+  kw = _layer_kw(cfg, name)
   if cfg.fp8:
-    return jax_fp8.flax.Mlp(cfg.d_ff, activation="gelu", dtype=COMPUTE,
-                            param_dtype=jnp.float32, kernel_init=INIT, name=name,
-                            **_fp8_kw(cfg, True))
-  return Bf16Mlp(cfg.d_ff, name=name)
+    split = (features // parts,) * parts if parts > 1 else None
+    return jax_fp8.flax.Dense(features, split=split, **kw, **_fp8_kw(cfg, norm))
+  if cfg.linear == "bf16":
+    return Bf16Dense(features, norm=norm, parts=parts, **kw)
+  if cfg.linear == "flax":
+    return nn.Dense(features, **kw)
+  if cfg.linear == "flax_fp8":
+    return nn.Dense(features, dot_general_cls=fp8_ops.Fp8DirectDotGeneralOp, **kw)
+  return KernelCopyDense(features, **kw)
+
+
+def rope(x, base=10000.0):
+  """Rotary position embedding (Su et al. 2021, arXiv 2104.09864), halves rotated.
+  x: [B, T, H, Dh] -> same shape and dtype; angles in f32."""
+  t, dh = x.shape[1], x.shape[-1]
+  freq = base ** (-jnp.arange(0, dh // 2, dtype=jnp.float32) * 2 / dh)
+  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * freq  # [T, Dh/2]
+  cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
 def causal_attention(q, k, v, implementation: str):
-  """Softmax attention with a causal mask, by ``jax.nn.dot_product_attention``.
-
-  Args:
-    q, k, v: bf16 [B, T, H, Dh].
-    implementation: "cudnn" or "xla" (``Config.attention``).
-  Returns:
-    bf16 [B, T, H, Dh].
-  """
+  """Softmax attention with a causal mask, by ``jax.nn.dot_product_attention``'s
+  ``implementation`` ("cudnn" or "xla"). q, k, v: bf16 [B, T, H, Dh] -> bf16 [B, T, H, Dh]."""
   return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
+def _norm_input(cfg: Config, x, name: str):
+  """(the input of the layer after a norm, the norm that layer fuses): x and ``cfg.norm`` where
+  it fuses it, else the norm module ``name``'s output and None."""
+  if cfg.fuse_norm:
+    return x, cfg.norm
+  return NORMS[cfg.norm](dtype=COMPUTE, name=name)(x), None
+
+
+def _qkv(cfg: Config, h, norm: str | None):
+  """q, k, v of h [B, T, D], each [B, T, H, Dh], by the layers ``cfg.qkv`` names."""
+  b, t, d = h.shape
+  if cfg.qkv == "fused":  # one projection, cut by jnp.split
+    y = dense(cfg, 3 * d, "qkv", norm)(h).reshape(b, t, 3, cfg.n_heads, -1)
+    return tuple(part[:, :, 0] for part in jnp.split(y, 3, axis=2))
+  if cfg.qkv == "separate":
+    ys = tuple(dense(cfg, d, name, norm)(h) for name in ("q", "k", "v"))
+  elif cfg.qkv == "shared_input":
+    ys = jax_fp8.flax.MultiDense((d, d, d), **_layer_kw(cfg, "qkv"), **_fp8_kw(cfg, norm))(h)
+  else:  # "split": the parts of one projection
+    ys = dense(cfg, 3 * d, "qkv", norm, parts=3)(h)
+  return tuple(y.reshape(b, t, cfg.n_heads, d // cfg.n_heads) for y in ys)
+
+
+def _mlp(cfg: Config, h, norm: str | None):
+  """The block's MLP of h [B, T, D] -> [B, T, D], d_model -> d_ff -> d_model."""
+  if cfg.mlp == "fused":
+    if cfg.fp8:
+      return jax_fp8.flax.Mlp(cfg.d_ff, activation=cfg.activation, **_layer_kw(cfg, "mlp"),
+                              **_fp8_kw(cfg, norm))(h)
+    return Bf16Mlp(cfg.d_ff, norm, **_layer_kw(cfg, "mlp"))(h)
+  if cfg.mlp == "shared_input":
+    gate, up = jax_fp8.flax.MultiDense((cfg.d_ff, cfg.d_ff), **_layer_kw(cfg, "gate_up"),
+                                       **_fp8_kw(cfg, norm))(h)
+  else:
+    gate, up = (dense(cfg, cfg.d_ff, name, norm)(h) for name in ("gate", "up"))
+  return dense(cfg, h.shape[-1], "down")(jax.nn.silu(gate) * up)
+
+
 class Block(nn.Module):
-  """Pre-LN block: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``, each LayerNorm inside the
-  layer after it. x: f32 [B, T, D] -> same."""
+  """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. (x [B, T, D] of
+  ``cfg.residual_dtype``, ignored) -> (same, None): a ``nn.scan`` body."""
 
   cfg: Config
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, _=None):
     cfg = self.cfg
     b, t, d = x.shape
-    # q, k and v as parts of one projection's output, so that their gradients reach its FP8
-    # backward separately (jax_fp8.linear's split)
-    q, k, v = (y.reshape(b, t, cfg.n_heads, d // cfg.n_heads)
-               for y in dense(cfg, 3 * d, "qkv", norm=True, parts=3)(x))
+    h, norm = _norm_input(cfg, x, "attention_norm")
+    q, k, v = _qkv(cfg, h, norm)
+    if cfg.position == "rope":
+      q, k = rope(q), rope(k)
     a = causal_attention(q, k, v, cfg.attention_implementation).reshape(b, t, d)
     x = x + dense(cfg, d, "attn_out")(a).astype(x.dtype)
-    return x + mlp(cfg, "mlp")(x).astype(x.dtype)
+    h, norm = _norm_input(cfg, x, "mlp_norm")
+    return x + _mlp(cfg, h, norm).astype(x.dtype), None
 
 
 class Transformer(nn.Module):
-  """Byte-level decoder-only language model.
-
-  Input: int [B, T] byte values with T <= ``cfg.seq_len``. Output: f32 [B, T, vocab] logits
-  for the next byte.
-  """
+  """Decoder-only language model: int [B, T] tokens, T <= ``cfg.seq_len`` -> f32 [B, T,
+  vocab] logits for the next token."""
 
   cfg: Config
 
   @nn.compact
   def __call__(self, tokens):
-    cfg = self.cfg
-    x = nn.Embed(cfg.vocab, cfg.d_model, embedding_init=INIT, name="tok_embed")(tokens)
-    pos = nn.Embed(cfg.seq_len, cfg.d_model, embedding_init=INIT, name="pos_embed")
-    x = x + pos(jnp.arange(tokens.shape[1]))[None]  # f32 residual stream [B, T, D]
-    for i in range(cfg.n_layers):
-      high = i >= cfg.n_layers - cfg.bf16_blocks
-      x = Block(dataclasses.replace(cfg, fp8=False) if high else cfg, name=f"block_{i}")(x)
-    x = nn.LayerNorm(dtype=COMPUTE, name="ln_final")(x)
-    # The LM head stays a plain bf16 nn.Dense in both variants: the logits feed the softmax
+    cfg, pdt = self.cfg, jnp.dtype(self.cfg.param_dtype)
+    embed = dict(param_dtype=pdt, **_init(cfg, "embedding_init"))
+    x = nn.Embed(cfg.vocab, cfg.d_model, name="tok_embed", **embed)(tokens)
+    if cfg.position == "learned":
+      x = x + nn.Embed(cfg.seq_len, cfg.d_model, name="pos_embed", **embed)(
+          jnp.arange(tokens.shape[1]))[None]
+    x = x.astype(cfg.residual_dtype)  # the residual stream [B, T, D]
+    if cfg.scan:
+      layers = nn.scan(Block, variable_axes={True: 0},
+                       split_rngs={"params": True, jax_fp8.flax.SR_STREAM: True},
+                       length=cfg.n_layers)
+      x, _ = layers(cfg, name="layers")(x, None)
+    else:
+      for i in range(cfg.n_layers):
+        high = i >= cfg.n_layers - cfg.bf16_blocks
+        x, _ = Block(dataclasses.replace(cfg, linear="bf16") if high else cfg,
+                     name=f"block_{i}")(x)
+    x = NORMS[cfg.norm](dtype=COMPUTE, name="ln_final")(x)
+    # The LM head stays a plain bf16 nn.Dense in every variant: the logits feed the softmax
     # directly and are the most precision-sensitive matmul, as in common FP8 recipes.
-    logits = nn.Dense(cfg.vocab, dtype=COMPUTE, kernel_init=INIT, name="lm_head")(x)
+    logits = nn.Dense(cfg.vocab, use_bias=cfg.use_bias, dtype=COMPUTE, param_dtype=pdt,
+                      name="lm_head", **_init(cfg))(x)
     return logits.astype(jnp.float32)
