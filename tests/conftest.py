@@ -38,7 +38,7 @@ HAS_CUDA = jax_fp8.cuda_available()
 # of the user's, are left as they are.
 if not HAS_CUDA and ("JAX_COMPILATION_CACHE_DIR" not in os.environ
                      or "JAX_FP8_TESTS_CACHE" in os.environ):
-  _CACHE_DIR = tempfile.mkdtemp(prefix="jax_fp8_tests_")
+  _CACHE_DIR = tempfile.mkdtemp(prefix="jax_fp8_tests_")  # removed in pytest_unconfigure
   atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
   os.environ.update(JAX_FP8_TESTS_CACHE="1", JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
                     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
@@ -148,6 +148,11 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
   config.addinivalue_line("markers", "quick: in the quick tier (conftest.QUICK; --quick)")
+
+
+def pytest_unconfigure(config):
+  if "_CACHE_DIR" in globals():
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
