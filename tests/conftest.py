@@ -5,8 +5,13 @@ Random test data comes from one base seed, ``JAX_FP8_TEST_SEED`` (0 unless set),
 draws the same data; set it to explore others (``JAX_FP8_TEST_SEED=7 pytest tests``). Each
 test mixes the base seed with its own name, so tests do not all see the same data."""
 
+import atexit
+import functools
 import hashlib
 import os
+import re
+import shutil
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
@@ -24,6 +29,21 @@ import pytest  # noqa: E402
 import jax_fp8  # noqa: E402
 
 HAS_CUDA = jax_fp8.cuda_available()
+
+# Without a GPU (CI), compiled programs of over half a second are kept in a compilation cache
+# for this run: a folder of each test process (pytest-xdist's workers have one each) that the
+# processes it starts inherit. A demo or benchmark model compiled again by a later test (each
+# main() builds its train step anew; a benchmark's child processes compile it once more) is
+# read back instead. Nothing carries between runs; GPU runs, and a JAX_COMPILATION_CACHE_DIR
+# of the user's, are left as they are.
+if not HAS_CUDA and ("JAX_COMPILATION_CACHE_DIR" not in os.environ
+                     or "JAX_FP8_TESTS_CACHE" in os.environ):
+  _CACHE_DIR = tempfile.mkdtemp(prefix="jax_fp8_tests_")  # removed in pytest_unconfigure
+  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  os.environ.update(JAX_FP8_TESTS_CACHE="1", JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
+  jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _base_seed() -> int:
@@ -46,6 +66,115 @@ def seed_for(name: str) -> int:
 
 def pytest_report_header(config):
   return f"JAX_FP8_TEST_SEED={BASE_SEED} (the base seed of the tests' random data)"
+
+
+# The quick tier (`pytest --quick`, `bash scripts/test.sh --quick`), for the edit-test loop: every
+# op against its reference at small shapes, with its edge values and errors; linear per recipe
+# (delayed, current, block, MXFP8, NVFP4) with its gradients; the layers (Flax, NNX, multi,
+# MLP, norm, split, convert, checkpoint, state, inference), one data-parallel step, the demo's
+# and benchmarks' argument checks. Each entry is a regex searched in the node ids of one file;
+# the full suite (no flag, CI) runs everything. An entry that names no test of a collected file
+# is an error, so a renamed test cannot drop out of the tier unnoticed.
+QUICK = {
+    "test_activation.py": [r"::test_(forward|grad)_matches_reference\[\w+-17x48-bfloat16-",
+                           r"::test_nan_stays_visible", r"::test_bad_inputs",
+                           r"::test_grad_formulas_are_the_derivatives"],
+    "test_block_sources.py": [r"::test_activation(_grad)?_matches_reference\[\w+-129x384-bfloat16-",
+                              r"::test_norm_matches_reference_bytes\[\w+-129x384-bfloat16-",
+                              r"::test_plain_source_is_group_cast_transpose"],
+    "test_blockwise.py": [r"::test_group_quantize_matches_reference\[\w+-bfloat16-e4m3",
+                          r"::test_edge_policy\[", r"::test_bad_inputs", r"::test_empty_rows",
+                          r"::test_vmap", r"::test_group_cast_transpose_padding_is_zero"],
+    "test_cast_transpose.py": [r"::test_matches_reference\[\w+-(plain-(17x48|0x16)|dbias-17x48)-"
+                               r"(float32|bfloat16)-",
+                               r"::test_parts_match_their_concatenation\[\w+-100-48\+16\+80-",
+                               r"::test_parts_keep_a_nan_visible", r"::test_bad_inputs",
+                               r"::test_parts_bad_inputs", r"::test_a_list_of_rows_is_one_array"],
+    "test_quantize.py": [r"::test_shapes_and_zero", r"::test_special_values\[\w+-bfloat16-",
+                         r"::test_observe_writes_the_observation\[\w+-finite-",
+                         r"::test_ring_first_step_uses_current_amax", r"::test_ring_edge_cases",
+                         r"::test_ring_margin", r"::test_f32_subnormals_count_as_zero",
+                         r"::test_bad_inputs"],
+    "test_norm.py": [r"::test_matches_reference_bytes\[\w+-17x48-", r"::test_bad_inputs",
+                     r"::test_nan_stays_visible",
+                     r"::test_linear_matches_unfused_and_f32\[\w+-delayed-bfloat16-rmsnorm"],
+    "test_gemm.py": [r"::test_gemm_matches_f32\[\w+-37-48-80-bfloat16-",
+                     r"::test_block_gemm_matches_f32\[\w+-40-48-256-bfloat16-",
+                     r"::test_gemm_e4m3_out\[\w+-37-48-80-", r"::test_gemm_nan_propagates",
+                     r"::test_gemm_zero_rows", r"::test_bad_inputs"],
+    "test_mxfp8.py": [r"::test_kernel_bytes_equal_reference\[\w+-\(33, 160\)-",
+                      r"::test_special_blocks", r"::test_zero_block", r"::test_bad_input",
+                      r"::test_nan_and_inf_blocks_stay_visible"],
+    "test_nvfp4.py": [r"::test_kernel_bytes_equal_reference\[\w+-\(48, 80\)-",
+                      r"::test_packing_and_rounding", r"::test_(cuda_)?kernel_choice",
+                      r"::test_bad_input", r"::test_empty_tensors"],
+    "test_hadamard.py": [r"::test_hadamard_transform_is_its_definition\[0\]"],
+    "test_philox.py": [r"::"],
+    "test_import.py": [r"::"],
+    "test_linear.py": [r"::test_forward_and_grads\[", r"::test_bad_inputs"],
+    "test_current_scaling.py": [r"::test_forward_and_grads_against_f32", r"::test_errors"],
+    "test_block_linear.py": [r"::test_forward_and_grads\[\w+-bfloat16-f32scale",
+                             r"::test_bad_inputs"],
+    "test_mxfp8_block_scaling.py": [r"::test_forward_and_grads_against_f32", r"::test_errors",
+                                    r"::test_mxfp8_gemm_is_exact_to_the_f32_sums"],
+    "test_nvfp4_block_scaling.py": [r"::test_gemms_against_f32_within_the_format",
+                                    r"::test_errors"],
+    "test_multi_linear.py": [r"::test_multi_dense_matches_dense", r"::test_bad_arguments"],
+    "test_mlp.py": [r"::test_flax_layer", r"::test_nnx_layer", r"::test_bad_arguments"],
+    "test_flax.py": [r"::test_init_matches_nn_dense", r"::test_layer_dtypes_are_checked"],
+    "test_nnx.py": [r"::test_linear_is_a_drop_in", r"::test_bad_arguments"],
+    "test_linear_split.py": [r"::test_split_equals_the_output_cut\[(\w+-)?current-None",
+                             r"::test_bad_split"],
+    "test_cast_kernel.py": [r"::test_cast_matches_the_uncast_layer\[(\w+-)?delayed-linear"],
+    "test_convert.py": [r"::test_filter", r"::test_bad_arguments"],
+    "test_checkpoint.py": [r"::test_refuses_another_recipe_or_other_rings"],
+    "test_state.py": [r"::test_combined_observations_equal_next_ring_of_max\[history0-"],
+    "test_inference.py": [r"::test_errors", r"::test_same_forward_as_training"],
+    "test_residuals.py": [r"::test_residuals_come_back_bit_for_bit\[float8_e4m3fn-"],
+    "test_errors.py": [r"::test_clear_error\[", r"::test_grad_names_the_op\["],
+    "test_multidevice.py": [r"::test_data_parallel$", r"::test_explicit_axes_rejected"],
+    "test_demo.py": [r"::test_training_batches", r"::test_demo_config_rejects",
+                     r"::test_demo_rejects_a_negative_tolerance"],
+    "test_benchmarks.py": [r"::test_per_call_takes_more_calls_until_resolved",
+                           r"::test_model_step_bad_flags"],
+}
+
+
+def pytest_addoption(parser):
+  parser.addoption("--quick", action="store_true",
+                   help="run only the quick tier (conftest.QUICK): about 2 minutes on 2 cores")
+
+
+def pytest_configure(config):
+  config.addinivalue_line("markers", "quick: in the quick tier (conftest.QUICK; --quick)")
+
+
+def pytest_unconfigure(config):
+  if "_CACHE_DIR" in globals():
+    shutil.rmtree(_CACHE_DIR, ignore_errors=True)
+
+
+def pytest_collection_modifyitems(config, items):
+  """Marks the quick tier's tests; with --quick, keeps only those (and refuses a QUICK entry that
+  selects no test of a file it collected)."""
+  file_of = lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1]  # noqa: E731
+  patterns = {name: [re.compile(p) for p in ps] for name, ps in QUICK.items()}
+  used = set()
+  for item in items:
+    for p in patterns.get(file_of(item), ()):
+      if p.search(item.nodeid):
+        item.add_marker(pytest.mark.quick)
+        used.add((file_of(item), p.pattern))
+  if not config.getoption("--quick"):
+    return
+  files = {file_of(item) for item in items}
+  unused = [f"{name}: {p}" for name, ps in QUICK.items() if name in files for p in ps
+            if (name, p) not in used]
+  if unused:
+    raise pytest.UsageError("conftest.QUICK entries that select no test (renamed?): "
+                            + "; ".join(unused))
+  config.hook.pytest_deselected(items=[i for i in items if not i.get_closest_marker("quick")])
+  items[:] = [i for i in items if i.get_closest_marker("quick")]
 
 
 PLATFORMS = [
@@ -100,6 +229,24 @@ def on_cpu(fn, *args):
   """Evaluate fn on the CPU (the reference's platform) and return NumPy results."""
   with jax.default_device(jax.devices("cpu")[0]):
     return jax.tree.map(np.asarray, fn(*jax.device_put(args, jax.devices("cpu")[0])))
+
+
+@functools.cache
+def _jitted(fn, static):
+  return jax.jit(functools.partial(fn, **dict(static)))
+
+
+def reference_on_cpu(fn, *args, **kwargs):
+  """``on_cpu(lambda *a: fn(*a, **kwargs), *args)`` with fn jitted once per fn and set of
+  non-array keyword arguments (hashable: formats, flags, seeds). Eagerly, every jnp call of a
+  reference twin compiles on its own at each new shape; jitted, the twin compiles into one
+  program per shape, and runs again at a shape seen before without compiling. Array keyword
+  arguments (keys, given amaxes) are passed to the jitted function, not bound into it."""
+  arrays = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
+  static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
+  names, n = tuple(arrays), len(args)
+  return on_cpu(lambda *a: _jitted(fn, static)(*a[:n], **dict(zip(names, a[n:]))),
+                *args, *arrays.values())
 
 
 def poison_allocator(nbytes: int):

@@ -69,13 +69,20 @@ def problem(rng):
   return x, w, b, g, warm_state(x, w, g)
 
 
+@jax.jit
+def _one_device_step(x, w, b, g, state):
+  """y and the gradients of x, w, b and the state; jitted once at the problem's shapes for all
+  the tests that compare with it."""
+  y, vjp = jax.vjp(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s), x, w, b, state)
+  return (y, *vjp(g))
+
+
 def single_device(x, w, b, g, state):
   """The reference: one device of the meshes' platform."""
   one = DEVICES[0]
   x, w, b, g, state = jax.device_put((x, w, b, g, state), one)
   with jax.default_device(one):
-    y, vjp = jax.vjp(lambda x, w, b, s: jax_fp8.linear(x, w, b, state=s), x, w, b, state)
-    dx, dw, db, obs = vjp(g)
+    y, dx, dw, db, obs = _one_device_step(x, w, b, g, state)
     return y, dx, dw, db, jax_fp8.update_state(state, obs)
 
 
@@ -670,12 +677,17 @@ def test_nnx_data_parallel(problem):
 CURRENT = jax_fp8.CurrentScaling()
 
 
+@jax.jit
+def _current_step(x, w, b, g):
+  y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=CURRENT), x, w, b)
+  return (y, *vjp(g), ())
+
+
 def single_device_current(x, w, b, g):
+  """The reference: one device's step, compiled once for all the tests that compare with it."""
   one = DEVICES[0]
-  x, w, b, g = jax.device_put((x, w, b, g), one)
   with jax.default_device(one):
-    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=CURRENT), x, w, b)
-    return (y, *vjp(g), ())
+    return _current_step(*jax.device_put((x, w, b, g), one))
 
 
 @pytest.mark.parametrize("axis_name", ["data", None], ids=["named", "inferred"])
@@ -721,12 +733,7 @@ def test_current_scaling_sharded_jit(problem, name):
   x, w, b, g, _ = problem
   _, args = sharded_jit_args(SHARDED_JIT[name], (x, w, b, g))
 
-  @jax.jit
-  def step(x, w, b, g):
-    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=CURRENT), x, w, b)
-    return (y, *vjp(g), ())
-
-  check(step(*args), single_device_current(x, w, b, g), (x, w, b, g))
+  check(_current_step(*args), single_device_current(x, w, b, g), (x, w, b, g))
 
 
 @pytest.mark.parametrize("name", ["data_parallel", "tensor_column"])
@@ -734,16 +741,19 @@ def test_mxfp8_block_scaling_sharded_jit(problem, name):
   """MXFP8BlockScaling under a plain sharded jit: the quantizers' sharding rules keep every
   block whole, so the step equals one device's up to the order of the sums."""
   x, w, b, g, _ = problem
-  recipe = jax_fp8.MXFP8BlockScaling()
   _, args = sharded_jit_args(SHARDED_JIT[name], (x, w, b, g))
-
-  def step(x, w, b, g):
-    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe), x, w, b)
-    return (y, *vjp(g), ())
-
   with jax.default_device(DEVICES[0]):
-    want = jax.jit(step)(*jax.device_put((x, w, b, g), DEVICES[0]))
-  check(jax.jit(step)(*args), want, (x, w, b, g))
+    want = _mxfp8_step(*jax.device_put((x, w, b, g), DEVICES[0]))
+  check(_mxfp8_step(*args), want, (x, w, b, g))
+
+
+@jax.jit
+def _mxfp8_step(x, w, b, g):
+  """One jitted step for every mesh and the single device (one compile per sharding, the single
+  device's shared by the cases)."""
+  y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=jax_fp8.MXFP8BlockScaling()),
+                   x, w, b)
+  return (y, *vjp(g), ())
 
 
 def per_shard(v, factors):
@@ -818,16 +828,18 @@ def test_nvfp4_block_scaling_sharded_jit(problem, name):
   to the order of the sums."""
   x, w, b, g, _ = problem
   x = per_shard(x, range(1, NDEV + 1))
-  recipe = jax_fp8.NVFP4BlockScaling()
   _, args = sharded_jit_args(SHARDED_JIT[name], (x, w, b, g))
-
-  def step(x, w, b, g):
-    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe, key=NV_KEY), x, w, b)
-    return (y, *vjp(g))
-
   with jax.default_device(DEVICES[0]):
-    want = jax.jit(step)(*jax.device_put((x, w, b, g), DEVICES[0]))
-  close_to(jax.jit(step)(*args), want)
+    want = _nvfp4_step(*jax.device_put((x, w, b, g), DEVICES[0]))
+  close_to(_nvfp4_step(*args), want)
+
+
+@jax.jit
+def _nvfp4_step(x, w, b, g):
+  """As _mxfp8_step, under NVFP4BlockScaling() with NV_KEY."""
+  y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=jax_fp8.NVFP4BlockScaling(),
+                                                  key=NV_KEY), x, w, b)
+  return (y, *vjp(g))
 
 
 def test_nvfp4_block_scaling_data_parallel(problem):
@@ -849,10 +861,8 @@ def test_nvfp4_block_scaling_data_parallel(problem):
                                  out_specs=(P("data"), P("data"), P(), P())))(*args)
 
   nearest = jax_fp8.NVFP4BlockScaling(stochastic_rounding=False)
-  with jax.default_device(DEVICES[0]):
-    y, vjp = jax.vjp(lambda x, w, b: jax_fp8.linear(x, w, b, recipe=nearest),
-                     *jax.device_put((x, w, b), DEVICES[0]))
-    want = (y, *vjp(jax.device_put(g, DEVICES[0])))
+  with jax.default_device(DEVICES[0]):  # one device's step, jitted (one compile, not one a jnp op)
+    want = jax.jit(lambda *a: step(*a, nearest, None))(*jax.device_put((x, w, b, g), DEVICES[0]))
   close_to(run(nearest, None, x, w, b, g), want)
   same = jnp.tile(x[:M // NDEV], (NDEV, 1))  # every device the same rows and gradient
   same_g = jnp.tile(g[:M // NDEV], (NDEV, 1))
