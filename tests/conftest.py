@@ -225,6 +225,15 @@ def roundoff(dtype) -> float:
   return float(jax.numpy.finfo(dtype).eps) / 2
 
 
+def normwise(*roundoffs: float) -> float:
+  """Tolerance on the normwise relative error of a result (a product, a sum, a GEMM) computed
+  from operands each rounded once to a format of unit roundoff u_i (``roundoff``; pass one
+  per rounding on the path). A rounding error uniform within u_i of each element has RMS at
+  most u_i / sqrt(3); independent roundings add in quadrature, so the expected normwise error
+  is at most sqrt(sum u_i^2 / 3) (about 0.74 of it for Gaussian data, whose mantissas are
+  not all at the bottom of their binade). 5/4 of it covers the spread over the tests' draws."""
+  return 1.25 * float(np.sqrt(sum(u * u for u in roundoffs) / 3))
+
 def on_cpu(fn, *args):
   """Evaluate fn on the CPU (the reference's platform) and return NumPy results."""
   with jax.default_device(jax.devices("cpu")[0]):
