@@ -6,8 +6,9 @@ fails loudly: retarget the entry when the code moves). For each, the repository'
 the replacement applied, the built extension modules copied into the copy's ``jax_fp8/`` (no
 rebuild: the mutations are in Python), and the chosen test files run there with the copy's
 package first on the path (the editable install's import redirect removed for that process).
-A mutation is "killed" when at least one test fails, "survived" when none does; the script
-exits 1 if any survived.
+The tests first run on the unmutated copy and must pass (exit 2 otherwise). A mutation is
+"killed" when at least one test fails, "survived" when none does; the script exits 1 if any
+survived.
 
   python scripts/mutate.py                      # the default tests, on the working tree
   python scripts/mutate.py --ref main --tests tests/test_linear.py ...
@@ -103,6 +104,15 @@ def apply(dest: str, file: str, snippet: str, replacement: str) -> None:
   open(path, "w").write(text.replace(snippet, replacement))
 
 
+def run_tests(python: str, root: str, k: str, tests: list[str]):
+  """pytest's exit code and last line for ``tests`` in the tree at ``root``, stopping at the
+  first failure."""
+  args = ["-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-k", k, *tests]
+  run = subprocess.run([python, "-c", _BOOT.format(root=root, args=args)], cwd=root,
+                       capture_output=True, text=True)
+  return run.returncode, (run.stdout.strip().splitlines() or [""])[-1]
+
+
 def main() -> int:
   repo = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
                         check=True, cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
@@ -123,23 +133,25 @@ def main() -> int:
     copy_tree(repo, opts.ref, pristine, ext)
     tests = [t for t in opts.tests if os.path.exists(os.path.join(pristine, t))]
     print(f"tests ({opts.ref or 'working tree'}): {' '.join(tests)} -k {opts.k!r}", flush=True)
+    code, tail = run_tests(opts.python, pristine, opts.k, tests)
+    if code != 0:  # else a failure under a mutation would say nothing of the mutation
+      print(f"mutate.py: the tests fail without a mutation ({tail}): fix them first")
+      return 2
+    print(f"unmutated: {tail}", flush=True)
     for name, file, snippet, replacement in chosen:
       dest = os.path.join(tmp, "mutant")
       shutil.rmtree(dest, ignore_errors=True)
       shutil.copytree(pristine, dest, symlinks=True)
       apply(dest, file, snippet, replacement)
-      args = ["-q", "-x", "-n", "0", "-p", "no:cacheprovider", "-k", opts.k, *tests]
       start = time.time()
-      run = subprocess.run([opts.python, "-c", _BOOT.format(root=dest, args=args)], cwd=dest,
-                           capture_output=True, text=True)
-      tail = (run.stdout.strip().splitlines() or [""])[-1]
-      if run.returncode == 1:
+      code, tail = run_tests(opts.python, dest, opts.k, tests)
+      if code == 1:
         verdict = "killed"
-      elif run.returncode == 0:
+      elif code == 0:
         verdict = "SURVIVED"
         survived.append(name)
       else:  # collection errors, an interrupted run: the mutation broke the tests' setup
-        verdict = f"killed (pytest exit {run.returncode})"
+        verdict = f"killed (pytest exit {code})"
       print(f"{verdict:9s} {name}  [{time.time() - start:.0f} s: {tail}]", flush=True)
   print(f"{len(chosen) - len(survived)} of {len(chosen)} killed"
         + (f"; survived: {', '.join(survived)}" if survived else ""))
