@@ -4,7 +4,6 @@ allocated."""
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 
