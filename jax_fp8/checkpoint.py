@@ -138,6 +138,29 @@ def save(directory, state, recipe) -> None:
     raise
 
 
+def _metadata(directory: pathlib.Path) -> dict:
+  """The checked contents of ``directory``'s METADATA file: FileNotFoundError where it is
+  missing, ValueError (naming the file) where it is no JSON object of this schema."""
+  path = directory / METADATA
+  if not path.is_file():
+    raise FileNotFoundError(f"{directory} holds no jax_fp8 checkpoint (no {METADATA})")
+  try:
+    meta = json.loads(path.read_text())
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON ({e}): the checkpoint's metadata is corrupted "
+                     f"or truncated") from None
+  if not isinstance(meta, dict) or meta.get("schema_version") != SCHEMA_VERSION:
+    version = meta.get("schema_version") if isinstance(meta, dict) else None
+    raise ValueError(f"{path}: checkpoint schema version {version!r}; this jax_fp8 reads "
+                     f"version {SCHEMA_VERSION}")
+  kinds = {"recipe": dict, "rings": dict, "leaves": dict}
+  wrong = [k for k, kind in kinds.items() if not isinstance(meta.get(k), kind)]
+  if wrong:
+    raise ValueError(f"{path} lacks a valid {', '.join(wrong)} entry (JSON objects expected): "
+                     f"the checkpoint's metadata is damaged")
+  return meta
+
+
 def restore(directory, target, recipe):
   """The state saved in ``directory``, restored against ``target`` (a state of the same
   structure, e.g. a freshly initialized one, whose rings carry the static fields; its leaves
@@ -154,15 +177,10 @@ def restore(directory, target, recipe):
     differ from the saved ones (paths, shapes, dtypes; the first five named). Other fields
     (``fast_accum_gemms``, ``fp8_min_intensity``, BlockScaling's ``ue8m0`` and ``eps``,
     CurrentScaling's ``margin``) may change.
+    ValueError naming the metadata file when it is no valid JSON or lacks an entry.
     FileNotFoundError when ``directory`` holds no jax_fp8 checkpoint.
   """
-  directory = _directory(directory)
-  if not (directory / METADATA).is_file():
-    raise FileNotFoundError(f"{directory} holds no jax_fp8 checkpoint (no {METADATA})")
-  meta = json.loads((directory / METADATA).read_text())
-  if meta.get("schema_version") != SCHEMA_VERSION:
-    raise ValueError(f"checkpoint schema version {meta.get('schema_version')!r}; this jax_fp8 "
-                     f"reads version {SCHEMA_VERSION}")
+  meta = _metadata(_directory(directory))
   fields = STATE_FIELDS if recipe.stateful else ("type",)
   saved, wanted = ({k: v for k, v in d.items() if k in fields}
                    for d in (meta["recipe"], _recipe_dict(recipe)))

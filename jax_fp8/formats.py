@@ -144,6 +144,22 @@ def e8m0_rceil(block_amax: jax.Array, fmt: str) -> jax.Array:
   return jnp.where(b >= 0x7F800000, E8M0_NAN, k + E8M0_BIAS).astype(jnp.uint8)
 
 
+def e8m0_top(fmt: str) -> int:
+  """The E8M0 byte of the largest scale ``e8m0_rceil`` gives a finite amax, 2**(128 - emax)
+  (e4m3 247, e5m2 240), as csrc/mx.h."""
+  return 128 - int(np.log2(fp8_max(fmt) / 1.75)) + E8M0_BIAS
+
+
+def e8m0_saturate(x: jax.Array, scale: jax.Array, fmt: str) -> jax.Array:
+  """``x`` (f32) with the elements of blocks of the top scale (``e8m0_top``; ``scale``: E8M0
+  bytes broadcasting against ``x``) clamped to +-(the largest FP8 value below 2**emax) * 2**k,
+  so that none rounds to 2**emax, which would dequantize to 2**128 (inf): e4m3 240 * 2**120,
+  e5m2 28672 * 2**113. Other blocks, NaN included, unchanged. As csrc/mx.h e8m0_saturate."""
+  limit = np.float32(240.0 * 2.0**120 if fp8_dtype(fmt) == jnp.float8_e4m3fn
+                     else 28672.0 * 2.0**113)
+  return jnp.where(scale == e8m0_top(fmt), jnp.clip(x, -limit, limit), x)
+
+
 def e8m0_apply(values: jax.Array, scale: jax.Array) -> jax.Array:
   """``values * 2**(scale - 127)`` in f32 (``scale``: E8M0 bytes broadcasting against
   ``values``), NaN where the scale is 0xFF. Applied as an exponent (ldexp), not as a factor:

@@ -92,7 +92,10 @@ def quantize_weights(params, recipe, *, select=lambda path, kernel: True, stacke
       quantize_one = lambda k: quantize_weight(k, recipe)
       for _ in range(jnp.ndim(leaf) - 2):
         quantize_one = jax.vmap(quantize_one)
-      return quantize_one(leaf)
+      try:
+        return quantize_one(leaf)
+      except (TypeError, ValueError) as e:  # say which kernel
+        raise type(e)(f"params' kernel at {'/'.join(keys)}: {e}") from None
     return leaf
   return jax.tree_util.tree_map_with_path(one, params,
                                           is_leaf=lambda v: isinstance(v, CastKernel))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .checks import describe
+from .checks import array, describe
 
 ROUNDS = 10
 MULTIPLIERS = (0xD2511F53, 0xCD9E8D57)
@@ -55,12 +55,16 @@ def philox4x32(counter: jax.Array, key: jax.Array) -> jax.Array:
 
 def key_words(key) -> jax.Array:
   """The two uint32 key words of a JAX PRNG key (a typed key of the default threefry
-  implementation, or a raw uint32 [2] key); ValueError for keys of another size."""
-  given = key
+  implementation, or a raw uint32 [2] key); TypeError for a value that is no array (a str, say),
+  ValueError for an array of another shape or dtype."""
+  wanted = ("key must be a JAX PRNG key of two uint32 words (jax.random.key(seed) or "
+            f"jax.random.PRNGKey(seed), threefry), got {describe(key)}")
   if isinstance(key, jax.Array) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.key_data(key)
-  words = jnp.asarray(key)
+  try:
+    words = array(key, "key")
+  except TypeError:
+    raise TypeError(wanted) from None
   if words.shape != (2,) or words.dtype != jnp.uint32:
-    raise ValueError(f"key must be a JAX PRNG key of two uint32 words (jax.random.key(seed) or "
-                     f"jax.random.PRNGKey(seed), threefry), got {describe(given)}")
+    raise ValueError(wanted)
   return words

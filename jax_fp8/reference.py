@@ -19,8 +19,8 @@ import numpy as np
 
 from . import activations, norms
 from .formats import (BLOCK, E2M1_MAX, E8M0_BIAS, GROUP_EPS, INV_E2M1_MAX, MX_BLOCK, NVFP4_BLOCK,
-                      amax, apply_scales, as_f32, e8m0_apply, e8m0_rceil, fp8_dtype, fp8_max,
-                      nvfp4_global_scale)
+                      amax, apply_scales, as_f32, e8m0_apply, e8m0_rceil, e8m0_saturate,
+                      fp8_dtype, fp8_max, nvfp4_global_scale)
 from .hadamard import hadamard_transform
 from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.cast_transpose import QT_ROW_MULTIPLE
@@ -240,6 +240,7 @@ def _mxfp8_rowwise(x, fmt):
   xb = as_f32(x).reshape(r, c // MX_BLOCK, MX_BLOCK)
   scales = e8m0_rceil(amax(xb, axis=-1), fmt)
   k = scales.astype(jnp.int32) - E8M0_BIAS
+  xb = e8m0_saturate(xb, scales[..., None], fmt)
   q = _cast(jnp.ldexp(xb, -k[..., None]), fmt)  # exact: a power of two
   q = jnp.where((scales == 0xFF)[..., None], _cast(jnp.float32(jnp.nan), fmt), q)
   return q.reshape(r, c), scales

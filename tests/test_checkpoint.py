@@ -126,6 +126,26 @@ def test_refuses_another_recipe_or_other_rings(rng, tmp_path):
     checkpoint.restore(tmp_path / "ckpt", state, RECIPE)
 
 
+@pytest.mark.parametrize("damage, message", [
+    (lambda text: text[: len(text) // 2], "is not valid JSON"),
+    (lambda text: "\xff\xfe", "is not valid JSON"),
+    (lambda text: "[1, 2]", "schema version None"),
+    (lambda text: json.dumps({**json.loads(text), "leaves": None}), "lacks a valid leaves"),
+    (lambda text: json.dumps({k: v for k, v in json.loads(text).items() if k != "rings"}),
+     "lacks a valid rings"),
+])
+def test_damaged_metadata_is_named(rng, tmp_path, damage, message):
+  """A truncated, corrupted or wrongly shaped metadata file is a ValueError naming the file."""
+  x, y = data(rng)
+  state, _ = linen_run(RECIPE, x, y)
+  checkpoint.save(tmp_path / "ckpt", state, RECIPE)
+  meta_path = tmp_path / "ckpt" / checkpoint.METADATA
+  meta_path.write_bytes(damage(meta_path.read_text()).encode("latin-1"))  # "\xff": bad UTF-8
+  with pytest.raises(ValueError, match=message) as e:
+    checkpoint.restore(tmp_path / "ckpt", state, RECIPE)
+  assert str(meta_path) in str(e.value)
+
+
 def test_a_failed_save_leaves_nothing(rng, tmp_path, monkeypatch):
   """A leaf orbax cannot store is refused before anything is written; a save that fails while
   writing leaves no directory behind, so the same save can be retried; a recipe built from

@@ -156,6 +156,30 @@ def test_kernel_special_values(platform, rng, fmt, directions):
     assert scales_t[5, 0] == scales_t[70, 1] == scales_t[100, 0] == 255
 
 
+@pytest.mark.parametrize("directions", ["rowwise", "both"])
+@pytest.mark.parametrize("fmt", FMTS)
+def test_finite_inputs_stay_finite(platform, rng, fmt, directions):
+  """Blocks whose amax lies above 1.75 * 2^127 get the top scale 2^(128 - emax), where an
+  element rounding to 2^emax would dequantize to inf: they saturate at the largest FP8 value
+  below 2^emax (e4m3 240, e5m2 28672). Elements up to the largest f32, either sign; the
+  other blocks as before."""
+  big = np.finfo(np.float32).max
+  x = np.asarray(rng.standard_normal((64, 64)), np.float32)
+  x[0:32, 0:32] = rng.uniform(0.9 * big, big, (32, 32)) * rng.choice([-1, 1], (32, 32))
+  x[0, 0:4], x[1, 0:4] = [big, -big, 3.3e38, -3.3e38], 1.76 * 2.0**127
+  _check_against_reference(jnp.asarray(x), directions, fmt)
+  t = jax_fp8.mxfp8_quantize(jnp.asarray(x), columnwise=directions == "both", fmt=fmt)
+  top = {"e4m3": (247, 240.0), "e5m2": (240, 28672.0)}[fmt]
+  pairs = [("data", "scales")] + [("data_t", "scales_t")] * (directions == "both")
+  for data, scales in pairs:
+    d = np.asarray(jax_fp8.mxfp8_dequantize(t[data], t[scales]))
+    assert np.all(np.isfinite(d)), data
+    s = np.asarray(t[scales])
+    assert np.all(s[:32, 0] == top[0]) and np.all(s[32:, :] < top[0]), scales
+    d = d if data == "data" else d.T  # x's layout
+    assert d[0, 0] == top[1] * 2.0 ** (top[0] - 127) and d[0, 1] == -d[0, 0], data
+
+
 def test_jit_and_vmap(rng):
   x = jnp.asarray(rng.standard_normal((3, 64, 64)), jnp.bfloat16)
   f = lambda v: jax_fp8.mxfp8_quantize(v, columnwise=True)  # noqa: E731

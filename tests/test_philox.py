@@ -36,3 +36,6 @@ def test_key_words():
   for bad in (jax.random.key(0, impl="rbg"), jnp.zeros(3, jnp.uint32), jnp.zeros(2, jnp.int32)):
     with pytest.raises(ValueError, match="key must be a JAX PRNG key of two uint32 words"):
       key_words(bad)
+  for bad in ("seed", b"\x00" * 8, None, object()):  # no array: named, not JAX's message
+    with pytest.raises(TypeError, match="key must be a JAX PRNG key of two uint32 words.*got "):
+      key_words(bad)

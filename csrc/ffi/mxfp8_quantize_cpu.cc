@@ -22,7 +22,8 @@ void quantize_direction(const Mxfp8QuantizeArgs& a, bool transposed, uint8_t* ou
       const uint8_t s = e8m0_rceil(bits_float(m), a.fmt);
       const float inv = e8m0_inverse(s);
       for (int64_t i = i0; i < i0 + kMxBlock; ++i)
-        out[o * inner + i] = float_to_fp8(load_f32(a.x, a.x_type, index(o, i)) * inv, a.fmt);
+        out[o * inner + i] =
+            float_to_fp8(e8m0_saturate(load_f32(a.x, a.x_type, index(o, i)), s, a.fmt) * inv, a.fmt);
       scales[o * (inner / kMxBlock) + i0 / kMxBlock] = s;
     }
   }

@@ -21,12 +21,19 @@ struct F32GroupScale {
   }
   // = 1.0f / scale, correctly rounded, as on the CPU
   __device__ float factor(float scale) const { return __frcp_rn(scale); }
+  __device__ void saturate(float (&)[kElemsPerThread], float, Fp8Format) const {}
 };
 
 struct E8M0GroupScale {
   using Stored = uint8_t;
   __device__ uint8_t stored(float amax, Fp8Format fmt) const { return e8m0_rceil(amax, fmt); }
   __device__ float factor(uint8_t scale) const { return e8m0_inverse(scale); }
+  // The top scale's elements saturate below 2^emax (mx.h e8m0_saturate); a rare branch.
+  __device__ void saturate(float (&f)[kElemsPerThread], uint8_t scale, Fp8Format fmt) const {
+    if (scale != e8m0_top(fmt)) return;
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) f[k] = e8m0_saturate(f[k], scale, fmt);
+  }
 };
 
 // One thread quantizes 16 consecutive elements; G / 16 adjacent lanes hold one group and
@@ -59,6 +66,7 @@ __global__ void __launch_bounds__(kQuantizeThreads, 5)
     if (!in) continue;
     // abs_bits order puts NaN above inf above finite values, so this is a NaN-propagating amax.
     const typename Scale::Stored scale = rule.stored(bits_float(m), fmt);
+    rule.saturate(f, scale, fmt);
     reinterpret_cast<uint4*>(q)[v] = quantize16(f, rule.factor(scale), fmt);
     if (lane % kLanes == 0) {
       const int64_t e = v * kElemsPerThread, row = e / cols, g = (e % cols) / G;

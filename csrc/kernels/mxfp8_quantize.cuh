@@ -54,6 +54,12 @@ __global__ void __launch_bounds__(kTileThreads, sizeof(T) == 2 ? 6 : 1)
 #pragma unroll
     for (int k = 0; k < kElemsPerThread; ++k) m = max(m, abs_bits(f[k]));
     s = e8m0_rceil(bits_float(max(m, __shfl_xor_sync(0xffffffffu, m, 1))), fmt);
+    if (s == e8m0_top(fmt)) {  // rare: saturate a copy (f also feeds the other direction)
+      float g[kElemsPerThread];
+#pragma unroll
+      for (int k = 0; k < kElemsPerThread; ++k) g[k] = e8m0_saturate(f[k], s, fmt);
+      return quantize16(g, e8m0_inverse(s), fmt);
+    }
     return quantize16(f, e8m0_inverse(s), fmt);
   };
   for_each_tile<Raw16<T>>(rows, cols, load, [&](const Raw16<T>& raw, int64_t r0, int64_t c0) {

@@ -1,8 +1,10 @@
 """MXFP8 quantization (OCP Microscaling Formats v1.0): E4M3 (or E5M2) elements with one E8M0
 scale, a power of two, per 32 consecutive elements, rounded up ("RCEIL", as cuBLAS's
 VEC32_UE8M0 GEMMs and TransformerEngine take it: ``formats.e8m0_rceil``), so that no block
-saturates: ``x ~= data * 2**(scale - 127)``. A block holding a NaN or an infinity gets the NaN
-scale 0xFF and NaN data. On Hopper no tensor core reads these operands; the bytes are the ones a
+saturates: ``x ~= data * 2**(scale - 127)``; except at the top scale (amax above 1.75 * 2**127),
+whose elements saturate just below 2**emax so that none dequantizes to inf
+(``formats.e8m0_saturate``). A block holding a NaN or an infinity gets the NaN scale 0xFF and
+NaN data. On Hopper no tensor core reads these operands; the bytes are the ones a
 Blackwell block-scaled GEMM reads.
 
 CUDA kernels (PDL-launched): rowwise alone, the group quantize kernel with E8M0 scales
