@@ -15,7 +15,7 @@ from .recipes import Recipe
 
 # A layer's status. Converted (runs through jax_fp8):
 FP8 = "fp8"                  # FP8 GEMMs at the traced shapes
-BELOW = "below_intensity"    # converted, but in its input's dtype at the traced M (fp8_min_intensity)
+BELOW = "below_intensity"    # converted, in its input's dtype at the traced M (fp8_min_intensity)
 CONVERTED = "converted"      # converted, not called in the trace (NNX: shapes unknown)
 # Left as it was (the original layer runs, in its own dtype, with no FP8 state):
 NEVER_PAYS = "never_pays"    # K and N too small: no M reaches fp8_min_intensity
