@@ -148,7 +148,8 @@ class ConversionReport:
     widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head) - 1)]
     line = lambda row: "  ".join([*(c.ljust(w) if i < 2 else c.rjust(w)  # noqa: E731
                                     for i, (c, w) in enumerate(zip(row, widths))), row[-1]])
-    title = (f"jax_fp8.convert, {self.recipe!r}: {len(self.converted)} of {len(self.layers)} "
+    recipe = repr(self.recipe).replace(repr(NEVER_INTENSITY), "NEVER_INTENSITY")
+    title = (f"jax_fp8.convert, {recipe}: {len(self.converted)} of {len(self.layers)} "
              f"dense layers converted, {len(self.fp8)} ran FP8 at the traced shapes")
     notes = ("(intensity: M*N*K / (M*K + K*N + M*N) at the traced M; * where M is unknown: "
              "its bound N*K / (N + K))")

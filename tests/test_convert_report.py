@@ -217,6 +217,23 @@ def test_logically_partitioned_linen_lm(rng, monkeypatch):
   assert rings and all(float(r.steps) == 2.0 for r in rings)
 
 
+def test_nnx_partitioning_metadata_kept():
+  """NNX: the converted layers hold the original Param variables, sharding names included."""
+  class Partitioned(nnx.Module):
+    def __init__(self, rngs):
+      init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("embed", "mlp"))
+      self.up = nnx.Linear(64, 256, kernel_init=init, rngs=rngs)
+
+  with nnx.use_eager_sharding(False):  # the names alone, no mesh
+    model = Partitioned(nnx.Rngs(0))
+  before = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+  convert(model, RECIPE)
+  assert isinstance(model.up, jax_fp8.nnx.Linear)
+  after = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+  assert after == before
+  assert after["up"]["kernel"].get_value() == jax.sharding.PartitionSpec("embed", "mlp")
+
+
 # --- the head ---------------------------------------------------------------------------------
 
 def test_head_names():
