@@ -166,10 +166,25 @@ def names_given(amax_axis_name) -> tuple[str, ...] | None:
   return None if amax_axis_name is None else tuple(sorted(axis_names(amax_axis_name)))
 
 
-def fp8_pays(recipe: Recipe, m: int, n: int, k: int) -> bool:
-  """Whether this GEMM's intensity reaches the recipe's ``fp8_min_intensity`` (never for an
-  empty K or N: nothing to quantize)."""
-  return k > 0 and n > 0 and m * n * k >= recipe.fp8_min_intensity * (m * k + k * n + m * n)
+def fp8_pays(recipe: Recipe, m: int | None, n: int, k: int) -> bool:
+  """Whether this GEMM's intensity ``M*N*K / (M*K + K*N + M*N)`` reaches the recipe's
+  ``fp8_min_intensity`` (never for an empty K or N: nothing to quantize). ``m`` None: at some
+  M, however large (the intensity grows with M towards ``N*K / (N + K)``), so False means
+  that no batch makes this layer's FP8 path pay."""
+  t = recipe.fp8_min_intensity
+  if m is None:
+    return k > 0 and n > 0 and (t == 0 or n * k > t * (n + k))  # the bound is never reached
+  return k > 0 and n > 0 and m * n * k >= t * (m * k + k * n + m * n)
+
+
+def intensity(m: int | None, n: int, k: int) -> float:
+  """``M*N*K / (M*K + K*N + M*N)``, the GEMM's multiply-adds per element of x, kernel and
+  output that ``fp8_pays`` compares with ``fp8_min_intensity``; ``m`` None: its bound as M
+  grows, ``N*K / (N + K)``. 0 for an empty GEMM."""
+  if m is None:
+    return n * k / (n + k) if n > 0 and k > 0 else 0.0
+  den = m * k + k * n + m * n
+  return m * n * k / den if den else 0.0
 
 
 def kernel_to_cast(kernel, recipe: Recipe) -> jax.Array:

@@ -13,8 +13,7 @@ from flax import nnx
 
 import jax_fp8
 import jax_fp8.nnx
-from jax_fp8.convert import convert
-from jax_fp8.recipes import CROSSOVER_INTENSITY
+from jax_fp8.convert import convert, default_recipe
 
 VOCAB, D, HEADS, LEN = 64, 64, 4, 16
 RECIPE = jax_fp8.DelayedScaling()  # always FP8: the test shapes are far below the crossover
@@ -160,7 +159,7 @@ def test_filter():
   v = block.init(jax.random.key(0), x)
   assert "fp8_state" not in v
   assert np.array_equal(block.apply(v, x), Net().apply(v, x))
-  assert convert(Net()).recipe == jax_fp8.DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY)
+  assert convert(Net()).recipe == default_recipe()  # test_convert_report: its value
   # Applied with the params alone, a converted layer says where its rings live.
   v = convert(Net(), RECIPE).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match='keeps its scale rings in the "fp8_state" collection.*'
