@@ -1,27 +1,37 @@
 """``jax_fp8.convert.convert``: an existing Flax model's dense layers to FP8 in one line, the
 model's own code unchanged. Needs the ``flax`` extra.
 
-- Linen: ``convert(model, ...)`` returns a module that runs ``model`` with every ``nn.Dense``
-  and ``nn.DenseGeneral`` call the filter selects intercepted (``flax.linen.intercept_methods``)
-  and computed by ``jax_fp8.linear`` with the layer's own parameters (same names, shapes,
-  initializers and paths: the converted model's "params" are the original's), its rings in the
-  "fp8_state" collection under the layer's path (none under ``CurrentScaling`` or
-  ``BlockScaling``). Only ``__call__`` of the model is converted.
-- NNX: ``convert(model, ...)`` replaces every ``nnx.Linear`` the filter selects, in place, by a
-  ``jax_fp8.nnx.Linear`` holding the same parameter variables (a layer shared by several
-  attributes stays shared), and returns the model (a new layer if ``model`` is itself an
-  ``nnx.Linear``). ``nnx.LinearGeneral`` (e.g. inside ``nnx.MultiHeadAttention``) is not
-  converted.
+- Linen: ``convert(model, ...)`` returns a module that runs ``model`` with every ``nn.Dense``,
+  ``nn.DenseGeneral`` and ``nn.Einsum`` call the filter selects intercepted
+  (``flax.linen.intercept_methods``) and computed by ``jax_fp8.linear`` with the layer's own
+  parameters (same names, shapes, initializers and paths: the converted model's "params" are
+  the original's), its rings in the "fp8_state" collection under the layer's path (none under
+  the stateless recipes). Only ``__call__`` of the model is converted.
+- NNX: ``convert(model, ...)`` replaces every ``nnx.Linear``, ``nnx.LinearGeneral`` (e.g. the
+  projections of ``nnx.MultiHeadAttention``) and ``nnx.Einsum`` the filter selects, in place, by
+  a ``jax_fp8.nnx.Linear``, ``LinearGeneral`` or ``Einsum`` holding the same parameter
+  variables (a layer shared by several attributes stays shared), and returns the model (a new
+  layer if ``model`` is itself one of those). Layers made by ``nnx.vmap`` (kernels with leading
+  stack axes, e.g. [L, K, N]) get stacked rings and stochastic rounding streams, one a layer,
+  so ``nnx.scan`` over them trains.
+
+``DenseGeneral`` / ``LinearGeneral`` and ``Einsum`` run as one GEMM (``_contraction``): the
+input's trailing axes contracted into the kernel's, the output the input's other axes followed by
+the kernel's (the kernel transposed where its axes lie otherwise, e.g. Gemma's
+"BTD,NDH->BTNH"); other contractions (batch dims, a batched or summing einsum, leading axes
+contracted, an ``nnx.LinearGeneral`` axis given as a non-negative index) stay as they are
+(``nnx_contraction_plan`` gives an NNX layer's reason).
 
 Linen under ``nn.scan`` / ``nn.vmap``: the FP8 rings are a variable collection like the
-parameters, so the transform needs ``"fp8_state"`` in ``variable_axes`` (as ``"params"``).
+parameters, so the transform needs ``"fp8_state"`` in ``variable_axes`` (as ``"params"``), and
+under ``NVFP4BlockScaling`` ``"stochastic_rounding"`` in ``split_rngs`` (one key a layer).
 
 Selection: a layer is converted when its path (its module names joined by "/", e.g.
 "layers_0/mlp/up") matches ``include`` (``re.search``; None: every path) and does not match
 ``exclude`` (default ``HEAD_PATTERN``: the usual names of an LM head, which FP8 recipes keep in
 higher precision), when K and N (the contracted and output sizes) are multiples of 16 (128
-under ``BlockScaling``), and, for ``nn.DenseGeneral``, when it contracts the trailing axes of
-its input with no batch dims and no custom ``dot_general``. Other layers, and embeddings, run as
+under ``BlockScaling``), and, for the general layers, when they are one GEMM as above, with no
+custom ``dot_general`` / ``einsum_op``. Other layers, and embeddings, run as
 before. The default recipe sets ``fp8_min_intensity`` to ``CROSSOVER_INTENSITY`` (measured on
 the H200 for training), so at call time layers too small for FP8 to pay run in their input's
 dtype: a small model converted with the default recipe may run no FP8 GEMM at all (pass a
@@ -32,17 +42,16 @@ converted model's parameters for inference (2-D kernels: ``nn.Dense``, ``nnx.Lin
 from __future__ import annotations
 
 import functools
-import math
 import re
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from . import nnx as fp8_nnx
-from ._layer import call_layer, create_state, linen_key
+from ._contraction import Contraction, contract, dense_general_plan, einsum_plan
+from ._layer import create_state, linen_key
 from .flax import fp8_state_variable
 from .inference import Fp8Weight
 from .recipes import CROSSOVER_INTENSITY, DelayedScaling, Recipe, check_recipe
@@ -66,7 +75,7 @@ def convert(model, recipe: Recipe | None = None, *,
   Returns:
     linen: a new module (apply it as the original, ``__call__`` only; variables gain
     "fp8_state" under ``DelayedScaling``). NNX: ``model`` itself, converted in place (or the
-    replacement of a top-level ``nnx.Linear``).
+    replacement of a top-level ``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Einsum``).
   Raises:
     TypeError for a model that is neither, a bad recipe or patterns that are not str / None;
     ValueError for a pattern that does not compile, rngs missing where an NNX model's recipe
@@ -128,17 +137,16 @@ def _dense_plan(m, x):
     if m.dot_general is not None or m.dot_general_cls is not None:
       return None
     return (x.shape[-1], m.features), x.shape[-1], m.features, (m.features,)
-  features = tuple(np.atleast_1d(m.features).tolist())
-  axis = sorted(a % x.ndim for a in np.atleast_1d(m.axis).tolist())
-  if (m.batch_dims not in ((), None) or m.dot_general is not None
-      or m.dot_general_cls is not None or axis != list(range(x.ndim - len(axis), x.ndim))):
+  plan = dense_general_plan(m.axis, x.shape, m.features, m.batch_dims)
+  if isinstance(plan, str) or m.dot_general is not None or m.dot_general_cls is not None:
     return None
-  k_shape = tuple(x.shape[a] for a in axis)
-  return k_shape + features, math.prod(k_shape), math.prod(features), features
+  return plan.contracted + plan.features, plan.k, plan.n, plan.features
 
 
 def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
   m = context.module
+  if context.method_name == "__call__" and type(m) is nn.Einsum:
+    return _intercept_einsum(recipe, include, exclude, next_fun, args, kwargs, m)
   # The layer's one argument, ``inputs``, given by position or by name.
   x = args[0] if len(args) == 1 and not kwargs else (
       kwargs["inputs"] if not args and set(kwargs) == {"inputs"} else None)
@@ -161,17 +169,55 @@ def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
           if m.use_bias else None)
   state = (fp8_state_variable(m, "linear", create_state, recipe, None)
            if recipe.stateful else None)
-  lead = x.shape[:x.ndim - (len(kernel_shape) - len(features))]
-  y, = call_layer(x.reshape(*lead, k), (kernel,),
-                  (None if bias is None else bias.reshape(n),), state, recipe, m.dtype, None,
-                  False, key=linen_key(m, recipe))
-  return y.reshape(*lead, *features)
+  n_contract = len(kernel_shape) - len(features)
+  contraction = Contraction(n_contract, tuple(x.shape[x.ndim - n_contract:]), None, features, k, n)
+  return contract(x, kernel, bias, contraction, state, recipe, m.dtype, None,
+                  key=linen_key(m, recipe))
+
+
+def _einsum_call(m, args, kwargs):
+  """(inputs, einsum_str) of a linen ``nn.Einsum`` call (the call's einsum_str, else the
+  module's), or None where the call is not ``(inputs, einsum_str=None)``."""
+  names = ("inputs", "einsum_str")
+  if len(args) > 2 or set(kwargs) - set(names[len(args):]):
+    return None
+  given = dict(zip(names, args), **kwargs)
+  spec = given.get("einsum_str") or m.einsum_str
+  x = given.get("inputs")
+  return None if x is None or spec is None or jnp.ndim(x) < 1 else (x, spec)
+
+
+def _intercept_einsum(recipe, include, exclude, next_fun, args, kwargs, m):
+  """A linen ``nn.Einsum`` call through jax_fp8 where its einsum is one GEMM
+  (``_contraction.einsum_plan``) and the filter selects it: parameters "kernel" (``shape``)
+  and "bias" (the output features), as the layer's own."""
+  call = _einsum_call(m, args, kwargs)
+  plan = None if call is None else einsum_plan(call[1], m.shape)
+  if (plan is None or isinstance(plan, str)
+      or not _selects("/".join(map(str, m.scope.path)), plan.k, plan.n, recipe, include,
+                      exclude)):
+    return next_fun(*args, **kwargs)
+  stored = m.get_variable("params", "kernel") if m.has_variable("params", "kernel") else None
+  kernel = (stored if isinstance(stored, Fp8Weight) else
+            m.param("kernel", m.kernel_init, m.shape, m.param_dtype))
+  bias = m.param("bias", m.bias_init, plan.features, m.param_dtype) if m.use_bias else None
+  state = (fp8_state_variable(m, "linear", create_state, recipe, None)
+           if recipe.stateful else None)
+  return contract(call[0], kernel, bias, plan, state, recipe, m.dtype, None,
+                  key=linen_key(m, recipe))
 
 
 def _convert_nnx(model, recipe, include, exclude, rngs):
   new = {}  # id of a converted nnx.Linear -> its replacement (a module shared stays shared)
 
   def replacement(path, node):
+    if type(node) in (nnx.LinearGeneral, nnx.Einsum):
+      if id(node) not in new:
+        layer = _nnx_contraction(path, node, recipe, include, exclude, rngs)
+        if layer is None:
+          return None
+        new[id(node)] = layer
+      return new[id(node)]
     if type(node) is not nnx.Linear or node.dot_general is not jax.lax.dot_general:
       return None
     if id(node) not in new:
@@ -185,7 +231,7 @@ def _convert_nnx(model, recipe, include, exclude, rngs):
                              rngs=nnx.Rngs(0))  # its own parameters are replaced below
       layer.kernel, layer.bias = node.kernel, node.bias  # the same variables
       layer.rngs = fp8_nnx.sr_stream(recipe, rngs)
-      new[id(node)] = layer
+      new[id(node)] = _stacked(layer, jnp.shape(node.kernel.get_value())[:-2])
     return new[id(node)]
 
   top = replacement((), model)
@@ -207,3 +253,54 @@ def _convert_nnx(model, recipe, include, exclude, rngs):
         if id(value) in new:
           setattr(node, key, new[id(value)])
   return model
+
+
+def nnx_contraction_plan(node):
+  """An ``nnx.LinearGeneral`` / ``nnx.Einsum``'s contraction as one GEMM (a ``Contraction``,
+  per layer where the layer is stacked), or the reason (a str) ``convert`` leaves it."""
+  if isinstance(node, nnx.Einsum):
+    if node.einsum_op is not jnp.einsum:
+      return "it has its own einsum_op"
+    return einsum_plan(node.einsum_str, node.kernel_shape)
+  if node.dot_general is not None or node.dot_general_cls is not None:
+    return "it has its own dot_general"
+  if any(a >= 0 for a in node.axis):
+    return (f"axis {node.axis} is not negative: which input axes it names depends on the "
+            f"input's rank")
+  return dense_general_plan(node.axis, node.in_features, node.out_features, node.batch_axis)
+
+
+def _nnx_contraction(path, node, recipe, include, exclude, rngs):
+  """The ``jax_fp8.nnx.LinearGeneral`` / ``Einsum`` replacing ``node`` (holding its parameter
+  variables, stacked as they are), or None where it does not map or the filter leaves it."""
+  plan = nnx_contraction_plan(node)
+  if isinstance(plan, str) or not _selects("/".join(map(str, path)), plan.k, plan.n, recipe,
+                                           include, exclude):
+    return None
+  kw = dict(dtype=node.dtype, param_dtype=node.param_dtype, recipe=recipe,
+            kernel_init=nnx.initializers.zeros_init(), rngs=nnx.Rngs(0))
+  if isinstance(node, nnx.Einsum):
+    layer = fp8_nnx.Einsum(node.einsum_str, node.kernel_shape, node.bias_shape, **kw)
+    per_layer = len(node.kernel_shape)
+  else:
+    layer = fp8_nnx.LinearGeneral(node.in_features, node.out_features, axis=node.axis,
+                                  use_bias=node.bias is not None, **kw)
+    per_layer = len(node.in_features) + len(node.out_features)
+  layer.kernel, layer.bias = node.kernel, node.bias  # the same variables
+  layer.rngs = fp8_nnx.sr_stream(recipe, rngs)
+  kernel_shape = jnp.shape(node.kernel.get_value())
+  return _stacked(layer, kernel_shape[:len(kernel_shape) - per_layer])
+
+
+def _stacked(layer, lead: tuple[int, ...]):
+  """``layer`` with its rings and stochastic rounding stream stacked on the leading axes
+  ``lead`` of its parameters (layers made by ``nnx.vmap``, applied by ``nnx.scan``): one ring
+  and one stream a layer, the streams split from the layer's as ``nnx.split_rngs`` splits."""
+  if not lead:
+    return layer
+  if layer.fp8_state is not None:
+    layer.fp8_state.set_value(jax.tree.map(lambda a: jnp.broadcast_to(a, (*lead, *jnp.shape(a))),
+                                           layer.fp8_state.get_value()))
+  if layer.rngs is not None:
+    layer.rngs = nnx.RngStream(jax.random.split(layer.rngs(), lead), tag=layer.rngs.tag)
+  return layer
