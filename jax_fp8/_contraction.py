@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._layer import call_layer
+from .cast_kernel import CastKernel
 from .inference import Fp8Weight
 
 ELLIPSIS = "..."
@@ -101,8 +102,15 @@ def dense_general_plan(axis, in_shape, features, batch_dims=()) -> Contraction |
 
 def gemm_kernel(kernel, plan: Contraction):
   """The kernel as the GEMM's [K, N] (an ``Fp8Weight``, already [K, N], as it is; ValueError
-  where the layer's kernel needs a transpose, which a quantized one cannot take)."""
-  if isinstance(kernel, Fp8Weight):
+  where the layer's kernel needs a transpose, which a quantized one cannot take; TypeError for
+  a ``CastKernel`` but of a [K, N] kernel in the GEMM's order, which ``cast_kernels`` makes for
+  [K, N] kernels only)."""
+  if isinstance(kernel, CastKernel) and (plan.kernel_perm is not None
+                                         or jnp.ndim(kernel.kernel) != 2):
+    raise TypeError("the layer's kernel is a CastKernel, which cast_kernels makes for [K, N] "
+                    "kernels (Linear, MultiLinear, Mlp): leave LinearGeneral / Einsum kernels "
+                    "out of cast_kernels with its select")
+  if isinstance(kernel, (Fp8Weight, CastKernel)):
     if plan.kernel_perm is not None:
       raise ValueError("the layer's kernel is an Fp8Weight, but its einsum takes the kernel's "
                        "axes in another order than [K, N]: quantize_weights serves kernels "

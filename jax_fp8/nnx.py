@@ -229,7 +229,8 @@ class LinearGeneral(nnx.Module):
   Input ``[..., *in_features]``; output ``[..., *out_features]`` in ``dtype``;
   ``__call__(inputs, out_sharding=None)`` as ``Linear``'s. Raises TypeError / ValueError for
   bad arguments, at construction or at the call (axes that are not the input's trailing
-  ones).
+  ones). ``cast_kernels`` casts [K, N] kernels: leave a ``LinearGeneral``'s or ``Einsum``'s
+  multi-axis kernel out with its ``select`` (the layer raises a TypeError for such a cast).
   """
 
   def __init__(self, in_features, out_features, *, axis=-1, use_bias: bool = True,

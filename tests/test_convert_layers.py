@@ -274,6 +274,12 @@ def test_nnx_unmapped_layers_are_left():
     jax_fp8.nnx.Einsum("btd,tdk->btk", (LEN, D, D), rngs=rngs)
   with pytest.raises(ValueError, match="not the input's trailing axes"):
     jax_fp8.nnx.LinearGeneral(D, D, axis=0, rngs=rngs)(jnp.ones((D, 4)))
+  # cast_kernels casts [K, N] kernels; a multi-axis one cast as a stack would be wrong.
+  layer = jax_fp8.nnx.LinearGeneral(D, (32, 32), recipe=RECIPES["current"], rngs=rngs)
+  nnx.update(layer, jax_fp8.nnx.cast_kernels(nnx.state(layer, nnx.Param), None,
+                                             RECIPES["current"]))
+  with pytest.raises(TypeError, match="kernel is a CastKernel.*leave LinearGeneral / Einsum"):
+    layer(jnp.ones((4, D)))
 
 
 LAYERS = 3
