@@ -1,25 +1,35 @@
 """``jax_fp8.convert.convert``: an existing Flax model's dense layers to FP8 in one line, the
 model's own code unchanged. Needs the ``flax`` extra.
 
-- Linen: ``convert(model, ...)`` returns a module that runs ``model`` with every ``nn.Dense``
-  and ``nn.DenseGeneral`` call the filter selects intercepted (``flax.linen.intercept_methods``)
-  and computed by ``jax_fp8.linear`` with the layer's own parameters (same names, shapes,
-  initializers and paths: the converted model's "params" are the original's; boxed
-  initializers such as ``nn.with_logical_partitioning`` / ``nn.with_partitioning`` keep their
-  ``LogicallyPartitioned`` / ``Partitioned`` annotations), its rings in the "fp8_state"
-  collection under the layer's path (none under ``CurrentScaling`` or ``BlockScaling``). Only
-  ``__call__`` of the model is converted. ``convert`` of a converted model converts the
-  original anew with the new arguments (the recipe replaced); a bound module (``bind``, or
-  built inside another module's method) is refused.
-- NNX: ``convert(model, ...)`` replaces every ``nnx.Linear`` the filter selects, in place, by a
-  ``jax_fp8.nnx.Linear`` holding the same parameter variables (a layer shared by several
-  attributes stays shared), and returns the model (a new layer if ``model`` is itself an
-  ``nnx.Linear``). ``nnx.LinearGeneral`` (e.g. inside ``nnx.MultiHeadAttention``) is not
-  converted. A second ``convert`` of a model it converted is refused (the first recipe would
-  stay): convert a freshly built model instead.
+- Linen: ``convert(model, ...)`` returns a module that runs ``model`` with every ``nn.Dense``,
+  ``nn.DenseGeneral`` and ``nn.Einsum`` call the filter selects intercepted
+  (``flax.linen.intercept_methods``) and computed by ``jax_fp8.linear`` with the layer's own
+  parameters (same names, shapes, initializers and paths: the converted model's "params" are
+  the original's; boxed initializers such as ``nn.with_logical_partitioning`` /
+  ``nn.with_partitioning`` keep their ``LogicallyPartitioned`` / ``Partitioned``
+  annotations), its rings in the "fp8_state" collection under the layer's path (none under
+  the stateless recipes). Only ``__call__`` of the model is converted. ``convert`` of a
+  converted model converts the original anew with the new arguments (the recipe replaced); a
+  bound module (``bind``, or built inside another module's method) is refused.
+- NNX: ``convert(model, ...)`` replaces every ``nnx.Linear``, ``nnx.LinearGeneral`` (e.g. the
+  projections of ``nnx.MultiHeadAttention``) and ``nnx.Einsum`` the filter selects, in place, by
+  a ``jax_fp8.nnx.Linear``, ``LinearGeneral`` or ``Einsum`` holding the same parameter
+  variables (a layer shared by several attributes stays shared), and returns the model (a new
+  layer if ``model`` is itself one of those). Layers made by ``nnx.vmap`` (kernels with leading
+  stack axes, e.g. [L, K, N]) get stacked rings and stochastic rounding streams, one a layer,
+  so ``nnx.scan`` over them trains. A second ``convert`` of a model it converted is refused
+  (the first recipe would stay): convert a freshly built model instead.
+
+``DenseGeneral`` / ``LinearGeneral`` and ``Einsum`` run as one GEMM (``_contraction``): the
+input's trailing axes contracted into the kernel's, the output the input's other axes followed by
+the kernel's (the kernel transposed where its axes lie otherwise, e.g. Gemma's
+"BTD,NDH->BTNH"); other contractions (batch dims, a batched or summing einsum, leading axes
+contracted, an ``nnx.LinearGeneral`` axis given as a non-negative index) stay as they are
+(``nnx_contraction_plan`` gives an NNX layer's reason).
 
 Linen under ``nn.scan`` / ``nn.vmap``: the FP8 rings are a variable collection like the
-parameters, so the transform needs ``"fp8_state"`` in ``variable_axes`` (as ``"params"``).
+parameters, so the transform needs ``"fp8_state"`` in ``variable_axes`` (as ``"params"``), and
+under ``NVFP4BlockScaling`` ``"stochastic_rounding"`` in ``split_rngs`` (one key a layer).
 
 Selection: a layer is converted when its path (its module names joined by "/", e.g.
 "layers_0/mlp/up") matches ``include`` (``re.search``; None: every path) and does not match
@@ -28,8 +38,8 @@ head, logits, logitdense, output_layer, output_projection, unembed, classifier; 
 it in higher precision), when K and N (the contracted and output sizes) are multiples of 16 (128
 under ``BlockScaling``), when some M would make the layer's intensity reach the recipe's
 ``fp8_min_intensity`` (``layer_checks.fp8_pays`` with M unbounded: a layer that can never pay
-gets no FP8 state), and, for ``nn.DenseGeneral``, when it contracts the trailing axes of its
-input with no batch dims and no custom ``dot_general``. Other layers, and embeddings, run as
+gets no FP8 state), and, for the general layers, when they are one GEMM as above, with no
+custom ``dot_general`` / ``einsum_op``. Other layers, and embeddings, run as
 before. A converted layer below ``fp8_min_intensity`` at a call's M runs in its input's dtype
 (``linear``'s rule).
 
@@ -62,8 +72,9 @@ from flax import nnx
 
 from . import convert_report as cr
 from . import nnx as fp8_nnx
+from ._contraction import Contraction, contract, dense_general_plan, einsum_plan
 from ._ffi import cuda_available
-from ._layer import call_layer, create_state, linen_key
+from ._layer import create_state, linen_key
 from .convert_report import NEVER_INTENSITY, ConversionReport, ConversionWarning, LayerReport
 from .flax import fp8_state_variable
 from .inference import Fp8Weight
@@ -95,7 +106,7 @@ def convert(model, recipe: Recipe | None = None, *,
   Returns:
     linen: a new module (apply it as the original, ``__call__`` only; variables gain
     "fp8_state" under ``DelayedScaling``). NNX: ``model`` itself, converted in place (or the
-    replacement of a top-level ``nnx.Linear``).
+    replacement of a top-level ``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Einsum``).
   Raises:
     TypeError for a model that is neither, a bound linen module, a bad recipe or patterns that
     are not str / None; ValueError for a pattern that does not compile, an NNX model converted
@@ -240,17 +251,16 @@ def _dense_plan(m, x):
     if m.dot_general is not None or m.dot_general_cls is not None:
       return None
     return (x.shape[-1], m.features), x.shape[-1], m.features, (m.features,)
-  features = tuple(np.atleast_1d(m.features).tolist())
-  axis = sorted(a % x.ndim for a in np.atleast_1d(m.axis).tolist())
-  if (m.batch_dims not in ((), None) or m.dot_general is not None
-      or m.dot_general_cls is not None or axis != list(range(x.ndim - len(axis), x.ndim))):
+  plan = dense_general_plan(m.axis, x.shape, m.features, m.batch_dims)
+  if isinstance(plan, str) or m.dot_general is not None or m.dot_general_cls is not None:
     return None
-  k_shape = tuple(x.shape[a] for a in axis)
-  return k_shape + features, math.prod(k_shape), math.prod(features), features
+  return plan.contracted + plan.features, plan.k, plan.n, plan.features
 
 
 def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
   m = context.module
+  if context.method_name == "__call__" and type(m) is nn.Einsum:
+    return _intercept_einsum(recipe, include, exclude, next_fun, args, kwargs, m)
   # The layer's one argument, ``inputs``, given by position or by name.
   x = args[0] if len(args) == 1 and not kwargs else (
       kwargs["inputs"] if not args and set(kwargs) == {"inputs"} else None)
@@ -282,11 +292,47 @@ def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
           if m.use_bias else None)
   state = (fp8_state_variable(m, "linear", create_state, recipe, None)
            if recipe.stateful else None)
-  lead = x.shape[:x.ndim - (len(kernel_shape) - len(features))]
-  y, = call_layer(x.reshape(*lead, k), (kernel,),
-                  (None if bias is None else bias.reshape(n),), state, recipe, m.dtype, None,
-                  False, key=linen_key(m, recipe))
-  return y.reshape(*lead, *features)
+  n_contract = len(kernel_shape) - len(features)
+  contraction = Contraction(n_contract, tuple(x.shape[x.ndim - n_contract:]), None, features, k, n)
+  return contract(x, kernel, bias, contraction, state, recipe, m.dtype, None,
+                  key=linen_key(m, recipe))
+
+
+def _einsum_call(m, args, kwargs):
+  """(inputs, einsum_str) of a linen ``nn.Einsum`` call (the call's einsum_str, else the
+  module's), or None where the call is not ``(inputs, einsum_str=None)``."""
+  names = ("inputs", "einsum_str")
+  if len(args) > 2 or set(kwargs) - set(names[len(args):]):
+    return None
+  given = dict(zip(names, args), **kwargs)
+  spec = given.get("einsum_str") or m.einsum_str
+  x = given.get("inputs")
+  return None if x is None or spec is None or jnp.ndim(x) < 1 else (x, spec)
+
+
+def _intercept_einsum(recipe, include, exclude, next_fun, args, kwargs, m):
+  """A linen ``nn.Einsum`` call through jax_fp8 where its einsum is one GEMM
+  (``_contraction.einsum_plan``) and the filter selects it: parameters "kernel" (``shape``)
+  and "bias" (the output features), as the layer's own."""
+  call = _einsum_call(m, args, kwargs)
+  plan = ("called with arguments other than (inputs, einsum_str)" if call is None
+          else einsum_plan(call[1], m.shape))
+  if isinstance(plan, str):
+    _note(m, None, None, None, cr.UNSUPPORTED, plan)
+    return next_fun(*args, **kwargs)
+  x = call[0]
+  status, why = _status(_path(m), plan.k, plan.n, recipe, include, exclude)
+  _note(m, plan.k, plan.n, math.prod(x.shape[:x.ndim - plan.n_contract]), status, why)
+  if status != cr.CONVERTED:
+    return next_fun(*args, **kwargs)
+  stored = m.get_variable("params", "kernel") if m.has_variable("params", "kernel") else None
+  kernel = (stored if isinstance(stored, Fp8Weight) else
+            m.param("kernel", m.kernel_init, m.shape, m.param_dtype))
+  bias = m.param("bias", m.bias_init, plan.features, m.param_dtype) if m.use_bias else None
+  state = (fp8_state_variable(m, "linear", create_state, recipe, None)
+           if recipe.stateful else None)
+  return contract(x, kernel, bias, plan, state, recipe, m.dtype, None,
+                  key=linen_key(m, recipe))
 
 
 _LINEN_DENSE = (nn.Dense, nn.DenseGeneral, nn.Einsum)
@@ -307,8 +353,8 @@ def _note_unsupported(m, method_name):
   """A dense layer the intercept does not convert for its type or call (nn.Einsum, a subclass
   of nn.Dense with its own call, a call other than ``__call__`` or without one array)."""
   if isinstance(m, _LINEN_DENSE) and method_name == "__call__":
-    why = ("convert maps nn.Dense and nn.DenseGeneral" if type(m) not in _LINEN_DENSE[:2]
-           else "called with arguments other than one input array")
+    why = ("a subclass: convert maps nn.Dense, nn.DenseGeneral and nn.Einsum"
+           if type(m) not in _LINEN_DENSE else "called with arguments other than one input array")
     _note(m, None, None, None, cr.UNSUPPORTED, why)
 
 
@@ -344,6 +390,13 @@ def _convert_nnx(model, recipe, include, exclude, rngs):
   new = {}  # id of a converted nnx.Linear -> its replacement (a module shared stays shared)
 
   def replacement(path, node):
+    if type(node) in (nnx.LinearGeneral, nnx.Einsum):
+      if id(node) not in new:
+        layer = _nnx_contraction(path, node, recipe, include, exclude, rngs)
+        if layer is None:
+          return None
+        new[id(node)] = layer
+      return new[id(node)]
     if type(node) is not nnx.Linear or node.dot_general is not jax.lax.dot_general:
       return None
     if id(node) not in new:
@@ -357,7 +410,7 @@ def _convert_nnx(model, recipe, include, exclude, rngs):
                              rngs=nnx.Rngs(0))  # its own parameters are replaced below
       layer.kernel, layer.bias = node.kernel, node.bias  # the same variables
       layer.rngs = fp8_nnx.sr_stream(recipe, rngs)
-      new[id(node)] = layer
+      new[id(node)] = _stacked(layer, jnp.shape(node.kernel.get_value())[:-2])
     return new[id(node)]
 
   top = replacement((), model)
@@ -381,6 +434,57 @@ def _convert_nnx(model, recipe, include, exclude, rngs):
   return model
 
 
+def nnx_contraction_plan(node):
+  """An ``nnx.LinearGeneral`` / ``nnx.Einsum``'s contraction as one GEMM (a ``Contraction``,
+  per layer where the layer is stacked), or the reason (a str) ``convert`` leaves it."""
+  if isinstance(node, nnx.Einsum):
+    if node.einsum_op is not jnp.einsum:
+      return "it has its own einsum_op"
+    return einsum_plan(node.einsum_str, node.kernel_shape)
+  if node.dot_general is not None or node.dot_general_cls is not None:
+    return "it has its own dot_general"
+  if any(a >= 0 for a in node.axis):
+    return (f"axis {node.axis} is not negative: which input axes it names depends on the "
+            f"input's rank")
+  return dense_general_plan(node.axis, node.in_features, node.out_features, node.batch_axis)
+
+
+def _nnx_contraction(path, node, recipe, include, exclude, rngs):
+  """The ``jax_fp8.nnx.LinearGeneral`` / ``Einsum`` replacing ``node`` (holding its parameter
+  variables, stacked as they are), or None where it does not map or the filter leaves it."""
+  plan = nnx_contraction_plan(node)
+  if isinstance(plan, str) or not _selects("/".join(map(str, path)), plan.k, plan.n, recipe,
+                                           include, exclude):
+    return None
+  kw = dict(dtype=node.dtype, param_dtype=node.param_dtype, recipe=recipe,
+            kernel_init=nnx.initializers.zeros_init(), rngs=nnx.Rngs(0))
+  if isinstance(node, nnx.Einsum):
+    layer = fp8_nnx.Einsum(node.einsum_str, node.kernel_shape, node.bias_shape, **kw)
+    per_layer = len(node.kernel_shape)
+  else:
+    layer = fp8_nnx.LinearGeneral(node.in_features, node.out_features, axis=node.axis,
+                                  use_bias=node.bias is not None, **kw)
+    per_layer = len(node.in_features) + len(node.out_features)
+  layer.kernel, layer.bias = node.kernel, node.bias  # the same variables
+  layer.rngs = fp8_nnx.sr_stream(recipe, rngs)
+  kernel_shape = jnp.shape(node.kernel.get_value())
+  return _stacked(layer, kernel_shape[:len(kernel_shape) - per_layer])
+
+
+def _stacked(layer, lead: tuple[int, ...]):
+  """``layer`` with its rings and stochastic rounding stream stacked on the leading axes
+  ``lead`` of its parameters (layers made by ``nnx.vmap``, applied by ``nnx.scan``): one ring
+  and one stream a layer, the streams split from the layer's as ``nnx.split_rngs`` splits."""
+  if not lead:
+    return layer
+  if layer.fp8_state is not None:
+    layer.fp8_state.set_value(jax.tree.map(lambda a: jnp.broadcast_to(a, (*lead, *jnp.shape(a))),
+                                           layer.fp8_state.get_value()))
+  if layer.rngs is not None:
+    layer.rngs = nnx.RngStream(jax.random.split(layer.rngs(), lead), tag=layer.rngs.tag)
+  return layer
+
+
 # NNX: the layers each convert made (a second convert of them is refused), and per converted
 # model its recipe and the static part of its report (paths, sizes, statuses); by id, with a
 # weak reference that tells a live object (NNX modules need not be hashable).
@@ -391,6 +495,8 @@ _NNX_CONVERSIONS = {}  # id -> (weak reference to the model, recipe, static Laye
 def _nnx_conversion(model):
   entry = _NNX_CONVERSIONS.get(id(model))
   return entry[1:] if entry is not None and entry[0]() is model else None
+
+
 _NNX_DENSE = (nnx.Linear, nnx.LinearGeneral, nnx.Einsum)
 
 
@@ -414,12 +520,25 @@ def _size(v, parts=math.prod) -> int | None:
   return None
 
 
+def _einsum_layer_plan(node) -> Contraction | str:
+  """An NNX einsum layer's (Flax's or jax_fp8's) contraction as one GEMM, or why not."""
+  return einsum_plan(node.einsum_str, node.kernel_shape)
+
+
+def _nnx_sizes(node) -> tuple[int | None, int | None]:
+  """K and N of a dense NNX layer's GEMM, None where they are unknown."""
+  if isinstance(node, (nnx.Einsum, fp8_nnx.Einsum)):
+    plan = _einsum_layer_plan(node)
+    return (None, None) if isinstance(plan, str) else (plan.k, plan.n)
+  return (_size(getattr(node, "in_features", None)),
+          _size(getattr(node, "out_features", None),
+                sum if isinstance(node, fp8_nnx.MultiLinear) else math.prod))
+
+
 def _nnx_layer(path, node, new, recipe, include, exclude) -> LayerReport | None:
   """The static report of a graph node that is a dense layer (None otherwise): converted by
   this convert (``new``), a jax_fp8 layer built by hand, or left as it was and why."""
-  k = _size(getattr(node, "in_features", None))
-  n = _size(getattr(node, "out_features", None),
-            sum if isinstance(node, fp8_nnx.MultiLinear) else math.prod)
+  k, n = _nnx_sizes(node)
   ours = type(node).__module__ == fp8_nnx.__name__
   name = f"{'jax_fp8.nnx.' if ours else ''}{type(node).__name__}"
   if new:
@@ -428,11 +547,15 @@ def _nnx_layer(path, node, new, recipe, include, exclude) -> LayerReport | None:
     return LayerReport(path, name, k, n, None, cr.CONVERTED, "built as a jax_fp8 layer")
   if not isinstance(node, _NNX_DENSE):
     return None
-  name = f"nnx.{type(node).__name__}" if type(node) in _NNX_DENSE else type(node).__name__
-  if type(node) is not nnx.Linear:
-    return LayerReport(path, name, k, n, None, cr.UNSUPPORTED, "convert maps nnx.Linear")
-  if node.dot_general is not jax.lax.dot_general:
+  if type(node) not in _NNX_DENSE:
+    return LayerReport(path, type(node).__name__, k, n, None, cr.UNSUPPORTED,
+                       "a subclass: convert maps nnx.Linear, nnx.LinearGeneral and nnx.Einsum")
+  name = f"nnx.{type(node).__name__}"
+  if type(node) is nnx.Linear and node.dot_general is not jax.lax.dot_general:
     return LayerReport(path, name, k, n, None, cr.UNSUPPORTED, "a custom dot_general")
+  plan = None if type(node) is nnx.Linear else nnx_contraction_plan(node)
+  if isinstance(plan, str):
+    return LayerReport(path, name, k, n, None, cr.UNSUPPORTED, plan)
   return LayerReport(path, name, k, n, None, *_status(path, k, n, recipe, include, exclude))
 
 
@@ -517,6 +640,9 @@ def _rows(node, x) -> int | None:
   shape = getattr(x, "shape", None)
   k = getattr(node, "in_features", None)
   contracted = len(k) if isinstance(k, tuple) else 1 if k is not None else None
+  if isinstance(node, (nnx.Einsum, fp8_nnx.Einsum)):
+    plan = _einsum_layer_plan(node)
+    contracted = None if isinstance(plan, str) else plan.n_contract
   if shape is None or contracted is None or len(shape) < contracted:
     return None
   return math.prod(shape[:len(shape) - contracted])

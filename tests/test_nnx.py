@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import roundoff
+from conftest import roundoff, summation_error
 from flax import nnx
 
 import jax_fp8
@@ -197,3 +197,89 @@ def test_bad_arguments(rng):
   for fn, exc, match in cases:
     with pytest.raises(exc, match=match):
       fn()
+
+
+def test_general_layers_are_drop_ins(rng):
+  """LinearGeneral and Einsum: the parameters (names, shapes, values) of nnx.LinearGeneral /
+  nnx.Einsum built from the same rngs, outputs within two e4m3 roundings of theirs."""
+  x = jnp.asarray(rng.standard_normal((2, 8, 64)), jnp.float32)
+  pairs = [(lambda mod: mod.LinearGeneral(64, (2, 32), rngs=nnx.Rngs(3)), x),
+           (lambda mod: mod.LinearGeneral((8, 64), 32, axis=(-2, -1), rngs=nnx.Rngs(3)), x),
+           (lambda mod: mod.Einsum("btd,ndh->btnh", (2, 64, 16), (2, 16), rngs=nnx.Rngs(3),
+                                   bias_init=nnx.initializers.normal()), x)]
+  for make, inputs in pairs:
+    ours, theirs = make(jax_fp8.nnx), make(nnx)
+    p_ours, p_theirs = nnx.state(ours, nnx.Param), nnx.state(theirs, nnx.Param)
+    assert jax.tree.structure(p_ours) == jax.tree.structure(p_theirs)
+    for a, b in zip(jax.tree.leaves(p_ours), jax.tree.leaves(p_theirs)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    y, y_ref = ours(inputs), theirs(inputs)
+    assert y.shape == y_ref.shape
+    assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) < 2 * roundoff("e4m3")
+
+
+def test_call_takes_nnx_keywords():
+  """Every keyword of flax's own __call__ (out_sharding, einsum_str, ...) is accepted."""
+  import inspect
+  for ours, theirs in ((Linear, nnx.Linear), (MultiLinear, nnx.Linear),
+                       (jax_fp8.nnx.Mlp, nnx.Linear),
+                       (jax_fp8.nnx.LinearGeneral, nnx.LinearGeneral),
+                       (jax_fp8.nnx.Einsum, nnx.Einsum)):
+    have = inspect.signature(ours.__call__).parameters
+    for name, p in inspect.signature(theirs.__call__).parameters.items():
+      assert name in have and have[name].default == p.default, (ours.__name__, name)
+
+
+def test_out_sharding(rng):
+  """out_sharding (a NamedSharding, or a PartitionSpec under jax.set_mesh) shards each layer's
+  output as asked, the values as without it."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+  x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
+  rngs = nnx.Rngs(0)
+  last = P(None, "model")
+  layers = [(Linear(64, 64, rngs=rngs), last), (MultiLinear(64, (32, 64), rngs=rngs), last),
+            (jax_fp8.nnx.Mlp(64, 32, rngs=rngs), last),
+            (jax_fp8.nnx.LinearGeneral(64, (2, 32), rngs=rngs), P(None, None, "model")),
+            (jax_fp8.nnx.Einsum("bd,dnh->bnh", (64, 2, 32), rngs=rngs), P(None, "model"))]
+  for layer, spec in layers:
+    name = type(layer).__name__
+    plain = layer(x)
+    for sharding, context in ((NamedSharding(mesh, spec), None), (spec, mesh)):
+      call = nnx.jit(lambda m, x, s=sharding: m(x, out_sharding=s))
+      if context is None:
+        got = call(layer, x)
+      else:
+        with jax.set_mesh(context):
+          got = call(layer, x)
+      for y, y0 in zip(jax.tree.leaves(got), jax.tree.leaves(plain)):
+        assert y.sharding.spec == spec, (name, y.sharding)
+        assert y.sharding.shard_shape(y.shape) != y.shape  # split across the two devices
+        # The same FP8 operands; the f32 sums' order may differ (two orders: twice gamma_K).
+        assert np.linalg.norm(y - y0) <= 2 * summation_error(64) * np.linalg.norm(y0), name
+
+
+def test_stacked_layers_fork_their_streams(rng):
+  """NVFP4 layers made under nnx.vmap fork their stochastic rounding streams per layer, as
+  nnx.Dropout does (one key a layer), and train under nnx.scan."""
+  x = jnp.asarray(rng.standard_normal((16, 32)), jnp.float32)
+  recipe = jax_fp8.NVFP4BlockScaling()
+
+  @nnx.split_rngs(splits=3)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(rngs):
+    return Linear(32, 32, recipe=recipe, rngs=rngs)
+  layers = make(nnx.Rngs(0))
+  keys = np.asarray(jax.random.key_data(layers.rngs.key.get_value()))
+  assert keys.shape[0] == 3 and len({k.tobytes() for k in keys}) == 3
+
+  @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+  def body(layer, h):
+    return jnp.tanh(layer(h))
+  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(body(m, x) ** 2)))(layers)
+  assert grads["kernel"].get_value().shape == (3, 32, 32)
+  assert np.all(np.isfinite(np.asarray(grads["kernel"].get_value())))
+  np.testing.assert_array_equal(np.asarray(layers.rngs.count.get_value()), [1, 1, 1])
+  # Two plain layers from one Rngs: two streams, not one shared.
+  a, b = (Linear(32, 32, recipe=recipe, rngs=r) for r in [nnx.Rngs(0)] * 2)
+  assert not np.array_equal(jax.random.key_data(a.rngs()), jax.random.key_data(b.rngs()))
