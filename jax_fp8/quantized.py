@@ -35,12 +35,12 @@ class Quantized:
 
   - Per-tensor (``quantize``, ``quantize_delayed``, the cast-transposes): ``data`` FP8 x's
     shape; ``scale`` f32 []; ``amax`` f32 [], max |x| (NaN if x has a NaN). The
-    cast-transposes add ``data_t`` FP8 [C, ceil16(R)] (q.T with zero columns appended), which
-    shares ``scale``: ``scale_t`` is None.
-  - 1 x 128 groups (``group_quantize``): ``data`` FP8 [..., K]; ``scale`` f32 [..., K/g] (or
-    the "col" / "col_tma" layouts, ``group_quantize``'s docstring). The group cast-transposes
-    add ``data_t`` FP8 [C, ceil128(R)] and ``scale_t`` f32 [C, ceil128(R)/128]; ``scale`` is
-    then [R, C/128].
+    cast-transposes add ``data_t`` FP8 [C, ceil16(R)] (data.T with zero columns appended),
+    which shares ``scale``: ``scale_t`` is None.
+  - 1 x g groups, g = 128 by default (``group_quantize``): ``data`` FP8 [..., K]; ``scale`` f32
+    [..., K/g] (or the "col" / "col_tma" layouts, ``group_quantize``'s docstring); UE8M0 scales
+    are f32 powers of two. The group cast-transposes (1 x 128 and 128 x 1) add ``data_t`` FP8
+    [C, ceil128(R)] and ``scale_t`` f32 [C, ceil128(R)/128]; ``scale`` is then [R, C/128].
   - 128 x 128 blocks (``block_quantize``): ``data`` FP8 [R, C]; ``scale`` f32
     [ceil(R/128), ceil(C/128)] (``data.T`` with ``scale.T`` is x.T's block quantization).
   - MXFP8 (``mxfp8_quantize``): ``data`` FP8 [R, C] and ``scale`` uint8 [R, C/32], E8M0 bytes
