@@ -92,18 +92,18 @@ def bench_pdl(shapes, rand):
   for m, n, k in shapes:
     x = rand(9, (m, k), jnp.bfloat16)
     w = rand(10, (k, n), jnp.bfloat16, k**-0.5)
-    qw, sw = jax_fp8.block_quantize(w)
+    qw = jax_fp8.block_quantize(w)
 
-    def chain(x, qw, sw):
-      qx, sx = jax_fp8.group_quantize(x, scale_layout="col")
-      y = jax_fp8.gemm(qx, qw.T, sx.T, sw.T)
+    def chain(x, qw):
+      qx = jax_fp8.group_quantize(x, scale_layout="col")
+      y = jax_fp8.gemm(qx.data, qw.data.T, qx.scale.T, qw.scale.T)
       return jax_fp8.group_quantize(y, scale_layout="col")
 
     times = {}
     for pdl in ("1", "0"):
       os.environ["JAX_FP8_PDL"] = pdl
       jax.clear_caches()
-      times[pdl] = device_time(chain, x, qw, sw, iters=50)
+      times[pdl] = device_time(chain, x, qw, iters=50)
     os.environ.pop("JAX_FP8_PDL")
     jax.clear_caches()
     rows.append({"case": "pdl chain", "shape": [m, n, k], "us": times["1"] * 1e6,

@@ -22,7 +22,7 @@ def bf16_linear(x, kernel, bias):
 def _q(v, fmt):
   amax = jnp.max(jnp.abs(v.astype(jnp.float32)))
   scale = jnp.maximum(amax, 1e-12) / fp8_max(fmt)
-  return reference.quantize(v, scale, fmt)[0], scale
+  return reference.quantize(v, scale, fmt).data, scale
 
 
 def _dot(a, b, sa, sb, dims):

@@ -48,21 +48,21 @@ def bench_quantize(quick, ceil):
     nbytes = 3 * x.size  # bf16 read + e4m3 written
     ours = device_time(lambda x: jax_fp8.quantize(x, s), x)
     jnp_t = device_time(lambda x: reference.quantize(x, s), x)
-    ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(16))[2]  # past step 0
-    ring_t = device_time(lambda x, r: jax_fp8.quantize_delayed(x, r)[:2], x, ring)
+    ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(16)).ring  # past step 0
+    ring_t = device_time(lambda x, r: jax_fp8.quantize_delayed(x, r).tensor, x, ring)
     for name, t in (("quantize", ours), ("quantize_delayed", ring_t), ("jnp quantize", jnp_t)):
       rows.append({"case": name, "shape": list(shape), "us": t * 1e6, "TBps": nbytes / t / 1e12,
                    "of_copy": nbytes / t / 1e12 / ceil["copy_TBps"],
                    "vs_jnp": jnp_t / t})
     # Cast-transpose: bf16 read, two FP8 copies written (+ dbias, negligible bytes).
     nbytes = 4 * x.size
-    ref_ct = lambda x: (reference.quantize(x, s)[0].T, reference.quantize(x, s))
+    ref_ct = lambda x: (reference.quantize(x, s).data.T, reference.quantize(x, s))
     ref_ct_dbias = lambda x: ref_ct(x) + (jnp.sum(x, axis=0, dtype=jnp.float32),)
 
     def ct(with_dbias):
       def run(x, r):
-        q, qt, amax, _, dbias, _ = jax_fp8.cast_transpose_delayed(x, r, with_dbias=with_dbias)
-        return (q, qt, amax) + ((dbias,) if with_dbias else ())
+        out = jax_fp8.cast_transpose_delayed(x, r, with_dbias=with_dbias)
+        return (out.tensor,) + ((out.dbias,) if with_dbias else ())
       return run
 
     for name, fn, ref in (("cast_transpose", ct(False), ref_ct),
@@ -89,7 +89,7 @@ def bench_fused(quick, ceil):
   rows = []
   for shape in ([(512, 512)] if quick else QUANT_SHAPES):
     x = rand(2, shape, jnp.bfloat16, 3.0)
-    ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(16))[2]  # past step 0
+    ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(16)).ring  # past step 0
     rows += bench_fused_sources(x, ring, ceil) + bench_fused_sources(x, None, ceil, block=True)
   return rows
 
@@ -97,9 +97,10 @@ def bench_fused(quick, ceil):
 def _cast_transpose_op(module, name, block):
   """``module``'s cast-transpose ``name`` (per-tensor: "cast_transpose_delayed",
   "activation_cast_transpose", ...) as ``f(*inputs, r, **kw)``: the per-tensor op on ring r
-  (its FP8 copies and amax), or with ``block`` its 1 x 128 group twin, which takes no ring."""
+  (its ``Quantized`` tensor: FP8 copies, scale and amax), or with ``block`` its 1 x 128 group
+  twin, which takes no ring."""
   if not block:
-    return lambda *a, **kw: getattr(module, name)(*a, **kw)[:3]
+    return lambda *a, **kw: getattr(module, name)(*a, **kw).tensor
   group = getattr(module, name.replace("cast_transpose", "group_cast_transpose")
                   .replace("_delayed", ""))
   return lambda *a, **kw: group(*a[:-1], **kw)

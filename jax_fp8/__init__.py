@@ -11,13 +11,14 @@ from .inference import Fp8Weight, quantize_weight, quantize_weights
 from .layer_state import LinearState, MlpState, MultiLinearState
 from .linear import linear, multi_linear
 from .mlp import mlp
-from .ops import (CastTransposed, DelayedQuantized, Quantized, activation_cast_transpose,
-                  activation_grad_cast_transpose, activation_grad_group_cast_transpose,
-                  activation_group_cast_transpose, block_quantize, cast_transpose_delayed,
+from .ops import (activation_cast_transpose, activation_grad_cast_transpose,
+                  activation_grad_group_cast_transpose, activation_group_cast_transpose,
+                  block_quantize, cast_transpose_delayed,
                   dequantize, gemm, group_cast_transpose, group_quantize, mxfp8_dequantize,
                   mxfp8_gemm, mxfp8_quantize, norm_cast_transpose, norm_group_cast_transpose,
                   nvfp4_dequantize, nvfp4_gemm, nvfp4_quantize, nvfp4_quantize_cuda_kernel,
                   quantize, quantize_delayed)
+from .quantized import DelayedQuantized, Quantized
 from .recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXFP8BlockScaling,
                       NVFP4BlockScaling, Recipe)
 from .state import ScaleRing, combine_updates, share, update_state
@@ -25,7 +26,7 @@ from .state import ScaleRing, combine_updates, share, update_state
 __version__ = "0.3.0.dev0"
 
 __all__ = [
-    "BlockScaling", "CastKernel", "CastTransposed", "CurrentScaling", "DelayedQuantized",
+    "BlockScaling", "CastKernel", "CurrentScaling", "DelayedQuantized",
     "DelayedScaling", "Fp8Weight", "LinearState", "MXFP8BlockScaling", "MlpState",
     "MultiLinearState", "NVFP4BlockScaling", "Quantized", "Recipe", "ScaleRing",
     "activation_cast_transpose", "activation_grad_cast_transpose",

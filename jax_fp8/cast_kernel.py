@@ -13,7 +13,9 @@ import jax.numpy as jnp
 
 from . import sharding
 from .families import family
+from .families._shared import Cast
 from .layer_checks import amax_axes, check_rings, check_stateless, kernel_to_cast, names_given
+from .quantized import Quantized
 from .recipes import DelayedScaling, Recipe
 from .state import ScaleRing
 
@@ -60,13 +62,14 @@ def _cast(kernel, ring, recipe, axis_name):
 
 def _cast_fwd(kernel, ring, recipe, axis_name):
   fp8, observed = family(recipe).cast(kernel, ring, recipe, axis_name)
-  return (kernel, *fp8, jnp.zeros((), jnp.float32)), observed
+  return (kernel, fp8, jnp.zeros((), jnp.float32)), observed
 
 
 def _cast_bwd(recipe, axis_name, observed, cts):
   # The kernel's gradient as it came; the ring's observation where an FP8 GEMM used the cast.
-  used = cts[4] > 0
-  return cts[0], jax.tree.map(lambda o: jnp.where(used, o, jnp.zeros_like(o)), observed)
+  d_kernel, _, d_uses = cts
+  used = d_uses > 0
+  return d_kernel, jax.tree.map(lambda o: jnp.where(used, o, jnp.zeros_like(o)), observed)
 
 
 _cast.defvjp(_cast_fwd, _cast_bwd)
@@ -121,17 +124,18 @@ def cast_kernel(kernel: jax.Array, ring: ScaleRing | None = None, *,
     axis = None
   else:
     axis = amax_axes(None, kernel, None, ring, amax_axis_name)
-  kernel, q, qt, scale, uses = _cast(kernel, ring, recipe, axis)
+  kernel, fp8, uses = _cast(kernel, ring, recipe, axis)
   # No gradient flows into the FP8 copies (none accumulates over the microbatches either).
-  q, qt, scale = sharding.vary_like(jax.lax.stop_gradient((q, qt, scale)), kernel)
-  return CastKernel(kernel, q, qt, scale, uses, recipe, names_given(amax_axis_name))
+  fp8 = sharding.vary_like(jax.lax.stop_gradient(fp8), kernel)
+  return CastKernel(kernel, fp8.data, fp8.data_t, fp8.scale, uses, recipe,
+                    names_given(amax_axis_name))
 
 
-def check_cast(cast, name: str, recipe: Recipe, amax_axis_name):
-  """A ``CastKernel``'s (FP8 copies..., uses) as the recipe's GEMMs take them ((q, qt, scale,
-  uses) per-tensor, (q, scale, uses) under BlockScaling); TypeError for another type beside
-  it or fields of the wrong dtype or shape, ValueError when it was cast for another recipe
-  or with other amax axis names than the layer's ``amax_axis_name``."""
+def check_cast(cast, name: str, recipe: Recipe, amax_axis_name) -> Cast:
+  """A ``CastKernel`` as the recipe's rules take it: its FP8 copies as a ``Quantized`` (data q,
+  data_t qt, scale; qt None under BlockScaling) with its ``uses``; TypeError for another type
+  beside it or fields of the wrong dtype or shape, ValueError when it was cast for another
+  recipe or with other amax axis names than the layer's ``amax_axis_name``."""
   if not isinstance(cast, CastKernel):
     got = "an array" if isinstance(cast, jax.Array) else f"a {type(cast).__name__}"
     raise TypeError(f"{name} is {got} beside CastKernel kernels: pass all kernels through "
@@ -152,4 +156,4 @@ def check_cast(cast, name: str, recipe: Recipe, amax_axis_name):
       raise TypeError(f"{name}.{field} must be {'None' if spec is None else spec} for a "
                       f"[{k}, {n}] kernel under {type(recipe).__name__} (cast_kernel's), got "
                       f"{have}")
-  return tuple(getattr(cast, field) for field, spec in want.items() if spec is not None)
+  return Cast(Quantized(data=cast.q, data_t=cast.qt, scale=cast.scale), cast.uses)

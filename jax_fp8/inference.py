@@ -53,7 +53,8 @@ def quantize_weight(kernel: jax.Array,
   the per-tensor recipes). Method: per-tensor current scaling of the weight (DelayedScaling,
   CurrentScaling) or DeepSeek-V3's 128 x 128 blocks (BlockScaling)."""
   kernel = kernel_to_cast(kernel, recipe)
-  return Fp8Weight(*family(recipe).quantize_weight(kernel, recipe))
+  t = family(recipe).quantize_weight(kernel, recipe)
+  return Fp8Weight(q=t.data, scale=t.scale)
 
 
 def quantize_weights(params, recipe, *, select=lambda path, kernel: True, stacked_axes: int = 0):
@@ -129,16 +130,17 @@ def check_weight(w: Fp8Weight, name: str, recipe: Recipe) -> tuple[int, int]:
 
 def forward(x2, weights, biases, quantize_x, fp8: bool, dtype):
   """The outputs [M, N_i] in ``dtype`` of x2 [M, K] against ``weights``: FP8 GEMMs with x
-  quantized once by ``quantize_x`` (x2 -> (q, scale), the family's ``weight_input``), or below
-  ``fp8_min_intensity`` (``fp8`` False) XLA's GEMMs on the dequantized weights. Not
+  quantized once by ``quantize_x`` (x2 -> its ``Quantized``, the family's ``weight_input``), or
+  below ``fp8_min_intensity`` (``fp8`` False) XLA's GEMMs on the dequantized weights. Not
   differentiable."""
   @jax.custom_jvp
   def run(x2, weights, biases):
     if not fp8:
       return tuple(x2 @ dequantized(w, dtype) + (0 if b is None else b.astype(dtype))
                    for w, b in zip(weights, biases))
-    qx, sx = quantize_x(x2)
-    return tuple(gemm_bias(qx, w.q, sx, w.scale, b, dtype) for w, b in zip(weights, biases))
+    qx = quantize_x(x2)
+    return tuple(gemm_bias(qx.data, w.q, qx.scale, w.scale, b, dtype)
+                 for w, b in zip(weights, biases))
 
   @run.defjvp
   def _(primals, tangents):

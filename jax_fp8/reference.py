@@ -7,11 +7,14 @@ must match the CUDA and CPU kernels bit for bit; GEMM and linear results within 
 tolerances. Tests and benchmarks import this module; the library does not. The ring rules and
 the formats' numerics come from ``jax_fp8.state``, ``jax_fp8.formats``, ``stochastic_rounding``,
 ``hadamard`` and ``philox`` (their one jnp definition), so the twins check the kernels against
-them; from ``jax_fp8.ops`` only result types and layout constants, none of the ops' argument
-checks: a twin raises only where it cannot compute.
+them; the result types from ``jax_fp8.quantized`` (the ops' own, so a test compares a twin's
+result with the op's field by field); from ``jax_fp8.ops`` only layout constants, none of the
+ops' argument checks: a twin raises only where it cannot compute.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -22,10 +25,10 @@ from .formats import (BLOCK, E2M1_MAX, E8M0_BIAS, GROUP_EPS, INV_E2M1_MAX, MX_BL
                       amax, apply_scales, as_f32, e8m0_apply, e8m0_rceil, e8m0_saturate,
                       fp8_dtype, fp8_max, nvfp4_global_scale)
 from .hadamard import hadamard_transform
-from .ops import CastTransposed, DelayedQuantized, Quantized
 from .ops.cast_transpose import QT_ROW_MULTIPLE
 from .ops.sources import in_parts
 from .philox import key_words
+from .quantized import DelayedQuantized, Quantized
 from .state import ScaleRing, next_ring, observe as observe_ring, scale_for_step
 from .stochastic_rounding import e2m1_round_stochastic, sr_bits
 
@@ -34,8 +37,11 @@ _CANONICAL_NAN = 0x7F  # what the hardware's cvt.rn.satfinite writes for any NaN
 
 def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> Quantized:
   """``q = saturate(rne(x * (1 / scale)))``, amax = max |x|. ml_dtypes' cast does not saturate,
-  so clip first; NaN becomes the canonical NaN byte 0x7F."""
-  return Quantized(_cast(as_f32(x) * (1.0 / as_f32(scale)), fmt), amax(x))
+  so clip first; NaN becomes the canonical NaN byte 0x7F. The scale comes back as an f32
+  array."""
+  scale = jnp.asarray(scale, jnp.float32)
+  return Quantized(data=_cast(as_f32(x) * (1.0 / as_f32(scale)), fmt), scale=scale,
+                   amax=amax(x))
 
 
 def quantize_delayed(x: jax.Array, ring: ScaleRing, *, observe: bool = False) -> DelayedQuantized:
@@ -44,30 +50,31 @@ def quantize_delayed(x: jax.Array, ring: ScaleRing, *, observe: bool = False) ->
   a = amax(x)
   s = scale_for_step(ring, a)
   moved = observe_ring(ring, a) if observe else next_ring(ring, a)
-  return DelayedQuantized(quantize(x, s, ring.fmt).q, a, moved, s)
+  return DelayedQuantized(Quantized(data=quantize(x, s, ring.fmt).data, scale=s, amax=a), moved)
 
 
 def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
-                           observe: bool = False) -> CastTransposed:
+                           observe: bool = False) -> DelayedQuantized:
   """quantize_delayed, plus the transposed copy padded with zero columns to a multiple of 16,
   plus (optionally) the f32 column sums of x; x in parts (a tuple / list) is their
   concatenation along the columns."""
   x = jnp.concatenate(x, axis=1) if in_parts(x) else jnp.asarray(x)
-  q, a, moved, s = quantize_delayed(x, ring, observe=observe)  # [R, C]
+  out = quantize_delayed(x, ring, observe=observe)
+  q = out.tensor.data  # [R, C]
   qt = jnp.pad(q.T, ((0, 0), (0, -x.shape[0] % QT_ROW_MULTIPLE)))  # [C, ceil16(R)]
   dbias = jnp.sum(as_f32(x), axis=0) if with_dbias else None  # [C]
-  return CastTransposed(q, qt, a, moved, dbias, s)
+  return DelayedQuantized(dataclasses.replace(out.tensor, data_t=qt), out.ring, dbias)
 
 
 def activation_cast_transpose(y, ring: ScaleRing, *, activation: str,
-                              observe: bool = False) -> CastTransposed:
+                              observe: bool = False) -> DelayedQuantized:
   """cast_transpose_delayed of the f32 activation of y (``jax_fp8.activations.apply``)."""
   return cast_transpose_delayed(activations.apply(y, activation), ring, observe=observe)
 
 
 def activation_grad_cast_transpose(dh, y, ring: ScaleRing, *, activation: str,
                                    with_dbias: bool = False,
-                                   observe: bool = False) -> CastTransposed:
+                                   observe: bool = False) -> DelayedQuantized:
   """cast_transpose_delayed of the f32 gradient through the activation
   (``jax_fp8.activations.grad``)."""
   return cast_transpose_delayed(activations.grad(dh, y, activation), ring,
@@ -75,7 +82,7 @@ def activation_grad_cast_transpose(dh, y, ring: ScaleRing, *, activation: str,
 
 
 def norm_cast_transpose(x, row_stats, gamma, beta, ring: ScaleRing, *, norm: str,
-                        observe: bool = False) -> CastTransposed:
+                        observe: bool = False) -> DelayedQuantized:
   """cast_transpose_delayed of the f32 norm of x from its row statistics, each product and
   sum rounded on its own as the kernels round them (``jax_fp8.norms.apply``)."""
   return cast_transpose_delayed(norms.apply(x, row_stats, gamma, beta, norm), ring,
@@ -89,13 +96,17 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
 
 def gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16, out_scale=None):
   """``(a_scale * b_scale) * a @ b.T + bias`` with f32 products and sums; a [M, K], b [N, K].
-  With ``out_scale`` (an e4m3 output): ``quantize`` of that result, i.e. (q, amax)."""
+  With ``out_scale`` (an e4m3 output): the pair (d e4m3, amax), ``quantize``'s data and amax
+  of that result."""
   acc = jnp.matmul(a.astype(jnp.float32), b.astype(jnp.float32).T,
                    precision=jax.lax.Precision.HIGHEST)  # [M, N]
   d = apply_scales(acc, a_scale, b_scale)
   if bias is not None:
     d = d + bias.astype(jnp.float32)
-  return quantize(d, out_scale) if out_scale is not None else d.astype(out_dtype)
+  if out_scale is None:
+    return d.astype(out_dtype)
+  out = quantize(d, out_scale)
+  return out.data, out.amax
 
 
 def linear(x, kernel, bias=None, *, state) -> jax.Array:
@@ -103,9 +114,9 @@ def linear(x, kernel, bias=None, *, state) -> jax.Array:
   f32, add the bias. ``x [..., K]``, ``kernel [K, N]``, returns ``[..., N]`` in x's dtype.
   (The recipe is implied by the rings; the amax axis changes only the rings' update.)"""
   x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-  cx = quantize_delayed(x2, state.x)
-  ck = quantize_delayed(kernel, state.kernel)  # [K, N]
-  y = gemm(cx.q, ck.q.T, cx.scale, ck.scale, out_dtype=jnp.float32)
+  cx = quantize_delayed(x2, state.x).tensor
+  ck = quantize_delayed(kernel, state.kernel).tensor  # [K, N]
+  y = gemm(cx.data, ck.data.T, cx.scale, ck.scale, out_dtype=jnp.float32)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   return y.astype(x.dtype).reshape(*x.shape[:-1], kernel.shape[-1])
@@ -134,20 +145,20 @@ def _cast(y: jax.Array, fmt: str) -> jax.Array:
 
 
 def group_quantize(x, *, group_size=BLOCK, fmt="e4m3", eps=GROUP_EPS, ue8m0=False,
-                   scale_layout="row"):
+                   scale_layout="row") -> Quantized:
   """Per-token-group quantization: groups of ``group_size`` along the last axis.
-  ``x [..., K]`` -> ``q [..., K]``, scales ``[..., K/g]`` ("row"), ``[K/g, M]`` ("col", M the
-  product of the leading dims) or ``[K/g, ceil4(M)]`` zero-padded ("col_tma")."""
+  ``x [..., K]`` -> ``data [..., K]``, ``scale`` ``[..., K/g]`` ("row"), ``[K/g, M]`` ("col", M
+  the product of the leading dims) or ``[K/g, ceil4(M)]`` zero-padded ("col_tma")."""
   *lead, k = x.shape
   g = x.reshape(*lead, k // group_size, group_size)
   s = group_scale(amax(g, axis=-1), eps, fmt, ue8m0)  # [..., K/g]
   q = _cast(as_f32(g) * (1.0 / s)[..., None], fmt).reshape(x.shape)
   if scale_layout == "row":
-    return q, s
+    return Quantized(data=q, scale=s)
   st = s.reshape(-1, k // group_size).T  # [K/g, M]
   if scale_layout == "col_tma":
     st = jnp.pad(st, ((0, 0), (0, -st.shape[1] % 4)))
-  return q, st
+  return Quantized(data=q, scale=st)
 
 
 def _tiles(x, fill=0.0):
@@ -157,26 +168,28 @@ def _tiles(x, fill=0.0):
   return xp.reshape(xp.shape[0] // BLOCK, BLOCK, xp.shape[1] // BLOCK, BLOCK)
 
 
-def block_quantize(w, *, fmt="e4m3", eps=GROUP_EPS, ue8m0=False):
-  """128 x 128 block quantization of ``w [R, C]``: ``q [R, C]``, scales
+def block_quantize(w, *, fmt="e4m3", eps=GROUP_EPS, ue8m0=False) -> Quantized:
+  """128 x 128 block quantization of ``w [R, C]``: ``data [R, C]``, ``scale``
   ``[ceil(R/128), ceil(C/128)]``; edge blocks use only the elements they hold."""
   r, c = w.shape
   t = _tiles(w)
   s = group_scale(amax(t, axis=(1, 3)), eps, fmt, ue8m0)  # [R/128, C/128]
   q = _cast(t * (1.0 / s)[:, None, :, None], fmt).reshape(t.shape[0] * BLOCK, -1)[:r, :c]
-  return q, s
+  return Quantized(data=q, scale=s)
 
 
-def group_cast_transpose(x, *, fmt="e4m3", eps=GROUP_EPS, ue8m0=False):
+def group_cast_transpose(x, *, fmt="e4m3", eps=GROUP_EPS, ue8m0=False) -> Quantized:
   """Both directions of 128-element group quantization of ``x [R, C]`` (C a multiple of 128):
-  ``q [R, C]`` with scales ``[R, C/128]`` (groups along rows of x), and ``qt [C, ceil128(R)]``
-  with scales ``[C, ceil128(R)/128]`` (groups along columns of x, zero-padded)."""
-  q, s = group_quantize(x, group_size=BLOCK, fmt=fmt, eps=eps, ue8m0=ue8m0)
+  ``data [R, C]`` with ``scale [R, C/128]`` (groups along rows of x), and ``data_t
+  [C, ceil128(R)]`` with ``scale_t [C, ceil128(R)/128]`` (groups along columns of x,
+  zero-padded)."""
+  rows = group_quantize(x, group_size=BLOCK, fmt=fmt, eps=eps, ue8m0=ue8m0)  # [R, C]
   r = x.shape[0]
   xt = jnp.pad(as_f32(x).T, ((0, 0), (0, -r % BLOCK)))  # zero pad: amax unchanged
-  qt, st = group_quantize(xt, group_size=BLOCK, fmt=fmt, eps=eps, ue8m0=ue8m0)
-  qt = jnp.where(jnp.arange(qt.shape[1]) < r, qt, jnp.zeros((), qt.dtype))  # zero bytes
-  return q, s, qt, st
+  cols = group_quantize(xt, group_size=BLOCK, fmt=fmt, eps=eps, ue8m0=ue8m0)  # [C, R128]
+  qt = jnp.where(jnp.arange(cols.data.shape[1]) < r, cols.data,
+                 jnp.zeros((), cols.data.dtype))  # zero bytes
+  return Quantized(data=rows.data, scale=rows.scale, data_t=qt, scale_t=cols.scale)
 
 
 def norm_group_cast_transpose(x, row_stats, gamma, beta, *, norm: str, fmt="e4m3", eps=GROUP_EPS,
@@ -226,9 +239,9 @@ def block_linear(x, kernel, bias=None, *, recipe) -> jax.Array:
   returns ``[..., N]`` in x's dtype."""
   kw = {"fmt": "e4m3", "eps": recipe.eps, "ue8m0": recipe.ue8m0}
   x2 = x.reshape(-1, x.shape[-1])
-  qx, sx = group_quantize(x2, **kw)
-  qk, sk = block_quantize(kernel, **kw)
-  y = block_gemm(qx, qk.T, sx, sk.T, out_dtype=jnp.float32)
+  qx = group_quantize(x2, **kw)
+  qk = block_quantize(kernel, **kw)
+  y = block_gemm(qx.data, qk.data.T, qx.scale, qk.scale.T, out_dtype=jnp.float32)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   return y.astype(x.dtype).reshape(*x.shape[:-1], kernel.shape[-1])
@@ -246,20 +259,18 @@ def _mxfp8_rowwise(x, fmt):
   return q.reshape(r, c), scales
 
 
-def mxfp8_quantize(x, *, rowwise=True, columnwise=False, fmt="e4m3") -> dict:
+def mxfp8_quantize(x, *, rowwise=True, columnwise=False, fmt="e4m3") -> Quantized:
   """MXFP8 (OCP MX v1.0): E4M3 (or E5M2) elements with one E8M0 scale per 32 consecutive
   elements, rounded up (``formats.e8m0_rceil``): ``x ~= data * 2**(scale - 127)``. A block
   holding a NaN or an infinity gets the NaN scale 0xFF and NaN data.
 
-  x [R, C] (f32 / bf16 / f16; C a multiple of 32, and R too with ``columnwise``) -> a dict
-  with ``data`` [R, C] and ``scales`` uint8 [R, C/32] (``rowwise``), ``data_t`` [C, R] and
-  ``scales_t`` [C, R/32] (``columnwise``: x.T quantized the same way, from x itself)."""
-  out = {}
-  if rowwise:
-    out["data"], out["scales"] = _mxfp8_rowwise(x, fmt)
-  if columnwise:
-    out["data_t"], out["scales_t"] = _mxfp8_rowwise(x.T, fmt)
-  return out
+  x [R, C] (f32 / bf16 / f16; C a multiple of 32, and R too with ``columnwise``) -> a
+  ``Quantized`` with ``data`` [R, C] and ``scale`` uint8 [R, C/32] (``rowwise``), ``data_t``
+  [C, R] and ``scale_t`` [C, R/32] (``columnwise``: x.T quantized the same way, from x
+  itself)."""
+  data, scale = _mxfp8_rowwise(x, fmt) if rowwise else (None, None)  # [R, C], [R, C/32]
+  data_t, scale_t = _mxfp8_rowwise(x.T, fmt) if columnwise else (None, None)  # [C, R], [C, R/32]
+  return Quantized(data=data, scale=scale, data_t=data_t, scale_t=scale_t)
 
 
 def mxfp8_dequantize(data, scales, dtype=jnp.float32):
@@ -302,7 +313,7 @@ def _nvfp4_rowwise(x, global_scale, block_2d, bits=None):
 
 def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
                    stochastic_rounding=False, key=None, rht=False, rht_seed=None, global_amax=None,
-                   global_amax_t=None) -> dict:
+                   global_amax_t=None) -> Quantized:
   """NVFP4: ``x ~= e2m1 * scale * global_scale``, the global scale
   ``formats.nvfp4_global_scale(amax(x))``, each block's scale ``e4m3(block_amax *
   (f32(1 / 6) / global_scale))``, each element ``e2m1(x * (1 / (scale * global_scale)))`` saturating at +-6 (an
@@ -312,9 +323,9 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   the columnwise). A NaN or infinity makes its block's scale NaN (and the global scale NaN).
 
   x [R, C] (f32 / bf16 / f16; C a multiple of 16, and R too with ``columnwise`` or
-  ``block_2d``) -> a dict with ``global_scale`` f32 [], and ``data`` uint8 [R, C/2] (element
-  2i in the low nibble) with ``scales`` float8_e4m3fn [R, C/16] (``rowwise``), ``data_t`` /
-  ``scales_t`` the same for x.T (``columnwise``). ``block_2d``: 16 x 16 tiles, one scale each
+  ``block_2d``) -> a ``Quantized`` with ``global_scale`` f32 [], and ``data`` uint8 [R, C/2]
+  (element 2i in the low nibble) with ``scale`` float8_e4m3fn [R, C/16] (``rowwise``),
+  ``data_t`` / ``scale_t`` the same for x.T (``columnwise``). ``block_2d``: 16 x 16 tiles, one scale each
   (repeated on the tile's rows), so the two directions hold the same numbers (round to
   nearest only). ``rht``: the columnwise copy quantizes x.T with each 16-element group of its
   rows through ``hadamard.hadamard_transform(., rht_seed)`` (``rht_seed`` a Python int, None:
@@ -339,17 +350,18 @@ def nvfp4_quantize(x, *, rowwise=True, columnwise=False, block_2d=False,
   words = key_words(key) if stochastic_rounding else None
   bits = lambda rows, cols, direction: (  # noqa: E731
       None if words is None else sr_bits(words, rows, cols // NVFP4_BLOCK, direction))
-  out = {"global_scale": nvfp4_global_scale(amax(x) if global_amax is None else global_amax)}
+  gs = nvfp4_global_scale(amax(x) if global_amax is None else global_amax)
+  data = scale = data_t = scale_t = gs_t = None
   if rowwise:
-    out["data"], out["scales"] = _nvfp4_rowwise(x, out["global_scale"], block_2d, bits(r, c, 0))
+    data, scale = _nvfp4_rowwise(x, gs, block_2d, bits(r, c, 0))  # [R, C/2], [R, C/16]
   if columnwise:
-    xt, gs = x.T, out["global_scale"]
+    xt, gs_cols = x.T, gs
     if rht:
       xt = hadamard_transform(xt, 0 if rht_seed is None else rht_seed)
-      gs = out["global_scale_t"] = nvfp4_global_scale(
-          amax(xt) if global_amax_t is None else global_amax_t)
-    out["data_t"], out["scales_t"] = _nvfp4_rowwise(xt, gs, block_2d, bits(c, r, 1))
-  return out
+      gs_t = gs_cols = nvfp4_global_scale(amax(xt) if global_amax_t is None else global_amax_t)
+    data_t, scale_t = _nvfp4_rowwise(xt, gs_cols, block_2d, bits(c, r, 1))  # [C, R/2], [C, R/16]
+  return Quantized(data=data, scale=scale, data_t=data_t, scale_t=scale_t, global_scale=gs,
+                   global_scale_t=gs_t)
 
 
 def nvfp4_gemm(a, b, a_scales, b_scales, a_global_scale, b_global_scale, *,

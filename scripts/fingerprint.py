@@ -6,7 +6,8 @@ A refactor that changes no numerics leaves every fingerprint as it was: record t
 (``python scripts/fingerprint.py --out before.json``), compare after (``python
 scripts/fingerprint.py --compare before.json``, exit 1 on any difference). A case hashes the
 sorted digests of its leaves (dtype, shape and bytes each), so a result that is regrouped (a
-tuple become a named type, a dict a dataclass) but holds the same arrays keeps its fingerprint.
+tuple become a named type, a dict a dataclass) but holds the same arrays keeps its fingerprint;
+``field`` reads a result in any of those forms.
 Inputs come from fixed seeds; only public names are used, so the script runs on the old tree
 and the new one alike.
 """
@@ -57,9 +58,26 @@ def digest(tree) -> str:
   return hashlib.sha256("".join(sorted(leaves)).encode()).hexdigest()
 
 
-def field(t, name: str):
-  """A field of a quantize op's result, whether it is a dict or a type with named fields."""
-  return t[name] if isinstance(t, dict) else getattr(t, name)
+def field(t, *names):
+  """A field of a quantize op's result under the first of ``names`` it has, so that a case runs
+  on trees whose results differ in form: a dict's key, a named field, or an int (a bare
+  tuple's position)."""
+  for name in names:
+    if isinstance(name, int):
+      if type(t) is tuple:
+        return t[name]
+    elif isinstance(t, dict):
+      if name in t:
+        return t[name]
+    elif hasattr(t, name):
+      return getattr(t, name)
+  raise KeyError(f"none of {names} in a {type(t).__name__}")
+
+
+def computed(t):
+  """What ``quantize`` computed (data, amax), without the scale it was given: the old tree's
+  result held only these two, the ``Quantized`` of the new one gives the scale back too."""
+  return field(t, "data", "q"), t.amax
 
 
 def data(seed: int, shape, dtype=jnp.float32, scale=1.0):
@@ -99,8 +117,8 @@ def op_cases():
   ring = jax_fp8.ScaleRing.create(8, "e4m3")
   ring2 = jax_fp8.quantize_delayed(x, ring, observe=False).ring
   cases = {
-      "quantize": lambda: jax_fp8.quantize(x, jnp.float32(0.01), fmt="e4m3"),
-      "quantize_e5m2": lambda: jax_fp8.quantize(g, jnp.float32(1e-6), fmt="e5m2"),
+      "quantize": lambda: computed(jax_fp8.quantize(x, jnp.float32(0.01), fmt="e4m3")),
+      "quantize_e5m2": lambda: computed(jax_fp8.quantize(g, jnp.float32(1e-6), fmt="e5m2")),
       "quantize_delayed_fresh": lambda: jax_fp8.quantize_delayed(x, ring),
       "quantize_delayed_step": lambda: jax_fp8.quantize_delayed(x32, ring2, observe=True),
       "cast_transpose_dbias": lambda: jax_fp8.cast_transpose_delayed(
@@ -113,8 +131,9 @@ def op_cases():
       "norm_cast_transpose_ln": lambda: jax_fp8.norm_cast_transpose(
           x, jax_fp8.norms.stats(x, "layernorm", 1e-6), data(4, (256,)), data(5, (256,)), ring,
           norm="layernorm"),
-      "dequantize": lambda: jax_fp8.dequantize(jax_fp8.quantize(x, jnp.float32(0.01)).q,
-                                               jnp.float32(0.01), dtype=jnp.bfloat16),
+      "dequantize": lambda: jax_fp8.dequantize(
+          field(jax_fp8.quantize(x, jnp.float32(0.01)), "data", "q"), jnp.float32(0.01),
+          dtype=jnp.bfloat16),
       "group_quantize": lambda: jax_fp8.group_quantize(x32),
       "group_quantize_ue8m0_col": lambda: jax_fp8.group_quantize(x, ue8m0=True,
                                                                  scale_layout="col"),
@@ -144,27 +163,30 @@ def op_cases():
             dh, y, activation=act))
   a = jax_fp8.quantize(data(10, (64, 256)), jnp.float32(0.01))
   b = jax_fp8.quantize(data(11, (128, 256)), jnp.float32(0.02))
-  cases["gemm"] = lambda: jax_fp8.gemm(a.q, b.q, jnp.float32(0.01), jnp.float32(0.02),
+  qa, qb = field(a, "data", "q"), field(b, "data", "q")
+  cases["gemm"] = lambda: jax_fp8.gemm(qa, qb, jnp.float32(0.01), jnp.float32(0.02),
                                        bias=data(12, (128,), jnp.bfloat16))
   cases["gemm_e4m3_out"] = lambda: jax_fp8.gemm(
-      a.q, b.q, jnp.float32(0.01), jnp.float32(0.02), out_dtype=jnp.float8_e4m3fn,
+      qa, qb, jnp.float32(0.01), jnp.float32(0.02), out_dtype=jnp.float8_e4m3fn,
       out_scale=jnp.float32(0.5))
-  qa, sa = jax_fp8.group_quantize(data(13, (64, 256)))
-  qb, sb = jax_fp8.block_quantize(data(14, (128, 256)))
-  cases["gemm_block"] = lambda: jax_fp8.gemm(qa, qb, sa, sb)
+  ga = jax_fp8.group_quantize(data(13, (64, 256)))
+  gb = jax_fp8.block_quantize(data(14, (128, 256)))
+  cases["gemm_block"] = lambda: jax_fp8.gemm(
+      field(ga, "data", 0), field(gb, "data", 0), field(ga, "scale", 1), field(gb, "scale", 1))
   ma = jax_fp8.mxfp8_quantize(data(15, (64, 256)))
   mb = jax_fp8.mxfp8_quantize(data(16, (128, 256)))
   cases["mxfp8_gemm"] = lambda: jax_fp8.mxfp8_gemm(
-      field(ma, "data"), field(mb, "data"), field(ma, "scales"), field(mb, "scales"))
-  cases["mxfp8_dequantize"] = lambda: jax_fp8.mxfp8_dequantize(field(ma, "data"),
-                                                               field(ma, "scales"))
+      field(ma, "data"), field(mb, "data"), field(ma, "scale", "scales"),
+      field(mb, "scale", "scales"))
+  cases["mxfp8_dequantize"] = lambda: jax_fp8.mxfp8_dequantize(
+      field(ma, "data"), field(ma, "scale", "scales"))
   na = jax_fp8.nvfp4_quantize(data(17, (64, 256)))
   nb = jax_fp8.nvfp4_quantize(data(18, (128, 256)))
   cases["nvfp4_gemm"] = lambda: jax_fp8.nvfp4_gemm(
-      field(na, "data"), field(nb, "data"), field(na, "scales"), field(nb, "scales"),
-      field(na, "global_scale"), field(nb, "global_scale"))
+      field(na, "data"), field(nb, "data"), field(na, "scale", "scales"),
+      field(nb, "scale", "scales"), field(na, "global_scale"), field(nb, "global_scale"))
   cases["nvfp4_dequantize"] = lambda: jax_fp8.nvfp4_dequantize(
-      field(na, "data"), field(na, "scales"), field(na, "global_scale"))
+      field(na, "data"), field(na, "scale", "scales"), field(na, "global_scale"))
   return {f"op/{name}": fn for name, fn in cases.items()}
 
 

@@ -168,14 +168,15 @@ def gemm():
   b = jax.device_put(b32.astype(jnp.float8_e4m3fn))
   one = jax.device_put(np.float32(1))
   bias = jax.device_put(np.ones(272, jnp.bfloat16))
-  qa, sa = jax_fp8.group_quantize(jax.device_put(a32.astype(np.float32)))
-  qb, sb = jax_fp8.block_quantize(jax.device_put(b32.astype(np.float32)))
-  qg, sg = jax_fp8.group_quantize(jax.device_put(b32.astype(np.float32)))
+  qa = jax_fp8.group_quantize(jax.device_put(a32.astype(np.float32)))
+  qb = jax_fp8.block_quantize(jax.device_put(b32.astype(np.float32)))
+  qg = jax_fp8.group_quantize(jax.device_put(b32.astype(np.float32)))
   jax.block_until_ready((
       jax_fp8.gemm(a, b, one, one), jax_fp8.gemm(a, b, one, one, bias=bias, fast_accum=True),
       jax_fp8.gemm(a, b, one, one, out_dtype=jnp.float32),
       jax_fp8.gemm(a, b, one, one, bias=bias, out_dtype=jnp.float8_e4m3fn, out_scale=one),
-      jax_fp8.gemm(qa, qb, sa, sb), jax_fp8.gemm(qa, qg, sa, sg, bias=bias)))
+      jax_fp8.gemm(qa.data, qb.data, qa.scale, qb.scale),
+      jax_fp8.gemm(qa.data, qg.data, qa.scale, qg.scale, bias=bias)))
 
 def nvfp4():
   """NVFP4 quantization: every input dtype, ragged rows (rowwise only), a partial 128-column
@@ -200,7 +201,8 @@ def nvfp4():
                        rht=False), **kw)
         key = np.array([7, 11], np.uint32) if kw["stochastic_rounding"] else None
         q = jax_fp8.nvfp4_quantize(jax.device_put(host, cpu), key=key, **kw)
-        scales = np.array([q["global_scale"], q.get("global_scale_t", q["global_scale"])])
+        scales = np.array([q.global_scale, q.global_scale if q.global_scale_t is None
+                           else q.global_scale_t])
         chosen = jax_fp8.nvfp4_quantize_cuda_kernel(
             rowwise=kw["rowwise"], columnwise=kw["columnwise"],
             block_2d=kw["block_2d"])[0] == "nvfp4_rowwise_kernel"

@@ -6,6 +6,7 @@ draws the same data; set it to explore others (``JAX_FP8_TEST_SEED=7 pytest test
 test mixes the base seed with its own name, so tests do not all see the same data."""
 
 import atexit
+import dataclasses
 import functools
 import hashlib
 import os
@@ -281,6 +282,23 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 def bits(a) -> np.ndarray:
   """The raw bytes of an FP8 array, for bitwise comparison."""
   return np.asarray(a).view(np.uint8)
+
+
+def assert_same_quantized(got, want, fields=None):
+  """Two ``jax_fp8.Quantized`` equal field by field (``fields``: those names only, default all):
+  the same fields None, the others the same dtype and shape, byte-equal for 1-byte elements
+  (FP8, E8M0, packed E2M1) and equal in value for f32 scales and amaxes (NaN equal to NaN)."""
+  names = fields or [f.name for f in dataclasses.fields(jax_fp8.Quantized)]
+  for name in names:
+    g, w = getattr(got, name), getattr(want, name)
+    assert (g is None) == (w is None), f"{name}: got {g is not None}, want {w is not None}"
+    if g is not None:
+      g, w = np.asarray(g), np.asarray(w)
+      assert (g.dtype, g.shape) == (w.dtype, w.shape), f"{name}: {g.dtype}{g.shape} vs " \
+          f"{w.dtype}{w.shape}"
+      if g.dtype.itemsize == 1:
+        g, w = bits(g), bits(w)
+      np.testing.assert_array_equal(g, w, err_msg=name)
 
 
 def block_scaled_data(rng, shape, block: int, decades: float, dtype):

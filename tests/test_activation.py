@@ -25,10 +25,10 @@ AMAX_RTOL = 2.0**-16  # amax, and the scale and ring taken from it
 
 
 def close(got, want, fmt):
-  """The bound of the module docstring on q, and q.T == qt exactly; amax and scale within
-  AMAX_RTOL."""
-  q, qt, a, _, _, s = got
-  rq, _, ra, _, _, rs = want
+  """The bound of the module docstring on the data (of two ``Quantized``), and data.T == data_t
+  exactly; amax and scale within AMAX_RTOL."""
+  q, qt, a, s = got.data, got.data_t, got.amax, got.scale
+  rq, ra, rs = want.data, want.amax, want.scale
   np.testing.assert_allclose(np.asarray(s), rs, rtol=AMAX_RTOL)
   np.testing.assert_allclose(np.asarray(a), ra, rtol=AMAX_RTOL)
   deq = np.asarray(q, np.float64) * float(s)
@@ -61,8 +61,8 @@ def test_forward_matches_reference(platform, rng, activation, dtype, shape):
     want = on_cpu(lambda y, ring: reference.activation_cast_transpose(y, ring,
                                                                        activation=activation),
                   y, ring)
-    assert got.q.shape == (r, c) and got.dbias is None
-    close(got, want, "e4m3")
+    assert got.tensor.data.shape == (r, c) and got.dbias is None
+    close(got.tensor, want.tensor, "e4m3")
     for u, v in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
       np.testing.assert_allclose(np.asarray(u), v, rtol=AMAX_RTOL)
     ring = want.ring
@@ -85,8 +85,8 @@ def test_grad_matches_reference(platform, rng, activation, dtype, shape):
     got = step(dh, y, ring, activation=activation, with_dbias=with_dbias)
     want = on_cpu(lambda dh, y, ring: reference.activation_grad_cast_transpose(
         dh, y, ring, activation=activation, with_dbias=with_dbias), dh, y, ring)
-    assert got.q.shape == y.shape
-    close(got, want, "e5m2")
+    assert got.tensor.data.shape == y.shape
+    close(got.tensor, want.tensor, "e5m2")
     for u, v in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
       np.testing.assert_allclose(np.asarray(u), v, rtol=AMAX_RTOL)
     ring = want.ring
@@ -96,7 +96,7 @@ def test_grad_matches_reference(platform, rng, activation, dtype, shape):
     # dbias: f32 column sums of the same values in another order, the values within the bound.
     v = np.asarray(on_cpu(lambda dh, y: activations.grad(dh, y, activation), dh, y), np.float64)
     bound = (summation_error(r) * np.abs(v).sum(axis=0)
-             + r * F32_ULPS * float(want.amax))
+             + r * F32_ULPS * float(want.tensor.amax))
     assert np.all(np.abs(np.asarray(got.dbias, np.float64) - v.sum(axis=0)) <= bound)
 
 
@@ -125,14 +125,15 @@ def test_nan_stays_visible(platform):
   y = jnp.ones((16, 64), jnp.float32).at[3, 5].set(jnp.nan).at[7, 40].set(jnp.nan)
   ring = jax_fp8.ScaleRing.create(4)
   out = jax_fp8.activation_cast_transpose(y, ring, activation="swiglu")
-  assert np.isnan(float(out.amax))
-  b = bits(out.q)
+  assert np.isnan(float(out.tensor.amax))
+  b = bits(out.tensor.data)
   assert b[3, 5] == 0x7F and b[7, 8] == 0x7F
   dh = jnp.ones((16, 32), jnp.float32)
   g = jax_fp8.activation_grad_cast_transpose(dh, y, jax_fp8.ScaleRing.create(4, "e5m2"),
                                              activation="swiglu")
-  assert np.isnan(float(g.amax))
-  assert bits(g.q)[3, 5] == 0x7F and bits(g.q)[3, 37] == 0x7F  # dgate and dup of gate's NaN
+  assert np.isnan(float(g.tensor.amax))
+  q = bits(g.tensor.data)
+  assert q[3, 5] == 0x7F and q[3, 37] == 0x7F  # dgate and dup of gate's NaN
 
 
 def test_bad_inputs():
@@ -157,4 +158,4 @@ def test_bad_inputs():
                                            activation="silu", with_dbias=1)
   with pytest.raises(TypeError, match="not differentiable"):
     jax.grad(lambda y: jnp.sum(jax_fp8.activation_cast_transpose(y, ring, activation="silu")
-                               .amax))(y)
+                               .tensor.amax))(y)

@@ -112,18 +112,21 @@ def per_tensor_twin(x2, ws, bs, ts, rings, cur, norm=None, gamma=None, beta=None
     cx = reference.cast_transpose_delayed(x2, current(rx, amax(x2)) if cur else rx,
                                           observe=True)
   ys, dx, dws, dbs, oks, ogs, ops = [], None, [], [], [], [], []
+  qx = cx.tensor
   for w, b, t, rk, rg in zip(ws, bs, ts, rks, rgs):
     ck = reference.cast_transpose_delayed(w, current(rk, amax(w)) if cur else rk, observe=True)
-    ys.append(tn(cx.q, ck.qt, cx.scale, ck.scale, bias=b))  # fprop [M, N]
+    qk = ck.tensor
+    ys.append(tn(qx.data, qk.data_t, qx.scale, qk.scale, bias=b))  # fprop [M, N]
     cg = reference.cast_transpose_delayed(t, current(rg, amax(t)) if cur else rg,
                                           with_dbias=b is not None, observe=True)
-    dxi = tn(cg.q, ck.q, cg.scale, ck.scale)  # dgrad [M, K]
+    qg = cg.tensor
+    dxi = tn(qg.data, qk.data, qg.scale, qk.scale)  # dgrad [M, K]
     dx = dxi if dx is None else dx + dxi
-    dws.append(tn(cx.qt, cg.qt, cx.scale, cg.scale))  # wgrad [K, N] over M padded to 16
+    dws.append(tn(qx.data_t, qg.data_t, qx.scale, qg.scale))  # wgrad [K, N] over M padded to 16
     dbs.append(cg.dbias)
     oks.append(ck.ring)
     ogs.append(cg.ring)
-    ops.append((cx, ck, cg))
+    ops.append((qx, qk, qg))
   dnorm = None
   if norm is not None:
     _, vjp = jax.vjp(lambda x, g, b: norms.normalize(x, g, b, norm=name, epsilon=eps), x2,
@@ -137,10 +140,11 @@ def check_per_tensor(platform, got, want, ts, bs):
   ys, dx, dws, dbs = got
   wys, wdx, wdws, wdbs, _, _, ops = want
   wdx_parts = []
-  for i, (cx, ck, cg) in enumerate(ops):
-    close(platform, ys[i], wys[i], deq(cx.q, cx.scale), deq(ck.qt, ck.scale).T, f"y{i}")
-    close(platform, dws[i], wdws[i], deq(cx.qt, cx.scale), deq(cg.qt, cg.scale).T, f"dw{i}")
-    wdx_parts.append((deq(cg.q, cg.scale), deq(ck.q, ck.scale).T))
+  for i, (qx, qk, qg) in enumerate(ops):  # the operands' Quantized
+    close(platform, ys[i], wys[i], deq(qx.data, qx.scale), deq(qk.data_t, qk.scale).T, f"y{i}")
+    close(platform, dws[i], wdws[i], deq(qx.data_t, qx.scale), deq(qg.data_t, qg.scale).T,
+          f"dw{i}")
+    wdx_parts.append((deq(qg.data, qg.scale), deq(qk.data, qk.scale).T))
     if bs[i] is not None:
       close(platform, dbs[i], wdbs[i], b=np.asarray(ts[i]), what=f"db{i}")
   if len(ops) == 1:
@@ -244,29 +248,33 @@ def mlp_twin(x2, k_in, k_out, b_in, b_out, g, rings, cur, activation):
   cx = reference.cast_transpose_delayed(x2, current(rx, amax(x2)) if cur else rx, observe=True)
   ck_in = reference.cast_transpose_delayed(k_in, current(rk_in, amax(k_in)) if cur else rk_in,
                                            observe=True)
-  y = tn(cx.q, ck_in.qt, cx.scale, ck_in.scale, bias=b_in)  # [M, N]
+  qx, qk_in = cx.tensor, ck_in.tensor
+  y = tn(qx.data, qk_in.data_t, qx.scale, qk_in.scale, bias=b_in)  # [M, N]
   if cur:
     rh = current(rh, amax(activations.apply(y, activation)))
   ch = reference.activation_cast_transpose(y, rh, activation=activation, observe=True)
   ck_out = reference.cast_transpose_delayed(k_out,
                                             current(rk_out, amax(k_out)) if cur else rk_out,
                                             observe=True)
-  out = tn(ch.q, ck_out.qt, ch.scale, ck_out.scale, bias=b_out)  # [M, D]
+  qh, qk_out = ch.tensor, ck_out.tensor
+  out = tn(qh.data, qk_out.data_t, qh.scale, qk_out.scale, bias=b_out)  # [M, D]
   cg = reference.cast_transpose_delayed(g, current(rg_out, amax(g)) if cur else rg_out,
                                         with_dbias=b_out is not None, observe=True)
-  dh = tn(cg.q, ck_out.q, cg.scale, ck_out.scale)  # dgrad of the down projection [M, F]
-  dk_out = tn(ch.qt, cg.qt, ch.scale, cg.scale)  # [F, D]
+  qg = cg.tensor
+  dh = tn(qg.data, qk_out.data, qg.scale, qk_out.scale)  # dgrad of the down projection [M, F]
+  dk_out = tn(qh.data_t, qg.data_t, qh.scale, qg.scale)  # [F, D]
   if cur:
     rg_in = current(rg_in, amax(activations.grad(dh, y, activation)))
   cdy = reference.activation_grad_cast_transpose(dh, y, rg_in, activation=activation,
                                                  with_dbias=b_in is not None, observe=True)
-  dx = tn(cdy.q, ck_in.q, cdy.scale, ck_in.scale)  # [M, K]
-  dk_in = tn(cx.qt, cdy.qt, cx.scale, cdy.scale)  # [K, N]
+  qdy = cdy.tensor
+  dx = tn(qdy.data, qk_in.data, qdy.scale, qk_in.scale)  # [M, K]
+  dk_in = tn(qx.data_t, qdy.data_t, qx.scale, qdy.scale)  # [K, N]
   obs = (cx.ring, ck_in.ring, cdy.ring, ch.ring, ck_out.ring, cg.ring)
-  ops = {"out": (ch.q, ch.scale, ck_out.qt, ck_out.scale), "dx": (cdy.q, cdy.scale, ck_in.q,
-                                                                  ck_in.scale),
-         "dk_in": (cx.qt, cx.scale, cdy.qt, cdy.scale),
-         "dk_out": (ch.qt, ch.scale, cg.qt, cg.scale)}
+  ops = {"out": (qh.data, qh.scale, qk_out.data_t, qk_out.scale),
+         "dx": (qdy.data, qdy.scale, qk_in.data, qk_in.scale),
+         "dk_in": (qx.data_t, qx.scale, qdy.data_t, qdy.scale),
+         "dk_out": (qh.data_t, qh.scale, qg.data_t, qg.scale)}
   return (out, dx, dk_in, dk_out, cdy.dbias, cg.dbias), obs, ops, activations.grad(dh, y,
                                                                                      activation)
 
@@ -343,23 +351,23 @@ def block_linear_twin(x2, ws, bs, ts, norm=None, gamma=None, beta=None, eps=1e-6
   """linear / multi_linear under BlockScaling from the reference: x and the gradients in
   1 x 128 groups both ways (group_cast_transpose), the kernels in 128 x 128 blocks."""
   if norm is None:
-    qx, sx, qxt, sxt = reference.group_cast_transpose(x2, **KW)  # [M, K], [K, M128]
+    cx = reference.group_cast_transpose(x2, **KW)  # [M, K], [K, M128]
   else:
     name = norm
-    qx, sx, qxt, sxt = reference.norm_group_cast_transpose(
+    cx = reference.norm_group_cast_transpose(
         x2, norms.stats(x2, name, eps), gamma, beta, norm=name, **KW)
   ys, dx, dws, dbs, ops = [], None, [], [], []
   for w, b, t in zip(ws, bs, ts):
-    qk, sk = reference.block_quantize(w, **KW)  # [K, N], [K/128, N/128]
-    ys.append(bg(qx, qk.T, sx, sk.T, bias=b))
-    qg, sg, qgt, sgt = reference.group_cast_transpose(t, **KW)  # [M, N], [N, M128]
-    dxi = bg(qg, qk, sg, sk)  # dgrad: 1 x 128 groups . 128 x 128 blocks
+    ck = reference.block_quantize(w, **KW)  # [K, N], [K/128, N/128]
+    ys.append(bg(cx.data, ck.data.T, cx.scale, ck.scale.T, bias=b))
+    cg = reference.group_cast_transpose(t, **KW)  # [M, N], [N, M128]
+    dxi = bg(cg.data, ck.data, cg.scale, ck.scale)  # dgrad: 1 x 128 groups . 128 x 128 blocks
     dx = dxi if dx is None else dx + dxi
-    dws.append(bg(qxt, qgt, sxt, sgt))  # wgrad over M padded to 128
+    dws.append(bg(cx.data_t, cg.data_t, cx.scale_t, cg.scale_t))  # wgrad over M padded to 128
     dbs.append(None if b is None else jnp.sum(t, axis=0))
-    ops.append(((block_deq(qx, sx, 1), block_deq(qk.T, sk.T, 128).T),
-                (block_deq(qg, sg, 1), block_deq(qk, sk, 128).T),
-                (block_deq(qxt, sxt, 1), block_deq(qgt, sgt, 1).T)))
+    ops.append(((block_deq(cx.data, cx.scale, 1), block_deq(ck.data.T, ck.scale.T, 128).T),
+                (block_deq(cg.data, cg.scale, 1), block_deq(ck.data, ck.scale, 128).T),
+                (block_deq(cx.data_t, cx.scale_t, 1), block_deq(cg.data_t, cg.scale_t, 1).T)))
   dnorm = None
   if norm is not None:
     _, vjp = jax.vjp(lambda x, g, b: norms.normalize(x, g, b, norm=name, epsilon=eps), x2,
@@ -423,23 +431,23 @@ def block_mlp_twin(x2, k_in, k_out, b_in, b_out, g, activation, norm=None, gamma
   """mlp under BlockScaling from the reference: the activation and its gradient inside the
   group cast-transposes, the bias gradients by XLA."""
   if norm is None:
-    qx, sx, qxt, sxt = reference.group_cast_transpose(x2, **KW)
+    cx = reference.group_cast_transpose(x2, **KW)
   else:
     name = norm
-    qx, sx, qxt, sxt = reference.norm_group_cast_transpose(
+    cx = reference.norm_group_cast_transpose(
         x2, norms.stats(x2, name, eps), gamma, beta, norm=name, **KW)
-  qk_in, sk_in = reference.block_quantize(k_in, **KW)
-  y = bg(qx, qk_in.T, sx, sk_in.T, bias=b_in)
-  qh, sh, qht, sht = reference.activation_group_cast_transpose(y, activation=activation, **KW)
-  qk_out, sk_out = reference.block_quantize(k_out, **KW)
-  out = bg(qh, qk_out.T, sh, sk_out.T, bias=b_out)
-  qg, sg, qgt, sgt = reference.group_cast_transpose(g, **KW)
-  dh = bg(qg, qk_out, sg, sk_out)
-  dk_out = bg(qht, qgt, sht, sgt)
-  qdy, sdy, qdyt, sdyt = reference.activation_grad_group_cast_transpose(
+  ck_in = reference.block_quantize(k_in, **KW)
+  y = bg(cx.data, ck_in.data.T, cx.scale, ck_in.scale.T, bias=b_in)
+  ch = reference.activation_group_cast_transpose(y, activation=activation, **KW)
+  ck_out = reference.block_quantize(k_out, **KW)
+  out = bg(ch.data, ck_out.data.T, ch.scale, ck_out.scale.T, bias=b_out)
+  cg = reference.group_cast_transpose(g, **KW)
+  dh = bg(cg.data, ck_out.data, cg.scale, ck_out.scale)
+  dk_out = bg(ch.data_t, cg.data_t, ch.scale_t, cg.scale_t)
+  cdy = reference.activation_grad_group_cast_transpose(
       dh, y, activation=activation, **KW)
-  dx = bg(qdy, qk_in, sdy, sk_in)
-  dk_in = bg(qxt, qdyt, sxt, sdyt)
+  dx = bg(cdy.data, ck_in.data, cdy.scale, ck_in.scale)
+  dk_in = bg(cx.data_t, cdy.data_t, cx.scale_t, cdy.scale_t)
   dy = activations.grad(dh, y, activation)
   db_in = None if b_in is None else jnp.sum(dy, axis=0)
   db_out = None if b_out is None else jnp.sum(g, axis=0)
@@ -448,10 +456,12 @@ def block_mlp_twin(x2, k_in, k_out, b_in, b_out, g, activation, norm=None, gamma
     _, vjp = jax.vjp(lambda x, g, b: norms.normalize(x, g, b, norm=name, epsilon=eps), x2,
                      gamma, beta)
     dx, *dnorm = vjp(dx)
-  ops = {"out": (block_deq(qh, sh, 1), block_deq(qk_out.T, sk_out.T, 128).T),
-         "dx": (block_deq(qdy, sdy, 1), block_deq(qk_in, sk_in, 128).T),
-         "dk_in": (block_deq(qxt, sxt, 1), block_deq(qdyt, sdyt, 1).T),
-         "dk_out": (block_deq(qht, sht, 1), block_deq(qgt, sgt, 1).T)}
+  ops = {"out": (block_deq(ch.data, ch.scale, 1),
+                 block_deq(ck_out.data.T, ck_out.scale.T, 128).T),
+         "dx": (block_deq(cdy.data, cdy.scale, 1), block_deq(ck_in.data, ck_in.scale, 128).T),
+         "dk_in": (block_deq(cx.data_t, cx.scale_t, 1),
+                   block_deq(cdy.data_t, cdy.scale_t, 1).T),
+         "dk_out": (block_deq(ch.data_t, ch.scale_t, 1), block_deq(cg.data_t, cg.scale_t, 1).T)}
   return (out, dx, dk_in, dk_out, db_in, db_out), dnorm, ops, dy
 
 

@@ -33,9 +33,17 @@ F32_ULPS = 2.0**-12  # of the amax: where the platforms' f32 activations may dif
 SCALE_RTOL = 2.0**-16
 
 
+def both_directions(t):
+  """A group cast-transpose's ``Quantized`` as [data, scale, data_t, scale_t]; its other fields
+  must be None."""
+  assert t.amax is None and t.global_scale is None and t.global_scale_t is None
+  return [t.data, t.scale, t.data_t, t.scale_t]
+
+
 def assert_same(got, want):
-  """(q, scales, qt, scales_t) byte for byte (FP8) and bit for bit (f32 scales)."""
-  for g, w in zip(got, want, strict=True):
+  """Two ``Quantized`` (data, scale, data_t, scale_t) byte for byte (FP8) and bit for bit (f32
+  scales)."""
+  for g, w in zip(both_directions(got), both_directions(want), strict=True):
     g, w = np.asarray(g), np.asarray(w)
     assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
     np.testing.assert_array_equal(g.view(np.uint8) if g.dtype.itemsize == 1 else g.view(np.uint32),
@@ -44,10 +52,10 @@ def assert_same(got, want):
 
 def assert_close(got, want, fmt):
   """The module docstring's bound, in both directions; qt's padding columns zero bytes."""
-  q, s, qt, st = got
-  rq, rs, rqt, rst = want
-  amax = float(np.max(rs)) * jax_fp8.fp8_max(fmt)  # the largest group's, the tensor's
-  for a, sa, b, sb in ((q, s, rq, rs), (qt, st, rqt, rst)):
+  assert [g.shape for g in both_directions(got)] == [w.shape for w in both_directions(want)]
+  amax = float(np.max(want.scale)) * jax_fp8.fp8_max(fmt)  # the largest group's, the tensor's
+  for a, sa, b, sb in ((got.data, got.scale, want.data, want.scale),
+                       (got.data_t, got.scale_t, want.data_t, want.scale_t)):
     np.testing.assert_allclose(np.asarray(sa), sb, rtol=SCALE_RTOL,
                                atol=F32_ULPS * amax / jax_fp8.fp8_max(fmt))
     scale = np.repeat(np.asarray(sa, np.float64), 128, axis=1)
@@ -57,7 +65,8 @@ def assert_close(got, want, fmt):
     bound = (2 * roundoff(fmt) * np.maximum(np.abs(deq), np.abs(ref))
              + SUBNORMAL_STEP[fmt] * np.maximum(scale, ref_scale) + F32_ULPS * amax)
     assert np.all(np.abs(deq - ref) <= bound), np.max(np.abs(deq - ref) / bound)
-  assert not bits(qt)[:, q.shape[0]:].any(), "qt's padding columns must be zero bytes"
+  assert not bits(got.data_t)[:, got.data.shape[0]:].any(), \
+      "data_t's padding columns must be zero bytes"
 
 
 def output_shapes(r, c):
@@ -80,9 +89,9 @@ def test_norm_matches_reference_bytes(platform, rng, norm, dtype, shape):
   got = op(x, row_stats, gamma, beta, norm=norm, ue8m0=ue8m0)
   want = on_cpu(lambda *a: reference.norm_group_cast_transpose(*a, norm=norm, ue8m0=ue8m0), x,
                 row_stats, gamma, beta)
-  assert [g.shape for g in got] == output_shapes(r, c)
+  assert [g.shape for g in both_directions(got)] == output_shapes(r, c)
   assert_same(got, want)
-  assert not bits(got[2])[:, r:].any(), "qt's padding columns must be zero bytes"
+  assert not bits(got.data_t)[:, r:].any(), "data_t's padding columns must be zero bytes"
 
 
 @pytest.mark.parametrize("activation", ACTS)
@@ -98,7 +107,7 @@ def test_activation_matches_reference(platform, rng, activation, dtype, shape):
   got = op(y, activation=activation, fmt=fmt)
   want = on_cpu(lambda y: reference.activation_group_cast_transpose(y, activation=activation,
                                                                      fmt=fmt), y)
-  assert [g.shape for g in got] == output_shapes(r, c)
+  assert [g.shape for g in both_directions(got)] == output_shapes(r, c)
   assert_close(got, want, fmt)
 
 
@@ -118,7 +127,7 @@ def test_activation_grad_matches_reference(platform, rng, activation, dtype, sha
   got = op(dh, y, activation=activation, fmt=fmt)
   want = on_cpu(lambda dh, y: reference.activation_grad_group_cast_transpose(
       dh, y, activation=activation, fmt=fmt), dh, y)
-  assert [g.shape for g in got] == output_shapes(r, y.shape[1])
+  assert [g.shape for g in both_directions(got)] == output_shapes(r, y.shape[1])
   assert_close(got, want, fmt)
 
 

@@ -3,6 +3,7 @@ bit-identical to jax_fp8.reference on CPU and CUDA (q bytes and scales, NaN == N
 policy with its values stated, dequantization error within the format's half-ulp, trace-time
 errors, and PDL on / off giving the same bits."""
 
+import dataclasses
 import functools
 
 import jax
@@ -53,8 +54,13 @@ def rand_rows(rng, shape, dtype, zero_group=None):
 
 
 def assert_same(got, want):
-  """Arrays equal with their shapes and dtypes: FP8 byte for byte; f32 NaN-equal with the sign
-  of every zero equal too."""
+  """Two ``Quantized`` (or sequences of arrays) equal: the same fields None, arrays with their
+  shapes and dtypes; FP8 byte for byte; f32 NaN-equal with the sign of every zero equal too."""
+  if isinstance(got, jax_fp8.Quantized):
+    names = [f.name for f in dataclasses.fields(got)]
+    assert [getattr(got, n) is None for n in names] == [getattr(want, n) is None for n in names]
+    got, want = ([getattr(t, n) for n in names if getattr(t, n) is not None]
+                 for t in (got, want))
   for g, w in zip(got, want, strict=True):
     g, w = np.asarray(g), np.asarray(w)
     assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
@@ -96,9 +102,9 @@ def test_group_quantize_matches_reference(platform, rng, fmt, dtype):
     shape, m = x.shape, int(np.prod(x.shape[:-1]))
     kw = dict(group_size=gs, fmt=fmt, ue8m0=ue8m0, scale_layout=layout)
     poison_allocator(x.size)
-    q, s = gq(x, **kw)
-    want = ref(reference.group_quantize, x, **kw)
-    assert_same((q, s), want)
+    got = gq(x, **kw)
+    assert_same(got, ref(reference.group_quantize, x, **kw))
+    s = got.scale
     groups = shape[-1] // gs
     assert s.shape == {"row": (*shape[:-1], groups), "col": (groups, m),
                        "col_tma": (groups, -(-m // 4) * 4)}[layout]
@@ -129,10 +135,9 @@ def test_block_quantize_matches_reference(platform, rng, fmt, dtype):
     x = rand_rows(rng, shape, dtype)
     ue8m0 = bool((i + DTYPES.index(dtype)) % 2)
     poison_allocator(x.size)
-    q, s = bq(x, fmt=fmt, ue8m0=ue8m0)
-    want = ref(reference.block_quantize, x, fmt=fmt, ue8m0=ue8m0)
-    assert_same((q, s), want)
-    assert s.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    got = bq(x, fmt=fmt, ue8m0=ue8m0)
+    assert_same(got, ref(reference.block_quantize, x, fmt=fmt, ue8m0=ue8m0))
+    assert got.scale.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -147,13 +152,14 @@ def test_group_cast_transpose_matches_reference(platform, rng, fmt, dtype):
     x = rand_rows(rng, shape, dtype, zero_group=128)
     ue8m0 = bool((i + DTYPES.index(dtype)) % 2)
     poison_allocator(c * r128)
-    q, s, qt, st = gct(x, fmt=fmt, ue8m0=ue8m0)
-    want = ref(reference.group_cast_transpose, x, fmt=fmt, ue8m0=ue8m0)
-    assert_same((q, s, qt, st), want)
-    assert (q.shape, s.shape, qt.shape, st.shape) == ((r, c), (r, c // 128), (c, r128),
-                                                      (c, r128 // 128))
-    assert not np.any(bits(qt)[:, r:]), "qt's padding columns must be zero bytes"
-    assert_same((q, s), blockwise.group_quantize(x, fmt=fmt, ue8m0=ue8m0))
+    got = gct(x, fmt=fmt, ue8m0=ue8m0)
+    assert_same(got, ref(reference.group_cast_transpose, x, fmt=fmt, ue8m0=ue8m0))
+    assert (got.data.shape, got.scale.shape, got.data_t.shape, got.scale_t.shape) == (
+        (r, c), (r, c // 128), (c, r128), (c, r128 // 128))
+    assert got.amax is None and got.global_scale is None
+    assert not np.any(bits(got.data_t)[:, r:]), "data_t's padding columns must be zero bytes"
+    assert_same((got.data, got.scale), jax.tree.leaves(blockwise.group_quantize(
+        x, fmt=fmt, ue8m0=ue8m0)))
 
 
 def test_group_cast_transpose_padding_is_zero_even_next_to_nan(platform):
@@ -161,34 +167,34 @@ def test_group_cast_transpose_padding_is_zero_even_next_to_nan(platform):
   scale is NaN, so quantizing the padding would give NaN)."""
   x = jnp.ones((200, 128), jnp.float32).at[150, 7].set(jnp.nan)
   poison_allocator(256 * 128)
-  _, _, qt, st = jax_fp8.group_cast_transpose(x)
-  qt = bits(qt)
-  assert np.isnan(np.asarray(st)[7, 1])
+  got = jax_fp8.group_cast_transpose(x)
+  qt = bits(got.data_t)
+  assert np.isnan(np.asarray(got.scale_t)[7, 1])
   assert np.all(qt[:, 200:] == 0)
   assert np.all(qt[7, 128:200] == 0x7F)  # the NaN group itself: NaN bytes
   ref = on_cpu(reference.group_cast_transpose, x)
-  np.testing.assert_array_equal(qt, bits(ref[2]))
+  np.testing.assert_array_equal(qt, bits(ref.data_t))
 
 
 def test_block_quantize_transpose_is_block_quantize_of_transpose(platform, rng):
-  """The docstring's claim: q.T with scales.T is the block quantization of w.T."""
+  """The docstring's claim: data.T with scale.T is the block quantization of w.T."""
   for shape in [(256, 384), (208, 144)]:
     w = rand_rows(rng, shape, jnp.bfloat16)
-    q, s = blockwise.block_quantize(w)
-    qt, sT = blockwise.block_quantize(w.T)
-    np.testing.assert_array_equal(bits(q).T, bits(qt))
-    np.testing.assert_array_equal(np.asarray(s).T, np.asarray(sT))
+    q = blockwise.block_quantize(w)
+    qt = blockwise.block_quantize(w.T)
+    np.testing.assert_array_equal(bits(q.data).T, bits(qt.data))
+    np.testing.assert_array_equal(np.asarray(q.scale).T, np.asarray(qt.scale))
 
 
 def test_vmap(platform, rng):
   """vmap runs the ops one slice at a time: each slice's result is the op's on that slice."""
   x = rand_rows(rng, (3, 5, 256), jnp.bfloat16)
-  q, s = jax.vmap(lambda x: blockwise.group_quantize(x, scale_layout="col_tma"))(x)
-  assert q.shape == (3, 5, 256) and s.shape == (3, 2, 8)
+  got = jax.vmap(lambda x: blockwise.group_quantize(x, scale_layout="col_tma"))(x)
+  assert got.data.shape == (3, 5, 256) and got.scale.shape == (3, 2, 8)
   for i in range(3):
-    assert_same((q[i], s[i]), blockwise.group_quantize(x[i], scale_layout="col_tma"))
-  q, s = jax.vmap(blockwise.block_quantize)(x)
-  assert_same((q, s), ref(jax.vmap(reference.block_quantize), x))
+    assert_same(jax.tree.map(lambda v: v[i], got),
+                blockwise.group_quantize(x[i], scale_layout="col_tma"))
+  assert_same(jax.vmap(blockwise.block_quantize)(x), ref(jax.vmap(reference.block_quantize), x))
 
 
 # ------------------------------------------------------------------------------------------
@@ -215,9 +221,9 @@ def test_edge_policy(platform, fmt):
   x[3] = np.linspace(-1, 1, 256) * 3e-11
   # row 4: amax exactly eps (-eps): scale eps / fmt_max, -eps -> -fmt_max
   x[4, 5], x[4, 250] = np.float32(EPS), -np.float32(EPS)
-  q, s = blockwise.group_quantize(jnp.asarray(x), fmt=fmt)
-  q8, s = bits(q), np.asarray(s)
-  qf = to_f32(q)
+  got = blockwise.group_quantize(jnp.asarray(x), fmt=fmt)
+  q8, s = bits(got.data), np.asarray(got.scale)
+  qf = to_f32(got.data)
   assert s.dtype == np.float32 and s.shape == (5, 2)
   zero_s = eps_scale(fmt)
   assert s[0, 0] == zero_s and s[0, 1] == zero_s
@@ -238,8 +244,7 @@ def test_edge_policy(platform, fmt):
   assert qf[4, 5] == fmax and qf[4, 250] == -fmax
 
   # ue8m0 keeps NaN and inf, rounds the eps scale up to a power of two.
-  _, su = blockwise.group_quantize(jnp.asarray(x), fmt=fmt, ue8m0=True)
-  su = np.asarray(su)
+  su = np.asarray(blockwise.group_quantize(jnp.asarray(x), fmt=fmt, ue8m0=True).scale)
   assert np.isnan(su[1, 0]) and su[1, 1] == np.inf
   assert su[0, 0] == np.float32(2.0 ** np.ceil(np.log2(np.float64(zero_s))))
 
@@ -251,8 +256,8 @@ def test_edge_policy(platform, fmt):
   w[200, 3] = -np.inf
   w[128:, 128:] = 0.5
   w[255, 255] = 1e-40
-  qb, sb = blockwise.block_quantize(jnp.asarray(w), fmt=fmt)
-  sb = np.asarray(sb)
+  blocks = blockwise.block_quantize(jnp.asarray(w), fmt=fmt)
+  qb, sb = blocks.data, np.asarray(blocks.scale)
   assert sb[0, 0] == zero_s and not np.any(bits(qb)[:128, :128])
   assert np.isnan(sb[0, 1]) and np.all(bits(qb)[:128, 128:] == 0x7F)
   assert sb[1, 0] == np.inf
@@ -262,8 +267,8 @@ def test_edge_policy(platform, fmt):
   xt = np.zeros((130, 128), np.float32)  # row 0 zero, column 1 NaN, column 2 inf (tile 1)
   xt[1:, 3] = 1.0
   xt[4, 1], xt[129, 2] = np.nan, np.inf
-  _, sr, qt, st = blockwise.group_cast_transpose(jnp.asarray(xt), fmt=fmt)
-  sr, st = np.asarray(sr), np.asarray(st)
+  both = blockwise.group_cast_transpose(jnp.asarray(xt), fmt=fmt)
+  sr, qt, st = np.asarray(both.scale), both.data_t, np.asarray(both.scale_t)
   assert sr[0, 0] == zero_s and np.isnan(sr[4, 0]) and sr[129, 0] == np.inf
   assert st[0, 0] == zero_s and st[0, 1] == zero_s and not np.any(bits(qt)[0])
   assert np.isnan(st[1, 0]) and st[1, 1] == zero_s
@@ -282,8 +287,8 @@ def test_edge_policy_other_dtypes(platform, dtype):
   x[1, :128] = 1.0
   x[1, 3] = np.nan
   x[1, 130] = np.inf
-  q, s = blockwise.group_quantize(jnp.asarray(x).astype(dtype), group_size=32)
-  s, qf = np.asarray(s), to_f32(q)
+  got = blockwise.group_quantize(jnp.asarray(x).astype(dtype), group_size=32)
+  q, s, qf = got.data, np.asarray(got.scale), to_f32(got.data)
   zero_s = eps_scale("e4m3")
   np.testing.assert_array_equal(s[0, :4], zero_s)
   assert np.all(bits(q)[0, :128] == 0)
@@ -300,15 +305,15 @@ def test_ue8m0_scales_are_powers_of_two(platform, rng, fmt):
   q stays within the format (the amax maps at most to fmt_max)."""
   fmax = jax_fp8.fp8_max(fmt)
   x = rand_rows(rng, (64, 512), jnp.float32, zero_group=128)
-  cases = [
-      (lambda **kw: blockwise.group_quantize(x, group_size=32, **kw), 1),
-      (lambda **kw: blockwise.block_quantize(x[:, :400], **kw), 1),
-      (lambda **kw: blockwise.group_cast_transpose(x, **kw), 1),
-      (lambda **kw: blockwise.group_cast_transpose(x, **kw), 3),
+  cases = [  # (the op, a direction's data and scale fields)
+      (lambda **kw: blockwise.group_quantize(x, group_size=32, **kw), "data", "scale"),
+      (lambda **kw: blockwise.block_quantize(x[:, :400], **kw), "data", "scale"),
+      (lambda **kw: blockwise.group_cast_transpose(x, **kw), "data", "scale"),
+      (lambda **kw: blockwise.group_cast_transpose(x, **kw), "data_t", "scale_t"),
   ]
-  for fn, i in cases:
-    plain, up = fn(fmt=fmt)[i], fn(fmt=fmt, ue8m0=True)
-    plain, su, q = np.asarray(plain), np.asarray(up[i]), to_f32(up[i - 1])
+  for fn, data, scale in cases:
+    plain, up = getattr(fn(fmt=fmt), scale), fn(fmt=fmt, ue8m0=True)
+    plain, su, q = np.asarray(plain), np.asarray(getattr(up, scale)), to_f32(getattr(up, data))
     assert np.all(np.isfinite(su)) and np.all(su > 0)
     mant, _ = np.frexp(su)
     assert np.all(mant == 0.5), su[mant != 0.5]
@@ -340,7 +345,8 @@ def test_dequantize_roundtrip(platform, rng, fmt):
       x = rand_rows(rng, (300, 512), dtype)
       xf = ref(reference.as_f32, x)  # the values the kernels see (f32 subnormals -> 0)
       for gs in (128, 32):
-        q, s = blockwise.group_quantize(x, group_size=gs, fmt=fmt, ue8m0=ue8m0)
+        got = blockwise.group_quantize(x, group_size=gs, fmt=fmt, ue8m0=ue8m0)
+        q, s = got.data, got.scale
         if gs == 128:
           full = np.asarray(reference.expand_scales(s, 300, 512, 1))
         else:
@@ -357,12 +363,12 @@ def test_dequantize_roundtrip(platform, rng, fmt):
         if not ue8m0:  # the group amax maps to fmt_max (unless floored at eps)
           np.testing.assert_array_equal(qmax[amax >= np.float32(EPS)], fmax)
         assert np.all(qmax <= fmax) and np.all(qmax[amax >= np.float32(EPS)] >= fmax / 2)
-      q, s = blockwise.block_quantize(x[:, :400], fmt=fmt, ue8m0=ue8m0)
-      full = np.asarray(reference.expand_scales(s, 300, 400, 128))
-      check_roundtrip(xf[:, :400], to_f32(q) * full, full, fmt)
-      _, _, qt, st = blockwise.group_cast_transpose(x, fmt=fmt, ue8m0=ue8m0)
-      full = np.asarray(reference.expand_scales(st, 512, 384, 1))
-      deq_t = to_f32(qt) * full
+      blocks = blockwise.block_quantize(x[:, :400], fmt=fmt, ue8m0=ue8m0)
+      full = np.asarray(reference.expand_scales(blocks.scale, 300, 400, 128))
+      check_roundtrip(xf[:, :400], to_f32(blocks.data) * full, full, fmt)
+      both = blockwise.group_cast_transpose(x, fmt=fmt, ue8m0=ue8m0)
+      full = np.asarray(reference.expand_scales(both.scale_t, 512, 384, 1))
+      deq_t = to_f32(both.data_t) * full
       check_roundtrip(xf.T, deq_t[:, :300], full[:, :300], fmt)
       assert not np.any(deq_t[:, 300:])
 
@@ -410,14 +416,14 @@ def test_bad_inputs():
 def test_empty_rows(platform):
   """No rows: empty outputs of the right shapes (col_tma: no padding either)."""
   x = jnp.zeros((0, 256), jnp.bfloat16)
-  q, s = blockwise.group_quantize(x)
-  assert q.shape == (0, 256) and s.shape == (0, 2)
-  _, s = blockwise.group_quantize(x, scale_layout="col_tma")
-  assert s.shape == (2, 0)
-  q, s = blockwise.block_quantize(x)
-  assert q.shape == (0, 256) and s.shape == (0, 2)
-  q, s, qt, st = blockwise.group_cast_transpose(x)
-  assert (q.shape, s.shape, qt.shape, st.shape) == ((0, 256), (0, 2), (256, 0), (256, 0))
+  t = blockwise.group_quantize(x)
+  assert t.data.shape == (0, 256) and t.scale.shape == (0, 2)
+  assert blockwise.group_quantize(x, scale_layout="col_tma").scale.shape == (2, 0)
+  t = blockwise.block_quantize(x)
+  assert t.data.shape == (0, 256) and t.scale.shape == (0, 2)
+  t = blockwise.group_cast_transpose(x)
+  assert (t.data.shape, t.scale.shape, t.data_t.shape, t.scale_t.shape) == (
+      (0, 256), (0, 2), (256, 0), (256, 0))
 
 
 # ------------------------------------------------------------------------------------------
@@ -430,11 +436,11 @@ def test_pdl_on_off_same_bits(platform, rng, monkeypatch):
 
   @jax.jit
   def chain(x, w):
-    qx, sx = blockwise.group_quantize(x)
-    qw, sw = blockwise.block_quantize(w)
-    y = jax_fp8.gemm(qx, qw, sx, sw, out_dtype=jnp.bfloat16)
-    qy, sy = blockwise.group_quantize(y, group_size=64, scale_layout="col_tma")
-    return qx, sx, qw, sw, y, qy, sy
+    qx = blockwise.group_quantize(x)
+    qw = blockwise.block_quantize(w)
+    y = jax_fp8.gemm(qx.data, qw.data, qx.scale, qw.scale, out_dtype=jnp.bfloat16)
+    qy = blockwise.group_quantize(y, group_size=64, scale_layout="col_tma")
+    return qx.data, qx.scale, qw.data, qw.scale, y, qy.data, qy.scale
 
   def run():
     jax.clear_caches()  # a compiled executable (or command buffer) keeps what it saw
@@ -474,7 +480,7 @@ def test_sharded_jit_bit_identical(rng, spec):
   for name, op in ops.items():
     got = jax.jit(op)(xs)
     want = on_cpu(op, x)
-    for g, w in zip(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
       assert g.shape == w.shape, name
       np.testing.assert_array_equal(bits(g) if g.dtype.itemsize == 1 else np.asarray(g),
                                     bits(w) if w.dtype.itemsize == 1 else w, err_msg=name)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, on_cpu, poison_allocator, summation_error
+from conftest import assert_same_quantized, bits, on_cpu, poison_allocator, summation_error
 
 import jax_fp8
 from jax_fp8 import reference
@@ -32,15 +32,13 @@ def test_matches_reference(platform, rng, fmt, dtype, shape, with_dbias):
     x = jnp.asarray(x).astype(dtype)
     poison_allocator(x.size)
     if platform == "cuda":  # the CPU handler's dbias, to compare bit for bit
-      cpu_db = on_cpu(lambda x, r: step(x, r, with_dbias=with_dbias)[4], x, ring)
-    q, qt, a, ring, db, s = step(x, ring, with_dbias=with_dbias)
-    rq, rqt, ra, ref_ring, _, rs = on_cpu(
+      cpu_db = on_cpu(lambda x, r: step(x, r, with_dbias=with_dbias).dbias, x, ring)
+    out = step(x, ring, with_dbias=with_dbias)
+    ref = on_cpu(
         lambda x, r: reference.cast_transpose_delayed(x, r, with_dbias=with_dbias), x, ref_ring)
-    assert q.shape == shape and qt.shape == (shape[1], -(-shape[0] // 16) * 16)
-    np.testing.assert_array_equal(bits(q), bits(rq))
-    np.testing.assert_array_equal(bits(qt), bits(rqt))
-    np.testing.assert_array_equal(np.asarray(a), ra)
-    np.testing.assert_array_equal(np.asarray(s), rs)  # the scale used
+    t, db, ring, ref_ring = out.tensor, out.dbias, out.ring, ref.ring
+    assert t.data.shape == shape and t.data_t.shape == (shape[1], -(-shape[0] // 16) * 16)
+    assert_same_quantized(t, ref.tensor)  # data, data_t, amax and the scale used
     for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
       np.testing.assert_array_equal(np.asarray(got), want)
     if with_dbias:  # f32 sums of R terms in any order: within gamma_R of their magnitudes
@@ -84,14 +82,12 @@ def test_parts_match_their_concatenation(platform, rng, dtype, cols, rows):
     whole = step(jnp.concatenate(xs, axis=1), ring)
     want = on_cpu(lambda xs, r: reference.cast_transpose_delayed(xs, r, with_dbias=True), xs,
                   ring)
-    for g, w, r in zip((got.q, got.qt), (whole.q, whole.qt), (want.q, want.qt)):
-      np.testing.assert_array_equal(bits(g), bits(w))
-      np.testing.assert_array_equal(bits(g), bits(r))
-    for g, w in zip(jax.tree.leaves((got.amax, got.scale, got.ring, got.dbias)),
-                    jax.tree.leaves((whole.amax, whole.scale, whole.ring, whole.dbias))):
+    assert_same_quantized(got.tensor, whole.tensor)
+    assert_same_quantized(got.tensor, want.tensor)
+    for g, w in zip(jax.tree.leaves((got.ring, got.dbias)),
+                    jax.tree.leaves((whole.ring, whole.dbias))):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
-    for g, r in zip(jax.tree.leaves((got.amax, got.scale, got.ring)),
-                    jax.tree.leaves((want.amax, want.scale, want.ring))):
+    for g, r in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
       np.testing.assert_array_equal(np.asarray(g), r)
     xf = np.concatenate([np.asarray(v, np.float64) for v in xs], axis=1)  # dbias: any order
     bound = summation_error(rows) * np.abs(xf).sum(axis=0)
@@ -102,7 +98,7 @@ def test_parts_match_their_concatenation(platform, rng, dtype, cols, rows):
 def test_parts_keep_a_nan_visible(platform):
   xs = [jnp.ones((32, 16), jnp.bfloat16), jnp.ones((32, 32), jnp.bfloat16).at[5, 17].set(jnp.nan)]
   got = jax.jit(jax_fp8.cast_transpose_delayed)(xs, jax_fp8.ScaleRing.create(4))
-  assert np.isnan(float(got.amax))
+  assert np.isnan(float(got.tensor.amax))
 
 
 def test_parts_bad_inputs():
@@ -129,6 +125,7 @@ def test_a_list_of_rows_is_one_array():
   rows = np.arange(64, dtype=np.float32).reshape(4, 16)
   got = jax_fp8.cast_transpose_delayed(rows.tolist(), ring)
   want = jax_fp8.cast_transpose_delayed(jnp.asarray(rows), ring)
-  np.testing.assert_array_equal(bits(got.q), bits(want.q))
-  np.testing.assert_array_equal(bits(reference.cast_transpose_delayed(rows.tolist(), ring).q),
-                                bits(want.q))
+  np.testing.assert_array_equal(bits(got.tensor.data), bits(want.tensor.data))
+  np.testing.assert_array_equal(
+      bits(reference.cast_transpose_delayed(rows.tolist(), ring).tensor.data),
+      bits(want.tensor.data))

@@ -220,17 +220,17 @@ def test_grad_names_the_op(op):
       "quantize": lambda x: jax_fp8.quantize(x, S).amax,
       "gemm": lambda x: jax_fp8.gemm(x.astype(jnp.float8_e4m3fn), E4, S, S).astype(
           jnp.float32).sum(),
-      "group_quantize": lambda x: jax_fp8.group_quantize(x)[1].sum(),
-      "block_quantize": lambda x: jax_fp8.block_quantize(x)[1].sum(),
-      "group_cast_transpose": lambda x: jax_fp8.group_cast_transpose(x)[1].sum(),
+      "group_quantize": lambda x: jax_fp8.group_quantize(x).scale.sum(),
+      "block_quantize": lambda x: jax_fp8.block_quantize(x).scale.sum(),
+      "group_cast_transpose": lambda x: jax_fp8.group_cast_transpose(x).scale.sum(),
       "norm_group_cast_transpose": lambda x: jax_fp8.norm_group_cast_transpose(
-          x, jnp.ones((x.shape[0], 1)), jnp.ones(x.shape[1]), None, norm="rmsnorm")[1].sum(),
+          x, jnp.ones((x.shape[0], 1)), jnp.ones(x.shape[1]), None, norm="rmsnorm").scale.sum(),
       "activation_group_cast_transpose": lambda x: jax_fp8.activation_group_cast_transpose(
-          x, activation="gelu")[1].sum(),
-      "activation_grad_group_cast_transpose":
-          lambda x: jax_fp8.activation_grad_group_cast_transpose(x, x, activation="gelu")[1].sum(),
-      "quantize_delayed": lambda x: jax_fp8.quantize_delayed(x, RING).amax,
-      "cast_transpose_delayed": lambda x: jax_fp8.cast_transpose_delayed(x, RING).amax,
+          x, activation="gelu").scale.sum(),
+      "activation_grad_group_cast_transpose": lambda x: (
+          jax_fp8.activation_grad_group_cast_transpose(x, x, activation="gelu").scale.sum()),
+      "quantize_delayed": lambda x: jax_fp8.quantize_delayed(x, RING).tensor.amax,
+      "cast_transpose_delayed": lambda x: jax_fp8.cast_transpose_delayed(x, RING).tensor.amax,
   }
   with pytest.raises(TypeError, match=f"jax_fp8.{op} is not differentiable.*jax_fp8.linear"):
     jax.grad(calls[op])(X)

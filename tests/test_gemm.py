@@ -91,8 +91,8 @@ def test_tiny_scales_do_not_underflow(platform, out_dtype):
   x = jnp.full((16, 128), 1e-20, jnp.float32)
   w = jnp.full((128, 32), 1e-15, jnp.float32)
   want = 128 * np.float64(1e-20) * np.float64(1e-15)  # every entry of x @ w
-  qx, ax = jax_fp8.quantize(x, jnp.float32(1e-20 / 448))
-  qw, aw = jax_fp8.quantize(w.T, jnp.float32(1e-15 / 448))
+  qx = jax_fp8.quantize(x, jnp.float32(1e-20 / 448)).data
+  qw = jax_fp8.quantize(w.T, jnp.float32(1e-15 / 448)).data
   sx, sw = jnp.float32(1e-20 / 448), jnp.float32(1e-15 / 448)
   assert float(sx) * float(sw) < np.finfo(np.float32).tiny  # the product alone underflows
   got = {"gemm": jax_fp8.gemm(qx, qw, sx, sw, out_dtype=out_dtype),
@@ -279,10 +279,11 @@ def test_block_quantized_product(platform, rng):
   x = jnp.asarray(x, jnp.bfloat16)
   w = jnp.asarray(rng.standard_normal((n, k)) * 0.02, jnp.bfloat16)
   want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
-  qx, sx = blockwise.group_quantize(x)
-  for qw, sw in (blockwise.block_quantize(w), blockwise.group_quantize(w)):
+  qx = blockwise.group_quantize(x)
+  for qw in (blockwise.block_quantize(w), blockwise.group_quantize(w)):
     for out_dtype in (jnp.float32, jnp.bfloat16):
-      y = np.asarray(jax_fp8.gemm(qx, qw, sx, sw, out_dtype=out_dtype).astype(jnp.float32))
+      y = np.asarray(jax_fp8.gemm(qx.data, qw.data, qx.scale, qw.scale,
+                                  out_dtype=out_dtype).astype(jnp.float32))
       tol = 2 * roundoff("e4m3") + roundoff(out_dtype)
       rel = np.linalg.norm(y - want) / np.linalg.norm(want)
       assert rel < tol, rel

@@ -18,7 +18,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_fp8
 import jax_fp8.nnx
 from jax_fp8.state import next_ring
-from conftest import HAS_CUDA, roundoff, summation_error
+from conftest import HAS_CUDA, assert_same_quantized, roundoff, summation_error
 
 
 def _mesh_devices():
@@ -338,29 +338,24 @@ def test_sharded_jit_fresh_rings(rng):
   mesh = Mesh(np.array(DEVICES), ("data",))
   xs = jax.device_put(x, jax.sharding.NamedSharding(mesh, P("data")))
   ring = jax_fp8.ScaleRing.create(4)
-  q, qt, a, nxt, db, _ = jax.jit(lambda x, r: jax_fp8.cast_transpose_delayed(x, r, with_dbias=True))(
-      xs, ring)
+  got = jax.jit(lambda x, r: jax_fp8.cast_transpose_delayed(x, r, with_dbias=True))(xs, ring)
   with jax.default_device(DEVICES[0]):
-    rq, rqt, ra, rnxt, rdb, _ = jax_fp8.cast_transpose_delayed(x, ring, with_dbias=True)
-  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(rq).view(np.uint8))
-  np.testing.assert_array_equal(np.asarray(qt).view(np.uint8), np.asarray(rqt).view(np.uint8))
-  assert float(a) == float(ra) == 40.0
-  for u, v in zip(jax.tree.leaves(nxt), jax.tree.leaves(rnxt)):
-    np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+    want = jax_fp8.cast_transpose_delayed(x, ring, with_dbias=True)
+  assert_same_cast_transpose(got, want)
+  assert float(got.tensor.amax) == 40.0
   absum = np.abs(np.asarray(x, np.float64)).sum(axis=0)  # dbias: column sums in two orders
-  assert np.all(np.abs(np.asarray(db) - np.asarray(rdb)) <= 2 * summation_error(M) * absum)
-  a_nan = jax.jit(lambda x, r: jax_fp8.quantize_delayed(x, r)[1])(
+  assert np.all(np.abs(np.asarray(got.dbias) - np.asarray(want.dbias))
+                <= 2 * summation_error(M) * absum)
+  a_nan = jax.jit(lambda x, r: jax_fp8.quantize_delayed(x, r).tensor.amax)(
       jax.device_put(x.at[M - 1, 0].set(jnp.nan), jax.sharding.NamedSharding(mesh, P("data"))),
       ring)
   assert np.isnan(float(a_nan))
 
 
 def assert_same_cast_transpose(got, want):
-  """Two CastTransposed results bit for bit: both layouts, amax, scale and ring."""
-  np.testing.assert_array_equal(np.asarray(got.q).view(np.uint8), np.asarray(want.q).view(np.uint8))
-  np.testing.assert_array_equal(np.asarray(got.qt).view(np.uint8),
-                                np.asarray(want.qt).view(np.uint8))
-  assert float(got.amax) == float(want.amax) and float(got.scale) == float(want.scale)
+  """Two cast-transposes' ``DelayedQuantized`` bit for bit: both layouts, amax, scale and
+  ring."""
+  assert_same_quantized(got.tensor, want.tensor)
   for u, v in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
     np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
@@ -452,9 +447,7 @@ def test_sharded_jit_block_sources(rng, spec):
     got = jax.jit(op)(*(put(a, s) for a, s in zip(args, specs)))
     with jax.default_device(DEVICES[0]):
       want = jax.jit(op)(*args)
-    for g, w in zip(got, want, strict=True):
-      g, w = np.asarray(g), np.asarray(w)
-      np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8))
+    assert_same_quantized(got, want)
 
 
 ONE_GROUP = {  # op, then its arguments' shapes with a grouped dimension of exactly one group
@@ -539,7 +532,8 @@ def test_block_scaling_groups_split_unevenly(rng, split, ndev):
 
   def step(x, w, g):
     y, vjp = jax.vjp(lambda x, w: jax_fp8.linear(x, w, recipe=jax_fp8.BlockScaling()), x, w)
-    return (y, *vjp(g), *jax_fp8.block_quantize(w))
+    blocks = jax_fp8.block_quantize(w)
+    return (y, *vjp(g), blocks.data, blocks.scale)
 
   got = jax.jit(step)(*(jax.device_put(v, jax.sharding.NamedSharding(mesh, s))
                         for v, s in zip((x, w), specs)), g)
@@ -578,13 +572,11 @@ def test_sharded_jit_mxfp8_quantize(rng, spec, columnwise):
   got = op(jax.device_put(x, jax.sharding.NamedSharding(mesh, P(*spec))))
   with jax.default_device(DEVICES[0]):
     want = op(x)
-  for name in want:
-    np.testing.assert_array_equal(np.asarray(got[name]).view(np.uint8),
-                                  np.asarray(want[name]).view(np.uint8), err_msg=name)
+  assert_same_quantized(got, want)
   local = tuple(d // NDEV if s else d for d, s in zip(x.shape, spec))  # no gather
-  assert got["data"].sharding.shard_shape(x.shape) == local
+  assert got.data.sharding.shard_shape(x.shape) == local
   if columnwise:
-    assert got["data_t"].sharding.shard_shape(x.shape[::-1]) == local[::-1]
+    assert got.data_t.sharding.shard_shape(x.shape[::-1]) == local[::-1]
 
 
 @pytest.mark.parametrize("spec", [("data", None), (None, "data")], ids=["rows", "cols"])
@@ -602,15 +594,13 @@ def test_sharded_jit_nvfp4_quantize(rng, spec, option):
   got = op(jax.device_put(x, jax.sharding.NamedSharding(mesh, P(*spec))))
   with jax.default_device(DEVICES[0]):
     want = op(x)
-  assert sorted(got) == sorted(want)
-  for name in want:  # bytes, and the f32 global scales as values
-    np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(want[name]), err_msg=name)
+  assert_same_quantized(got, want)  # bytes, and the f32 global scales as values
   if option == "both":  # no gather
     local = tuple(d // NDEV if s else d for d, s in zip(x.shape, spec))
-    assert got["scales"].sharding.shard_shape(got["scales"].shape)[spec.index("data")] == (
-        got["scales"].shape[spec.index("data")] // NDEV)
-    assert got["data"].sharding.shard_shape(got["data"].shape)[0] == local[0]
-    assert got["data_t"].sharding.shard_shape(got["data_t"].shape)[0] == local[1]
+    assert got.scale.sharding.shard_shape(got.scale.shape)[spec.index("data")] == (
+        got.scale.shape[spec.index("data")] // NDEV)
+    assert got.data.sharding.shard_shape(got.data.shape)[0] == local[0]
+    assert got.data_t.sharding.shard_shape(got.data_t.shape)[0] == local[1]
 
 
 def test_sharded_jit_gemm_sums_in_f32():

@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HAS_CUDA, bits, block_scaled_data, on_cpu, poison_allocator
+from conftest import (HAS_CUDA, assert_same_quantized, block_scaled_data, on_cpu,
+                      poison_allocator)
 
 import jax_fp8
 from jax_fp8 import _ffi, reference
@@ -51,10 +52,10 @@ def test_special_blocks(fmt):
 def test_round_trip_within_the_format_bound(rng, fmt, dtype):
   x = block_scaled_data(rng, (64, 128), MX_BLOCK, 3, dtype)
   t = reference.mxfp8_quantize(x, rowwise=True, columnwise=True, fmt=fmt)
-  assert t["data"].dtype == jnp.dtype({"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[fmt])
-  assert t["scales"].shape == (64, 4) and t["scales"].dtype == jnp.uint8
-  assert t["data_t"].shape == (128, 64) and t["scales_t"].shape == (128, 2)
-  for data, scales, ref in ((t["data"], t["scales"], x), (t["data_t"], t["scales_t"], x.T)):
+  assert t.data.dtype == jnp.dtype({"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[fmt])
+  assert t.scale.shape == (64, 4) and t.scale.dtype == jnp.uint8
+  assert t.data_t.shape == (128, 64) and t.scale_t.shape == (128, 2)
+  for data, scales, ref in ((t.data, t.scale, x), (t.data_t, t.scale_t, x.T)):
     back = np.asarray(reference.mxfp8_dequantize(data, scales), np.float64)
     ref = np.asarray(ref, np.float64)
     scale = np.repeat(np.exp2(np.asarray(scales, np.float64) - 127), MX_BLOCK, axis=1)
@@ -66,16 +67,16 @@ def test_nan_and_inf_blocks_stay_visible(rng):
   x = np.asarray(rng.standard_normal((2, 64)), np.float32)
   x[0, 3], x[1, 40] = np.nan, np.inf
   t = reference.mxfp8_quantize(jnp.asarray(x))
-  assert np.asarray(t["scales"]).tolist()[0][0] == 255 and np.asarray(t["scales"])[1, 1] == 255
-  back = np.asarray(reference.mxfp8_dequantize(t["data"], t["scales"]))
+  assert np.asarray(t.scale).tolist()[0][0] == 255 and np.asarray(t.scale)[1, 1] == 255
+  back = np.asarray(reference.mxfp8_dequantize(t.data, t.scale))
   assert np.all(np.isnan(back[0, :32])) and np.all(np.isnan(back[1, 32:]))
   assert np.all(np.isfinite(back[0, 32:])) and np.all(np.isfinite(back[1, :32]))
 
 
 def test_zero_block():
   t = reference.mxfp8_quantize(jnp.zeros((1, 32)))
-  assert int(t["scales"][0, 0]) == 0
-  assert np.all(np.asarray(t["data"], np.float32) == 0)
+  assert int(t.scale[0, 0]) == 0
+  assert np.all(np.asarray(t.data, np.float32) == 0)
 
 
 DIRECTIONS = {"rowwise": (True, False), "columnwise": (False, True), "both": (True, True)}
@@ -91,10 +92,7 @@ def _check_against_reference(x, directions, fmt):
   got = jax_fp8.mxfp8_quantize(x, rowwise=rowwise, columnwise=columnwise, fmt=fmt)
   want = on_cpu(lambda v: reference.mxfp8_quantize(v, rowwise=rowwise, columnwise=columnwise,
                                                    fmt=fmt), x)
-  assert sorted(got) == sorted(want)
-  for name in want:
-    assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype
-    np.testing.assert_array_equal(bits(got[name]), bits(want[name]), err_msg=name)
+  assert_same_quantized(got, want)
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -126,8 +124,7 @@ def test_columnwise_takes_any_number_of_rows(rng):
                  np.float32)
   got = jax_fp8.mxfp8_quantize(jax.device_put(x, jax.devices("cuda")[0]), columnwise=True)
   want = on_cpu(lambda v: jax_fp8.mxfp8_quantize(v, columnwise=True), x)
-  for name in want:
-    np.testing.assert_array_equal(bits(got[name]), bits(want[name]), err_msg=name)
+  assert_same_quantized(got, want)
 
 
 @pytest.mark.parametrize("directions", ["rowwise", "both"])
@@ -148,11 +145,11 @@ def test_kernel_special_values(platform, rng, fmt, directions):
   x[6, 0:32] = fp8_max(fmt) * 2.0 ** rng.integers(-140, -100, 32)
   _check_against_reference(jnp.asarray(x), directions, fmt)
   t = jax_fp8.mxfp8_quantize(jnp.asarray(x), columnwise=directions == "both", fmt=fmt)
-  scales = np.asarray(t["scales"])
+  scales = np.asarray(t.scale)
   assert scales[0, 0] == scales[40, 2] == scales[9, 3] == 255
   assert scales[40, 0] == 0 and np.all(scales[2, 2] < 255)
   if directions == "both":
-    scales_t = np.asarray(t["scales_t"])
+    scales_t = np.asarray(t.scale_t)
     assert scales_t[5, 0] == scales_t[70, 1] == scales_t[100, 0] == 255
 
 
@@ -185,16 +182,15 @@ def test_jit_and_vmap(rng):
   f = lambda v: jax_fp8.mxfp8_quantize(v, columnwise=True)  # noqa: E731
   got = jax.jit(jax.vmap(f))(x)
   for i in range(3):
-    want = reference.mxfp8_quantize(x[i], columnwise=True)
-    for name in want:
-      np.testing.assert_array_equal(bits(got[name][i]), bits(want[name]))
+    assert_same_quantized(jax.tree.map(lambda v: v[i], got),
+                          reference.mxfp8_quantize(x[i], columnwise=True))
 
 
 @pytest.mark.parametrize("fmt", FMTS)
 def test_dequantize_round_trip(rng, fmt):
   x = block_scaled_data(rng, (64, 128), MX_BLOCK, 3, jnp.float32)
   t = jax_fp8.mxfp8_quantize(x, columnwise=True, fmt=fmt)
-  for data, scales, ref in ((t["data"], t["scales"], x), (t["data_t"], t["scales_t"], x.T)):
+  for data, scales, ref in ((t.data, t.scale, x), (t.data_t, t.scale_t, x.T)):
     back = np.asarray(jax_fp8.mxfp8_dequantize(data, scales), np.float64)
     ref = np.asarray(ref, np.float64)
     scale = np.repeat(np.exp2(np.asarray(scales, np.float64) - 127), MX_BLOCK, axis=1)
@@ -202,8 +198,8 @@ def test_dequantize_round_trip(rng, fmt):
                                                    HALF_SUBNORMAL[fmt] * scale))
   # bfloat16 holds every E4M3 / E5M2 value times a power of two in its normal range
   np.testing.assert_array_equal(
-      np.asarray(jax_fp8.mxfp8_dequantize(t["data"], t["scales"], jnp.bfloat16), np.float32),
-      np.asarray(jax_fp8.mxfp8_dequantize(t["data"], t["scales"]), np.float32))
+      np.asarray(jax_fp8.mxfp8_dequantize(t.data, t.scale, jnp.bfloat16), np.float32),
+      np.asarray(jax_fp8.mxfp8_dequantize(t.data, t.scale), np.float32))
 
 
 X = jnp.ones((64, 64), jnp.float32)
@@ -237,4 +233,4 @@ def test_bad_input(call, error, message):
 
 def test_not_differentiable():
   with pytest.raises(TypeError, match="jax_fp8.mxfp8_quantize is not differentiable"):
-    jax.grad(lambda x: jax_fp8.mxfp8_quantize(x)["data"].astype(jnp.float32).sum())(X)
+    jax.grad(lambda x: jax_fp8.mxfp8_quantize(x).data.astype(jnp.float32).sum())(X)

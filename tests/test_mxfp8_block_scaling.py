@@ -25,7 +25,7 @@ def ref_gemm(a, b, contract_a, contract_b):
   """a contracted with b over the given axes, each quantized along them by the jnp twin."""
   qa = reference.mxfp8_quantize(jnp.moveaxis(a, contract_a, -1))
   qb = reference.mxfp8_quantize(jnp.moveaxis(b, contract_b, -1))
-  return reference.mxfp8_gemm(qa["data"], qb["data"], qa["scales"], qb["scales"],
+  return reference.mxfp8_gemm(qa.data, qb.data, qa.scale, qb.scale,
                               out_dtype=jnp.float32)
 
 
@@ -133,9 +133,9 @@ def test_mxfp8_gemm_is_exact_to_the_f32_sums(platform, rng):
   b = np.asarray(rng.standard_normal((40, 96)), np.float32)
   for fmt in ("e4m3", "e5m2"):
     qa, qb = (jax_fp8.mxfp8_quantize(v, fmt=fmt) for v in (a, b))
-    got = jax_fp8.mxfp8_gemm(qa["data"], qb["data"], qa["scales"], qb["scales"],
+    got = jax_fp8.mxfp8_gemm(qa.data, qb.data, qa.scale, qb.scale,
                              out_dtype=jnp.float32)
-    fa, fb = (np.asarray(jax_fp8.mxfp8_dequantize(q["data"], q["scales"]), np.float64)
+    fa, fb = (np.asarray(jax_fp8.mxfp8_dequantize(q.data, q.scale), np.float64)
               for q in (qa, qb))
     bound = 2 * summation_error(96) * (np.abs(fa) @ np.abs(fb).T)
     assert np.all(np.abs(np.asarray(got, np.float64) - fa @ fb.T) <= bound)
@@ -160,11 +160,11 @@ def test_errors(rng):
     jax_fp8.linear(x, fw, recipe=MX)
   q = jax_fp8.mxfp8_quantize(w)
   with pytest.raises(ValueError, match="must share K"):
-    jax_fp8.mxfp8_gemm(q["data"], q["data"][:, :64], q["scales"], q["scales"][:, :2])
+    jax_fp8.mxfp8_gemm(q.data, q.data[:, :64], q.scale, q.scale[:, :2])
   with pytest.raises(ValueError, match=r"b_scales uint8.*got b float8_e4m3fn\[64, 96\] and "
                                        r"b_scales float8_e4m3fn"):
-    jax_fp8.mxfp8_gemm(q["data"], q["data"], q["scales"], q["data"])  # data as b_scales
+    jax_fp8.mxfp8_gemm(q.data, q.data, q.scale, q.data)  # data as b_scales
   with pytest.raises(TypeError, match="b must be float8_e4m3fn or float8_e5m2, got float32"):
-    jax_fp8.mxfp8_gemm(q["data"], w, q["scales"], q["scales"])
+    jax_fp8.mxfp8_gemm(q.data, w, q.scale, q.scale)
   with pytest.raises(TypeError, match=r"got the class CurrentScaling: pass an instance"):
     jax_fp8.linear(x, w, recipe=jax_fp8.CurrentScaling)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, normwise, on_cpu, poison_allocator, roundoff
+from conftest import assert_same_quantized, bits, normwise, on_cpu, poison_allocator, roundoff
 from flax import nnx
 
 import jax_fp8
@@ -70,9 +70,7 @@ def test_matches_reference_bytes(platform, rng, norm, dtype, shape):
     got = step(x, row_stats, gamma, beta, ring, norm=norm)
     want = on_cpu(lambda *a: reference.norm_cast_transpose(*a, norm=norm), x, row_stats, gamma,
                   beta, ring)
-    np.testing.assert_array_equal(bits(got.q), bits(want.q))
-    np.testing.assert_array_equal(bits(got.qt), bits(want.qt))
-    assert float(got.amax) == float(want.amax) and float(got.scale) == float(want.scale)
+    assert_same_quantized(got.tensor, want.tensor)  # data, data_t, amax, scale
     assert got.dbias is None
     for u, v in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
       np.testing.assert_array_equal(np.asarray(u), v)
@@ -111,8 +109,8 @@ def test_nan_stays_visible(platform):
     gamma, beta = jnp.ones(64), (jnp.zeros(64) if norm == "layernorm" else None)
     out = jax_fp8.norm_cast_transpose(x, norms.stats(x, norm, 1e-6), gamma, beta,
                                       jax_fp8.ScaleRing.create(4), norm=norm)
-    assert np.isnan(float(out.amax))
-    assert bits(out.q)[3, 5] == 0x7F and bits(out.qt)[5, 3] == 0x7F
+    assert np.isnan(float(out.tensor.amax))
+    assert bits(out.tensor.data)[3, 5] == 0x7F and bits(out.tensor.data_t)[5, 3] == 0x7F
 
 
 def test_bad_inputs():

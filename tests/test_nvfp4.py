@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (E2M1, HAS_CUDA, bits, block_scaled_data, on_cpu, poison_allocator,
-                      summation_error)
+from conftest import (E2M1, HAS_CUDA, assert_same_quantized, bits, block_scaled_data, on_cpu,
+                      poison_allocator, summation_error)
 
 import jax_fp8
 from jax_fp8 import _ffi, reference
@@ -26,16 +26,16 @@ def test_round_trip_within_the_format_bound(rng, dtype, block_2d):
   # Blocks of magnitudes within 10^+-1 of each other: their E4M3 scales are normal numbers.
   x = block_scaled_data(rng, (64, 128), NVFP4_BLOCK, 1, dtype)
   t = reference.nvfp4_quantize(x, rowwise=True, columnwise=True, block_2d=block_2d)
-  assert t["data"].shape == (64, 64) and t["data"].dtype == jnp.uint8
-  assert t["scales"].shape == (64, 8) and t["scales"].dtype == jnp.float8_e4m3fn
-  assert t["data_t"].shape == (128, 32) and t["scales_t"].shape == (128, 4)
+  assert t.data.shape == (64, 64) and t.data.dtype == jnp.uint8
+  assert t.scale.shape == (64, 8) and t.scale.dtype == jnp.float8_e4m3fn
+  assert t.data_t.shape == (128, 32) and t.scale_t.shape == (128, 4)
   amax = np.float32(np.max(np.abs(np.asarray(x, np.float32))))
-  assert float(t["global_scale"]) == amax * np.float32(1 / 2688)  # one f32 rounding
+  assert float(t.global_scale) == amax * np.float32(1 / 2688)  # one f32 rounding
   ref = np.asarray(x, np.float64)
-  rows = reference.nvfp4_dequantize(t["data"], t["scales"], t["global_scale"])
-  cols = reference.nvfp4_dequantize(t["data_t"], t["scales_t"], t["global_scale"])
-  for back, want, scales in ((rows, ref, t["scales"]), (cols, ref.T, t["scales_t"])):
-    step = np.repeat(np.asarray(scales, np.float64), NVFP4_BLOCK, 1) * float(t["global_scale"])
+  rows = reference.nvfp4_dequantize(t.data, t.scale, t.global_scale)
+  cols = reference.nvfp4_dequantize(t.data_t, t.scale_t, t.global_scale)
+  for back, want, scales in ((rows, ref, t.scale), (cols, ref.T, t.scale_t)):
+    step = np.repeat(np.asarray(scales, np.float64), NVFP4_BLOCK, 1) * float(t.global_scale)
     # E2M1's gap is 0.5 below 2, 1 up to 4 and 2 up to 6, so rounding moves x by at most
     # max(step / 4, |x| / 4); the E4M3 rounding of the scale can push |x| / step past 6 by at
     # most 6 * 2^-4 / (1 - 2^-4) = 0.4, within the same bound; plus f32 rounding of x / step.
@@ -52,32 +52,32 @@ def test_packing_and_rounding():
   row[:8] = [6.0, 0.5, -1.5, 3.0, 0.25, 0.75, 5.0, -2.5]
   t = reference.nvfp4_quantize(jnp.asarray(row[None]))
   # amax 6: global scale 6 / 2688 = 1/448, block scale e4m3(6 / 6 * 448) = 448: step 1.
-  assert float(t["scales"][0, 0].astype(jnp.float32)) == 448.0
+  assert float(t.scale[0, 0].astype(jnp.float32)) == 448.0
   codes = [E2M1.index(6.0), E2M1.index(0.5), 8 | E2M1.index(1.5), E2M1.index(3.0),
            0, E2M1.index(1.0), E2M1.index(4.0), 8 | E2M1.index(2.0)]  # 0.25->0, 0.75->1, 5->4
-  packed = np.asarray(t["data"])[0, :4]
+  packed = np.asarray(t.data)[0, :4]
   assert [int(b) & 0xF for b in packed] == codes[0::2]
   assert [int(b) >> 4 for b in packed] == codes[1::2]
 
 
 def test_special_tensors():
   zeros = reference.nvfp4_quantize(jnp.zeros((1, 32)))
-  assert float(zeros["global_scale"]) == 1.0
-  assert np.all(np.asarray(zeros["scales"], np.float32) == 0) and not np.any(zeros["data"])
+  assert float(zeros.global_scale) == 1.0
+  assert np.all(np.asarray(zeros.scale, np.float32) == 0) and not np.any(zeros.data)
   x = np.ones((2, 32), np.float32)
   x[1, 20] = np.nan
   t = reference.nvfp4_quantize(jnp.asarray(x))
-  assert np.isnan(float(t["global_scale"]))  # a NaN anywhere stays visible
-  assert np.all(np.isnan(np.asarray(reference.nvfp4_dequantize(t["data"], t["scales"],
-                                                               t["global_scale"]))))
+  assert np.isnan(float(t.global_scale))  # a NaN anywhere stays visible
+  assert np.all(np.isnan(np.asarray(reference.nvfp4_dequantize(t.data, t.scale,
+                                                               t.global_scale))))
   assert np.isnan(float(nvfp4_global_scale(jnp.float32(jnp.inf))))
   # A tensor whose amax / 2688 is below FLT_MIN: the global scale clamps there, so the block
   # scales' encoding factor stays finite and zero blocks keep scale 0.
   tiny = np.zeros((1, 32), np.float32)
   tiny[0, :16] = 1e-37
   t = reference.nvfp4_quantize(jnp.asarray(tiny))
-  assert float(t["global_scale"]) == np.finfo(np.float32).tiny
-  scales = np.asarray(t["scales"], np.float32)
+  assert float(t.global_scale) == np.finfo(np.float32).tiny
+  scales = np.asarray(t.scale, np.float32)
   assert scales[0, 0] > 0 and scales[0, 1] == 0 and np.all(np.isfinite(scales))
 
 
@@ -94,8 +94,9 @@ def unit_step_blocks(values, rows):
                         axis=2).reshape(rows, 16 * len(values))
 
 
-def e2m1_values(t, key="data", scales="scales"):
-  return np.asarray(reference.nvfp4_dequantize(t[key], t[scales], t["global_scale"]))
+def e2m1_values(t, data="data", scale="scale"):
+  return np.asarray(reference.nvfp4_dequantize(getattr(t, data), getattr(t, scale),
+                                               t.global_scale))
 
 
 # (value, probability of rounding its magnitude up): halfway points of each gap, and quarters.
@@ -132,15 +133,15 @@ def test_stochastic_rounding_bits_follow_the_documented_counter():
   t = reference.nvfp4_quantize(jnp.asarray(x), columnwise=True, stochastic_rounding=True,
                                key=key)
   words = jax.random.key_data(key)
-  for name, xs, scales, direction in (("data", x, "scales", 0), ("data_t", x.T, "scales_t", 1)):
+  for name, xs, scales, direction in (("data", x, "scale", 0), ("data_t", x.T, "scale_t", 1)):
     back = e2m1_values(t, name, scales)
     for row, col in ((5, 16 + 7), (17, 12), (0, 3), (30, 31)):
       block, i = divmod(col, 16)
       w = np.concatenate([np.asarray(philox4x32(jnp.array([block, row, direction, j], jnp.uint32),
                                                 words)) for j in (0, 1)])
       bits = (int(w[i // 2]) >> (16 * (i % 2))) & 0xFFFF
-      step = np.float32(t[scales][row, block].astype(jnp.float32)) * np.float32(
-          t["global_scale"])  # f32, as the quantizer and nvfp4_dequantize compute it
+      step = np.float32(getattr(t, scales)[row, block].astype(jnp.float32)) * np.float32(
+          t.global_scale)  # f32, as the quantizer and nvfp4_dequantize compute it
       y = np.float32(xs[row, col]) / step
       lo = max(c for c in E2M1 if c <= abs(y))
       gap = 0.5 if abs(y) < 2 else 1.0 if abs(y) < 4 else 2.0
@@ -153,10 +154,10 @@ def test_stochastic_rounding_bits_follow_the_documented_counter():
 def test_stochastic_rounding_keys():
   x = jnp.asarray(unit_step_blocks([0.25, 2.5, 5.0], rows=16))
   q = lambda k: np.asarray(reference.nvfp4_quantize(  # noqa: E731
-      x, stochastic_rounding=True, key=jax.random.key(k))["data"])
+      x, stochastic_rounding=True, key=jax.random.key(k)).data)
   np.testing.assert_array_equal(q(1), q(1))
   assert np.any(q(1) != q(2))
-  nearest = np.asarray(reference.nvfp4_quantize(x)["data"])
+  nearest = np.asarray(reference.nvfp4_quantize(x).data)
   assert np.any(q(1) != nearest)
 
 
@@ -164,7 +165,7 @@ def test_stochastic_rounding_keeps_nan_visible():
   x = np.ones((1, 32), np.float32)
   x[0, 3] = np.nan
   t = reference.nvfp4_quantize(jnp.asarray(x), stochastic_rounding=True, key=jax.random.key(0))
-  assert np.isnan(float(t["global_scale"])) and np.all(np.isnan(e2m1_values(t)))
+  assert np.isnan(float(t.global_scale)) and np.all(np.isnan(e2m1_values(t)))
 
 
 def test_hadamard_transform_of_the_columnwise_copy(rng):
@@ -174,15 +175,15 @@ def test_hadamard_transform_of_the_columnwise_copy(rng):
   x = block_scaled_data(rng, (64, 128), NVFP4_BLOCK, 1, jnp.float32)
   plain = reference.nvfp4_quantize(x, columnwise=True)
   t = reference.nvfp4_quantize(x, columnwise=True, rht=True, rht_seed=5)
-  np.testing.assert_array_equal(t["data"], plain["data"])
+  np.testing.assert_array_equal(t.data, plain.data)
   m = np.asarray(hadamard_transform(jnp.eye(16), 5), np.float64)  # its matrix
   xt = np.asarray(x, np.float64).T
   transformed = np.asarray(hadamard_transform(jnp.asarray(x).T, 5), np.float64)
   want_gs = np.float32(np.max(np.abs(transformed))) * np.float32(1 / 2688)
-  assert float(t["global_scale_t"]) == float(want_gs)
-  back = np.asarray(reference.nvfp4_dequantize(t["data_t"], t["scales_t"], t["global_scale_t"]),
+  assert float(t.global_scale_t) == float(want_gs)
+  back = np.asarray(reference.nvfp4_dequantize(t.data_t, t.scale_t, t.global_scale_t),
                     np.float64)
-  step = np.repeat(np.asarray(t["scales_t"], np.float64), 16, 1) * float(t["global_scale_t"])
+  step = np.repeat(np.asarray(t.scale_t, np.float64), 16, 1) * float(t.global_scale_t)
   bound = np.maximum(step / 4, np.abs(transformed) / 4) * (1 + 2.0**-20)
   assert np.all(np.abs(back - transformed) <= bound)
   group_err = np.linalg.norm((back.reshape(128, 4, 16) @ m.T) - xt.reshape(128, 4, 16), axis=-1)
@@ -195,15 +196,14 @@ def test_global_amax_sets_the_global_scales(rng):
   x = block_scaled_data(rng, (32, 64), NVFP4_BLOCK, 1, jnp.float32)
   own = float(np.max(np.abs(np.asarray(x))))
   same = reference.nvfp4_quantize(x, global_amax=jnp.float32(own))
-  for k, v in reference.nvfp4_quantize(x).items():
-    np.testing.assert_array_equal(np.asarray(same[k]), np.asarray(v))
+  assert_same_quantized(same, reference.nvfp4_quantize(x))
   # the op takes a Python number as an f32 amax
-  assert float(jax_fp8.nvfp4_quantize(x, global_amax=own)["global_scale"]) == float(
-      same["global_scale"])
+  assert float(jax_fp8.nvfp4_quantize(x, global_amax=own).global_scale) == float(
+      same.global_scale)
   t = reference.nvfp4_quantize(x, columnwise=True, rht=True, global_amax=jnp.float32(2 * own),
                                global_amax_t=jnp.float32(3 * own))
-  assert float(t["global_scale"]) == np.float32(2 * own) * np.float32(1 / 2688)
-  assert float(t["global_scale_t"]) == np.float32(3 * own) * np.float32(1 / 2688)
+  assert float(t.global_scale) == np.float32(2 * own) * np.float32(1 / 2688)
+  assert float(t.global_scale_t) == np.float32(3 * own) * np.float32(1 / 2688)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -259,11 +259,7 @@ def _check_against_reference(x, options):
   poison_allocator(x.size // 2)  # the packed data's bytes
   got = jax_fp8.nvfp4_quantize(x, **options)
   want = on_cpu(lambda v: reference.nvfp4_quantize(v, **options), x)
-  assert sorted(got) == sorted(want)
-  for name in want:
-    assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype, name
-    raw = bits if got[name].dtype.itemsize == 1 else np.asarray  # the global scales: f32 []
-    np.testing.assert_array_equal(raw(got[name]), raw(want[name]), err_msg=name)
+  assert_same_quantized(got, want)
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -347,7 +343,7 @@ def test_specialised_and_general_kernels_agree(rng, dtype, stochastic_rounding):
   for shape in ((16, 32), (37, 416), (4099, 4096)):  # the last: several grid-stride rounds
     x = jax.device_put(block_scaled_data(rng, shape, NVFP4_BLOCK, 4, dtype), gpu)
     outs = [nvfp4_ops.quantize_call(x, *args, specialised=s, **options) for s in (True, False)]
-    for name, a, b in zip(("data", "scales"), outs[0], outs[1]):
+    for name, a, b in zip(("data", "scale"), outs[0], outs[1]):
       np.testing.assert_array_equal(bits(a), bits(b), err_msg=name)
 
 
@@ -363,9 +359,7 @@ def test_kernels_take_any_number_of_rows(rng):
                   dict(columnwise=True, block_2d=True)):
     got = jax_fp8.nvfp4_quantize(jax.device_put(x, jax.devices("cuda")[0]), **options)
     want = on_cpu(lambda v: jax_fp8.nvfp4_quantize(v, **options), x)  # noqa: B023
-    for name in want:
-      raw = bits if got[name].dtype.itemsize == 1 else np.asarray  # the global scale: f32 []
-      np.testing.assert_array_equal(raw(got[name]), raw(want[name]), err_msg=name)
+    assert_same_quantized(got, want)
 
 
 def test_jit_and_vmap(rng):
@@ -374,9 +368,7 @@ def test_jit_and_vmap(rng):
   got = jax.jit(jax.vmap(f))(x)
   for i in range(3):
     want = on_cpu(lambda v: reference.nvfp4_quantize(v, **OPTIONS["both_rht_sr"]), x[i])
-    for name in want:
-      raw = bits if want[name].dtype.itemsize == 1 else np.asarray
-      np.testing.assert_array_equal(raw(got[name][i]), raw(want[name]), err_msg=name)
+    assert_same_quantized(jax.tree.map(lambda v: v[i], got), want)  # noqa: B023
 
 
 @pytest.mark.parametrize("shape", [(0, 32), (3, 0, 64)], ids=str)
@@ -384,7 +376,7 @@ def test_empty_tensors(platform, shape):
   """No rows (or an empty batch dimension): quantize and dequantize give empty arrays."""
   x = jnp.zeros(shape, jnp.float32)
   t = jax_fp8.nvfp4_quantize(x[0] if len(shape) == 3 else x)
-  back = jax_fp8.nvfp4_dequantize(t["data"], t["scales"], t["global_scale"])
+  back = jax_fp8.nvfp4_dequantize(t.data, t.scale, t.global_scale)
   assert back.shape == (0, shape[-1])
   data = jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8)
   scales = jnp.zeros((*shape[:-1], shape[-1] // NVFP4_BLOCK), jnp.float8_e4m3fn)
@@ -394,19 +386,19 @@ def test_empty_tensors(platform, shape):
 def test_dequantize_round_trip(rng):
   x = block_scaled_data(rng, (32, 64), NVFP4_BLOCK, 1, jnp.float32)
   t = jax_fp8.nvfp4_quantize(x, columnwise=True)
-  for data, scales, ref in ((t["data"], t["scales"], x), (t["data_t"], t["scales_t"], x.T)):
-    back = np.asarray(jax_fp8.nvfp4_dequantize(data, scales, t["global_scale"]), np.float64)
-    step = np.repeat(np.asarray(scales, np.float64), NVFP4_BLOCK, 1) * float(t["global_scale"])
+  for data, scales, ref in ((t.data, t.scale, x), (t.data_t, t.scale_t, x.T)):
+    back = np.asarray(jax_fp8.nvfp4_dequantize(data, scales, t.global_scale), np.float64)
+    step = np.repeat(np.asarray(scales, np.float64), NVFP4_BLOCK, 1) * float(t.global_scale)
     ref = np.asarray(ref, np.float64)  # the bound of test_round_trip_within_the_format_bound
     assert np.all(np.abs(back - ref) <= np.maximum(step / 4, np.abs(ref) / 4) * (1 + 2.0**-20))
   # A power-of-two global scale: every value is an E2M1 value (2 significant bits) times an
   # E4M3 scale (4) times 2^k, which bfloat16 (8) holds exactly.
   t = jax_fp8.nvfp4_quantize(x, global_amax=jnp.float32(2688 * 2.0**-3))
-  assert float(t["global_scale"]) == 2.0**-3
+  assert float(t.global_scale) == 2.0**-3
   np.testing.assert_array_equal(
-      np.asarray(jax_fp8.nvfp4_dequantize(t["data"], t["scales"], t["global_scale"],
+      np.asarray(jax_fp8.nvfp4_dequantize(t.data, t.scale, t.global_scale,
                                           jnp.bfloat16), np.float32),
-      np.asarray(jax_fp8.nvfp4_dequantize(t["data"], t["scales"], t["global_scale"])))
+      np.asarray(jax_fp8.nvfp4_dequantize(t.data, t.scale, t.global_scale)))
 
 
 X = jnp.ones((32, 64), jnp.float32)
@@ -420,10 +412,10 @@ def test_gemm_is_exact_to_the_f32_sums(platform, rng):
                  np.float32)
   b = np.asarray(rng.standard_normal((40, 96)), np.float32)
   qa, qb = jax_fp8.nvfp4_quantize(a), jax_fp8.nvfp4_quantize(b)
-  args = (qa["data"], qb["data"], qa["scales"], qb["scales"], qa["global_scale"],
-          qb["global_scale"])
+  args = (qa.data, qb.data, qa.scale, qb.scale, qa.global_scale,
+          qb.global_scale)
   got = np.asarray(jax_fp8.nvfp4_gemm(*args, out_dtype=jnp.float32), np.float64)
-  fa, fb = (np.asarray(jax_fp8.nvfp4_dequantize(q["data"], q["scales"], q["global_scale"]),
+  fa, fb = (np.asarray(jax_fp8.nvfp4_dequantize(q.data, q.scale, q.global_scale),
                        np.float64) for q in (qa, qb))
   want = fa @ fb.T
   # f32 sums in two orders; two roundings in each dequantized f32 value (scale times global
@@ -433,7 +425,7 @@ def test_gemm_is_exact_to_the_f32_sums(platform, rng):
   ref = np.asarray(on_cpu(lambda *v: reference.nvfp4_gemm(*v, out_dtype=jnp.float32), *args))
   assert np.all(np.abs(got - ref) <= bound)
   with pytest.raises(ValueError, match=r"b_scales float8_e4m3fn \[rows, K/16\], got b uint8"):
-    jax_fp8.nvfp4_gemm(*args[:3], qb["scales"][:, :2], *args[4:])
+    jax_fp8.nvfp4_gemm(*args[:3], qb.scale[:, :2], *args[4:])
   with pytest.raises(ValueError, match="must share K"):
     jax_fp8.nvfp4_gemm(args[0], args[1][:, :32], args[2], args[3][:, :4], *args[4:])
 
@@ -477,4 +469,4 @@ def test_bad_input(call, error, message):
 
 def test_not_differentiable():
   with pytest.raises(TypeError, match="jax_fp8.nvfp4_quantize is not differentiable"):
-    jax.grad(lambda x: jax_fp8.nvfp4_quantize(x)["scales"].astype(jnp.float32).sum())(X)
+    jax.grad(lambda x: jax_fp8.nvfp4_quantize(x).scale.astype(jnp.float32).sum())(X)

@@ -31,9 +31,9 @@ def pad16(v):
 
 def deq(q, direction=""):
   """The f64 values of a twin's quantization (``direction`` "" rowwise, "_t" columnwise)."""
-  gs = q["global_scale" + ("_t" if "global_scale_t" in q and direction else "")]
-  return np.asarray(reference.nvfp4_dequantize(q["data" + direction], q["scales" + direction],
-                                               gs), np.float64)
+  gs = q.global_scale_t if direction and q.global_scale_t is not None else q.global_scale
+  return np.asarray(reference.nvfp4_dequantize(getattr(q, "data" + direction),
+                                               getattr(q, "scale" + direction), gs), np.float64)
 
 
 def grad_key(key, i):
@@ -175,12 +175,12 @@ def test_stochastic_rounding_is_unbiased_through_the_backward(rng):
       x, w, recipe=jax_fp8.NVFP4BlockScaling(stochastic_rounding=False)), x, w)[1](t))(x, w)
   qx, qxt, qw, qg = twins(x, w, t, jax_fp8.NVFP4BlockScaling(stochastic_rounding=False))
   # dgrad: g along N (its scales as round to nearest sets them: they come from the amaxes)
-  g_mean, g_var = sr_moments(t, qg["scales"], qg["global_scale"])
+  g_mean, g_var = sr_moments(t, qg.scale, qg.global_scale)
   wq = deq(qw)  # [K, N], the kernel as dgrad reads it
   want_dx, var_dx = g_mean @ wq.T, g_var @ (wq**2).T
   # wgrad: the gradient's transformed copy along M, against x's (both through the transform)
   gt = np.asarray(hadamard_transform(jnp.asarray(t), NV.rht_seed, axis=0), np.float64).T
-  gt_mean, gt_var = sr_moments(gt, qg["scales_t"], qg["global_scale_t"])
+  gt_mean, gt_var = sr_moments(gt, qg.scale_t, qg.global_scale_t)
   xq = deq(qxt, "_t")  # [K, M]
   want_dw, var_dw = xq @ gt_mean.T, (xq**2) @ gt_var.T
   for got, want, var, nearest in ((dx, want_dx, var_dx, rn[0]), (dw, want_dw, var_dw, rn[1])):

@@ -1,10 +1,12 @@
 """quantize / quantize_delayed: bit-identical to jax_fp8.reference on CPU and CUDA."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, on_cpu, poison_allocator
+from conftest import assert_same_quantized, bits, on_cpu, poison_allocator
 
 import jax_fp8
 from jax_fp8 import formats, reference
@@ -25,9 +27,9 @@ def special_values(fmt, dtype):
   return jnp.asarray(np.array(v, np.float32)).astype(dtype)
 
 
-def check_same(q, a, qr, ar):
-  np.testing.assert_array_equal(bits(q), bits(qr))
-  np.testing.assert_array_equal(np.asarray(a), np.asarray(ar))  # NaN == NaN here
+def check_same(got, want):
+  """data and amax of two Quantized (and the scale where both hold one) equal, NaN == NaN."""
+  assert_same_quantized(got, want, ["data", "amax", "scale"])
 
 
 @pytest.mark.parametrize("fmt", FMTS)
@@ -36,14 +38,13 @@ def test_special_values(platform, fmt, dtype):
   x = special_values(fmt, dtype)
   for scale in (1.0, 0.5, 3.0):
     s = jnp.float32(scale)
-    q, a = jax.jit(jax_fp8.quantize, static_argnums=2)(x, s, fmt)
-    qr, ar = on_cpu(lambda x, s: reference.quantize(x, s, fmt), x, s)
-    check_same(q, a, qr, ar)
+    got = jax.jit(jax_fp8.quantize, static_argnums=2)(x, s, fmt)
+    check_same(got, on_cpu(lambda x, s: reference.quantize(x, s, fmt), x, s))
   # The saturation policy stated in docs/design.md: beyond max (465 in e4m3) -> max, inf -> max,
   # NaN stays NaN.
   fmax = jax_fp8.fp8_max(fmt)
-  q, _ = jax_fp8.quantize(jnp.asarray([fmax * 1.04, np.inf, -np.inf, np.nan], jnp.float32),
-                          jnp.float32(1.0), fmt)
+  q = jax_fp8.quantize(jnp.asarray([fmax * 1.04, np.inf, -np.inf, np.nan], jnp.float32),
+                       jnp.float32(1.0), fmt).data
   np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32))[:3], [fmax, fmax, -fmax])
   assert np.isnan(np.asarray(q.astype(jnp.float32))[3])
 
@@ -56,29 +57,29 @@ def test_random_sizes(platform, rng, fmt, dtype, n):
   x = x.astype(dtype)
   s = jnp.float32(rng.uniform(0.05, 2.0))
   poison_allocator(n)
-  q, a = jax_fp8.quantize(x, s, fmt)
-  qr, ar = on_cpu(lambda x, s: reference.quantize(x, s, fmt), x, s)
-  check_same(q, a, qr, ar)
+  check_same(jax_fp8.quantize(x, s, fmt), on_cpu(lambda x, s: reference.quantize(x, s, fmt), x, s))
 
 
 def test_f32_subnormals_count_as_zero(platform):
   """Every backend flushes f32 subnormal inputs and scales to zero (XLA's CPU runtime does)."""
   x = jnp.asarray([1e-40, -1e-40, 2.0**-127, 0.0], jnp.float32)
-  q, a = jax_fp8.quantize(x, jnp.float32(np.finfo(np.float32).tiny))
-  assert float(a) == 0.0
-  np.testing.assert_array_equal(bits(q), [0x00, 0x80, 0x00, 0x00])
-  _, _, ring, _ = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(2))
+  t = jax_fp8.quantize(x, jnp.float32(np.finfo(np.float32).tiny))
+  assert float(t.amax) == 0.0
+  np.testing.assert_array_equal(bits(t.data), [0x00, 0x80, 0x00, 0x00])
+  ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(2)).ring
   assert float(ring.amax_history[0]) == 0.0 and float(ring.scale) == 1.0
 
 
 def test_shapes_and_zero(platform, rng):
   x = jnp.asarray(rng.standard_normal((3, 5, 7)), jnp.bfloat16)
-  q, a = jax_fp8.quantize(x, jnp.float32(0.01))
-  assert q.shape == (3, 5, 7) and q.dtype == jnp.float8_e4m3fn and a.shape == ()
-  z, az = jax_fp8.quantize(jnp.zeros((33,), jnp.float32), jnp.float32(1.0))
-  assert float(az) == 0.0 and not np.any(bits(z))
-  e, ae = jax_fp8.quantize(jnp.zeros((0,), jnp.float32), jnp.float32(1.0))
-  assert e.shape == (0,) and float(ae) == 0.0
+  t = jax_fp8.quantize(x, jnp.float32(0.01))
+  assert t.data.shape == (3, 5, 7) and t.data.dtype == jnp.float8_e4m3fn and t.amax.shape == ()
+  assert t.scale.dtype == jnp.float32 and float(t.scale) == np.float32(0.01)
+  assert t.data_t is None and t.scale_t is None and t.global_scale is None
+  z = jax_fp8.quantize(jnp.zeros((33,), jnp.float32), jnp.float32(1.0))
+  assert float(z.amax) == 0.0 and not np.any(bits(z.data))
+  e = jax_fp8.quantize(jnp.zeros((0,), jnp.float32), jnp.float32(1.0))
+  assert e.data.shape == (0,) and float(e.amax) == 0.0
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
@@ -93,10 +94,10 @@ def test_ring_50_steps(platform, rng, algo, fmt, margin, length):
     mag = float(np.exp(rng.uniform(-6, 6)))
     x = jnp.asarray(rng.standard_normal(1000 + 371 * (t % 5)).astype(np.float32) * mag,
                     jnp.bfloat16)
-    q, a, ring, s = step(x, ring)
-    qr, ar, ref_ring, sr = on_cpu(reference.quantize_delayed, x, ref_ring)
-    check_same(q, a, qr, ar)
-    np.testing.assert_array_equal(np.asarray(s), sr)  # the scale used
+    got = step(x, ring)
+    want = on_cpu(reference.quantize_delayed, x, ref_ring)
+    check_same(got.tensor, want.tensor)  # the scale used too
+    ring, ref_ring = got.ring, want.ring
     for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
       np.testing.assert_array_equal(np.asarray(got), want)
   assert float(ring.steps) == 50
@@ -110,9 +111,10 @@ def test_ring_many_blocks(platform, rng, n, length):
   ref_ring = ring
   for _ in range(3):
     x = jnp.asarray(rng.standard_normal(n).astype(np.float32) * rng.uniform(0.1, 100))
-    q, a, ring, _ = jax_fp8.quantize_delayed(x, ring)
-    qr, ar, ref_ring, _ = on_cpu(reference.quantize_delayed, x, ref_ring)
-    check_same(q, a, qr, ar)
+    got = jax_fp8.quantize_delayed(x, ring)
+    want = on_cpu(reference.quantize_delayed, x, ref_ring)
+    check_same(got.tensor, want.tensor)
+    ring, ref_ring = got.ring, want.ring
     for got, want in zip(jax.tree.leaves(ring), jax.tree.leaves(ref_ring)):
       np.testing.assert_array_equal(np.asarray(got), want)
 
@@ -120,7 +122,8 @@ def test_ring_many_blocks(platform, rng, n, length):
 def test_ring_first_step_uses_current_amax(platform):
   """Step 0 scales from the tensor's own amax, not from a default scale of 1."""
   x = jnp.asarray([0.0, 1e-3, -2e-3], jnp.float32)
-  q, a, ring, _ = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3"))
+  out = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3"))
+  q, ring = out.tensor.data, out.ring
   np.testing.assert_allclose(np.asarray(q.astype(jnp.float32))[2], -448.0)
   np.testing.assert_allclose(float(ring.scale), 2e-3 / 448, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(ring.amax_history), [2e-3, 0, 0, 0], rtol=1e-6)
@@ -142,13 +145,11 @@ def test_observe_writes_the_observation(platform, rng, op, special):
   for ring in (fresh, later):
     got, plain = jax.jit(lambda x, r: (fn(x, r, observe=True), fn(x, r)))(x, ring)
     want = on_cpu(lambda x, r: ref(x, r, observe=True), x, ring)
-    np.testing.assert_array_equal(bits(got.q), bits(want.q))
-    np.testing.assert_array_equal(bits(got.q), bits(plain.q))
-    for g, w in zip(jax.tree.leaves((got.ring, got.scale, got.amax)),
-                    jax.tree.leaves((want.ring, want.scale, want.amax))):
+    assert_same_quantized(got.tensor, want.tensor)
+    assert_same_quantized(got.tensor, plain.tensor, ["data", "data_t", "scale"])
+    for g, w in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
       np.testing.assert_array_equal(np.asarray(g), w)
     assert float(got.ring.steps) == float(ring.steps) + 1 and float(got.ring.scale) == 0
-    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(plain.scale))
 
 
 @pytest.mark.parametrize("op", ["quantize_delayed", "cast_transpose_delayed"])
@@ -157,11 +158,8 @@ def test_ring_after_all_zero_steps_uses_current_amax(platform, op):
   steps set no scale, so the first step with data still scales from its own amax, not from the
   placeholder scale 1."""
   def run(x, ring):
-    if op == "quantize_delayed":
-      q, a, ring, _ = jax_fp8.quantize_delayed(x, ring)
-    else:
-      q, _, a, ring, _, _ = jax_fp8.cast_transpose_delayed(x, ring)
-    return q, a, ring
+    out = getattr(jax_fp8, op)(x, ring)
+    return out.tensor.data, out.tensor.amax, out.ring
 
   ring = jax_fp8.ScaleRing.create(4, "e4m3")
   for _ in range(2):
@@ -177,7 +175,7 @@ def test_ring_after_all_zero_steps_uses_current_amax(platform, op):
 
 def test_ring_margin(platform):
   x = jnp.asarray([3.0, -1.0], jnp.float32)
-  _, _, ring, _ = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3", margin=2))
+  ring = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3", margin=2)).ring
   np.testing.assert_allclose(float(ring.scale), 3.0 * 4 / 448, rtol=1e-6)
 
 
@@ -185,25 +183,48 @@ def test_ring_edge_cases(platform):
   """All-zero tensor keeps a positive scale; tiny and huge amax give finite scales; NaN / inf
   leave the ring untouched (the state is never poisoned) while q shows the NaN."""
   ring = jax_fp8.ScaleRing.create(4, "e4m3")
-  q, _, ring, _ = jax_fp8.quantize_delayed(jnp.zeros((64,), jnp.float32), ring)
+  out = jax_fp8.quantize_delayed(jnp.zeros((64,), jnp.float32), ring)
+  q, ring = out.tensor.data, out.ring
   # An all-zero step is recorded but not counted: the ring stays on current scaling.
   assert float(ring.scale) == 1.0 and float(ring.steps) == 0 and not np.any(bits(q))
   np.testing.assert_array_equal(np.asarray(ring.amax_history), [0, 0, 0, 0])
-  _, _, r_tiny, _ = jax_fp8.quantize_delayed(jnp.full((8,), 1e-37, jnp.float32), ring)
+  r_tiny = jax_fp8.quantize_delayed(jnp.full((8,), 1e-37, jnp.float32), ring).ring
   assert float(r_tiny.scale) == np.finfo(np.float32).tiny
-  _, _, r_sub, _ = jax_fp8.quantize_delayed(jnp.full((8,), 1e-44, jnp.float32), ring)
+  r_sub = jax_fp8.quantize_delayed(jnp.full((8,), 1e-44, jnp.float32), ring).ring
   assert float(r_sub.scale) == 1.0  # an f32-subnormal amax counts as zero: scale kept
-  _, _, r_huge, _ = jax_fp8.quantize_delayed(jnp.full((8,), 3e38, jnp.float32), ring)
+  r_huge = jax_fp8.quantize_delayed(jnp.full((8,), 3e38, jnp.float32), ring).ring
   assert np.isfinite(float(r_huge.scale)) and float(r_huge.scale) > 0
   before = jax.tree.map(np.asarray, r_huge)
   for bad in (np.nan, np.inf):
     x = jnp.asarray([1.0, bad, 2.0], jnp.float32)
-    q, a, after, _ = jax_fp8.quantize_delayed(x, r_huge)
-    for got, want in zip(jax.tree.leaves(after), jax.tree.leaves(before)):
+    out = jax_fp8.quantize_delayed(x, r_huge)
+    for got, want in zip(jax.tree.leaves(out.ring), jax.tree.leaves(before)):
       np.testing.assert_array_equal(np.asarray(got), want)
-    assert not np.isfinite(float(a))  # the amax itself is reported as computed
-  qn, an, _, _ = jax_fp8.quantize_delayed(jnp.asarray([1.0, np.nan], jnp.float32), r_huge)
-  assert np.isnan(float(an)) and np.isnan(np.asarray(qn.astype(jnp.float32))[1])
+    assert not np.isfinite(float(out.tensor.amax))  # the amax itself is reported as computed
+  tn = jax_fp8.quantize_delayed(jnp.asarray([1.0, np.nan], jnp.float32), r_huge).tensor
+  assert np.isnan(float(tn.amax)) and np.isnan(np.asarray(tn.data.astype(jnp.float32))[1])
+
+
+def test_quantized_is_a_pytree(platform):
+  """Quantized: a frozen pytree whose leaves are its fields that are not None, so it passes
+  through jit and tree maps as its arrays do; every quantize op and its twin return one."""
+  x = jnp.linspace(-3, 3, 64 * 128, dtype=jnp.float32).reshape(64, 128)
+  t = jax.jit(jax_fp8.quantize)(x, jnp.float32(0.01))
+  assert isinstance(t, jax_fp8.Quantized) and len(jax.tree.leaves(t)) == 3  # data, scale, amax
+  doubled = jax.tree.map(lambda v: v * 2, t)
+  assert doubled.data_t is None and float(doubled.scale) == np.float32(0.02)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    t.scale = jnp.float32(1)
+  ring = jax_fp8.ScaleRing.create(4)
+  for op, args in ((jax_fp8.group_quantize, (x,)), (jax_fp8.block_quantize, (x,)),
+                   (jax_fp8.group_cast_transpose, (x,)), (jax_fp8.mxfp8_quantize, (x,)),
+                   (jax_fp8.nvfp4_quantize, (x,))):
+    got, want = op(*args), getattr(reference, op.__name__)(*args)
+    assert isinstance(got, jax_fp8.Quantized) and isinstance(want, jax_fp8.Quantized)
+  for op in (jax_fp8.quantize_delayed, jax_fp8.cast_transpose_delayed):
+    got, want = op(x, ring), getattr(reference, op.__name__)(x, ring)
+    assert isinstance(got, jax_fp8.DelayedQuantized) and isinstance(got.tensor, jax_fp8.Quantized)
+    assert type(want) is type(got) and got.dbias is None and want.dbias is None
 
 
 def test_bad_inputs():

@@ -4,11 +4,21 @@ zero rows for whole blocks along M, the bias gradient by XLA, and the ``CastKern
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from .. import norms
+from ..quantized import Quantized
+
+
+class Cast(NamedTuple):
+  """A ``CastKernel`` as a family's rules take it (``cast_kernel.check_cast``): the kernel's FP8
+  copies and ``uses``, the zero whose gradient counts the layers' FP8 uses of the cast."""
+
+  fp8: Quantized
+  uses: jax.Array
 
 
 def normalized(x, norm_params, norm):
@@ -60,12 +70,12 @@ def bias_grad(g, b_dtype):
 
 
 def cast_uses(casts):
-  """The ``uses`` of a layer's ``casts`` (each None or (FP8 copies..., uses)), kept as
-  residuals for ``cast_grads``."""
-  return tuple(None if c is None else c[-1] for c in casts)
+  """The ``uses`` of a layer's ``casts`` (each None or a ``Cast``), kept as residuals for
+  ``cast_grads``."""
+  return tuple(None if c is None else c.uses for c in casts)
 
 
-def cast_grads(uses, fields: int):
-  """The cotangent of a layer's ``casts`` in its backward, from their ``cast_uses``
-  (``fields``: the FP8 copies' count): one use each, none for the copies."""
-  return tuple(None if u is None else (None,) * fields + (jnp.ones_like(u),) for u in uses)
+def cast_grads(uses):
+  """The cotangent of a layer's ``casts`` in its backward, from their ``cast_uses``: one use
+  each, none for the FP8 copies."""
+  return tuple(None if u is None else Cast(None, jnp.ones_like(u)) for u in uses)

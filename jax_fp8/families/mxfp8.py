@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from .._residuals import op_outputs, packed
 from ..formats import MX_BLOCK
 from ..ops.mxfp8 import mxfp8_gemm, mxfp8_quantize
+from ..quantized import Quantized
 from ._shared import bias_grad, pad_rows, split_output
 
 
@@ -28,8 +29,8 @@ class Static:
   dtypes: tuple
 
 
-def _fprop(qx, qk, bias, m, dtype):
-  y = mxfp8_gemm(qx["data"], qk["data_t"], qx["scales"], qk["scales_t"], out_dtype=jnp.float32)
+def _fprop(qx: Quantized, qk: Quantized, bias, m, dtype):
+  y = mxfp8_gemm(qx.data, qk.data_t, qx.scale, qk.scale_t, out_dtype=jnp.float32)
   return (y[:m] if bias is None else y[:m] + bias.astype(jnp.float32)).astype(dtype)
 
 
@@ -44,9 +45,8 @@ def _linear(x, kernels, biases, s: Static):
 class LinearSaved(NamedTuple):
   """The linear rule's residuals."""
 
-  qxt: jax.Array  # x along M [K, M32]
-  sxt: jax.Array
-  kernels: tuple  # (data [K, N], scales) per kernel: along N, for dgrad
+  x: Quantized  # x along M: data_t [K, M32], scale_t
+  kernels: tuple  # Quantized per kernel: data [K, N], scale: along N, for dgrad
 
 
 def _linear_fwd(x, kernels, biases, s: Static):
@@ -55,18 +55,18 @@ def _linear_fwd(x, kernels, biases, s: Static):
   for kernel, bias in zip(kernels, biases):
     qk = mxfp8_quantize(kernel, columnwise=True)  # along N (dgrad) and along K (fprop)
     ys.append(_fprop(qx, qk, bias, x.shape[0], s.dtypes[1]))
-    saved.append((qk["data"], qk["scales"]))
-  return tuple(ys), LinearSaved(qx["data_t"], qx["scales_t"], tuple(saved))
+    saved.append(Quantized(data=qk.data, scale=qk.scale))
+  return tuple(ys), LinearSaved(Quantized(data_t=qx.data_t, scale_t=qx.scale_t), tuple(saved))
 
 
 def _linear_bwd(s: Static, res: LinearSaved, gs):
   x_dtype, _, k_dtypes, b_dtypes = s.dtypes
   dx, dks, dbs = None, [], []
-  for g, (qk, sk), k_dtype, b_dtype in zip(gs, res.kernels, k_dtypes, b_dtypes):
+  for g, qk, k_dtype, b_dtype in zip(gs, res.kernels, k_dtypes, b_dtypes):
     qg = mxfp8_quantize(pad_rows(g, MX_BLOCK), columnwise=True)  # along N (dgrad), M (wgrad)
-    dxi = mxfp8_gemm(qg["data"], qk, qg["scales"], sk, out_dtype=jnp.float32)  # [M32, K]
+    dxi = mxfp8_gemm(qg.data, qk.data, qg.scale, qk.scale, out_dtype=jnp.float32)  # [M32, K]
     dx = dxi if dx is None else dx + dxi
-    dks.append(mxfp8_gemm(res.qxt, qg["data_t"], res.sxt, qg["scales_t"],
+    dks.append(mxfp8_gemm(res.x.data_t, qg.data_t, res.x.scale_t, qg.scale_t,
                           out_dtype=k_dtype))  # [K, N]
     dbs.append(bias_grad(g, b_dtype))
   return dx[:gs[0].shape[0]].astype(x_dtype), tuple(dks), tuple(dbs)

@@ -22,6 +22,7 @@ from .._residuals import op_outputs, packed
 from ..formats import NVFP4_BLOCK, amax, as_f32
 from ..hadamard import hadamard_amax
 from ..ops.nvfp4 import nvfp4_gemm, nvfp4_quantize
+from ..quantized import Quantized
 from ._shared import bias_grad, pad_rows, split_output
 
 
@@ -40,10 +41,18 @@ def _rht(recipe) -> dict:
   return {"rht": True, "rht_seed": recipe.rht_seed} if recipe.rht else {}
 
 
-def _wgrad_copy(q, recipe):
-  """(data_t, scales_t, global scale) of an operand's copy along M: the transformed copy's own
-  global scale under ``recipe.rht``."""
-  return q["data_t"], q["scales_t"], q["global_scale_t" if recipe.rht else "global_scale"]
+def _wgrad_copy(q: Quantized) -> Quantized:
+  """What the backward keeps of an operand for wgrad: its copy along M (data_t, scale_t) with
+  that copy's global scale (the transformed copy's own ``global_scale_t`` under the recipe's
+  rht, else ``global_scale``)."""
+  if q.global_scale_t is not None:
+    return Quantized(data_t=q.data_t, scale_t=q.scale_t, global_scale_t=q.global_scale_t)
+  return Quantized(data_t=q.data_t, scale_t=q.scale_t, global_scale=q.global_scale)
+
+
+def _wgrad_global_scale(q: Quantized):
+  """The global scale of ``q``'s copy along M (``_wgrad_copy``)."""
+  return q.global_scale if q.global_scale_t is None else q.global_scale_t
 
 
 def _amaxes(v, recipe, axis_name, transformed: bool):
@@ -76,9 +85,9 @@ def _quantize_kernel(kernel, recipe, axis_name, with_grad: bool):
                         **_amaxes(kernel, recipe, axis_name, False))
 
 
-def _fprop(qx, qk, bias, m, dtype):
-  y = nvfp4_gemm(qx["data"], qk["data_t"], qx["scales"], qk["scales_t"], qx["global_scale"],
-                 qk["global_scale"], out_dtype=jnp.float32)[:m]
+def _fprop(qx: Quantized, qk: Quantized, bias, m, dtype):
+  y = nvfp4_gemm(qx.data, qk.data_t, qx.scale, qk.scale_t, qx.global_scale, qk.global_scale,
+                 out_dtype=jnp.float32)[:m]
   return (y if bias is None else y + bias.astype(jnp.float32)).astype(dtype)
 
 
@@ -110,8 +119,8 @@ def _linear(x, kernels, biases, words, s: Static):
 class LinearSaved(NamedTuple):
   """The linear rule's residuals."""
 
-  x_wgrad: tuple  # x along M: (data_t, scales_t, global scale)
-  kernels: tuple  # (data, scales, global scale) per kernel: along N, for dgrad
+  x: Quantized  # x along M: data_t, scale_t and their global scale (``_wgrad_copy``)
+  kernels: tuple  # Quantized per kernel: data, scale, global_scale: along N, for dgrad
   words: jax.Array | None  # the call's key words
 
 
@@ -121,13 +130,13 @@ def _linear_fwd(x, kernels, biases, words, s: Static):
   for kernel, bias in zip(kernels, biases):
     qk = _quantize_kernel(kernel, s.recipe, s.axis_name, True)
     ys.append(_fprop(qx, qk, bias, x.shape[0], s.dtypes[1]))
-    saved.append((qk["data"], qk["scales"], qk["global_scale"]))
-  return tuple(ys), LinearSaved(_wgrad_copy(qx, s.recipe), tuple(saved), words)
+    saved.append(Quantized(data=qk.data, scale=qk.scale, global_scale=qk.global_scale))
+  return tuple(ys), LinearSaved(_wgrad_copy(qx), tuple(saved), words)
 
 
 def _linear_bwd(s: Static, res: LinearSaved, gs):
   recipe, axis_name = s.recipe, s.axis_name
-  qxt, sxt, gxt = res.x_wgrad
+  qx = res.x
   x_dtype, _, k_dtypes, b_dtypes = s.dtypes
   if recipe.stochastic_rounding and res.words is None:
     raise ValueError("NVFP4BlockScaling(stochastic_rounding=True) rounds the gradients at "
@@ -136,18 +145,17 @@ def _linear_bwd(s: Static, res: LinearSaved, gs):
                      "layer's apply (under nn.scan / nn.vmap also split_rngs="
                      "{'stochastic_rounding': True})")
   dx, dks, dbs = None, [], []
-  for i, (g, (qk, sk, gk), k_dtype, b_dtype) in enumerate(zip(gs, res.kernels, k_dtypes,
-                                                              b_dtypes)):
+  for i, (g, qk, k_dtype, b_dtype) in enumerate(zip(gs, res.kernels, k_dtypes, b_dtypes)):
     m, g16 = g.shape[0], pad_rows(g, NVFP4_BLOCK)
     sr = ({"stochastic_rounding": True, "key": gradient_key(res.words, i, g, axis_name)}
           if recipe.stochastic_rounding else {})
     qg = nvfp4_quantize(g16, columnwise=True, **sr, **_rht(recipe),
                         **_amaxes(g16, recipe, axis_name, recipe.rht))  # along N and M
-    dxi = nvfp4_gemm(qg["data"], qk, qg["scales"], sk, qg["global_scale"], gk,
+    dxi = nvfp4_gemm(qg.data, qk.data, qg.scale, qk.scale, qg.global_scale, qk.global_scale,
                      out_dtype=jnp.float32)[:m]  # dgrad [M, K]
     dx = dxi if dx is None else dx + dxi
-    qgt, sgt, ggt = _wgrad_copy(qg, recipe)
-    dks.append(nvfp4_gemm(qxt, qgt, sxt, sgt, gxt, ggt, out_dtype=k_dtype))  # wgrad [K, N]
+    dks.append(nvfp4_gemm(qx.data_t, qg.data_t, qx.scale_t, qg.scale_t, _wgrad_global_scale(qx),
+                          _wgrad_global_scale(qg), out_dtype=k_dtype))  # wgrad [K, N]
     dbs.append(bias_grad(g, b_dtype))
   return dx.astype(x_dtype), tuple(dks), tuple(dbs), None
 

@@ -31,11 +31,11 @@ import jax.numpy as jnp
 from .. import activations, norms, sharding
 from .._residuals import op_outputs, packed, read_and_saved
 from ..formats import amax, amax_of_parts
-from ..ops.cast_transpose import (CastTransposed, activation_cast_transpose,
-                                  activation_grad_cast_transpose, cast_transpose_delayed,
-                                  norm_cast_transpose)
+from ..ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
+                                  cast_transpose_delayed, norm_cast_transpose)
 from ..ops.gemm import gemm, gemm_bias, gemm_dtype
 from ..ops.quantize import quantize, quantize_delayed
+from ..quantized import DelayedQuantized, Quantized
 from ..state import ScaleRing, current, scale_from_amax
 from ._shared import (cast_grads, cast_uses, input_grad, normalized, normed_residual,
                       split_output)
@@ -101,14 +101,23 @@ def quantize_input(x, norm_params, ring, norm):
                              observe=True)
 
 
-def kernel_fp8(kernel, cast, ring, current_, axis_name) -> CastTransposed:
-  """A kernel for the GEMMs (q [K, N], qt [N, K], scale, and as ``ring`` the ring's
-  observation): its cast-transpose, or ``cast`` (a ``CastKernel``'s (q, qt, scale, uses), its
-  ring observed by ``cast_kernel``'s backward) with a zero observation."""
+def kernel_fp8(kernel, cast, ring, current_, axis_name) -> DelayedQuantized:
+  """A kernel for the GEMMs (its tensor: data [K, N], data_t [N, K], scale; as ``ring`` the
+  ring's observation): its cast-transpose, or ``cast``'s (a ``CastKernel``'s copies, its ring
+  observed by ``cast_kernel``'s backward) with a zero observation."""
   if cast is not None:
-    q, qt, scale, _ = cast
-    return CastTransposed(q, qt, None, zero_like(ring), None, scale)
+    return DelayedQuantized(cast.fp8, zero_like(ring))
   return cast_transpose_delayed(kernel, scaled(ring, kernel, current_, axis_name), observe=True)
+
+
+def transposed(t: Quantized) -> Quantized:
+  """What the backward keeps of a tensor for wgrad: its transposed copy and the scale."""
+  return Quantized(data_t=t.data_t, scale=t.scale)
+
+
+def rowwise(t: Quantized) -> Quantized:
+  """What the backward keeps of a kernel for dgrad: its row-major copy and the scale."""
+  return Quantized(data=t.data, scale=t.scale)
 
 
 # Linear: one or several kernels sharing the input x, cast-transposed once for all of them.
@@ -118,10 +127,8 @@ def kernel_fp8(kernel, cast, ring, current_, axis_name) -> CastTransposed:
 class LinearSaved(NamedTuple):
   """The linear rule's residuals."""
 
-  qxt: jax.Array  # x transposed, e4m3 [K, M16]
-  sx: jax.Array
-  qks: tuple  # the kernels, e4m3 [K, N_i]
-  sks: tuple
+  x: Quantized  # x transposed: data_t e4m3 [K, M16], scale
+  kernels: tuple  # Quantized per kernel: data e4m3 [K, N_i], scale
   normed: tuple | None  # (x, norm_params) of a fused norm
   uses: tuple  # the CastKernels' uses
   grad_rings: tuple
@@ -135,13 +142,14 @@ def _forward(x, norm_params, kernels, casts, biases, rings, s: Static):
   rx, rks, _ = rings
   if s.current:
     rx = scaled(rx, normalized(x, norm_params, s.norm), s.current, s.axis_name)
-  cx = quantize_input(x, norm_params, rx, s.norm)  # q [M, K], qt [K, M16] e4m3
+  cx = quantize_input(x, norm_params, rx, s.norm)  # data [M, K], data_t [K, M16] e4m3
   cks = [kernel_fp8(k, c, r, s.current, s.axis_name)
          for k, c, r in zip(kernels, casts, rks)]  # [K, N]
-  ys = split_output(tuple(gemm_bias(cx.q, ck.qt, cx.scale, ck.scale, b, s.dtypes[1],
-                                    "fprop" in s.fast_accum) for ck, b in zip(cks, biases)),
-                    s.split)
-  saved = (cx.qt, cx.scale, tuple(ck.q for ck in cks), tuple(ck.scale for ck in cks),
+  qx = cx.tensor
+  ys = split_output(tuple(gemm_bias(qx.data, ck.tensor.data_t, qx.scale, ck.tensor.scale, b,
+                                    s.dtypes[1], "fprop" in s.fast_accum)
+                          for ck, b in zip(cks, biases)), s.split)
+  saved = (transposed(qx), tuple(rowwise(ck.tensor) for ck in cks),
            normed_residual(x, norm_params, s.norm), cast_uses(casts))
   return ys, saved, (cx.ring, tuple(ck.ring for ck in cks))
 
@@ -163,21 +171,23 @@ def _linear_bwd(s: Static, res: LinearSaved, gs):
   if s.split is not None:  # the parts' gradients, quantized where they lie
     gs = (tuple(gs),)
   dx, dks, dbs, rgs = None, [], [], []
-  for g, qk, sk, ring, k_dtype, b_dtype in zip(gs, res.qks, res.sks, res.grad_rings, k_dtypes,
-                                               b_dtypes):
+  for g, qk, ring, k_dtype, b_dtype in zip(gs, res.kernels, res.grad_rings, k_dtypes,
+                                          b_dtypes):
     # One quantization of g feeds both GEMMs; the same read gives dbias.
     cg = cast_transpose_delayed(g, scaled(ring, g, s.current, s.axis_name),
                                 with_dbias=b_dtype is not None, observe=True)
-    dxi = gemm(cg.q, qk, cg.scale, sk, out_dtype=gemm_dtype(x_dtype),
+    qg = cg.tensor
+    dxi = gemm(qg.data, qk.data, qg.scale, qk.scale, out_dtype=gemm_dtype(x_dtype),
                fast_accum="dgrad" in s.fast_accum)  # dgrad [M, K]
     dx = dxi if dx is None else dx + dxi  # summed as autodiff sums a shared input's gradients
-    dks.append(gemm(res.qxt, cg.qt, res.sx, cg.scale, out_dtype=gemm_dtype(k_dtype),
+    dks.append(gemm(res.x.data_t, qg.data_t, res.x.scale, qg.scale,
+                    out_dtype=gemm_dtype(k_dtype),
                     fast_accum="wgrad" in s.fast_accum).astype(k_dtype))  # wgrad [K, N]
     dbs.append(None if b_dtype is None else cg.dbias.astype(b_dtype))
     rgs.append(cg.ring)
   rgs = res.grad_rings if s.current else shared(tuple(rgs), res.grad_rings, s.axis_name)
   dx, dnorm = input_grad(dx, res.normed, s.norm, x_dtype)
-  return (dx, dnorm, tuple(dks), cast_grads(res.uses, 3), tuple(dbs),
+  return (dx, dnorm, tuple(dks), cast_grads(res.uses), tuple(dbs),
           (res.x_observed, res.kernels_observed, rgs))
 
 
@@ -204,15 +214,11 @@ MLP_RING_FMTS = ("fwd", "fwd", "bwd", "fwd", "fwd", "bwd")
 class MlpSaved(NamedTuple):
   """The MLP rule's residuals."""
 
-  qxt: jax.Array  # x transposed [K, M16]
-  sx: jax.Array
-  qk_in: jax.Array  # [K, N]
-  sk_in: jax.Array
+  x: Quantized  # x transposed: data_t [K, M16], scale
+  k_in: Quantized  # data [K, N], scale
   y: jax.Array  # the up projection's output [M, N], in the compute dtype
-  qht: jax.Array  # act(y) transposed [F, M16]
-  sh: jax.Array
-  qk_out: jax.Array  # [F, D]
-  sk_out: jax.Array
+  h: Quantized  # act(y) transposed: data_t [F, M16], scale
+  k_out: Quantized  # data [F, D], scale
   normed: tuple | None
   uses: tuple
 
@@ -227,15 +233,18 @@ def _mlp_forward(x, norm_params, k_in, k_out, casts, b_in, b_out, rings, s: Stat
     rx = scaled(rx, normalized(x, norm_params, s.norm), s.current, s.axis_name)
   cx = quantize_input(x, norm_params, rx, s.norm)  # [M, K], [K, M16]
   ck_in = kernel_fp8(k_in, casts[0], rk_in, s.current, s.axis_name)  # [K, N], [N, K]
-  y = gemm_bias(cx.q, ck_in.qt, cx.scale, ck_in.scale, b_in, s.dtypes[1], fast)  # [M, N]
+  qx, qk_in = cx.tensor, ck_in.tensor
+  y = gemm_bias(qx.data, qk_in.data_t, qx.scale, qk_in.scale, b_in, s.dtypes[1],
+                fast)  # [M, N]
   if s.current:
     rh = scaled(rh, activations.apply(y, s.activation), s.current, s.axis_name)
   ch = activation_cast_transpose(y, rh, activation=s.activation, observe=True)  # [M, F]
   ck_out = kernel_fp8(k_out, casts[1], rk_out, s.current, s.axis_name)  # [F, D], [D, F]
-  out = gemm_bias(ch.q, ck_out.qt, ch.scale, ck_out.scale, b_out, s.dtypes[1], fast)  # [M, D]
-  saved = MlpSaved(cx.qt, cx.scale, ck_in.q, ck_in.scale, read_and_saved(y), ch.qt, ch.scale,
-                   ck_out.q, ck_out.scale, normed_residual(x, norm_params, s.norm),
-                   cast_uses(casts))
+  qh, qk_out = ch.tensor, ck_out.tensor
+  out = gemm_bias(qh.data, qk_out.data_t, qh.scale, qk_out.scale, b_out, s.dtypes[1],
+                  fast)  # [M, D]
+  saved = MlpSaved(transposed(qx), rowwise(qk_in), read_and_saved(y), transposed(qh),
+                   rowwise(qk_out), normed_residual(x, norm_params, s.norm), cast_uses(casts))
   return out, saved, (cx.ring, ck_in.ring, ch.ring, ck_out.ring)
 
 
@@ -260,24 +269,29 @@ def _mlp_bwd(s: Static, res, g):
   y = saved.y
   cg = cast_transpose_delayed(g, scaled(rg_out, g, s.current, s.axis_name),
                               with_dbias=b_out_dtype is not None, observe=True)
-  dh = gemm(cg.q, saved.qk_out, cg.scale, saved.sk_out, out_dtype=gemm_dtype(y.dtype),
-            fast_accum="dgrad" in s.fast_accum).astype(y.dtype)  # [M, F]
-  dk_out = gemm(saved.qht, cg.qt, saved.sh, cg.scale, out_dtype=gemm_dtype(k_out_dtype),
+  qg = cg.tensor
+  dh = gemm(qg.data, saved.k_out.data, qg.scale, saved.k_out.scale,
+            out_dtype=gemm_dtype(y.dtype), fast_accum="dgrad" in s.fast_accum
+            ).astype(y.dtype)  # [M, F]
+  dk_out = gemm(saved.h.data_t, qg.data_t, saved.h.scale, qg.scale,
+                out_dtype=gemm_dtype(k_out_dtype),
                 fast_accum="wgrad" in s.fast_accum).astype(k_out_dtype)  # [F, D]
   if s.current:
     rg_in = scaled(rg_in, activations.grad(dh, y, s.activation), s.current, s.axis_name)
   cdy = activation_grad_cast_transpose(dh, y, rg_in, activation=s.activation,
                                        with_dbias=b_in_dtype is not None, observe=True)
-  dx = gemm(cdy.q, saved.qk_in, cdy.scale, saved.sk_in, out_dtype=gemm_dtype(x_dtype),
-            fast_accum="dgrad" in s.fast_accum)  # [M, K]
-  dk_in = gemm(saved.qxt, cdy.qt, saved.sx, cdy.scale, out_dtype=gemm_dtype(k_in_dtype),
+  qdy = cdy.tensor
+  dx = gemm(qdy.data, saved.k_in.data, qdy.scale, saved.k_in.scale,
+            out_dtype=gemm_dtype(x_dtype), fast_accum="dgrad" in s.fast_accum)  # [M, K]
+  dk_in = gemm(saved.x.data_t, qdy.data_t, saved.x.scale, qdy.scale,
+               out_dtype=gemm_dtype(k_in_dtype),
                fast_accum="wgrad" in s.fast_accum).astype(k_in_dtype)  # [K, N]
   db_in = None if b_in_dtype is None else cdy.dbias.astype(b_in_dtype)
   db_out = None if b_out_dtype is None else cg.dbias.astype(b_out_dtype)
   rg = grad_rings if s.current else shared((cdy.ring, cg.ring), grad_rings, s.axis_name)
   ox, ok_in, oh, ok_out = observed
   dx, dnorm = input_grad(dx, saved.normed, s.norm, x_dtype)
-  return (dx, dnorm, dk_in, dk_out, cast_grads(saved.uses, 3), db_in, db_out,
+  return (dx, dnorm, dk_in, dk_out, cast_grads(saved.uses), db_in, db_out,
           (ox, ok_in, rg[0], oh, ok_out, rg[1]))
 
 
@@ -296,7 +310,8 @@ def mlp(x2, norm_params, k_in, k_out, casts, b_in, b_out, rings, recipe, activat
   return op_outputs(_mlp(x2, norm_params, k_in, k_out, casts, b_in, b_out, rings, s))
 
 
-# CastKernel: the kernel's FP8 copies (q [K, N], qt [N, K], scale []), made once a step.
+# CastKernel: the kernel's FP8 copies (q [K, N], qt [N, K], scale []), made once a step: a
+# Quantized with data, data_t and scale.
 
 def cast_fields(k: int, n: int) -> dict:
   """A ``CastKernel``'s FP8 fields under this family: name -> (dtype, shape) (None: absent)."""
@@ -305,21 +320,23 @@ def cast_fields(k: int, n: int) -> dict:
 
 
 def cast(kernel, ring, recipe, axis_name):
-  """(q, qt, scale) of ``kernel`` for a ``CastKernel``, and its ring's observation (None under
-  current scaling, whose ring is blank)."""
+  """The ``Quantized`` copies of ``kernel`` for a ``CastKernel`` (data [K, N], data_t [N, K],
+  scale []), and its ring's observation (None under current scaling, whose ring is blank)."""
   current_ = not recipe.stateful
   ck = kernel_fp8(kernel, None, recipe.ring(recipe.fwd_fmt) if current_ else ring, current_,
                   axis_name)
-  return (ck.q, ck.qt, ck.scale), None if current_ else shared(ck.ring, ring, axis_name)
+  t = ck.tensor
+  return (Quantized(data=t.data, scale=t.scale, data_t=t.data_t),
+          None if current_ else shared(ck.ring, ring, axis_name))
 
 
 # Fp8Weight (inference): the kernel transposed [N, K] with one E4M3 scale.
 
-def quantize_weight(kernel, recipe):
-  """(q [N, K], scale []) of ``kernel`` [K, N]: current scaling of the trained kernel, its amax
-  onto 448 with the recipe's margin."""
+def quantize_weight(kernel, recipe) -> Quantized:
+  """``kernel`` [K, N] transposed and quantized (data [N, K], scale []): current scaling of the
+  trained kernel, its amax onto 448 with the recipe's margin."""
   scale = scale_from_amax(amax(kernel), jnp.float32(1), "e4m3", recipe.margin)
-  return quantize(kernel.T, scale, "e4m3").q, scale
+  return quantize(kernel.T, scale, "e4m3")
 
 
 def weight_scale_shape(n: int, k: int) -> tuple:
@@ -328,13 +345,12 @@ def weight_scale_shape(n: int, k: int) -> tuple:
 
 
 def weight_input(x2, x_ring, recipe, axis_name):
-  """A function of x2 [M, K] giving (q [M, K], scale) for the weights' GEMMs: x quantized with
-  the state's x ring (delayed scaling: the scale the training run last set), or under current
-  scaling with the scale of its own amax."""
+  """A function of x2 [M, K] giving its ``Quantized`` (data [M, K], scale []) for the weights'
+  GEMMs: x quantized with the state's x ring (delayed scaling: the scale the training run last
+  set), or under current scaling with the scale of its own amax."""
   if x_ring is None:
     x_ring = scaled(recipe.ring(recipe.fwd_fmt), x2, True, axis_name)
 
   def quantize_x(x2):
-    qx, _, _, sx = quantize_delayed(x2, x_ring)
-    return qx, sx
+    return quantize_delayed(x2, x_ring).tensor
   return quantize_x

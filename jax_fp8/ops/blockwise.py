@@ -26,6 +26,7 @@ import numpy as np
 from .. import _ffi, checks, sharding
 from . import sources
 from ..formats import BLOCK, GROUP_EPS, fp8_dtype
+from ..quantized import Quantized
 
 _LAYOUTS = {"row": _ffi.CONSTANTS["layout_row"], "col": _ffi.CONSTANTS["layout_col"],
             "col_tma": _ffi.CONSTANTS["layout_col_tma"]}
@@ -41,7 +42,7 @@ def _check_rows(name: str, rows: int) -> None:
 
 
 def group_quantize(x: jax.Array, *, group_size: int = BLOCK, fmt: str = "e4m3",
-                   eps: float = GROUP_EPS, ue8m0: bool = False, scale_layout: str = "row"):
+                   eps: float = GROUP_EPS, ue8m0: bool = False, scale_layout: str = "row") -> Quantized:
   """Per-token-group FP8 quantization: one scale per ``group_size`` consecutive elements of
   the last axis.
 
@@ -58,7 +59,7 @@ def group_quantize(x: jax.Array, *, group_size: int = BLOCK, fmt: str = "e4m3",
       cancel in XLA); "col_tma" -> [K/g, ceil4(M)], with zero scales in the padding
       (16-byte aligned columns for TMA).
   Returns:
-    ``(q, scales)``: q [..., K] in the FP8 dtype; scales f32 in the chosen layout.
+    ``Quantized``: ``data`` [..., K] in the FP8 dtype; ``scale`` f32 in the chosen layout.
   Raises:
     TypeError / ValueError at trace time: dtype, K not a multiple of group_size, group_size,
     fmt, eps or scale_layout out of range.
@@ -106,21 +107,23 @@ def group_quantize(x: jax.Array, *, group_size: int = BLOCK, fmt: str = "e4m3",
   m_factor = f if x.ndim == 2 else "m"  # a 2-D x's rows are the scales' M
   rule = f"{f} (g k1) -> {f} (g k1), " + (f"{f} g" if row else f"g {m_factor}")
   q, s = sharding.call("group_quantize", impl, plan, rule, x, k1=int(group_size))
-  return sharding.vary_like((q, s), x)
+  q, s = sharding.vary_like((q, s), x)
+  return Quantized(data=q, scale=s)
 
 
-def block_quantize(w: jax.Array, *, fmt: str = "e4m3", eps: float = GROUP_EPS, ue8m0: bool = False):
+def block_quantize(w: jax.Array, *, fmt: str = "e4m3", eps: float = GROUP_EPS,
+                   ue8m0: bool = False) -> Quantized:
   """128 x 128 block FP8 quantization (weights in the DeepSeek-V3 recipe): one scale per block.
 
-  Since a block's scale does not depend on the direction, ``q.T`` with ``scales.T`` is the
+  Since a block's scale does not depend on the direction, ``data.T`` with ``scale.T`` is the
   block quantization of ``w.T``: the transposed operand costs an FP8 transpose, no requantize.
 
   Args:
     w: [R, C] float32 / bfloat16 / float16, C a positive multiple of 16.
     fmt, eps, ue8m0: as in ``group_quantize``.
   Returns:
-    ``(q, scales)``: q [R, C] FP8; scales f32 [ceil(R/128), ceil(C/128)], edge blocks scaled by
-    the elements they hold.
+    ``Quantized``: ``data`` [R, C] FP8; ``scale`` f32 [ceil(R/128), ceil(C/128)], edge blocks
+    scaled by the elements they hold.
   Raises:
     TypeError / ValueError at trace time: dtype, rank, C, block, fmt or eps out of range,
     more than 65535 * 128 rows.
@@ -150,11 +153,12 @@ def block_quantize(w: jax.Array, *, fmt: str = "e4m3", eps: float = GROUP_EPS, u
            if size % BLOCK == 0}
   rule = f"{rf} {cf} -> {rf} {cf}, {rb} {cb}"
   q, s = sharding.call("block_quantize", impl, plan, rule, w, **sizes)
-  return sharding.vary_like((q, s), w)
+  q, s = sharding.vary_like((q, s), w)
+  return Quantized(data=q, scale=s)
 
 
 def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = GROUP_EPS,
-                         ue8m0: bool = False):
+                         ue8m0: bool = False) -> Quantized:
   """Both directions of 128-element group quantization from one read of ``x [R, C]``: 1 x 128
   groups along its rows (the forward and dgrad operand) and 128 x 1 groups along its columns,
   written transposed (the wgrad operand, which contracts over R). The backward's
@@ -164,10 +168,10 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = GROUP_
     x: [R, C] float32 / bfloat16 / float16, C a positive multiple of 128.
     fmt, eps, ue8m0: as in ``group_quantize``.
   Returns:
-    ``(q, scales, qt, scales_t)``: q [R, C] FP8 with scales f32 [R, C/128];
-    qt [C, R128] FP8 (R128 = R rounded up to 128, zero columns appended) with scales_t f32
-    [C, R128/128]. (The kernel stores both scale grids outer-dimension-contiguous, as
-    cuBLASLt reads them; the transposes here cancel against ``gemm``'s.)
+    ``Quantized``: ``data`` [R, C] FP8 with ``scale`` f32 [R, C/128]; ``data_t`` [C, R128] FP8
+    (R128 = R rounded up to 128, zero columns appended) with ``scale_t`` f32 [C, R128/128].
+    (The kernel stores both scale grids outer-dimension-contiguous, as cuBLASLt reads them; the
+    transposes here cancel against ``gemm``'s.)
   Raises:
     TypeError / ValueError at trace time: dtype, rank, C, fmt or eps out of range, more than
     65535 * 128 rows.
@@ -177,7 +181,7 @@ def group_cast_transpose(x: jax.Array, *, fmt: str = "e4m3", eps: float = GROUP_
 
 def norm_group_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
                               beta: jax.Array | None, *, norm: str, fmt: str = "e4m3",
-                              eps: float = GROUP_EPS, ue8m0: bool = False):
+                              eps: float = GROUP_EPS, ue8m0: bool = False) -> Quantized:
   """``group_cast_transpose`` of the norm of x (``jax_fp8.norms``), computed in f32 inside the
   kernel from one read of x and its row statistics: a block-scaled layer's input norm written
   straight into its GEMMs' FP8 inputs, never stored in x's dtype.
@@ -187,7 +191,7 @@ def norm_group_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Arr
     row_stats, gamma, beta, norm: as in ``jax_fp8.norm_cast_transpose``.
     fmt, eps, ue8m0: as in ``group_quantize``.
   Returns:
-    ``(q, scales, qt, scales_t)`` of the [R, C] norm, as ``group_cast_transpose``.
+    ``Quantized`` of the [R, C] norm, as ``group_cast_transpose``.
   Raises:
     TypeError / ValueError at trace time: as ``group_cast_transpose`` and
     ``norm_cast_transpose``.
@@ -201,7 +205,7 @@ def norm_group_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Arr
 
 
 def activation_group_cast_transpose(y: jax.Array, *, activation: str, fmt: str = "e4m3",
-                                    eps: float = GROUP_EPS, ue8m0: bool = False):
+                                    eps: float = GROUP_EPS, ue8m0: bool = False) -> Quantized:
   """``group_cast_transpose`` of ``activation(y)`` (``jax_fp8.activations``), computed in f32
   inside the kernel from one read of the pre-activation: a block-scaled MLP's hidden activation
   written straight into the down projection's FP8 inputs.
@@ -212,7 +216,7 @@ def activation_group_cast_transpose(y: jax.Array, *, activation: str, fmt: str =
     activation: "silu", "gelu", "swiglu" or "geglu".
     fmt, eps, ue8m0: as in ``group_quantize``.
   Returns:
-    ``(q, scales, qt, scales_t)`` of the [R, C] activation, as ``group_cast_transpose``.
+    ``Quantized`` of the [R, C] activation, as ``group_cast_transpose``.
   Raises:
     TypeError / ValueError at trace time: as ``group_cast_transpose``, unknown activation.
 
@@ -226,7 +230,7 @@ def activation_group_cast_transpose(y: jax.Array, *, activation: str, fmt: str =
 
 def activation_grad_group_cast_transpose(dh: jax.Array, y: jax.Array, *, activation: str,
                                          fmt: str = "e4m3", eps: float = GROUP_EPS,
-                                         ue8m0: bool = False):
+                                         ue8m0: bool = False) -> Quantized:
   """``group_cast_transpose`` of the gradient through ``activation``
   (``jax_fp8.activations.grad``), computed in f32 inside the kernel from ``dh`` and the
   pre-activation ``y``: the up projection's block-scaled output gradient in both directions
@@ -240,8 +244,8 @@ def activation_grad_group_cast_transpose(dh: jax.Array, y: jax.Array, *, activat
     activation: "silu", "gelu", "swiglu" or "geglu".
     fmt, eps, ue8m0: as in ``group_quantize``.
   Returns:
-    ``(q, scales, qt, scales_t)`` of the gradient, y's shape ([R, 2C] = [dgate | dup] when
-    gated; each 128-column group lies in one half), as ``group_cast_transpose``.
+    ``Quantized`` of the gradient, y's shape ([R, 2C] = [dgate | dup] when gated; each
+    128-column group lies in one half), as ``group_cast_transpose``.
   Raises:
     TypeError / ValueError at trace time: as ``group_cast_transpose`` and
     ``activation_grad_cast_transpose``.
@@ -254,7 +258,7 @@ def activation_grad_group_cast_transpose(dh: jax.Array, y: jax.Array, *, activat
                                ue8m0)
 
 
-def _group_cast_transpose(op, source: sources.Source, fmt, eps, ue8m0):
+def _group_cast_transpose(op, source: sources.Source, fmt, eps, ue8m0) -> Quantized:
   """The group cast-transposes' kernel call on a checked source (``jax_fp8.ops.sources``)."""
   rows, cols = source.shape(*source.inputs)
   _check_rows("dh" if source.grad else "y" if source.activation else "x", rows)
@@ -291,4 +295,4 @@ def _group_cast_transpose(op, source: sources.Source, fmt, eps, ue8m0):
           f"{rb} (cb c1)")
   q, s_col, qt, st_col = sharding.call(op, impl, plan, rule, *source.inputs, **sizes)
   q, s_col, qt, st_col = sharding.vary_like((q, s_col, qt, st_col), *source.inputs)
-  return q, s_col.T, qt, st_col.T
+  return Quantized(data=q, scale=s_col.T, data_t=qt, scale_t=st_col.T)

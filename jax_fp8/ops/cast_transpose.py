@@ -14,13 +14,12 @@ tests: ``tests/test_cast_transpose.py``, ``tests/test_activation.py``, ``tests/t
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from .. import _ffi, checks, sharding
 from ..formats import amax_of_parts, fp8_dtype
+from ..quantized import DelayedQuantized, Quantized
 from ..state import ScaleRing
 from . import _ring, sources
 
@@ -29,30 +28,8 @@ QT_ROW_MULTIPLE = _ffi.CONSTANTS["qt_row_multiple"]  # qt's columns: R rounded u
 _COLS = sources.COL_MULTIPLE  # x's columns
 
 
-class CastTransposed(NamedTuple):
-  """The result of ``cast_transpose_delayed`` and of the activation cast-transposes (x: what
-  was quantized).
-
-  Attributes:
-    q: [R, C] FP8 in the ring's format.
-    qt: [C, ceil16(R)] FP8, q.T with zero columns appended up to a multiple of 16 rows of x
-      (so it feeds a GEMM contracting over R directly).
-    amax: f32 [], max |x| (NaN if x has a NaN), of what was quantized.
-    ring: the next ring, or with ``observe=True`` the ring's observation (state gradient).
-    dbias: f32 [C], the column sums of x (the bias gradient when x is the output gradient),
-      or None without ``with_dbias``.
-    scale: f32 [], the scale q and qt were quantized with.
-  """
-  q: jax.Array
-  qt: jax.Array
-  amax: jax.Array
-  ring: ScaleRing
-  dbias: jax.Array | None
-  scale: jax.Array
-
-
 def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
-                           observe: bool = False) -> CastTransposed:
+                           observe: bool = False) -> DelayedQuantized:
   """Delayed-scaling quantize of ``x [R, C]`` into both layouts from one read, as
   ``quantize_delayed`` for the scale and the ring.
 
@@ -67,7 +44,13 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
     observe: a bool; True returns the ring's observation of this step instead of the next ring
       (what ``jax_fp8.linear`` sends to ``update_state`` as the state gradient).
   Returns:
-    ``CastTransposed(q, qt, amax, ring, dbias, scale)``.
+    ``DelayedQuantized(tensor, ring, dbias)``: ``tensor`` a ``Quantized`` with ``data`` [R, C]
+    FP8 in the ring's format, ``data_t`` [C, ceil16(R)] FP8 (data.T with zero columns appended
+    up to a multiple of 16 rows of x, so it feeds a GEMM contracting over R directly), ``scale``
+    (f32 [], the scale both were quantized with; ``scale_t`` None) and ``amax`` (f32 [], max
+    |x|, NaN if x has a NaN); ``ring`` the next ring, or with ``observe=True`` the ring's
+    observation (state gradient); ``dbias`` f32 [C], the column sums of x, or None without
+    ``with_dbias``.
   Raises:
     TypeError / ValueError at trace time: dtype, rank, C not a positive multiple of 16, parts
     of different dtypes or row counts, none or more than 4 of them, ring not a valid
@@ -81,7 +64,7 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
 
 
 def activation_cast_transpose(y: jax.Array, ring: ScaleRing, *, activation: str,
-                              observe: bool = False) -> CastTransposed:
+                              observe: bool = False) -> DelayedQuantized:
   """``cast_transpose_delayed`` of ``activation(y)`` (``jax_fp8.activations``), computed in f32
   inside the kernel from one read of the pre-activation y: an MLP's hidden activation written
   straight into the down projection's FP8 inputs, never stored in y's dtype.
@@ -93,7 +76,7 @@ def activation_cast_transpose(y: jax.Array, ring: ScaleRing, *, activation: str,
     activation: "silu", "gelu", "swiglu" or "geglu".
     observe: as in ``cast_transpose_delayed``.
   Returns:
-    ``CastTransposed`` of the [R, C] activation (dbias None).
+    ``DelayedQuantized`` of the [R, C] activation, as ``cast_transpose_delayed`` (dbias None).
   Raises:
     TypeError / ValueError at trace time: dtype, rank, shape, unknown activation, ring,
     observe not a bool.
@@ -112,7 +95,7 @@ def activation_cast_transpose(y: jax.Array, ring: ScaleRing, *, activation: str,
 
 def activation_grad_cast_transpose(dh: jax.Array, y: jax.Array, ring: ScaleRing, *,
                                    activation: str, with_dbias: bool = False,
-                                   observe: bool = False) -> CastTransposed:
+                                   observe: bool = False) -> DelayedQuantized:
   """``cast_transpose_delayed`` of the gradient through ``activation`` (``jax_fp8.activations
   .grad``), computed in f32 inside the kernel from ``dh`` and the pre-activation ``y``: the
   up projection's FP8 output gradient in both layouts from one read of each, with its amax and
@@ -127,7 +110,8 @@ def activation_grad_cast_transpose(dh: jax.Array, y: jax.Array, ring: ScaleRing,
     activation: "silu", "gelu", "swiglu" or "geglu".
     with_dbias, observe: as in ``cast_transpose_delayed``.
   Returns:
-    ``CastTransposed`` of the gradient, y's shape ([R, 2C] = [dgate | dup] when gated).
+    ``DelayedQuantized`` of the gradient, as ``cast_transpose_delayed``: y's shape ([R, 2C] =
+    [dgate | dup] when gated).
   Raises:
     TypeError / ValueError at trace time: dtypes, ranks, shapes, unknown activation, ring,
     with_dbias or observe not a bool.
@@ -142,7 +126,7 @@ def activation_grad_cast_transpose(dh: jax.Array, y: jax.Array, ring: ScaleRing,
 
 def norm_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
                         beta: jax.Array | None, ring: ScaleRing, *, norm: str,
-                        observe: bool = False) -> CastTransposed:
+                        observe: bool = False) -> DelayedQuantized:
   """``cast_transpose_delayed`` of the norm of x (``jax_fp8.norms``), computed in f32 inside
   the kernel from one read of x and its row statistics: a layer's input norm written straight
   into its GEMM's FP8 inputs, never stored in x's dtype.
@@ -157,7 +141,7 @@ def norm_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
     norm: "rmsnorm" or "layernorm".
     observe: as in ``cast_transpose_delayed``.
   Returns:
-    ``CastTransposed`` of the [R, C] norm (dbias None).
+    ``DelayedQuantized`` of the [R, C] norm, as ``cast_transpose_delayed`` (dbias None).
   Raises:
     TypeError / ValueError at trace time: dtypes, ranks, shapes, unknown norm, beta given to
     RMSNorm or missing for LayerNorm, ring, observe not a bool.
@@ -173,7 +157,7 @@ def norm_cast_transpose(x: jax.Array, row_stats: jax.Array, gamma: jax.Array,
                          observe)
 
 
-def _cast_transpose(op, source: sources.Source, ring, with_dbias, observe) -> CastTransposed:
+def _cast_transpose(op, source: sources.Source, ring, with_dbias, observe) -> DelayedQuantized:
   """The ops' kernel call on a checked source (``jax_fp8.ops.sources``)."""
   leaves = _ring.check_ring(ring)
   with_dbias = checks.boolean(with_dbias, "with_dbias")
@@ -233,4 +217,5 @@ def _cast_transpose(op, source: sources.Source, ring, with_dbias, observe) -> Ca
   q, qt, a, *moved = sharding.vary_like(outs, *inputs, ring)
   dbias = moved.pop() if with_dbias else None
   s = moved.pop()
-  return CastTransposed(q, qt, a, _ring.rebuild(ring, moved), dbias, s)
+  return DelayedQuantized(Quantized(data=q, scale=s, data_t=qt, amax=a),
+                          _ring.rebuild(ring, moved), dbias)

@@ -22,10 +22,14 @@ import jax.numpy as jnp
 
 from .. import checks, sharding
 from ..formats import FLOAT_DTYPES, MX_BLOCK, e8m0_apply, fp8_dtype
+from ..quantized import Quantized
+
+
+_OUTPUTS = ("data", "scale", "data_t", "scale_t")  # the kernel's results, in order
 
 
 def mxfp8_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = False,
-                   fmt: str = "e4m3") -> dict:
+                   fmt: str = "e4m3") -> Quantized:
   """MXFP8 quantization of ``x`` along its rows and / or its columns, both from one read.
 
   Args:
@@ -37,9 +41,9 @@ def mxfp8_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
       requantization of the rowwise copy).
     fmt: "e4m3" (the MXFP8 recipe's format for every tensor) or "e5m2".
   Returns:
-    A dict: with ``rowwise``, ``data`` [R, C] in the FP8 dtype and ``scales`` uint8 [R, C/32]
-    (E8M0 bytes); with ``columnwise``, ``data_t`` [C, R] and ``scales_t`` uint8 [C, R/32], the
-    same for x.T.
+    ``Quantized``: with ``rowwise``, ``data`` [R, C] in the FP8 dtype and ``scale`` uint8
+    [R, C/32] (E8M0 bytes); with ``columnwise``, ``data_t`` [C, R] and ``scale_t`` uint8
+    [C, R/32], the same for x.T; a direction not asked for None.
   Raises:
     TypeError at trace time: x's dtype, a direction flag that is not a bool. ValueError: a
     shape the rules above exclude, no direction asked for, an unknown fmt.
@@ -57,19 +61,19 @@ def mxfp8_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   if columnwise and r % MX_BLOCK:
     raise ValueError(f"columnwise=True needs x's rows R a multiple of {MX_BLOCK} (whole blocks "
                      f"along the columns), got shape {x.shape}")
-  names = ["data", "scales"] * rowwise + ["data_t", "scales_t"] * columnwise
+  names = ["data", "scale"] * rowwise + ["data_t", "scale_t"] * columnwise
 
   def impl(x):
     r, c = x.shape
-    shapes = {"data": ((r, c), qdt), "scales": ((r, c // MX_BLOCK), jnp.uint8),
-              "data_t": ((c, r), qdt), "scales_t": ((c, r // MX_BLOCK), jnp.uint8)}
+    shapes = {"data": ((r, c), qdt), "scale": ((r, c // MX_BLOCK), jnp.uint8),
+              "data_t": ((c, r), qdt), "scale_t": ((c, r // MX_BLOCK), jnp.uint8)}
     outs = jax.ffi.ffi_call(
         "jax_fp8_mxfp8_quantize",
         tuple(jax.ShapeDtypeStruct(shapes[n][0] if n in names else (0,), shapes[n][1])
-              for n in ("data", "scales", "data_t", "scales_t")),
+              for n in _OUTPUTS),
         vmap_method="sequential",
     )(x, rowwise=rowwise, columnwise=columnwise)
-    return tuple(o for o, n in zip(outs, ("data", "scales", "data_t", "scales_t")) if n in names)
+    return tuple(o for o, n in zip(outs, _OUTPUTS) if n in names)
 
   def plan(mesh, shapes):  # whole blocks on each device; no collective
     rs, cs = sharding.spec(shapes[0].sharding, 2)
@@ -85,7 +89,7 @@ def mxfp8_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   sizes = {f"{d}1": MX_BLOCK for d, f in (("r", rf), ("c", cf)) if f.startswith("(")}
   results = sharding.call("mxfp8_quantize", impl, plan, f"{rf} {cf} -> " + ", ".join(outs), x,
                           **sizes)
-  return dict(zip(names, sharding.vary_like(results, x)))
+  return Quantized(**dict(zip(names, sharding.vary_like(results, x))))
 
 
 def mxfp8_dequantize(data: jax.Array, scales: jax.Array, dtype=jnp.float32) -> jax.Array:
@@ -94,7 +98,8 @@ def mxfp8_dequantize(data: jax.Array, scales: jax.Array, dtype=jnp.float32) -> j
   recipe's GEMM emulation on Hopper) except where a value falls below bfloat16's normals.
 
   Args:
-    data: [..., C] float8_e4m3fn / float8_e5m2 (``data`` or ``data_t`` of ``mxfp8_quantize``).
+    data: [..., C] float8_e4m3fn / float8_e5m2 (``data`` or ``data_t`` of ``mxfp8_quantize``'s
+      ``Quantized``).
     scales: uint8 [..., C/32], the E8M0 scales of ``data``'s blocks.
     dtype: float32 / bfloat16 / float16.
   Raises:
@@ -126,8 +131,8 @@ def mxfp8_gemm(a: jax.Array, b: jax.Array, a_scales: jax.Array, b_scales: jax.Ar
   Args:
     a: [M, K] float8_e4m3fn / float8_e5m2: ``mxfp8_quantize``'s ``data`` (or ``data_t``).
     b: [N, K] likewise.
-    a_scales, b_scales: uint8 [M, K/32] and [N, K/32], their E8M0 scales (``scales`` or
-      ``scales_t``).
+    a_scales, b_scales: uint8 [M, K/32] and [N, K/32], their E8M0 scales (``scale`` or
+      ``scale_t``).
     out_dtype: float32 / bfloat16 / float16.
   Returns:
     [M, N] in out_dtype.

@@ -28,6 +28,7 @@ from .. import checks, sharding
 from ..formats import FLOAT_DTYPES, NVFP4_BLOCK, amax, apply_scales, as_f32, nvfp4_global_scale
 from ..hadamard import hadamard_amax, rht_signs
 from ..philox import key_words
+from ..quantized import Quantized
 
 
 def _check_options(stochastic_rounding, key, block_2d, columnwise, rht, global_amax_t) -> None:
@@ -59,7 +60,7 @@ def _global_amax(v, name):
   return v.astype(jnp.float32)
 
 
-_OUTPUTS = ("data", "scales", "data_t", "scales_t")
+_OUTPUTS = ("data", "scale", "data_t", "scale_t")  # the kernel's results, in order
 _SPECIALISED, _GENERAL = "nvfp4_rowwise_kernel", "nvfp4_quantize_kernel"
 
 
@@ -99,13 +100,13 @@ def quantize_call(x, global_scales, words, signs, *, rowwise, columnwise, block_
   """The kernel's call on one device, inputs as the kernel reads them (global_scales f32 [2]:
   rowwise, columnwise; words uint32 [2]; signs f32 [16]; ``specialised``: the CUDA handler
   launches the specialised kernel, which ``nvfp4_quantize_cuda_kernel`` must allow): the
-  outputs data, scales, data_t, scales_t, a direction not asked for shaped (0,)."""
+  outputs data, scale, data_t, scale_t, a direction not asked for shaped (0,)."""
   r, c = x.shape
   shapes = {"data": ((r, c // 2), jnp.uint8),
-            "scales": ((r, c // NVFP4_BLOCK), jnp.float8_e4m3fn),
+            "scale": ((r, c // NVFP4_BLOCK), jnp.float8_e4m3fn),
             "data_t": ((c, r // 2), jnp.uint8),
-            "scales_t": ((c, r // NVFP4_BLOCK), jnp.float8_e4m3fn)}
-  wanted = ("data", "scales") * rowwise + ("data_t", "scales_t") * columnwise
+            "scale_t": ((c, r // NVFP4_BLOCK), jnp.float8_e4m3fn)}
+  wanted = ("data", "scale") * rowwise + ("data_t", "scale_t") * columnwise
   return jax.ffi.ffi_call(
       "jax_fp8_nvfp4_quantize",
       tuple(jax.ShapeDtypeStruct(shapes[n][0] if n in wanted else (0,), shapes[n][1])
@@ -118,7 +119,7 @@ def quantize_call(x, global_scales, words, signs, *, rowwise, columnwise, block_
 def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = False,
                    block_2d: bool = False, stochastic_rounding: bool = False, key=None,
                    rht: bool = False, rht_seed: int | None = None, global_amax=None,
-                   global_amax_t=None) -> dict:
+                   global_amax_t=None) -> Quantized:
   """NVFP4 quantization of ``x`` along its rows and / or its columns, both from one read.
 
   Each block's scale is ``e4m3(block_amax * (f32(1 / 6) / global_scale))`` and each element
@@ -134,7 +135,7 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
     columnwise: quantize 16 x 1 blocks along the columns, written transposed (x.T's rowwise
       quantization, from x itself).
     block_2d: one scale per 16 x 16 tile (weights), repeated on the tile's 16 rows in
-      ``scales``; the two directions then hold the same numbers. Round to nearest only.
+      ``scale``; the two directions then hold the same numbers. Round to nearest only.
     stochastic_rounding: round each element up or down at random with the probabilities that
       make it unbiased (gradients), 16 Philox4x32-10 bits an element: block b of row r in
       direction d (0 rowwise, 1 columnwise, rows then x's columns) draws counters (b, r, d, 0)
@@ -153,9 +154,10 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
       at +-6; a value <= 0 is an all-zero tensor's (global scale 1); inf or NaN make every
       scale NaN.
   Returns:
-    A dict: ``global_scale`` f32 []; with ``rowwise`` ``data`` uint8 [R, C/2] (element 2i in
-    the low nibble of byte i) and ``scales`` float8_e4m3fn [R, C/16]; with ``columnwise``
-    ``data_t`` uint8 [C, R/2] and ``scales_t`` [C, R/16]; with ``rht`` ``global_scale_t``.
+    ``Quantized``: ``global_scale`` f32 []; with ``rowwise`` ``data`` uint8 [R, C/2] (element
+    2i in the low nibble of byte i) and ``scale`` float8_e4m3fn [R, C/16]; with ``columnwise``
+    ``data_t`` uint8 [C, R/2] and ``scale_t`` [C, R/16]; with ``rht`` ``global_scale_t`` (else
+    None: ``data_t`` shares ``global_scale``); a direction not asked for None.
   Raises:
     TypeError at trace time: x's dtype, a flag that is not a bool. ValueError: shapes the
     rules above exclude, no direction asked for, an option without what it needs (or with
@@ -184,13 +186,12 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   x32 = as_f32(x)
   gs = nvfp4_global_scale(amax(x32) if global_amax is None else
                           _global_amax(global_amax, "global_amax"))
-  out = {"global_scale": gs}
-  gs_t = gs
+  gs_t = gs  # the columnwise copy's: its own with the transform
   if rht:
-    gs_t = out["global_scale_t"] = nvfp4_global_scale(
+    gs_t = nvfp4_global_scale(
         hadamard_amax(x32, rht_seed, axis=0) if global_amax_t is None else
         _global_amax(global_amax_t, "global_amax_t"))
-  names = ["data", "scales"] * rowwise + ["data_t", "scales_t"] * columnwise
+  names = ["data", "scale"] * rowwise + ["data_t", "scale_t"] * columnwise
 
   def impl(x, global_scales, words, signs):
     outs = quantize_call(x, global_scales, words, signs, rowwise=rowwise, columnwise=columnwise,
@@ -220,8 +221,8 @@ def nvfp4_quantize(x: jax.Array, *, rowwise: bool = True, columnwise: bool = Fal
   rule = f"{xr} {xc}, g, k, s -> " + ", ".join(outs)
   results = sharding.call("nvfp4_quantize", impl, plan, rule, x, jnp.stack([gs, gs_t]), words,
                           jnp.asarray(signs), **sizes)
-  out.update(zip(names, sharding.vary_like(results, x)))
-  return out
+  return Quantized(global_scale=gs, global_scale_t=gs_t if rht else None,
+                   **dict(zip(names, sharding.vary_like(results, x))))
 
 
 def nvfp4_dequantize(data: jax.Array, scales: jax.Array, global_scale, dtype=jnp.float32
@@ -232,7 +233,7 @@ def nvfp4_dequantize(data: jax.Array, scales: jax.Array, global_scale, dtype=jnp
 
   Args:
     data: uint8 [..., C/2] (element 2i in the low nibble of byte i), ``data`` or ``data_t`` of
-      ``nvfp4_quantize``.
+      ``nvfp4_quantize``'s ``Quantized``.
     scales: float8_e4m3fn [..., C/16].
     global_scale: f32 [] (``global_scale``, or ``global_scale_t`` for an RHT copy).
     dtype: float32 / bfloat16 / float16.

@@ -7,37 +7,14 @@ CUDA kernels: ``csrc/kernels/quantize.cuh``; FFI handlers: ``csrc/ffi/quantize_*
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from .. import checks, sharding
 from ..formats import FLOAT_DTYPES, fp8_dtype
+from ..quantized import DelayedQuantized, Quantized
 from ..state import ScaleRing
 from . import _ring
-
-
-class Quantized(NamedTuple):
-  """``quantize``'s result: q (x's shape, FP8) and amax (f32 [], max |x|, NaN if x has one)."""
-  q: jax.Array
-  amax: jax.Array
-
-
-class DelayedQuantized(NamedTuple):
-  """``quantize_delayed``'s result.
-
-  Attributes:
-    q: x's shape, FP8 in the ring's format.
-    amax: f32 [], max |x| (NaN if x has a NaN).
-    ring: the next ring (``jax_fp8.state.next_ring(ring, amax)``), or with ``observe=True`` the
-      ring's observation of this step (``jax_fp8.state.observe``, the state gradient).
-    scale: f32 [], the scale q was quantized with (``x ~= q * scale``).
-  """
-  q: jax.Array
-  amax: jax.Array
-  ring: ScaleRing
-  scale: jax.Array
 
 
 def _plan_elementwise(mesh, shape, sharding_):
@@ -60,7 +37,8 @@ def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> Quantized:
       a zero scale there turns zeros into NaN).
     fmt: "e4m3" (float8_e4m3fn, max 448) or "e5m2" (float8_e5m2, max 57344).
   Returns:
-    ``Quantized(q, amax)``.
+    ``Quantized``: ``data`` (x's shape, FP8), ``scale`` (the scale given, as an f32 array) and
+    ``amax`` (f32 [], max |x|, NaN if x has one).
   Raises:
     TypeError / ValueError at trace time: x not a float array, scale not a float32 scalar (or
     a host number that is not a positive normal f32), an unknown format.
@@ -81,7 +59,8 @@ def quantize(x: jax.Array, scale: jax.Array, fmt: str = "e4m3") -> Quantized:
 
   f = sharding.factors("x", x.ndim)
   q, a = sharding.call("quantize", impl, plan, f"{f}, -> {f}, ", x, scale)
-  return Quantized(*sharding.vary_like((q, a), x, scale))
+  q, a = sharding.vary_like((q, a), x, scale)
+  return Quantized(data=q, scale=scale, amax=a)
 
 
 def quantize_kernel(x: jax.Array, scale: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
@@ -109,7 +88,11 @@ def quantize_delayed(x: jax.Array, ring: ScaleRing, *, observe: bool = False) ->
       this step (the state gradient of ``jax_fp8.state``; for custom layers that follow
       ``jax_fp8.linear``'s state protocol).
   Returns:
-    ``DelayedQuantized(q, amax, ring, scale)``.
+    ``DelayedQuantized(tensor, ring, dbias=None)``: ``tensor`` a ``Quantized`` with ``data``
+    (x's shape, FP8 in the ring's format), ``scale`` (f32 [], the scale it was quantized with)
+    and ``amax`` (f32 [], max |x|, NaN if x has one); ``ring`` the next ring
+    (``jax_fp8.state.next_ring(ring, amax)``), or with ``observe=True`` the ring's observation
+    of this step (``jax_fp8.state.observe``, the state gradient).
   Raises:
     TypeError / ValueError at trace time: x not a float array, ring not a valid ScaleRing,
     observe not a bool.
@@ -147,7 +130,7 @@ def quantize_delayed(x: jax.Array, ring: ScaleRing, *, observe: bool = False) ->
   f = sharding.factors("x", x.ndim)
   outs = sharding.call("quantize_delayed", impl, plan, f"{f}, l, , -> {f}, , l, , , ", x, *leaves)
   q, a, *moved, s = sharding.vary_like(outs, x, ring)
-  return DelayedQuantized(q, a, _ring.rebuild(ring, moved), s)
+  return DelayedQuantized(Quantized(data=q, scale=s, amax=a), _ring.rebuild(ring, moved))
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype=jnp.bfloat16) -> jax.Array:
