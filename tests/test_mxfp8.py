@@ -167,14 +167,14 @@ def test_finite_inputs_stay_finite(platform, rng, fmt, directions):
   _check_against_reference(jnp.asarray(x), directions, fmt)
   t = jax_fp8.mxfp8_quantize(jnp.asarray(x), columnwise=directions == "both", fmt=fmt)
   top = {"e4m3": (247, 240.0), "e5m2": (240, 28672.0)}[fmt]
-  pairs = [("data", "scales")] + [("data_t", "scales_t")] * (directions == "both")
-  for data, scales in pairs:
-    d = np.asarray(jax_fp8.mxfp8_dequantize(t[data], t[scales]))
-    assert np.all(np.isfinite(d)), data
-    s = np.asarray(t[scales])
-    assert np.all(s[:32, 0] == top[0]) and np.all(s[32:, :] < top[0]), scales
-    d = d if data == "data" else d.T  # x's layout
-    assert d[0, 0] == top[1] * 2.0 ** (top[0] - 127) and d[0, 1] == -d[0, 0], data
+  pairs = [(t.data, t.scale, "data")] + [(t.data_t, t.scale_t, "data_t")] * (directions == "both")
+  for data, scale, name in pairs:
+    d = np.asarray(jax_fp8.mxfp8_dequantize(data, scale))
+    assert np.all(np.isfinite(d)), name
+    s = np.asarray(scale)
+    assert np.all(s[:32, 0] == top[0]) and np.all(s[32:, :] < top[0]), name
+    d = d if name == "data" else d.T  # x's layout
+    assert d[0, 0] == top[1] * 2.0 ** (top[0] - 127) and d[0, 1] == -d[0, 0], name
 
 
 def test_jit_and_vmap(rng):
