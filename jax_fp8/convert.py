@@ -173,7 +173,7 @@ def _status(path: str, k: int, n: int, recipe, include, exclude) -> tuple[str, s
                          else f"the path matches exclude={exclude!r}")
   multiple = recipe.dim_multiple
   if k <= 0 or n <= 0 or k % multiple or n % multiple:
-    return cr.UNALIGNED, f"{recipe.dim_rule} under {type(recipe).__name__}"
+    return cr.UNALIGNED, recipe.dim_rule
   if not fp8_pays(recipe, None, n, k):
     return cr.NEVER_PAYS, (f"intensity below {intensity(None, n, k):.0f} at any M, "
                            f"fp8_min_intensity={cr.threshold(recipe)}")
@@ -209,14 +209,18 @@ class Converted(nn.Module):
     finally:
       _TRACE.reset(token)
     layers = trace.layers(self.recipe)
+    # The last dense layer is the output projection where the output has its output's shape
+    # (not where, say, the logits come from a tied embedding after it).
+    last = (trace.last if trace.last_shape in {jnp.shape(v) for v in jax.tree.leaves(out)}
+            else None)
     sink = _REPORT.get()
     if sink is not None:
-      sink.append((layers, trace.last))
+      sink.append((layers, last))
     else:  # at init the shapes may be placeholders: the fallback at M is told at apply
       cr.warn_fallback(layers, self.recipe, _device_note(self.recipe), stacklevel=4,
                        below=not self.is_initializing())
-      cr.warn_last_converted(next((r for r in layers if r.path == trace.last), None),
-                             stacklevel=4)
+      cr.warn_last_converted(next((r for r in layers if r.path == last), None), stacklevel=4)
+      cr.warn_unaligned(layers, self.recipe, stacklevel=4)
     return out
 
 
@@ -226,6 +230,7 @@ class _Trace:
   def __init__(self):
     self.seen = {}   # path -> [LayerReport with the status of convert's rules, smallest M]
     self.last = None  # the path of the last dense layer called
+    self.last_shape = None  # its output's shape
 
   def note(self, layer: LayerReport):
     old = self.seen.get(layer.path)
@@ -267,12 +272,12 @@ def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
   if (context.method_name != "__call__" or type(m) not in (nn.Dense, nn.DenseGeneral)
       or x is None or jnp.ndim(x) < 1):
     _note_unsupported(m, context.method_name)
-    return next_fun(*args, **kwargs)
+    return _output(m, next_fun(*args, **kwargs))
   plan = _dense_plan(m, x)
   if plan is None or not _selects("/".join(map(str, m.scope.path)), plan[1], plan[2], recipe,
                                   include, exclude):
     _note_left(m, x, plan, recipe, include, exclude)
-    return next_fun(*args, **kwargs)
+    return _output(m, next_fun(*args, **kwargs))
   kernel_shape, k, n, features = plan
   _note(m, k, n, math.prod(x.shape[:x.ndim - (len(kernel_shape) - len(features))]), cr.CONVERTED,
         "")
@@ -294,8 +299,17 @@ def _intercept(recipe, include, exclude, next_fun, args, kwargs, context):
            if recipe.stateful else None)
   n_contract = len(kernel_shape) - len(features)
   contraction = Contraction(n_contract, tuple(x.shape[x.ndim - n_contract:]), None, features, k, n)
-  return contract(x, kernel, bias, contraction, state, recipe, m.dtype, None,
-                  key=linen_key(m, recipe))
+  return _output(m, contract(x, kernel, bias, contraction, state, recipe, m.dtype, None,
+                          key=linen_key(m, recipe)))
+
+
+def _output(m, y):
+  """``y``, the output of module ``m``'s call; its shape kept where ``m`` is the dense layer
+  the trace noted last (the candidate output projection)."""
+  trace = _TRACE.get()
+  if trace is not None and trace.last is not None and trace.last == _path(m):
+    trace.last_shape = getattr(y, "shape", None)
+  return y
 
 
 def _einsum_call(m, args, kwargs):
@@ -319,20 +333,20 @@ def _intercept_einsum(recipe, include, exclude, next_fun, args, kwargs, m):
           else einsum_plan(call[1], m.shape))
   if isinstance(plan, str):
     _note(m, None, None, None, cr.UNSUPPORTED, plan)
-    return next_fun(*args, **kwargs)
+    return _output(m, next_fun(*args, **kwargs))
   x = call[0]
   status, why = _status(_path(m), plan.k, plan.n, recipe, include, exclude)
   _note(m, plan.k, plan.n, math.prod(x.shape[:x.ndim - plan.n_contract]), status, why)
   if status != cr.CONVERTED:
-    return next_fun(*args, **kwargs)
+    return _output(m, next_fun(*args, **kwargs))
   stored = m.get_variable("params", "kernel") if m.has_variable("params", "kernel") else None
   kernel = (stored if isinstance(stored, Fp8Weight) else
             m.param("kernel", m.kernel_init, m.shape, m.param_dtype))
   bias = m.param("bias", m.bias_init, plan.features, m.param_dtype) if m.use_bias else None
   state = (fp8_state_variable(m, "linear", create_state, recipe, None)
            if recipe.stateful else None)
-  return contract(x, kernel, bias, plan, state, recipe, m.dtype, None,
-                  key=linen_key(m, recipe))
+  return _output(m, contract(x, kernel, bias, plan, state, recipe, m.dtype, None,
+                          key=linen_key(m, recipe)))
 
 
 _LINEN_DENSE = (nn.Dense, nn.DenseGeneral, nn.Einsum)
@@ -574,6 +588,7 @@ def _record_nnx(model, before, recipe, include, exclude):
     del _NNX_CONVERSIONS[key]
   _NNX_CONVERSIONS[id(model)] = (weakref.ref(model), recipe, tuple(layers))
   cr.warn_fallback(layers, recipe, _device_note(recipe), stacklevel=4)
+  cr.warn_unaligned(layers, recipe, stacklevel=4)
 
 
 def conversion_report(model, *args, rngs=None, **kwargs) -> ConversionReport:
@@ -653,7 +668,7 @@ def _nnx_trace(model, static, inputs, values):
   order; the path of the last one called) for one abstract call of the NNX ``model``."""
   graphdef, state = nnx.split(model)
   wanted = {r.path for r in static}
-  rows, last = {}, [None]
+  rows, last, last_shape = {}, [None], [None]
   classes = {type(node) for p, node in nnx.iter_graph(model) if "/".join(map(str, p)) in wanted}
   paths = {}
 
@@ -666,7 +681,10 @@ def _nnx_trace(model, static, inputs, values):
         old = rows.get(path)
         rows[path] = m if old is None or (m is not None and m < old) else old
         last[0] = path
-      return call(self, *a, **kw)
+      out = call(self, *a, **kw)
+      if path is not None:
+        last_shape[0] = jnp.shape(out)
+      return out
     return wrapper
 
   def run(state, *values):
@@ -674,17 +692,18 @@ def _nnx_trace(model, static, inputs, values):
     paths.update({id(node): "/".join(map(str, p)) for p, node in nnx.iter_graph(copy)
                   if "/".join(map(str, p)) in wanted})
     a, kw = inputs(values)
-    copy(*a, **kw)
+    return copy(*a, **kw)
 
   saved = {cls: cls.__dict__.get("__call__") for cls in classes}
   try:
     for cls in classes:
       cls.__call__ = recording(cls.__call__)
-    jax.eval_shape(run, state, *values)
+    out = jax.eval_shape(run, state, *values)
   finally:
     for cls, call in saved.items():
       if call is None:
         del cls.__call__
       else:
         cls.__call__ = call
-  return rows, last[0]
+  output = last[0] if last_shape[0] in {v.shape for v in jax.tree.leaves(out)} else None
+  return rows, output

@@ -7,6 +7,7 @@ model's last projection runs in FP8."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 import warnings
 
@@ -32,7 +33,7 @@ NEVER_INTENSITY = sys.float_info.max
 def threshold(recipe: Recipe) -> str:
   """The recipe's ``fp8_min_intensity`` in words."""
   t = recipe.fp8_min_intensity
-  return "NEVER_INTENSITY (no shape)" if t == NEVER_INTENSITY else f"{t:g}"
+  return "NEVER_INTENSITY (no layer reaches it)" if t == NEVER_INTENSITY else f"{t:g}"
 
 
 class ConversionWarning(UserWarning):
@@ -101,8 +102,9 @@ class ConversionReport:
     recipe: the recipe of the converted layers.
     layers: one ``LayerReport`` a layer, in the order the trace first called them (NNX: the
       model's graph order for layers it did not call).
-    last: the path of the last dense layer the trace called (the model's output projection,
-      where it ends with one), or None.
+    last: the path of the model's output projection: the last dense layer the trace called,
+      where an output of the model has that layer's output shape (None otherwise, e.g. where
+      the logits come from a tied embedding after it).
   ``str(report)`` is a table; ``converted``, ``fp8``, ``left`` select rows; ``select`` is the
   ``select`` argument of ``jax_fp8.quantize_weights`` that quantizes the converted layers'
   kernels only.
@@ -198,6 +200,22 @@ def warn_last_converted(last: LayerReport | None, stacklevel: int = 3) -> None:
       f"jax_fp8.convert: the model's last projection, {last.layer} at {last.path!r} "
       f"(K={last.k}, N={last.n}), was converted to FP8; FP8 training recipes keep the output "
       f"head in higher precision. Its name does not match the exclude pattern: add it, e.g. "
-      f"exclude=jax_fp8.convert.HEAD_PATTERN + r'|(^|/){last.path.rpartition('/')[2]}$' (or, "
-      f"where FP8 there is meant, filter jax_fp8.convert.ConversionWarning).",
+      f"exclude=jax_fp8.convert.HEAD_PATTERN + r'|^{re.escape(last.path)}$' (or, where FP8 "
+      f"there is meant, filter jax_fp8.convert.ConversionWarning).",
+      ConversionWarning, stacklevel=stacklevel)
+
+
+def warn_unaligned(layers, recipe: Recipe, stacklevel: int = 3) -> None:
+  """A ``ConversionWarning`` where ``convert`` converted none of ``layers`` and left some for
+  their sizes (``UNALIGNED``): the recipe's K / N rule, which a model of other widths (or
+  another recipe) meets."""
+  unaligned = [r for r in layers if r.status == UNALIGNED]
+  if not unaligned or any(r.converted for r in layers):
+    return
+  warnings.warn(
+      f"jax_fp8.convert: none of the {len(layers)} dense layers was converted; "
+      f"{len(unaligned)} of them for their sizes: {recipe.dim_rule} (e.g. "
+      f"{unaligned[0].path!r}: K={unaligned[0].k}, N={unaligned[0].n}). A recipe of smaller "
+      f"blocks (DelayedScaling: multiples of 16) may take them; "
+      f"jax_fp8.convert.conversion_report(model, *inputs) lists the layers.",
       ConversionWarning, stacklevel=stacklevel)

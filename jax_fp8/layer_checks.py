@@ -208,7 +208,7 @@ def check_dims(recipe: Recipe, dims: dict) -> None:
   sizes = {k: v if isinstance(v, tuple) else (v,) for k, v in dims.items()}
   if any(v % recipe.dim_multiple for vs in sizes.values() for v in vs):
     got = ", ".join(f"{k}={', '.join(map(str, vs))}" for k, vs in sizes.items())
-    raise ValueError(f"{recipe.dim_rule}, got {got} under {type(recipe).__name__}")
+    raise ValueError(f"{recipe.dim_rule}, got {got}")
 
 
 def gemm_input(x, norm_params, norm, dtype):

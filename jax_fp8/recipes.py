@@ -73,7 +73,7 @@ class Recipe:
       it, before quantizing) or "local" (block scales from each device's own data: no
       reduction, and ``amax_axis_name`` must be None).
     dim_multiple: the multiple K and N (an MLP's F and D too) must be of on the FP8 path.
-    dim_rule: that rule in words, for errors.
+    dim_reason: why, in words (``dim_rule``, a property, states the rule for errors).
     casts_kernel: whether ``cast_kernel`` and ``Fp8Weight`` (inference) serve it.
     fuses: whether the input norm and the MLP's activation run inside its quantizers (else the
       layers compose XLA's norm and activation with its linears).
@@ -83,9 +83,15 @@ class Recipe:
   stateful: bool = False
   amax_scope: str
   dim_multiple: int
-  dim_rule: str
+  dim_reason: str
   casts_kernel: bool = False
   fuses: bool = False
+
+  @property
+  def dim_rule(self) -> str:
+    """The K / N rule in words, naming the recipe (for errors and convert's report)."""
+    return (f"{type(self).__name__} needs K and N multiples of {self.dim_multiple} "
+            f"({self.dim_reason})")
 
   @property
   def draws_key(self) -> bool:
@@ -104,7 +110,7 @@ class PerTensorFormats(Recipe):
 
   family = "per_tensor"
   dim_multiple = DIM_MULTIPLE
-  dim_rule = f"K and N must be multiples of {DIM_MULTIPLE} for the FP8 GEMMs"
+  dim_reason = "cuBLASLt's FP8 GEMM alignment"
   casts_kernel = True
   fuses = True
 
@@ -186,8 +192,7 @@ class BlockScaling(Recipe):
   family = "block"
   amax_scope = "local"
   dim_multiple = BLOCK
-  dim_rule = (f"BlockScaling needs K and N multiples of {BLOCK} (the groups of x along K and "
-              f"of the gradient along N)")
+  dim_reason = "the groups of x along K and of the gradient along N"
   casts_kernel = True
   fuses = True
 
@@ -273,8 +278,8 @@ class MXFP8BlockScaling(Recipe):
   family = "mxfp8"
   amax_scope = "local"
   dim_multiple = MX_BLOCK
-  dim_rule = (f"MXFP8BlockScaling needs K and N multiples of {MX_BLOCK} (whole MXFP8 blocks of "
-              f"x and the kernel along K, of the gradient and the kernel along N)")
+  dim_reason = ("whole MXFP8 blocks of x and the kernel along K, of the gradient and the "
+                "kernel along N")
 
   fp8_format: Literal["e4m3"] = "e4m3"
   fp8_min_intensity: float = 0.0
@@ -325,8 +330,8 @@ class NVFP4BlockScaling(Recipe):
   family = "nvfp4"
   amax_scope = "tensor"
   dim_multiple = NVFP4_BLOCK
-  dim_rule = (f"NVFP4BlockScaling needs K and N multiples of {NVFP4_BLOCK} (whole NVFP4 blocks "
-              f"of x and the kernel along K, of the gradient and the kernel along N)")
+  dim_reason = ("whole NVFP4 blocks of x and the kernel along K, of the gradient and the "
+                "kernel along N")
 
   weight_block_2d: bool = True
   stochastic_rounding: bool = True
@@ -343,6 +348,12 @@ class NVFP4BlockScaling(Recipe):
       raise ValueError(f"NVFP4BlockScaling.rht_seed is the Hadamard transform's seed: it needs "
                        f"rht=True, got rht_seed={self.rht_seed!r} with rht=False")
     check_fp8_min_intensity(self)
+
+  @property
+  def dim_rule(self) -> str:
+    """The K / N rule in words, naming the recipe (for errors and convert's report)."""
+    return (f"{type(self).__name__} needs K and N multiples of {self.dim_multiple} "
+            f"({self.dim_reason})")
 
   @property
   def draws_key(self) -> bool:

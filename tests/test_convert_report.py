@@ -262,13 +262,60 @@ def test_last_projection_converted_warns():
       return nn.Dense(VOCAB, name="to_vocab")(nn.Dense(64)(x))
 
   with pytest.warns(ConversionWarning, match=r"last projection, nn.Dense at 'to_vocab'.*"
-                                             r"exclude=jax_fp8.convert.HEAD_PATTERN"):
+                                             r"exclude=jax_fp8.convert.HEAD_PATTERN \+ "
+                                             r"r'\|\^to_vocab\$'"):
     convert(Unnamed(), RECIPE).init(jax.random.key(0), jnp.ones((4, 32)))
   report = conversion_report(convert(Unnamed(), RECIPE), jnp.ones((4, 32)))
   assert "the last projection, 'to_vocab', is converted" in str(report)
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     convert(Unnamed(), RECIPE, exclude="to_vocab").init(jax.random.key(0), jnp.ones((4, 32)))
+
+
+class TiedLM(nn.Module):
+  """Logits from the embedding (tied): the last dense layer is the MLP's down projection."""
+
+  @nn.compact
+  def __call__(self, tokens):
+    embed = nn.Embed(VOCAB, 32, name="embed")
+    h = embed(tokens)
+    h = h + nn.Dense(32, name="down")(nn.gelu(nn.Dense(128, name="up")(h)))
+    return embed.attend(h)  # [B, T, VOCAB]
+
+
+class NNXTiedLM(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(VOCAB, 32, rngs=rngs)
+    self.up, self.down = nnx.Linear(32, 128, rngs=rngs), nnx.Linear(128, 32, rngs=rngs)
+
+  def __call__(self, tokens):
+    h = self.embed(tokens)
+    return self.embed.attend(h + self.down(nnx.gelu(self.up(h))))
+
+
+def test_tied_embedding_has_no_output_projection():
+  """Where the logits come from the embedding after the last dense layer, that layer is no
+  output projection: no warning, and the report names none."""
+  tokens = jnp.zeros((2, LEN), jnp.int32)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    convert(TiedLM(), RECIPE).init(jax.random.key(0), tokens)
+  report = conversion_report(convert(TiedLM(), RECIPE), tokens)
+  assert report.last is None and [r.path for r in report.fp8] == ["up", "down"]
+  assert "last projection" not in str(report)
+  report = conversion_report(convert(NNXTiedLM(nnx.Rngs(0)), RECIPE), tokens)
+  assert report.last is None and [r.path for r in report.fp8] == ["up", "down"]
+
+
+def test_nothing_converted_for_sizes_warns():
+  """A recipe whose K / N rule no layer meets converts nothing: a warning says so."""
+  with pytest.warns(ConversionWarning, match=r"none of the 2 dense layers was converted; 2 of "
+                                             r"them for their sizes: BlockScaling needs K and N "
+                                             r"multiples of 128"):
+    convert(TiedLM(), jax_fp8.BlockScaling()).init(
+        jax.random.key(0), jnp.zeros((2, LEN), jnp.int32))
+  with pytest.warns(ConversionWarning, match="none of the 2 dense layers was converted"):
+    convert(NNXTiedLM(nnx.Rngs(0)), jax_fp8.BlockScaling())
 
 
 # --- second convert, bound module -------------------------------------------------------------

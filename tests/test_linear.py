@@ -353,7 +353,7 @@ def test_fp8_min_intensity_any_shape(rng):
     state = jax_fp8.LinearState.create(recipe) if isinstance(recipe, jax_fp8.DelayedScaling) \
         else None
     np.testing.assert_array_equal(jax_fp8.linear(x, w, state=state, recipe=recipe), x @ w)
-  with pytest.raises(ValueError, match="multiples of 16 for the FP8 GEMMs"):
+  with pytest.raises(ValueError, match="multiples of 16 .cuBLASLt's FP8 GEMM alignment"):
     jax_fp8.linear(x, w, state=jax_fp8.LinearState.create())
   b = jnp.asarray(rng.standard_normal(32), jnp.float32)
   y = jax_fp8.linear(jnp.ones((3, 0)), jnp.ones((0, 32)), b, state=jax_fp8.LinearState.create())
