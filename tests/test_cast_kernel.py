@@ -199,7 +199,7 @@ def test_flax_cast_kernels_errors(rng):
     jf.cast_kernels(params, {"fp8_state": state}, recipe)
   with pytest.raises(ValueError, match="no kernel of params found its ring in fp8_state"):
     jf.cast_kernels(variables, state, recipe)
-  with pytest.raises(ValueError, match=r"head/kernel: DelayedScaling needs K and N multiples of 16"):
+  with pytest.raises(ValueError, match=r"head/kernel: [A-Za-z]*Scaling needs K and N multiples of 16"):
     jf.cast_kernels(params, None, RECIPES["current"])
   layer = jf.Dense(128, use_bias=False, recipe=recipe)
   small = layer.init(jax.random.key(0), x[:, :64])
@@ -289,7 +289,7 @@ def test_nnx_cast_kernels_errors():
     jn.cast_kernels(params, nnx.state(nnx.Linear(16, 16, rngs=nnx.Rngs(0)), jn.Fp8State), recipe)
   with pytest.raises(ValueError, match="CurrentScaling is stateless: pass fp8_state=None"):
     jn.cast_kernels(params, fp8, RECIPES["current"])
-  with pytest.raises(ValueError, match=r"head/kernel: DelayedScaling needs K and N multiples of 16"):
+  with pytest.raises(ValueError, match=r"head/kernel: [A-Za-z]*Scaling needs K and N multiples of 16"):
     jn.cast_kernels(params, None, RECIPES["current"])
   with pytest.raises(TypeError, match=r"params holds a Fp8State at layers/mlp/fp8_state: pass "
                                       r"nnx.state\(model, nnx.Param\)"):
