@@ -175,7 +175,7 @@ def _nnx_layer(path, node, new, recipe, include, exclude) -> LayerReport | None:
   """The static report of a graph node that is a dense layer (None otherwise): converted by
   this convert (``new``), a jax_fp8 layer built by hand, or left as it was and why."""
   k, n = _nnx_sizes(node)
-  ours = type(node).__module__ == fp8_nnx.__name__
+  ours = type(node).__module__.startswith("jax_fp8.")  # a jax_fp8 NNX layer
   name = f"{'jax_fp8.nnx.' if ours else ''}{type(node).__name__}"
   if new:
     return LayerReport(path, name, k, n, None, cr.CONVERTED, "")
