@@ -38,6 +38,17 @@ constexpr int kMaxParts = 4;
 // cuBLASLt's FP8 GEMMs need K and N multiples of this (16 bytes of FP8 per row of a and b).
 constexpr int kGemmDimMultiple = 16;
 
+// The grouped GEMM's ragged contraction (wgrad) starts each group at a row that is a multiple of
+// this: the group's first FP8 element is then 16-byte aligned, as its TMA loads need.
+constexpr int kGroupedRowAlign = 16;
+// The most groups jax_fp8_grouped_gemm takes (its setup kernel is one block).
+constexpr int kMaxGroups = 1024;
+// The grouped GEMM's workspace, its last result: kGroupedPlanBytes * (groups + 1) bytes for the
+// per-group plan (problem shapes, pointers, strides, scales), then kGroupedCutlassBytes for
+// CUTLASS (its tensor maps per SM and its tile scheduler).
+constexpr size_t kGroupedPlanBytes = 256;
+constexpr size_t kGroupedCutlassBytes = size_t(1) << 20;
+
 // Longest amax history a ring may have (the CUDA epilogue reduces it in one block).
 constexpr int kMaxHistory = 1024;
 

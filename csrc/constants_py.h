@@ -20,6 +20,10 @@ inline nanobind::dict constants_dict() {
   d["max_parts"] = kMaxParts;
   d["gemm_dim_multiple"] = kGemmDimMultiple;
   d["max_history"] = kMaxHistory;
+  d["grouped_row_align"] = kGroupedRowAlign;
+  d["max_groups"] = kMaxGroups;
+  d["grouped_plan_bytes"] = kGroupedPlanBytes;
+  d["grouped_cutlass_bytes"] = kGroupedCutlassBytes;
   d["algo_max"] = int64_t(AmaxAlgo::kMax);
   d["algo_most_recent"] = int64_t(AmaxAlgo::kMostRecent);
   d["layout_row"] = int64_t(ScaleLayoutId::kRow);

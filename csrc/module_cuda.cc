@@ -53,6 +53,7 @@ XLA_FFI_Error* GroupCastTransposeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* Mxfp8QuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* Nvfp4QuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* GemmCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* GroupedGemmCudaHandler(XLA_FFI_CallFrame* call_frame);
 }
 
 NB_MODULE(_jax_fp8_cuda, m) {
@@ -62,6 +63,7 @@ NB_MODULE(_jax_fp8_cuda, m) {
     d["jax_fp8_quantize"] = nb::capsule(reinterpret_cast<void*>(QuantizeCudaHandler));
     d["jax_fp8_quantize_ring"] = nb::capsule(reinterpret_cast<void*>(QuantizeRingCudaHandler));
     d["jax_fp8_gemm"] = nb::capsule(reinterpret_cast<void*>(GemmCudaHandler));
+    d["jax_fp8_grouped_gemm"] = nb::capsule(reinterpret_cast<void*>(GroupedGemmCudaHandler));
     d["jax_fp8_cast_transpose_ring"] =
         nb::capsule(reinterpret_cast<void*>(CastTransposeRingCudaHandler));
     d["jax_fp8_group_quantize"] = nb::capsule(reinterpret_cast<void*>(GroupQuantizeCudaHandler));

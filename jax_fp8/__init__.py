@@ -14,7 +14,8 @@ from .mlp import mlp
 from .ops import (activation_cast_transpose, activation_grad_cast_transpose,
                   activation_grad_group_cast_transpose, activation_group_cast_transpose,
                   block_quantize, cast_transpose_delayed,
-                  dequantize, gemm, group_cast_transpose, group_quantize, mxfp8_dequantize,
+                  dequantize, gemm, group_cast_transpose, group_quantize, grouped_gemm,
+                  grouped_gemm_wgrad, mxfp8_dequantize,
                   mxfp8_gemm, mxfp8_quantize, norm_cast_transpose, norm_group_cast_transpose,
                   nvfp4_dequantize, nvfp4_gemm, nvfp4_quantize, nvfp4_quantize_cuda_kernel,
                   quantize, quantize_delayed)
@@ -33,7 +34,7 @@ __all__ = [
     "activation_grad_group_cast_transpose", "activation_group_cast_transpose", "block_quantize",
     "cast_kernel", "cast_transpose_delayed",
     "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
-    "group_cast_transpose", "group_quantize", "linear", "multi_linear", "mxfp8_dequantize",
+    "group_cast_transpose", "group_quantize", "grouped_gemm", "grouped_gemm_wgrad", "linear", "multi_linear", "mxfp8_dequantize",
     "mxfp8_gemm", "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_gemm", "nvfp4_quantize",
     "nvfp4_quantize_cuda_kernel", "norm_cast_transpose", "norm_group_cast_transpose", "quantize",
     "mlp", "quantize_delayed", "quantize_weight", "quantize_weights", "share", "update_state",

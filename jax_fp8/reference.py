@@ -26,6 +26,7 @@ from .formats import (BLOCK, E2M1_MAX, E8M0_BIAS, GROUP_EPS, INV_E2M1_MAX, MX_BL
                       fp8_dtype, fp8_max, nvfp4_global_scale)
 from .hadamard import hadamard_transform
 from .ops.cast_transpose import QT_ROW_MULTIPLE
+from .ops.grouped_gemm import ROW_ALIGN as GROUPED_ROW_ALIGN
 from .ops.sources import in_parts
 from .philox import key_words
 from .quantized import DelayedQuantized, Quantized
@@ -107,6 +108,40 @@ def gemm(a, b, a_scale, b_scale, *, bias=None, out_dtype=jnp.bfloat16, out_scale
     return d.astype(out_dtype)
   out = quantize(d, out_scale)
   return out.data, out.amax
+
+
+def _group_of_rows(group_sizes, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """One-hot [rows, G] f32 of each row's group (no group: all zero), and each group's first
+  row and end [G]: groups take consecutive rows from row 0, a negative size counts as 0, and
+  the bounds are clipped to ``rows``."""
+  end = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows)
+  start = jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
+  row = jnp.arange(rows)[:, None]
+  return ((row >= start) & (row < end)).astype(jnp.float32), start, end
+
+
+def grouped_gemm(a, b, a_scale, b_scale, group_sizes, *, out_dtype=jnp.bfloat16) -> jax.Array:
+  """``d[m] = a_scale * b_scale[g] * a[m] @ b[g].T`` for each row m of group g, zero for rows
+  in no group; a [M, K], b [G, N, K], b_scale a scalar or [G]."""
+  onehot, _, _ = _group_of_rows(group_sizes, a.shape[0])
+  per_group = jnp.einsum("mk,gnk->mgn", a.astype(jnp.float32), b.astype(jnp.float32),
+                         precision=jax.lax.Precision.HIGHEST)  # every row against every group
+  b_scale = jnp.broadcast_to(b_scale, (b.shape[0],))
+  d = apply_scales(per_group, a_scale, b_scale[None, :, None])
+  return jnp.sum(jnp.where(onehot[:, :, None] > 0, d, 0.0), axis=1).astype(out_dtype)
+
+
+def grouped_gemm_wgrad(a_t, b_t, a_scale, b_scale, group_sizes, *,
+                       out_dtype=jnp.float32) -> jax.Array:
+  """``d[g] = a_scale * b_scale * sum over rows m of g of a_t[:, m] b_t[:, m]^T``; a_t [K, M],
+  b_t [N, M]; a non-empty group whose first row is not a multiple of 16 is NaN.
+  """
+  onehot, start, end = _group_of_rows(group_sizes, a_t.shape[1])
+  acc = jnp.einsum("km,nm,mg->gkn", a_t.astype(jnp.float32), b_t.astype(jnp.float32), onehot,
+                   precision=jax.lax.Precision.HIGHEST)
+  d = apply_scales(acc, a_scale, b_scale)
+  bad = (start % GROUPED_ROW_ALIGN != 0) & (end > start)
+  return jnp.where(bad[:, None, None], jnp.nan, d).astype(out_dtype)
 
 
 def linear(x, kernel, bias=None, *, state) -> jax.Array:

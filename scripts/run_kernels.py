@@ -7,6 +7,7 @@
                                              # block: the group cast-transpose's sources,
                                              # parts: the cast-transpose of x in parts)
     python scripts/run_kernels.py gemm       # our cuBLASLt calls, every scale mode (memcheck)
+    python scripts/run_kernels.py grouped    # the grouped GEMMs: setup, fill and CUTLASS kernels
 
 Inputs are copied from the host: initcheck reports buffers written by XLA's own kernels as
 uninitialized (it did for a slice and for jnp.zeros), never those written by a copy.
@@ -178,6 +179,26 @@ def gemm():
       jax_fp8.gemm(qa.data, qb.data, qa.scale, qb.scale),
       jax_fp8.gemm(qa.data, qg.data, qa.scale, qg.scale, bias=bias)))
 
+def grouped():
+  """The grouped GEMMs, both forms, every operand pair and output, with empty groups, rows in
+  no group, clipped and misaligned groups (the setup and fill kernels: all four tools;
+  CUTLASS's kernel is not in namespace jax_fp8, so memcheck over every kernel covers it)."""
+  rng = np.random.default_rng(3)
+  e4, e5 = jnp.float8_e4m3fn, jnp.float8_e5m2
+  one = jax.device_put(np.float32(1))
+  per_group = jax.device_put(np.float32([1, 2, 0.5, 1]))
+  for fa, fb, out in ((e4, e4, jnp.bfloat16), (e5, e4, jnp.float32), (e4, e5, jnp.bfloat16)):
+    a = jax.device_put(rng.standard_normal((200, 128)).astype(fa))
+    b = jax.device_put(rng.standard_normal((4, 48, 128)).astype(fb))
+    a_t = jax.device_put(rng.standard_normal((64, 192)).astype(fa))
+    b_t = jax.device_put(rng.standard_normal((48, 192)).astype(fb))
+    for sizes in ([50, 50, 50, 50], [0, 120, 0, 30], [90, 90, 90, 90], [10, 6, 64, 5]):
+      s = jax.device_put(np.int32(sizes))
+      jax.block_until_ready((
+          jax_fp8.grouped_gemm(a, b, one, per_group, s, out_dtype=out),
+          jax_fp8.grouped_gemm_wgrad(a_t, b_t, one, one, s, out_dtype=out)))
+
+
 def nvfp4():
   """NVFP4 quantization: every input dtype, ragged rows (rowwise only), a partial 128-column
   tile, every direction, 2D tiles, stochastic rounding and the Hadamard transform, with the
@@ -214,4 +235,4 @@ def nvfp4():
 
 if __name__ == "__main__":
   {"profile": profile, "coverage": coverage, "parts": parts, "block": block, "mxfp8": mxfp8,
-   "nvfp4": nvfp4, "gemm": gemm}[sys.argv[1]]()
+   "nvfp4": nvfp4, "gemm": gemm, "grouped": grouped}[sys.argv[1]]()

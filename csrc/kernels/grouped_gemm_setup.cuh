@@ -1,0 +1,124 @@
+// The device-side half of the grouped FP8 GEMM (csrc/ffi/grouped_gemm_cuda.cu): from the group
+// sizes, which stay on the device, each group's problem shape, operand pointers, leading
+// dimensions and epilogue scale for CUTLASS's ptr-array grouped kernel, and the fill of the
+// output that no group writes.
+//
+// Groups take consecutive rows: group g covers rows [start_g, end_g) with end_g =
+// min(sum of max(size_j, 0) for j <= g, rows) and start_g = end_{g-1} (negative sizes count as
+// 0, rows past the last are dropped). Two forms (GroupedForm):
+//   kRows:  d[start:end, :] = alpha_g * a[start:end, :] . b[g]^T     (a [M, K], b [G, N, K])
+//           the rows after the last group's end are zero.
+//   kWgrad: d[g] = alpha_g * a[:, start:end] . b[:, start:end]^T     (a [K, M], b [N, M])
+//           the contraction ragged; an empty group's d[g] is zero, and that of a non-empty
+//           group whose start is not a multiple of kGroupedRowAlign (its operands' first
+//           element not 16-byte aligned, which the TMA loads need) is NaN.
+// alpha_g = a_scale * b_scale[g] (b_scale one per group, or one for all).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "cute/layout.hpp"
+
+#include "../constants.h"
+
+namespace jax_fp8 {
+
+enum class GroupedForm : int64_t { kRows = 0, kWgrad = 1 };
+
+// The fill a group's output slot gets instead of a GEMM (kWgrad) or the rows after the last
+// group (kRows).
+enum class GroupFill : int32_t { kNone = 0, kZero = 1, kNan = 2 };
+
+// What the setup kernel writes per group for CUTLASS (Shape and Stride are the kernel's
+// UnderlyingProblemShape and InternalStride types) and for the fill kernel.
+template <class Shape, class Stride, class A, class B, class D>
+struct GroupedPlan {
+  Shape* shape;
+  const A** a;
+  const B** b;
+  D** d;
+  Stride* stride_a;
+  Stride* stride_b;
+  Stride* stride_d;
+  float* alpha;
+  const float** alpha_ptr;
+  GroupFill* fill;  // [G] (kWgrad) or [1] (kRows)
+  int64_t* rows_end;  // [1]: the last group's end
+};
+
+// One block; thread 0 accumulates the offsets (G is small), then every thread fills groups.
+template <GroupedForm kForm, class Shape, class Stride, class A, class B, class D>
+__global__ void grouped_gemm_setup_kernel(GroupedPlan<Shape, Stride, A, B, D> plan,
+                                          const int32_t* __restrict__ sizes, int groups,
+                                          const A* a, const B* b, D* d, const float* a_scale,
+                                          const float* b_scale, int b_scales, int64_t rows,
+                                          int64_t n, int64_t k, int64_t* __restrict__ starts) {
+  cudaGridDependencySynchronize();
+  if (threadIdx.x == 0) {
+    int64_t end = 0;
+    for (int g = 0; g < groups; ++g) {
+      starts[g] = end;
+      const int64_t next = end + (sizes[g] > 0 ? sizes[g] : 0);
+      end = next < rows ? next : rows;
+    }
+    starts[groups] = end;
+    *plan.rows_end = end;
+  }
+  __syncthreads();
+  const float sa = *a_scale;
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    const int64_t start = starts[g], size = starts[g + 1] - start;
+    plan.alpha[g] = sa * b_scale[b_scales == 1 ? 0 : g];
+    plan.alpha_ptr[g] = plan.alpha + g;
+    if constexpr (kForm == GroupedForm::kRows) {  // (size, N, K) per group
+      plan.shape[g] = Shape(int(size), int(n), int(k));
+      plan.a[g] = a + start * k;
+      plan.b[g] = b + g * n * k;
+      plan.d[g] = d + start * n;
+      plan.stride_a[g] = cute::make_stride(k, cute::_1{}, cute::_0{});
+      plan.stride_b[g] = cute::make_stride(k, cute::_1{}, cute::_0{});
+      plan.stride_d[g] = cute::make_stride(n, cute::_1{}, cute::_0{});
+    } else {  // (K, N, size) per group; a [K, M] and b [N, M] read from column `start`
+      const bool aligned = start % kGroupedRowAlign == 0;
+      const bool run = size > 0 && aligned;
+      plan.fill[g] = run ? GroupFill::kNone : size == 0 ? GroupFill::kZero : GroupFill::kNan;
+      plan.shape[g] = Shape(run ? int(k) : 0, int(n), int(size));
+      plan.a[g] = a + start;
+      plan.b[g] = b + start;
+      plan.d[g] = d + g * k * n;
+      plan.stride_a[g] = cute::make_stride(rows, cute::_1{}, cute::_0{});
+      plan.stride_b[g] = cute::make_stride(rows, cute::_1{}, cute::_0{});
+      plan.stride_d[g] = cute::make_stride(n, cute::_1{}, cute::_0{});
+    }
+  }
+  cudaTriggerProgrammaticLaunchCompletion();
+}
+
+// kRows: zero rows [rows_end, rows) of d [rows, n]. kWgrad: fill d[g] ([k, n]) for each group
+// blockIdx.y whose fill is not kNone. Grid-stride over the slot.
+template <GroupedForm kForm, class D>
+__global__ void grouped_gemm_fill_kernel(D* __restrict__ d, const GroupFill* __restrict__ fill,
+                                         const int64_t* __restrict__ rows_end, int64_t rows,
+                                         int64_t n, int64_t k) {
+  cudaGridDependencySynchronize();
+  int64_t begin, end;
+  D value = D(0.0f);
+  if constexpr (kForm == GroupedForm::kRows) {
+    begin = *rows_end * n;
+    end = rows * n;
+  } else {
+    const GroupFill f = fill[blockIdx.y];
+    if (f == GroupFill::kNone) return;
+    if (f == GroupFill::kNan) value = D(NAN);
+    begin = int64_t(blockIdx.y) * k * n;
+    end = begin + k * n;
+  }
+  for (int64_t i = begin + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end;
+       i += int64_t(gridDim.x) * blockDim.x)
+    d[i] = value;
+}
+
+}  // namespace jax_fp8
