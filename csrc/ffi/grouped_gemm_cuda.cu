@@ -99,9 +99,8 @@ struct GroupedGemm {
                static_cast<const B*>(g.b), d, g.a_scale, g.b_scale, g.b_scales, g.rows, g.n, g.k,
                starts);
     const int64_t slot = kForm == GroupedForm::kRows ? g.rows * g.n : g.k * g.n;
-    launch_pdl(grouped_gemm_fill_kernel<kForm, D>,
-               dim3(grid_size(slot, 256 * 4, 4), kForm == GroupedForm::kRows ? 1 : G), 256,
-               stream, d, plan.fill, plan.rows_end, g.rows, g.n, g.k);
+    launch_pdl(grouped_gemm_fill_kernel<kForm, D>, dim3(grid_size(slot, 256 * 4, 4)), 256, stream,
+               d, plan.fill, plan.rows_end, G, g.rows, g.n, g.k);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
 
     typename Gemm::Arguments args;

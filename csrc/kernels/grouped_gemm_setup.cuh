@@ -97,28 +97,29 @@ __global__ void grouped_gemm_setup_kernel(GroupedPlan<Shape, Stride, A, B, D> pl
   cudaTriggerProgrammaticLaunchCompletion();
 }
 
-// kRows: zero rows [rows_end, rows) of d [rows, n]. kWgrad: fill d[g] ([k, n]) for each group
-// blockIdx.y whose fill is not kNone. Grid-stride over the slot.
-template <GroupedForm kForm, class D>
-__global__ void grouped_gemm_fill_kernel(D* __restrict__ d, const GroupFill* __restrict__ fill,
-                                         const int64_t* __restrict__ rows_end, int64_t rows,
-                                         int64_t n, int64_t k) {
-  cudaGridDependencySynchronize();
-  int64_t begin, end;
-  D value = D(0.0f);
-  if constexpr (kForm == GroupedForm::kRows) {
-    begin = *rows_end * n;
-    end = rows * n;
-  } else {
-    const GroupFill f = fill[blockIdx.y];
-    if (f == GroupFill::kNone) return;
-    if (f == GroupFill::kNan) value = D(NAN);
-    begin = int64_t(blockIdx.y) * k * n;
-    end = begin + k * n;
-  }
+// Sets d[begin, end) to value, grid-stride.
+template <class D>
+__device__ void fill_range(D* d, int64_t begin, int64_t end, D value) {
   for (int64_t i = begin + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end;
        i += int64_t(gridDim.x) * blockDim.x)
     d[i] = value;
+}
+
+// kRows: zero rows [rows_end, rows) of d [rows, n]. kWgrad: fill d[g] ([k, n]) of each group
+// whose fill is not kNone (every block reads the G flags; only flagged slots cost stores).
+template <GroupedForm kForm, class D>
+__global__ void grouped_gemm_fill_kernel(D* __restrict__ d, const GroupFill* __restrict__ fill,
+                                         const int64_t* __restrict__ rows_end, int groups,
+                                         int64_t rows, int64_t n, int64_t k) {
+  cudaGridDependencySynchronize();
+  if constexpr (kForm == GroupedForm::kRows) {
+    fill_range(d, *rows_end * n, rows * n, D(0.0f));
+  } else {
+    for (int g = 0; g < groups; ++g)
+      if (fill[g] != GroupFill::kNone)
+        fill_range(d, int64_t(g) * k * n, int64_t(g + 1) * k * n,
+                   fill[g] == GroupFill::kNan ? D(NAN) : D(0.0f));
+  }
 }
 
 }  // namespace jax_fp8
