@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from conftest import on_cpu, poison_allocator
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-from test_gemm import PAIRS, RTOL, accumulation_error, fp8_operand
+from test_gemm import PAIRS, RTOL, fp8_operand
 
 import jax_fp8
 from jax_fp8 import reference
