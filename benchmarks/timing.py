@@ -27,11 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def _loop_times(fn, args, calls, iters, repeats, min_seconds) -> list[float]:
+def _loop_times(fn, args, calls, iters, repeats, min_seconds,
+                compiler_options=None) -> list[float]:
   """Seconds per loop iteration of ``calls`` chained calls of ``fn``, one figure per run:
   ``repeats`` runs of at least ``iters`` iterations and at least ``min_seconds`` each (more
   iterations for short calls, so the host's launch and synchronization jitter is spread
-  thin)."""
+  thin); the loop compiled with XLA's ``compiler_options``."""
   def body(_, carry):
     ins, outs = carry[0], []
     for _ in range(calls):
@@ -41,7 +42,7 @@ def _loop_times(fn, args, calls, iters, repeats, min_seconds) -> list[float]:
 
   # n is static: a loop of known trip count runs on the device; a traced one makes XLA:GPU
   # copy the loop condition to the host every iteration.
-  @functools.partial(jax.jit, static_argnums=1)
+  @functools.partial(jax.jit, static_argnums=1, compiler_options=compiler_options)
   def loop(ins, n):
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *ins))
     return jax.lax.fori_loop(0, n, body, (ins, (zeros,) * calls))[1]
@@ -58,9 +59,10 @@ def _loop_times(fn, args, calls, iters, repeats, min_seconds) -> list[float]:
   return [run(n) for _ in range(repeats)]
 
 
-def _loop_time(fn, args, calls, iters, repeats, min_seconds) -> float:
+def _loop_time(fn, args, calls, iters, repeats, min_seconds, compiler_options=None) -> float:
   """The median of ``_loop_times``."""
-  return float(np.median(_loop_times(fn, args, calls, iters, repeats, min_seconds)))
+  return float(np.median(_loop_times(fn, args, calls, iters, repeats, min_seconds,
+                                     compiler_options)))
 
 
 def per_call(times: Callable[[int], Sequence[float]], max_calls: int = 32) -> float:
@@ -86,18 +88,21 @@ def per_call(times: Callable[[int], Sequence[float]], max_calls: int = 32) -> fl
 
 
 def device_time(fn, *args, iters: int = 20, repeats: int = 5, min_seconds: float = 0.05,
-                max_calls: int = 32) -> float:
+                max_calls: int = 32, compiler_options: dict | None = None) -> float:
   """Seconds per call of ``fn(*args)`` on the device: the median time of a loop iteration
   with 1 + n chained calls minus that with one, divided by n (medians over ``repeats`` runs of
   at least ``iters`` iterations and ``min_seconds`` each). n is the first of 1, 2, 4, ...,
   ``max_calls`` whose difference is larger than the spread of either loop's runs (``per_call``).
   On XLA:CPU, whose runtime overlaps chained calls, the one-call loop's time over one run of
-  ``iters`` iterations, compiled once (the CPU figures only exercise the suite). Raises
-  RuntimeError when no n up to ``max_calls`` resolves the call against the timing noise."""
+  ``iters`` iterations, compiled once (the CPU figures only exercise the suite).
+  ``compiler_options``: XLA options for this case's compilations alone (e.g. a GPU pass to try).
+  Raises RuntimeError when no n up to ``max_calls`` resolves the call against the timing
+  noise."""
   if jax.default_backend() == "cpu":  # XLA:CPU runs independent thunks concurrently
-    return _loop_time(fn, args, 1, iters, repeats=1, min_seconds=0.0)
-  return per_call(lambda calls: _loop_times(fn, args, calls, iters, repeats, min_seconds),
-                  max_calls)
+    return _loop_time(fn, args, 1, iters, repeats=1, min_seconds=0.0,
+                      compiler_options=compiler_options)
+  return per_call(lambda calls: _loop_times(fn, args, calls, iters, repeats, min_seconds,
+                                            compiler_options), max_calls)
 
 
 def loop_overhead(iters: int = 20, repeats: int = 5, min_seconds: float = 0.05) -> float:

@@ -17,7 +17,7 @@ set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
 steps=("$@")
-known=" tests bench sanitize graphs demo demo-block demo-step convergence dp model-step step-profile profile "
+known=" tests bench sanitize graphs demo demo-block demo-step convergence dp model-step moe step-profile profile "
 [ ${#steps[@]} -gt 0 ] \
   || { echo "usage: bash scripts/gpu_check.sh STEP... (steps:$known)" >&2; exit 2; }
 for s in "${steps[@]}"; do
@@ -71,6 +71,11 @@ for s in "${steps[@]}"; do
     model-step) python3 -m benchmarks.model_step --out "$OUT/model_step.json" ${MODEL_STEP_ARGS:-} \
              > "$OUT/model_step.log" 2>&1
            echo "model-step exit $?"; tail -40 "$OUT/model_step.log" ;;
+    # The grouped FP8 GEMMs of a mixture of experts (Mixtral- and DeepSeek-V3-like, balanced
+    # and skewed routing) beside BF16 ragged_dot and the dense FP8 GEMM (MOE_ARGS: more flags,
+    # e.g. --cases mixtral --tokens 8192).
+    moe)   python3 -m benchmarks.moe --out "$OUT/moe.json" ${MOE_ARGS:-} > "$OUT/moe.log" 2>&1
+           echo "moe exit $?"; tail -52 "$OUT/moe.log" ;;
     # The demo's train step per variant, BF16 beside FP8, in one process (DEMO_STEP_ARGS: more
     # flags, e.g. --variants bf16 delayed --profile).
     demo-step) python3 -m benchmarks.demo_step --out "$OUT/demo_step.json" ${DEMO_STEP_ARGS:-} \

@@ -7,12 +7,14 @@ import re
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
-from benchmarks import (data_parallel, demo_step, inference, model_step, profiling,  # noqa: E402
-                        run, timing)
+from benchmarks import (data_parallel, demo_step, inference, model_step, moe,  # noqa: E402
+                        profiling, run, timing)
 
 
 def test_quick_suite(tmp_path):
@@ -204,6 +206,55 @@ def test_inference_benchmark(tmp_path):
     for name in inference.variants():
       assert r[f"{name}_us"] > 0 and r[f"{name}_vs_bf16"] == r["bf16_us"] / r[f"{name}_us"]
       assert 0.5 < r[f"{name}_weight_bytes_vs_bf16"] < 0.51
+
+
+def test_moe_benchmark(tmp_path):
+  """The grouped-GEMM MoE benchmark end to end at its quick shapes (the DeepSeek-V3-like
+  case's down projection, both routings, the three GEMMs): a row each with its FP8 rate, the
+  dense limits, the BF16 ragged-dot peer and the ratios; the routings' groups padded to whole
+  16-row blocks within the capacity; the JSON as returned."""
+  out = tmp_path / "moe.json"
+  res = moe.main(["--quick", "--cases", "deepseek_v3", "--linears", "down", "--out", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+  assert [(r["linear"], r["routing"], r["gemm"]) for r in res["rows"]] == [
+      ("down", routing, gemm) for gemm in moe.GEMMS for routing in moe.ROUTINGS]
+  for r in res["rows"]:
+    assert "error" not in r and r["us"] > 0 and r["dense_fp8_TFLOPs"] > 0
+    assert r["TFLOPs"] == pytest.approx(2 * np.prod(r["shape"]) / r["us"] / 1e6)
+    assert r["of_dense_fp8"] == r["TFLOPs"] / r["dense_fp8_TFLOPs"]
+    assert r["bf16_path"] in ("dense", "ragged-dot", "cudnn")
+    assert r["vs_bf16"] == pytest.approx(r["bf16_us"] / r["us"])
+    assert ("vs_balanced" in r) == (r["routing"] == "skewed")
+  for case, routings in res["routing"].items():
+    top_k = res["config"]["cases"][case]["top_k"]
+    for g in routings.values():
+      padded = np.array(g["padded"])
+      assert sum(g["sizes"]) == g["rows"] == moe.QUICK_TOKENS * top_k
+      assert np.all(padded % 16 == 0) and np.all(padded - g["sizes"] < 16)
+      assert padded.sum() <= g["capacity"]
+    assert routings["skewed"]["max_group"] > routings["balanced"]["max_group"]
+
+
+@pytest.mark.parametrize("gemm", moe.GEMMS)
+def test_moe_peer_computes_the_same_gemm(gemm):
+  """Each FP8 grouped GEMM of the MoE benchmark and its BF16 ragged-dot peer compute the same
+  product (within the FP8 operands' rounding, far below a wrong layout's error), zero on the
+  padding rows and past the groups."""
+  case = moe.QUICK_CASES["deepseek_v3"]
+  k, n = case.linear("gate_up")
+  groups = moe.Groups(moe.route("skewed", moe.QUICK_TOKENS, case, 0),
+                      moe.capacity(moe.QUICK_TOKENS, case))
+  spec = moe.gemm_spec(gemm, k, n, int(groups.sizes.sum()), jnp.float32)
+  fp8_fn, fp8_args, bf16_fn, bf16_args = moe.operands(spec, k, n, groups)
+  got = np.asarray(jax.jit(fp8_fn)(*fp8_args), np.float32)
+  want = np.asarray(jax.jit(bf16_fn)(*bf16_args), np.float32)
+  if gemm != "wgrad":  # b_scale's per-expert steps (the peer's weights are unscaled)
+    scale = np.repeat(np.append(np.asarray(fp8_args[2]), 1.0),
+                      np.append(groups.padded, groups.capacity - groups.padded.sum()))
+    want = want * scale[:, None]
+    assert np.all(got[~groups.real_rows()] == 0)
+  assert np.all(np.isfinite(got))
+  assert np.linalg.norm(got - want) <= 0.15 * np.linalg.norm(want)
 
 
 def test_no_module_imports_an_entry_point():
