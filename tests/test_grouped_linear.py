@@ -47,13 +47,19 @@ def state_for(recipe, groups=4):
   return jax_fp8.GroupedLinearState.create(groups, recipe) if recipe.stateful else None
 
 
+def onehot(sizes, m):
+  """f32 [M, G]: each row's group (the clipped groups of grouped_gemm), all zero for a row in no group."""
+  start, end = group_bounds(sizes, m)
+  row = jnp.arange(m)[:, None]
+  return ((row >= start) & (row < end)).astype(jnp.float32)
+
+
 def ragged_f32(x, w, b, sizes):
   """The f32 math: ragged_dot over the clipped groups, each row's group's bias."""
   start, end = group_bounds(sizes, x.shape[0])
   y = jax.lax.ragged_dot(x.astype(jnp.float32), w, end - start,
                          precision=jax.lax.Precision.HIGHEST)
-  onehot = (jnp.arange(x.shape[0])[:, None] >= start) & (jnp.arange(x.shape[0])[:, None] < end)
-  return y + onehot.astype(jnp.float32) @ b
+  return y + onehot(sizes, x.shape[0]) @ b
 
 
 def loss(x, w, b, state, sizes, t, recipe, aligned=False):
@@ -172,13 +178,12 @@ def test_backward_is_the_quantized_operands_products(rng, name):
     qx, qt = q(x, "e4m3"), q(t, "e5m2")
     qw = jax.vmap(lambda k: q(k, "e4m3"))(w)  # [G, K, N], scale [G]
     x8, t8, w8 = (v.data.astype(jnp.float32) for v in (qx, qt, qw))
-    onehot, _, _ = reference._group_of_rows(gs, m)  # [M, G]
-    hi = jax.lax.Precision.HIGHEST
-    dx = jnp.einsum("mn,gkn,mg,g->mk", t8, w8, onehot, qw.scale, precision=hi) * qt.scale
-    dw = jnp.einsum("mk,mn,mg->gkn", x8, t8, onehot, precision=hi) * (qx.scale * qt.scale)
-    absx = jnp.einsum("mn,gkn,mg,g->mk", jnp.abs(t8), jnp.abs(w8), onehot, qw.scale,
+    rows, hi = onehot(gs, m), jax.lax.Precision.HIGHEST  # [M, G]
+    dx = jnp.einsum("mn,gkn,mg,g->mk", t8, w8, rows, qw.scale, precision=hi) * qt.scale
+    dw = jnp.einsum("mk,mn,mg->gkn", x8, t8, rows, precision=hi) * (qx.scale * qt.scale)
+    absx = jnp.einsum("mn,gkn,mg,g->mk", jnp.abs(t8), jnp.abs(w8), rows, qw.scale,
                       precision=hi) * qt.scale
-    absw = jnp.einsum("mk,mn,mg->gkn", jnp.abs(x8), jnp.abs(t8), onehot,
+    absw = jnp.einsum("mk,mn,mg->gkn", jnp.abs(x8), jnp.abs(t8), rows,
                       precision=hi) * (qx.scale * qt.scale)
     return dx, dw, absx, absw
   want_dx, want_dw, abs_dx, abs_dw = on_cpu(want, x, w, t, gs)
