@@ -166,15 +166,16 @@ def names_given(amax_axis_name) -> tuple[str, ...] | None:
   return None if amax_axis_name is None else tuple(sorted(axis_names(amax_axis_name)))
 
 
-def fp8_pays(recipe: Recipe, m: int | None, n: int, k: int) -> bool:
+def fp8_pays(recipe: Recipe, m: int | None, n: int, k: int, groups: int = 1) -> bool:
   """Whether this GEMM's intensity ``M*N*K / (M*K + K*N + M*N)`` reaches the recipe's
   ``fp8_min_intensity`` (never for an empty K or N: nothing to quantize). ``m`` None: at some
   M, however large (the intensity grows with M towards ``N*K / (N + K)``), so False means
-  that no batch makes this layer's FP8 path pay."""
+  that no batch makes this layer's FP8 path pay. ``groups``: a grouped GEMM's kernel count G,
+  whose M rows meet G kernels: ``M*N*K / (M*K + G*K*N + M*N)``."""
   t = recipe.fp8_min_intensity
   if m is None:
     return k > 0 and n > 0 and (t == 0 or n * k > t * (n + k))  # the bound is never reached
-  return k > 0 and n > 0 and m * n * k >= t * (m * k + k * n + m * n)
+  return k > 0 and n > 0 and m * n * k >= t * (m * k + groups * k * n + m * n)
 
 
 def intensity(m: int | None, n: int, k: int) -> float:

@@ -1,6 +1,7 @@
 """The scale rings of a layer under a stateful recipe (``DelayedScaling``): ``LinearState``
-(``linear``), ``MultiLinearState`` (``multi_linear``) and ``MlpState`` (``mlp``), pytrees to
-differentiate with respect to and to advance with ``jax_fp8.update_state``."""
+(``linear``), ``MultiLinearState`` (``multi_linear``), ``MlpState`` (``mlp``) and
+``GroupedLinearState`` (``grouped_linear``), pytrees to differentiate with respect to and to
+advance with ``jax_fp8.update_state``."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from . import checks
 from .recipes import DelayedScaling, Recipe
@@ -108,3 +110,40 @@ class MlpState:
   def named_rings(self):
     """(name, ring) pairs in ``MLP_RINGS``' order."""
     return tuple((f"state.{name}", getattr(self, name)) for name in MLP_RINGS)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "kernels", "grad"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class GroupedLinearState:
+  """The scale rings of ``grouped_linear``: its input x's and output gradient's (one each, as
+  the grouped GEMMs take one scale for them), and one ring per expert kernel, stacked.
+
+  Attributes:
+    x: ScaleRing (the recipe's forward format).
+    kernels: one ScaleRing whose leaves are stacked over the G experts: amax_history f32
+      [G, L], scale f32 [G], steps f32 [G] (the layout ``share`` and a scan over layers make,
+      which ``update_state`` advances ring by ring). Expert g's kernel is quantized with ring
+      g's scale, and ring g observes that kernel's amax.
+    grad: ScaleRing (the recipe's backward format).
+  """
+
+  x: ScaleRing
+  kernels: ScaleRing
+  grad: ScaleRing
+
+  @classmethod
+  def create(cls, groups: int,
+             recipe: DelayedScaling = DelayedScaling()) -> "GroupedLinearState":
+    """Fresh rings for x, ``groups`` expert kernels (stacked) and the gradient (formats as in
+    ``LinearState.create``). Raises TypeError / ValueError for groups not an int >= 1 or a
+    stateless recipe."""
+    groups = checks.integer(groups, "groups", lo=1)
+    _check_stateful(recipe, cls)
+    kernel = recipe.ring(recipe.fwd_fmt)
+    stacked = jax.tree.map(lambda v: jnp.broadcast_to(v, (groups,) + v.shape), kernel)
+    return cls(recipe.ring(recipe.fwd_fmt), stacked, recipe.ring(recipe.bwd_fmt))
+
+  def named_rings(self):
+    """(x's, the kernels' (stacked), the gradient's) (name, ring) pairs."""
+    return ("state.x", self.x), ("state.kernels", self.kernels), ("state.grad", self.grad)

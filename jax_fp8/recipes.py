@@ -77,6 +77,8 @@ class Recipe:
     casts_kernel: whether ``cast_kernel`` and ``Fp8Weight`` (inference) serve it.
     fuses: whether the input norm and the MLP's activation run inside its quantizers (else the
       layers compose XLA's norm and activation with its linears).
+    grouped: whether ``grouped_linear`` serves it (its family has the grouped rules: the
+      grouped FP8 GEMMs take one scale per operand or per expert, so only per-tensor scaling).
   """
 
   family: str
@@ -86,6 +88,7 @@ class Recipe:
   dim_reason: str
   casts_kernel: bool = False
   fuses: bool = False
+  grouped: bool = False
 
   @property
   def dim_rule(self) -> str:
@@ -113,6 +116,7 @@ class PerTensorFormats(Recipe):
   dim_reason = "cuBLASLt's FP8 GEMM alignment"
   casts_kernel = True
   fuses = True
+  grouped = True
 
   @property
   def fwd_fmt(self) -> str:

@@ -157,6 +157,20 @@ def linear(x, kernel, bias=None, *, state) -> jax.Array:
   return y.astype(x.dtype).reshape(*x.shape[:-1], kernel.shape[-1])
 
 
+def grouped_linear(x, kernels, group_sizes, bias=None, *, state) -> jax.Array:
+  """The FP8 grouped linear's forward, unfused: x quantized with its ring, each expert kernel
+  with its own ring of the stacked ``state.kernels`` (E4M3), the grouped GEMM in f32, each
+  row's group's bias added (none for a row in no group). ``x [M, K]``, ``kernels [G, K, N]``,
+  ``bias [G, N]``; returns ``[M, N]`` in x's dtype."""
+  cx = quantize_delayed(x, state.x).tensor  # [M, K]
+  ck = jax.vmap(lambda k, r: quantize_delayed(k, r).tensor)(kernels, state.kernels)  # [G, K, N]
+  y = grouped_gemm(cx.data, jnp.swapaxes(ck.data, 1, 2), cx.scale, ck.scale, group_sizes,
+                   out_dtype=jnp.float32)  # [M, N]
+  if bias is not None:
+    onehot, _, _ = _group_of_rows(group_sizes, x.shape[0])  # [M, G]
+    y = y + onehot @ bias.astype(jnp.float32)
+  return y.astype(x.dtype)
+
 # Block scaling (DeepSeek-V3 recipe; csrc/numerics.h group_scale and the block kernels).
 
 def group_scale(amax_: jax.Array, eps: float, fmt: str, ue8m0: bool) -> jax.Array:

@@ -1,5 +1,6 @@
 """What several families' rules share: the input norm's two ends, the output cut by ``split``,
-zero rows for whole blocks along M, the bias gradient by XLA, and the ``CastKernel`` counts."""
+zero rows for whole blocks along M, the bias gradient by XLA, the ``CastKernel`` counts, and the
+rows' groups of a grouped linear."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from .. import norms
+from ..ops.grouped_gemm import group_bounds
 from ..quantized import Quantized
 
 
@@ -79,3 +81,17 @@ def cast_grads(uses):
   """The cotangent of a layer's ``casts`` in its backward, from their ``cast_uses``: one use
   each, none for the FP8 copies."""
   return tuple(None if u is None else Cast(None, jnp.ones_like(u)) for u in uses)
+
+
+def row_groups(group_sizes, rows: int) -> jax.Array:
+  """int32 [rows]: each row's group under ``group_sizes`` [G] (``grouped_gemm``'s groups:
+  consecutive from row 0, a negative size counted as 0, clipped to ``rows``), G for a row in no
+  group."""
+  _, end = group_bounds(group_sizes, rows)
+  return jnp.searchsorted(end, jnp.arange(rows, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def group_bias(bias, group_sizes, rows: int) -> jax.Array:
+  """f32 [rows, N]: the bias [G, N] of each row's group, zero for a row in no group."""
+  table = jnp.concatenate([bias.astype(jnp.float32), jnp.zeros((1, bias.shape[1]), jnp.float32)])
+  return table[row_groups(group_sizes, rows)]

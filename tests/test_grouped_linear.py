@@ -1,0 +1,389 @@
+"""jax_fp8.grouped_linear: forward and gradients (x, kernels, bias) against f32 ragged_dot per
+recipe, with group sizes holding zeros, every row in one expert, sums below M, M not a multiple
+of 16, unaligned groups (the padded wgrad) and aligned ones; traced sizes with one compilation,
+scan, delayed-scaling state updates, the compute-dtype path and bad input."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import on_cpu, roundoff, summation_error
+from test_linear import BWD_TOL, E4M3, E5M2, FWD_TOL, bias_tol, rel
+
+import jax_fp8
+from jax_fp8 import reference
+from jax_fp8.ops.grouped_gemm import group_bounds
+from jax_fp8.state import next_ring
+
+K, N = 32, 48
+# Each expert's kernel has its own magnitude, 1e5 apart at the extremes: with one scale for all
+# kernels the smallest would fall below E4M3's normal range; with one scale each, every
+# expert's output keeps the format's precision (checked group by group).
+MAGNITUDES = (1.0, 1e-4, 10.0, 1e-2)
+# (M, group sizes over G = 4 experts, aligned): each a case the layer must get right.
+CASES = {
+    "unaligned": (50, [20, 0, 25, 5], False),  # groups start at rows 20 and 45: padded wgrad
+    "zeros": (50, [0, 30, 0, 20], False),
+    "one-expert": (50, [0, 0, 50, 0], False),
+    "sum-below-m": (50, [7, 13, 0, 11], False),  # rows 31.. in no group: y = 0, dx = 0
+    "clipped": (40, [30, -3, 30, 9], False),  # -3 counts as 0, the sum clipped at M
+    "aligned": (50, [16, 0, 32, 2], True),  # non-empty groups start at 0, 16, 48
+}
+RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling()}
+
+
+def problem(rng, m, dtype=jnp.float32, groups=4):
+  x = jnp.asarray(rng.standard_normal((m, K)), dtype)
+  scale = np.asarray(MAGNITUDES[:groups])[:, None, None] / np.sqrt(K)
+  w = jnp.asarray(rng.standard_normal((groups, K, N)) * scale, jnp.float32)
+  b = jnp.asarray(rng.standard_normal((groups, N)), jnp.float32)
+  t = jnp.asarray(rng.standard_normal((m, N)), jnp.float32)
+  return x, w, b, t
+
+
+def state_for(recipe, groups=4):
+  return jax_fp8.GroupedLinearState.create(groups, recipe) if recipe.stateful else None
+
+
+def onehot(sizes, m):
+  """f32 [M, G]: each row's group (the clipped groups of grouped_gemm), all zero for a row in no group."""
+  start, end = group_bounds(sizes, m)
+  row = jnp.arange(m)[:, None]
+  return ((row >= start) & (row < end)).astype(jnp.float32)
+
+
+def ragged_f32(x, w, b, sizes):
+  """The f32 math: ragged_dot over the clipped groups, each row's group's bias."""
+  start, end = group_bounds(sizes, x.shape[0])
+  y = jax.lax.ragged_dot(x.astype(jnp.float32), w, end - start,
+                         precision=jax.lax.Precision.HIGHEST)
+  return y + onehot(sizes, x.shape[0]) @ b
+
+
+def loss(x, w, b, state, sizes, t, recipe, aligned=False):
+  y = jax_fp8.grouped_linear(x, w, sizes, b, recipe=recipe, state=state, aligned=aligned)
+  return jnp.sum(y.astype(jnp.float32) * t)
+
+
+def loss_f32(x, w, b, sizes, t):
+  return jnp.sum(ragged_f32(x, w, b, sizes) * t)
+
+
+def rows_of(sizes, m):
+  start, end = (np.asarray(v) for v in group_bounds(jnp.asarray(sizes, jnp.int32), m))
+  return [slice(s, e) for s, e in zip(start, end)], int(end[-1])
+
+
+# Every case under delayed scaling; current scaling (the same rules, other scales) on three.
+RECIPE_CASES = [("delayed", c) for c in CASES] + [("current", c)
+                                                   for c in ("unaligned", "zeros", "aligned")]
+
+
+@pytest.mark.parametrize("name,case", RECIPE_CASES, ids=[f"{r}-{c}" for r, c in RECIPE_CASES])
+def test_forward_and_grads(platform, rng, name, case):
+  m, sizes, aligned = CASES[case]
+  recipe, dtype = RECIPES[name], jnp.bfloat16 if case == "zeros" else jnp.float32
+  x, w, b, t = problem(rng, m, dtype)
+  gs = jnp.asarray(sizes, jnp.int32)
+  state = state_for(recipe)
+  forward = jax.jit(lambda x, w, b, s: jax_fp8.grouped_linear(
+      x, w, gs, b, recipe=recipe, state=s, aligned=aligned))
+  y, y_nb = forward(x, w, b, state), forward(x, w, None, state)
+  assert y.shape == (m, N) and y.dtype == dtype
+  want, want_nb = on_cpu(ragged_f32, x, w, b, gs), on_cpu(ragged_f32, x, w, 0 * b, gs)
+  out = roundoff(dtype)  # the output's own rounding
+  groups, end = rows_of(sizes, m)
+  y32, y_nb = np.asarray(y.astype(jnp.float32)), np.asarray(y_nb.astype(jnp.float32))
+  assert rel(y32, want) < FWD_TOL + out
+  for g, rows in enumerate(groups):  # each expert within the format, whatever its magnitude
+    if rows.stop - rows.start >= 5:
+      assert rel(y_nb[rows], want_nb[rows]) < FWD_TOL + out, g
+  assert np.all(y32[end:] == 0) and np.all(y_nb[end:] == 0)  # rows in no group
+  grads = jax.jit(jax.grad(lambda x, w, b, s: loss(x, w, b, s, gs, t, recipe, aligned),
+                           argnums=(0, 1, 2, 3)))(x, w, b, state)
+  dx, dw, db = (np.asarray(v.astype(jnp.float32)) for v in grads[:3])
+  assert grads[0].dtype == dtype and grads[1].dtype == jnp.float32
+  want_dx, want_dw, want_db = on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, w, b, gs, t)
+  assert np.all(dx[end:] == 0)
+  for g, rows in enumerate(groups):
+    if rows.stop - rows.start >= 5:  # dgrad through each expert's own kernel scale
+      assert rel(dx[rows], want_dx[rows]) < BWD_TOL + out, g
+    if rows.stop == rows.start:
+      assert np.all(dw[g] == 0) and np.all(db[g] == 0)  # an expert with no rows: no gradient
+    else:
+      assert np.all(np.isfinite(dw[g]))
+  assert rel(dw, want_dw) < BWD_TOL + out
+  assert rel(db, want_db) < bias_tol(dtype, m)  # through the output's rounding to dtype
+
+
+def test_no_rows_and_one_expert(rng):
+  """M = 0: an empty output and zero kernel gradients. G = 1 (its one group starts at row 0,
+  so wgrad needs no padding) with M = 50 and 43 rows in the group: the f32 math."""
+  recipe = jax_fp8.CurrentScaling()
+  x, w, b, t = problem(rng, 50, groups=1)
+  empty = jax.jit(jax.value_and_grad(lambda w, b: jnp.sum(jax_fp8.grouped_linear(
+      x[:0], w, jnp.zeros((1,), jnp.int32), b, recipe=recipe)), argnums=(0, 1)))
+  val, (dw0, db0) = empty(w, b)
+  assert float(val) == 0 and not np.any(np.asarray(dw0)) and not np.any(np.asarray(db0))
+  gs = jnp.asarray([43], jnp.int32)
+  dx, dw, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=6)(x, w, b, None, gs,
+                                                                            t, recipe)
+  want = on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, w, b, gs, t)
+  assert rel(dx, want[0]) < BWD_TOL and rel(dw, want[1]) < BWD_TOL
+  assert rel(db, want[2]) < bias_tol(jnp.float32, 50) and not np.any(np.asarray(dx)[43:])
+
+
+def test_padded_wgrad_equals_an_aligned_layout(rng):
+  """Unaligned groups (aligned=False) give the kernel and x gradients of the same rows laid out
+  aligned by hand (zero rows between the groups, aligned=True): zero rows change no amax, so
+  the FP8 operands are the same; only the f32 sums' order may differ."""
+  m, sizes = 45, [20, 0, 3, 22]
+  x, w, b, t = problem(rng, m)
+  recipe = jax_fp8.DelayedScaling()
+  gs = jnp.asarray(sizes, jnp.int32)
+  padded = [-(-s // 16) * 16 for s in sizes]
+  pos = np.concatenate([np.arange(s) + sum(padded[:i]) for i, s in enumerate(sizes)])
+  mp = sum(padded)
+  xp = jnp.zeros((mp, K), jnp.float32).at[pos].set(x)
+  tp = jnp.zeros((mp, N), jnp.float32).at[pos].set(t)
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=(6, 7))
+  state = state_for(recipe)
+  dx, dw, db = grad(x, w, b, state, gs, t, recipe, False)
+  dxp, dwp, dbp = grad(xp, w, b, state, jnp.asarray(padded, jnp.int32), tp, recipe, True)
+  np.testing.assert_array_equal(np.asarray(dx), np.asarray(dxp)[pos])
+  np.testing.assert_array_equal(np.asarray(db), np.asarray(dbp))
+  absdot = on_cpu(lambda x, t: jnp.einsum("mk,mn->kn", jnp.abs(x), jnp.abs(t)), x, t)
+  bound = 2 * summation_error(mp) * (1 + E4M3) * (1 + E5M2) * absdot
+  assert np.all(np.abs(np.asarray(dw) - np.asarray(dwp)) <= bound[None])
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_backward_is_the_quantized_operands_products(rng, name):
+  """dx and dkernels are the grouped products of the FP8 operands the recipe makes (x and each
+  kernel in E4M3 with their own scales, the output gradient in E5M2), exactly up to the f32
+  sums' order: a gradient off by a scale factor, or a kernel quantized with another expert's
+  scale, shows here though the normwise bounds might miss it. (On a fresh delayed ring and
+  under current scaling the scales are those of the tensors' own amaxes.)"""
+  m, sizes = 50, [20, 0, 25, 5]
+  x, w, b, t = problem(rng, m)
+  recipe, gs = RECIPES[name], jnp.asarray(sizes, jnp.int32)
+  dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=6)(x, w, b, state_for(recipe),
+                                                                      gs, t, recipe)
+
+  def want(x, w, t, gs):
+    fresh = jax_fp8.DelayedScaling().ring
+    q = lambda v, fmt: reference.quantize_delayed(v, fresh(fmt)).tensor
+    qx, qt = q(x, "e4m3"), q(t, "e5m2")
+    qw = jax.vmap(lambda k: q(k, "e4m3"))(w)  # [G, K, N], scale [G]
+    x8, t8, w8 = (v.data.astype(jnp.float32) for v in (qx, qt, qw))
+    rows, hi = onehot(gs, m), jax.lax.Precision.HIGHEST  # [M, G]
+    dx = jnp.einsum("mn,gkn,mg,g->mk", t8, w8, rows, qw.scale, precision=hi) * qt.scale
+    dw = jnp.einsum("mk,mn,mg->gkn", x8, t8, rows, precision=hi) * (qx.scale * qt.scale)
+    absx = jnp.einsum("mn,gkn,mg,g->mk", jnp.abs(t8), jnp.abs(w8), rows, qw.scale,
+                      precision=hi) * qt.scale
+    absw = jnp.einsum("mk,mn,mg->gkn", jnp.abs(x8), jnp.abs(t8), rows,
+                      precision=hi) * (qx.scale * qt.scale)
+    return dx, dw, absx, absw
+  want_dx, want_dw, abs_dx, abs_dw = on_cpu(want, x, w, t, gs)
+  assert np.all(np.abs(np.asarray(dx) - want_dx) <= 2 * summation_error(N) * abs_dx + 1e-30)
+  assert np.all(np.abs(np.asarray(dw) - want_dw) <= 2 * summation_error(m) * abs_dw + 1e-30)
+
+
+def test_forward_matches_reference_twin(rng):
+  """The unfused twin quantizes the same way: only the GEMM's summation order and the two
+  results' rounding to x's dtype differ (as test_linear's forward)."""
+  m, sizes = 50, [20, 0, 25, 5]
+  x, w, b, _ = problem(rng, m, jnp.bfloat16)
+  gs, state = jnp.asarray(sizes, jnp.int32), state_for(jax_fp8.DelayedScaling())
+  y = jax.jit(lambda *a: jax_fp8.grouped_linear(*a[:3], a[3], recipe=jax_fp8.DelayedScaling(),
+                                                state=a[4]))(x, w, gs, b, state)
+  want = on_cpu(lambda *a: reference.grouped_linear(*a[:4], state=a[4]), x, w, gs, b,
+                state).astype(np.float32)
+  absdot = on_cpu(lambda x, w, gs: ragged_f32(jnp.abs(x), jnp.abs(w), jnp.zeros_like(w[:, 0]),
+                                              gs), x, w, gs)
+  bound = (2 * roundoff(jnp.bfloat16) * np.abs(want)
+           + 2 * summation_error(K) * (1 + E4M3)**2 * absdot)
+  assert np.all(np.abs(np.asarray(y.astype(jnp.float32)) - want) <= bound)
+
+
+def test_traced_group_sizes_one_compilation(rng):
+  """The sizes are device values: new sizes (unaligned, empty experts) reuse the program."""
+  m = 40
+  x, w, b, t = problem(rng, m)
+  recipe = jax_fp8.CurrentScaling()
+  f = jax.jit(jax.grad(lambda x, w, b, gs: loss(x, w, b, None, gs, t, recipe),
+                       argnums=(0, 1, 2)))
+  for sizes in ([10, 10, 10, 10], [0, 40, 0, 0], [3, 0, 17, 5]):
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = f(x, w, b, gs)
+    want = on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, w, b, gs, t)
+    assert rel(got[1], want[1]) < BWD_TOL and rel(got[0], want[0]) < BWD_TOL
+  assert f._cache_size() == 1
+
+
+def test_jit_grad_inside_scan(rng):
+  """Microbatches in a lax.scan, each with its own group sizes, one delayed state ``share``d
+  over them: the gradients sum, the rings record the max amax of x over the microbatches."""
+  m, n_mb = 32, 3
+  x, w, b, t = problem(rng, n_mb * m)
+  x = x.reshape(n_mb, m, K) * jnp.asarray([1.0, 4.0, 2.0])[:, None, None]
+  t = t.reshape(n_mb, m, N)
+  sizes = jnp.asarray([[8, 8, 8, 8], [0, 32, 0, 0], [5, 11, 0, 16]], jnp.int32)
+  recipe = jax_fp8.DelayedScaling()
+  state = state_for(recipe)
+
+  def total(w, b, state):
+    def body(c, xs):
+      xi, ti, gi, si = xs
+      return c + loss(xi, w, b, si, gi, ti, recipe), None
+    return jax.lax.scan(body, 0.0, (x, t, sizes, jax_fp8.share(state, n_mb)))[0]
+
+  dw, db, ds = jax.jit(jax.grad(total, argnums=(0, 1, 2)))(w, b, state)
+  want = on_cpu(lambda w, b: jax.grad(lambda w, b: sum(
+      loss_f32(x[i], w, b, sizes[i], t[i]) for i in range(n_mb)), argnums=(0, 1))(w, b), w, b)
+  assert rel(dw, want[0]) < BWD_TOL
+  assert rel(db, want[1]) < bias_tol(jnp.float32, n_mb * m)
+  assert float(ds.x.amax_history[0]) == float(jnp.max(jnp.abs(x)))  # a max: exact
+  np.testing.assert_array_equal(np.asarray(ds.kernels.steps), np.ones(4))
+
+
+def test_delayed_state_two_steps(rng):
+  """update_state(state, d loss / d state) advances x's and the gradient's ring and every
+  expert's kernel ring (with its own kernel's amax) exactly as next_ring does, step after
+  step."""
+  m, sizes = 50, [20, 0, 25, 5]
+  x, w, b, t = problem(rng, m)
+  gs = jnp.asarray(sizes, jnp.int32)
+  recipe = jax_fp8.DelayedScaling()
+  state = state_for(recipe)
+  step = jax.jit(lambda x, w, s: jax_fp8.update_state(
+      s, jax.grad(loss, argnums=3)(x, w, b, s, gs, t, recipe)))
+  for _ in range(2):
+    amax_g = on_cpu(reference.amax, t)  # dL/dy = t (every row is in a group here)
+    want_x = on_cpu(next_ring, state.x, on_cpu(reference.amax, x))
+    want_g = on_cpu(next_ring, state.grad, amax_g)
+    want_k = on_cpu(jax.vmap(next_ring), state.kernels, on_cpu(jax.vmap(reference.amax), w))
+    state = step(x, w, state)
+    for got_ring, want_ring in ((state.x, want_x), (state.grad, want_g), (state.kernels, want_k)):
+      for got, ref in zip(jax.tree.leaves(got_ring), jax.tree.leaves(want_ring)):
+        np.testing.assert_array_equal(np.asarray(got), ref)
+    w = w * 2.0  # the next step's kernels: every expert's ring sees a new amax
+  assert state.kernels.scale.shape == (4,) and float(state.kernels.steps[0]) == 2
+  scales = np.asarray(state.kernels.scale)
+  assert scales[2] / scales[1] > 1e4  # one scale per expert, as far apart as the kernels
+
+
+def test_pmap_two_devices_identical_rings(rng):
+  """Data parallel: each replica its own rows and group sizes, the experts and the state
+  replicated; amax_axis_name makes every replica record the same rings (x's front amax the max
+  over the replicas, each expert's ring its kernel's)."""
+  devices = jax.devices("cpu")[:2]
+  m = 32
+  x, w, b, t = problem(rng, 2 * m)
+  x = x.reshape(2, m, K) * jnp.asarray([1.0, 3.0])[:, None, None]  # replicas see other amaxes
+  t = t.reshape(2, m, N)
+  sizes = jnp.asarray([[10, 0, 22, 0], [0, 16, 5, 11]], jnp.int32)
+  recipe = jax_fp8.DelayedScaling()
+  state = state_for(recipe)
+
+  def step(x, t, gs, state):
+    f = lambda w, b, s: jnp.sum(jax_fp8.grouped_linear(
+        x, w, gs, b, recipe=recipe, state=s, amax_axis_name="r") * t)
+    gw, gb, gst = jax.grad(f, argnums=(0, 1, 2))(w, b, state)
+    return jax.lax.pmean(gw, "r"), jax.lax.pmean(gb, "r"), jax_fp8.update_state(state, gst)
+
+  rep = jax.tree.map(lambda v: jnp.stack([v, v]), state)
+  gw, gb, new = jax.pmap(step, axis_name="r", devices=devices)(x, t, sizes, rep)
+  for leaf in jax.tree.leaves(new):
+    np.testing.assert_array_equal(np.asarray(leaf[0]), np.asarray(leaf[1]))
+  assert float(new.x.amax_history[0, 0]) == float(jnp.max(jnp.abs(x)))  # a max: exact
+  want = on_cpu(lambda w: jax.grad(lambda w: sum(
+      loss_f32(x[i], w, b, sizes[i], t[i]) for i in range(2)) / 2)(w), w)
+  assert rel(gw[0], want) < BWD_TOL
+
+
+def test_below_min_intensity_is_ragged_dot(rng):
+  """Below fp8_min_intensity the layer is XLA's ragged_dot in x's dtype, gradients included,
+  and no ring moves."""
+  m, sizes = 24, [10, 0, 9, 5]
+  x, w, b, t = problem(rng, m, jnp.bfloat16)
+  gs = jnp.asarray(sizes, jnp.int32)
+  recipe = jax_fp8.DelayedScaling(fp8_min_intensity=1e6)
+  state = state_for(recipe)
+  got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), static_argnums=6)(x, w, b, state, gs, t,
+                                                                         recipe)
+
+  def plain(x, w, b):
+    y = jax.lax.ragged_dot(x, w.astype(x.dtype), gs)
+    y = y.astype(jnp.float32) + jnp.repeat(b, np.asarray(sizes), axis=0, total_repeat_length=m)
+    return jnp.sum(y.astype(x.dtype).astype(jnp.float32) * t)
+  want = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(x, w, b)
+  for g, wg in zip(got[:3], want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(wg))
+  nxt = jax_fp8.update_state(state, got[3])
+  assert jax.tree.all(jax.tree.map(lambda a, c: np.array_equal(a, c), nxt, state))
+
+
+def _bad_cases():
+  x, w = jnp.zeros((32, K)), jnp.zeros((4, K, N))
+  gs, b = jnp.asarray([8, 8, 8, 8], jnp.int32), jnp.zeros((4, N))
+  delayed, current = jax_fp8.DelayedScaling(), jax_fp8.CurrentScaling()
+  state = jax_fp8.GroupedLinearState.create(4, delayed)
+  per_recipe = ("grouped_linear takes a DelayedScaling or a CurrentScaling .*got {}: no "
+                "block-scaled grouped FP8 GEMM exists yet").format
+  return [
+      ("x rank", (x[None], w, gs, b), {"state": state}, ValueError, "x must be \\[M, K\\]"),
+      ("x int", (x.astype(jnp.int32), w, gs, b), {"state": state}, TypeError,
+       "x must be float32, bfloat16 or float16"),
+      ("kernels rank", (x, w[0], gs, b), {"state": state}, ValueError,
+       "kernels must be \\[G, K, N\\] with x's K=32"),
+      ("K mismatch", (x, w[:, :16], gs, b), {"state": state}, ValueError,
+       "kernels must be \\[G, K, N\\] with x's K=32, got shape \\[4, 16, 48\\]"),
+      ("sizes float", (x, w, gs.astype(jnp.float32), b), {"state": state}, TypeError,
+       "group_sizes must be int32 \\[G\\], got float32"),
+      ("sizes rank", (x, w, gs[None], b), {"state": state}, TypeError,
+       "group_sizes must be int32 \\[G\\]"),
+      ("G mismatch", (x, w, gs[:3], b), {"state": state}, ValueError,
+       "group_sizes \\[G\\] and kernels \\[G, K, N\\] must share G, got group_sizes \\[3\\]"),
+      ("bias shape", (x, w, gs, b[0]), {"state": state}, ValueError,
+       "bias must be \\[G, N\\] = \\[4, 48\\], got \\[48\\]"),
+      ("N not 16", (x, w[..., :40], gs, None), {"state": state}, ValueError,
+       "multiples of 16 .*N=40"),
+      ("block recipe", (x, w, gs, b), {"recipe": jax_fp8.BlockScaling()}, TypeError,
+       per_recipe("BlockScaling")),
+      ("mxfp8 recipe", (x, w, gs, b), {"recipe": jax_fp8.MXFP8BlockScaling()}, TypeError,
+       per_recipe("MXFP8BlockScaling")),
+      ("nvfp4 recipe", (x, w, gs, b), {"recipe": jax_fp8.NVFP4BlockScaling()}, TypeError,
+       per_recipe("NVFP4BlockScaling")),
+      ("recipe class", (x, w, gs, b), {"recipe": jax_fp8.CurrentScaling}, TypeError,
+       "pass an instance"),
+      ("state type", (x, w, gs, b), {"state": jax_fp8.LinearState.create()}, TypeError,
+       "state must be a jax_fp8.GroupedLinearState"),
+      ("no state", (x, w, gs, b), {}, TypeError, "state must be a jax_fp8.GroupedLinearState"),
+      ("state G", (x, w, gs, b), {"state": jax_fp8.GroupedLinearState.create(3, delayed)},
+       ValueError, "state.kernels must hold one ring per expert.*G=4"),
+      ("state recipe", (x, w, gs, b),
+       {"state": jax_fp8.GroupedLinearState.create(4, jax_fp8.DelayedScaling(history_len=4))},
+       ValueError, "do not match the recipe"),
+      ("state to current", (x, w, gs, b), {"recipe": current, "state": state}, ValueError,
+       "CurrentScaling is stateless"),
+      ("aligned", (x, w, gs, b), {"state": state, "aligned": 1}, TypeError,
+       "aligned must be a bool"),
+  ]
+
+
+@pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
+def test_bad_inputs(case):
+  _, args, kwargs, error, match = case
+  kwargs = {"recipe": jax_fp8.DelayedScaling(), **kwargs}
+  with pytest.raises(error, match=match):
+    jax.eval_shape(lambda: jax_fp8.grouped_linear(*args, **kwargs))
+
+
+def test_state_create_errors():
+  with pytest.raises(TypeError, match="groups must be a Python int"):
+    jax_fp8.GroupedLinearState.create(4.0)
+  with pytest.raises(TypeError, match="GroupedLinearState.create takes a DelayedScaling"):
+    jax_fp8.GroupedLinearState.create(4, jax_fp8.CurrentScaling())
