@@ -12,6 +12,7 @@ from .grouped_linear import grouped_linear
 from .layer_state import GroupedLinearState, LinearState, MlpState, MultiLinearState
 from .linear import linear, multi_linear
 from .mlp import mlp
+from .moe import MoeState, moe_mlp
 from .ops import (activation_cast_transpose, activation_grad_cast_transpose,
                   activation_grad_group_cast_transpose, activation_group_cast_transpose,
                   block_quantize, cast_transpose_delayed,
@@ -28,15 +29,16 @@ from .state import ScaleRing, combine_updates, share, update_state
 __version__ = "0.3.0.dev0"
 
 __all__ = [
-    "BlockScaling", "CastKernel", "CurrentScaling", "DelayedQuantized",
-    "DelayedScaling", "Fp8Weight", "GroupedLinearState", "LinearState", "MXFP8BlockScaling", "MlpState",
-    "MultiLinearState", "NVFP4BlockScaling", "Quantized", "Recipe", "ScaleRing",
+    "BlockScaling", "CastKernel", "CurrentScaling", "DelayedQuantized", "DelayedScaling",
+    "Fp8Weight", "GroupedLinearState", "LinearState", "MlpState", "MoeState", "MultiLinearState",
+    "MXFP8BlockScaling", "NVFP4BlockScaling", "Quantized", "Recipe", "ScaleRing",
     "activation_cast_transpose", "activation_grad_cast_transpose",
     "activation_grad_group_cast_transpose", "activation_group_cast_transpose", "block_quantize",
-    "cast_kernel", "cast_transpose_delayed",
-    "combine_updates", "cuda_available", "dequantize", "fp8_dtype", "fp8_max", "gemm",
-    "group_cast_transpose", "group_quantize", "grouped_gemm", "grouped_gemm_wgrad", "grouped_linear", "linear", "multi_linear", "mxfp8_dequantize",
-    "mxfp8_gemm", "mxfp8_quantize", "nvfp4_dequantize", "nvfp4_gemm", "nvfp4_quantize",
-    "nvfp4_quantize_cuda_kernel", "norm_cast_transpose", "norm_group_cast_transpose", "quantize",
-    "mlp", "quantize_delayed", "quantize_weight", "quantize_weights", "share", "update_state",
+    "cast_kernel", "cast_transpose_delayed", "combine_updates", "cuda_available", "dequantize",
+    "fp8_dtype", "fp8_max", "gemm", "group_cast_transpose", "group_quantize", "grouped_gemm",
+    "grouped_gemm_wgrad", "grouped_linear", "linear", "mlp", "moe_mlp", "multi_linear",
+    "mxfp8_dequantize", "mxfp8_gemm", "mxfp8_quantize", "norm_cast_transpose",
+    "norm_group_cast_transpose", "nvfp4_dequantize", "nvfp4_gemm", "nvfp4_quantize",
+    "nvfp4_quantize_cuda_kernel", "quantize", "quantize_delayed", "quantize_weight",
+    "quantize_weights", "share", "update_state",
 ]

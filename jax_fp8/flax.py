@@ -1,4 +1,4 @@
-"""Flax (linen) layers backed by jax_fp8.linear, and the state classes registered with
+"""Flax (linen) layers backed by jax_fp8.linear, mlp and moe_mlp, and the state classes registered with
 flax.serialization (so ``flax.serialization.to_bytes`` / ``from_bytes`` and Flax checkpoints
 carry the FP8 state). Needs the ``flax`` extra (``pip install jax_fp8[flax]``); importing this
 module registers the state classes."""
@@ -19,7 +19,9 @@ from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kern
                      check_norm_attr, create_state, kernel_ring, linen_key)
 from .inference import Fp8Weight
 from .cast_kernel import CastKernel
-from .layer_state import LinearState, MlpState, MultiLinearState
+from .layer_state import GroupedLinearState, LinearState, MlpState, MultiLinearState
+from .moe import MoeState, local_experts, moe_mlp
+from .ops.grouped_gemm import ROW_ALIGN
 from .recipes import DelayedScaling, Recipe
 from .state import ScaleRing
 
@@ -40,6 +42,8 @@ _register(ScaleRing, ("amax_history", "scale", "steps"))
 _register(LinearState, ("x", "kernel", "grad"))
 _register(MultiLinearState, ("x", "kernels", "grads"))
 _register(MlpState, tuple(f.name for f in dataclasses.fields(MlpState)))
+_register(GroupedLinearState, ("x", "kernels", "grad"))
+_register(MoeState, ("w_in", "w_out"))
 
 
 def _kernel(module: nn.Module, name: str, shape):
@@ -250,6 +254,79 @@ class Mlp(nn.Module):
     return call_mlp(inputs, (kernel_in, kernel_out), biases, state, self.recipe, self.dtype,
                     self.activation, axis, _norm_args(self, "Mlp", k),
                     linen_key(self, self.recipe))
+
+
+class MoeMlp(nn.Module):
+  """A mixture-of-experts MLP block with FP8 experts (``jax_fp8.moe.moe_mlp``): a router in f32,
+  top-k routing, every expert an MLP (``hidden_features`` wide, gated by default) run as
+  grouped FP8 GEMMs forward and backward, and an optional shared expert that every token
+  passes through (a ``jax_fp8.flax.Mlp``, DeepSeek-V3's shared expert).
+
+  Parameters: "router" [D, E]; "w_in" [E, D, F] (F = 2 * hidden_features for a gated
+  activation: gate and up side by side) and "w_out" [E, hidden_features, D], each expert's
+  initialised as ``nn.Dense``'s kernel; with ``shared_hidden_features`` the submodule "shared".
+  Under ``DelayedScaling`` a ``MoeState`` named "moe" in the "fp8_state" collection (as
+  ``Dense``'s state). The load-balancing loss is sown as "load_balancing_loss" in the
+  "intermediates" collection (``apply(..., mutable=["intermediates"])`` returns it).
+
+  Attributes:
+    num_experts: E.
+    top_k: experts per token.
+    hidden_features: each expert's H, a multiple of 16.
+    activation: "swiglu" (default), "geglu", "silu" or "gelu".
+    shared_hidden_features: None (default), or the shared expert's hidden size.
+    normalize_weights: routing weights rescaled to sum to 1 (default True).
+    recipe: ``DelayedScaling`` (default) or ``CurrentScaling``.
+    expert_axis: None, or a mesh axis of n devices each holding E / n experts (expert
+      parallelism, ``moe_parallel``): then init and apply run inside ``shard_map`` over that
+      axis (each device makes and holds its own experts' "w_in" / "w_out"; out_specs
+      ``P(expert_axis)`` gathers them into [E, ...]); CurrentScaling only.
+    capacity: with ``expert_axis``, rows per destination device (None: dropless).
+    dtype: the compute dtype (None: the input's); param_dtype: the parameters'.
+    kernel_init, router_init: initializers.
+
+  Input ``[..., D]``; output ``[..., D]`` in the compute dtype.
+  """
+
+  num_experts: int
+  top_k: int
+  hidden_features: int
+  activation: str = "swiglu"
+  shared_hidden_features: int | None = None
+  normalize_weights: bool = True
+  recipe: Recipe = DelayedScaling()
+  expert_axis: str | None = None
+  capacity: int | None = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  kernel_init: Callable = nn.initializers.lecun_normal(batch_axis=(0,))
+  router_init: Callable = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    e = checks.integer(self.num_experts, "MoeMlp.num_experts", lo=1)
+    h = checks.integer(self.hidden_features, "MoeMlp.hidden_features", lo=1)
+    _, gated = activations.check(self.activation, "MoeMlp.activation")
+    if jnp.ndim(inputs) < 1:
+      raise ValueError("MoeMlp inputs must be [..., D], got a scalar")
+    d = jnp.shape(inputs)[-1]
+    local = local_experts(e, self.expert_axis, "MoeMlp")
+    router = self.param("router", self.router_init, (d, e), self.param_dtype)
+    w_in = self.param("w_in", self.kernel_init, (local, d, 2 * h if gated else h),
+                      self.param_dtype)
+    w_out = self.param("w_out", self.kernel_init, (local, h, d), self.param_dtype)
+    state = None
+    if self.recipe.stateful:
+      state = fp8_state_variable(self, "moe", MoeState.create, local, self.recipe)
+    x = inputs if self.dtype is None else inputs.astype(self.dtype)
+    y, aux = moe_mlp(x, router, w_in, w_out, top_k=self.top_k, recipe=self.recipe, state=state,
+                     activation=self.activation, normalize_weights=self.normalize_weights,
+                     expert_axis=self.expert_axis, capacity=self.capacity, align=ROW_ALIGN)
+    self.sow("intermediates", "load_balancing_loss", aux)
+    if self.shared_hidden_features is not None:
+      y = y + Mlp(self.shared_hidden_features, activation=self.activation, dtype=self.dtype,
+                  param_dtype=self.param_dtype, recipe=self.recipe, name="shared")(inputs)
+    return y
 
 
 def _ring(state, name: str):

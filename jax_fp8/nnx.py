@@ -1,5 +1,5 @@
-"""Flax NNX layers backed by ``jax_fp8.linear``, ``jax_fp8.multi_linear`` and ``jax_fp8.mlp``,
-with the FP8 state in its own variable type. Needs the ``flax`` extra (``pip install jax_fp8[flax]``).
+"""Flax NNX layers backed by ``jax_fp8.linear``, ``multi_linear``, ``mlp`` and ``moe_mlp``, with
+the FP8 state in its own variable type. Needs the ``flax`` extra (``pip install jax_fp8[flax]``).
 
 A train step differentiates with respect to the parameters and the FP8 state, updates the
 parameters with the optimizer and the state with ``update_fp8_state``::
@@ -33,11 +33,12 @@ from ._nnx_base import Fp8State, _init_norm, _key, _norm_args, sr_stream
 from ._nnx_general import Einsum, LinearGeneral
 from .layer_checks import check_split
 from .layer_state import MlpState
+from .moe import MoeState, local_experts, moe_mlp
 from .recipes import DelayedScaling, Recipe
 from .state import update_state
 
-__all__ = ["Einsum", "Fp8State", "Linear", "LinearGeneral", "Mlp", "MultiLinear", "cast_kernels",
-           "sr_stream", "update_fp8_state"]
+__all__ = ["Einsum", "Fp8State", "Linear", "LinearGeneral", "Mlp", "MoeMlp", "MultiLinear",
+           "cast_kernels", "sr_stream", "update_fp8_state"]
 
 
 class _Layer(nnx.Module):
@@ -199,6 +200,64 @@ class Mlp(nnx.Module):
                                        self.kernel_out.get_value()), biases,
                               state, self.recipe, self.dtype, self.activation,
                               self.amax_axis_name, _norm_args(self), _key(self)), out_sharding)
+
+
+class MoeMlp(nnx.Module):
+  """A mixture-of-experts MLP block with FP8 experts (``jax_fp8.moe.moe_mlp``; the linen twin
+  is ``jax_fp8.flax.MoeMlp``, whose docstring describes the layer).
+
+  Parameters "router" [in_features, num_experts], "w_in" [E, in_features, F] (F = 2 *
+  hidden_features when gated) and "w_out" [E, hidden_features, in_features], each expert's
+  initialised as ``nnx.Linear``'s kernel; "shared" an ``Mlp`` with ``shared_hidden_features``
+  (else None); under ``DelayedScaling`` the ``Fp8State`` "fp8_state" holds a ``MoeState``.
+  Each call sows its load-balancing loss as the ``nnx.Intermediate`` "load_balancing_loss":
+  ``y, intermediates = nnx.capture(model, nnx.Intermediate)(x)`` returns it.
+
+  Args: in_features (D), num_experts (E), top_k, hidden_features (H), and ``jax_fp8.flax.MoeMlp``'s
+  activation, shared_hidden_features, normalize_weights, recipe, expert_axis (with it,
+  construct and call inside ``shard_map`` over that axis: each device makes E / n experts),
+  capacity, dtype, param_dtype, kernel_init, router_init; rngs. Input ``[..., in_features]``;
+  output ``[..., in_features]``.
+  """
+
+  def __init__(self, in_features: int, num_experts: int, top_k: int, hidden_features: int, *,
+               activation: str = "swiglu", shared_hidden_features: int | None = None,
+               normalize_weights: bool = True, recipe=DelayedScaling(),
+               expert_axis: str | None = None, capacity: int | None = None, dtype: Any = None,
+               param_dtype: Any = jnp.float32,
+               kernel_init: Callable = nnx.initializers.lecun_normal(batch_axis=(0,)),
+               router_init: Callable = nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+    d = checks.integer(in_features, "MoeMlp.in_features", lo=1)
+    e = checks.integer(num_experts, "MoeMlp.num_experts", lo=1)
+    h = checks.integer(hidden_features, "MoeMlp.hidden_features", lo=1)
+    _, gated = activations.check(activation, "MoeMlp.activation")
+    if not isinstance(rngs, nnx.Rngs):
+      raise TypeError(f"MoeMlp.rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
+    local = local_experts(e, expert_axis, "MoeMlp")
+    self.in_features, self.num_experts, self.top_k = d, e, top_k
+    self.activation, self.normalize_weights, self.recipe = activation, normalize_weights, recipe
+    self.expert_axis, self.capacity, self.dtype = expert_axis, capacity, dtype
+    self.router = nnx.Param(router_init(rngs.params(), (d, e), param_dtype))
+    self.w_in = nnx.Param(kernel_init(rngs.params(), (local, d, 2 * h if gated else h),
+                                      param_dtype))
+    self.w_out = nnx.Param(kernel_init(rngs.params(), (local, h, d), param_dtype))
+    self.fp8_state = Fp8State(MoeState.create(local, recipe)) if recipe.stateful else None
+    self.shared = (Mlp(d, shared_hidden_features, activation=activation, dtype=dtype,
+                       param_dtype=param_dtype, recipe=recipe, rngs=rngs)
+                   if shared_hidden_features is not None else None)
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    if jnp.ndim(inputs) < 1 or jnp.shape(inputs)[-1] != self.in_features:
+      raise ValueError(f"MoeMlp inputs must be [..., {self.in_features}] (in_features), got "
+                       f"shape {jnp.shape(inputs)}")
+    x = inputs if self.dtype is None else inputs.astype(self.dtype)
+    state = None if self.fp8_state is None else self.fp8_state.get_value()
+    y, aux = moe_mlp(x, self.router.get_value(), self.w_in.get_value(), self.w_out.get_value(),
+                     top_k=self.top_k, recipe=self.recipe, state=state,
+                     activation=self.activation, normalize_weights=self.normalize_weights,
+                     expert_axis=self.expert_axis, capacity=self.capacity)
+    self.sow(nnx.Intermediate, "load_balancing_loss", aux)
+    return y if self.shared is None else y + self.shared(inputs)
 
 
 def update_fp8_state(model: nnx.Module, grads: nnx.State) -> None:

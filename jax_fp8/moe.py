@@ -1,0 +1,153 @@
+"""``moe_mlp``: a mixture-of-experts MLP with FP8 experts — a router in f32, top-k routing, the
+tokens permuted into one aligned block per expert, the experts' two linears as grouped FP8
+GEMMs (``grouped_linear``, forward and backward), and the results combined with the routing
+weights; optionally the experts split over a mesh axis (``moe_parallel``).
+
+Sources: the sparsely-gated MoE layer (Shazeer et al. 2017), Switch Transformer's
+load-balancing loss (Fedus et al. 2021), gated expert MLPs (Mixtral, Jiang et al. 2024;
+DeepSeek-V3, 2024), dropless grouped experts (MegaBlocks, Gale et al. 2022).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import activations, checks
+from .grouped_linear import grouped_linear
+from .layer_checks import float_array
+from .layer_state import GroupedLinearState
+from .moe_parallel import expert_parallel
+from .moe_routing import load_balancing_loss, permute, top_k_routing, unpermute
+from .ops.grouped_gemm import ROW_ALIGN
+from .recipes import Recipe, check_recipe
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w_in", "w_out"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class MoeState:
+  """The scale rings of ``moe_mlp`` under ``DelayedScaling``: one ``GroupedLinearState`` per
+  expert linear (each with one ring per expert kernel)."""
+
+  w_in: GroupedLinearState
+  w_out: GroupedLinearState
+
+  @classmethod
+  def create(cls, num_experts: int, recipe: Recipe) -> "MoeState":
+    """Fresh rings for ``num_experts`` experts (``GroupedLinearState.create``)."""
+    return cls(GroupedLinearState.create(num_experts, recipe),
+               GroupedLinearState.create(num_experts, recipe))
+
+
+def local_experts(num_experts: int, expert_axis: str | None, owner: str) -> int:
+  """The experts one device holds: all, or ``num_experts / n`` over an ``expert_axis`` of n
+  devices (bound: the call runs inside shard_map); ValueError where n does not divide E."""
+  if expert_axis is None:
+    return num_experts
+  n = jax.lax.axis_size(expert_axis)
+  if num_experts % n:
+    raise ValueError(f"{owner}.num_experts ({num_experts}) must be a multiple of the size of "
+                     f"expert_axis '{expert_axis}' ({n})")
+  return num_experts // n
+
+
+def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.Array, *,
+            top_k: int, recipe: Recipe, state: MoeState | None = None,
+            activation: str = "swiglu", normalize_weights: bool = True,
+            expert_axis: str | None = None, capacity: int | None = None,
+            align: int = ROW_ALIGN) -> tuple[jax.Array, jax.Array]:
+  """A mixture-of-experts MLP over tokens ``x``: each token goes to its ``top_k`` experts, each
+  expert an MLP ``act(t @ w_in[e]) @ w_out[e]`` run as grouped FP8 GEMMs over all the tokens it
+  received, and the token's output is the routing-weighted sum of its experts' outputs.
+
+  The router (``x @ router_kernel`` and its softmax) runs in f32. Dropless: every token reaches
+  its experts whatever the imbalance (the grouped GEMMs read the group sizes on the device);
+  each expert's block of tokens is padded to a multiple of ``align`` rows, so the grouped
+  linears run with ``aligned=True``.
+
+  Args:
+    x: [..., D] tokens, float32 / bfloat16 / float16 (the compute dtype).
+    router_kernel: [D, E] router weights.
+    w_in: [E, D, F] the experts' first kernels; F = 2 H for a gated activation ([gate | up]),
+      else H.
+    w_out: [E, H, D] the experts' second kernels.
+    top_k: experts per token, 1 <= top_k <= E.
+    recipe: ``DelayedScaling`` or ``CurrentScaling`` (the recipes ``grouped_linear`` takes).
+    state: under ``DelayedScaling`` a ``MoeState`` (``MoeState.create(E, recipe)``, or its
+      slice of this device's experts under ``expert_axis``); differentiate with respect to it
+      and pass the gradient to ``jax_fp8.update_state``. Under ``CurrentScaling``: None.
+    activation: "swiglu" (default), "geglu", "silu" or "gelu" (``jax_fp8.activations``),
+      applied in f32 between the two grouped linears.
+    normalize_weights: a bool; the k routing weights rescaled to sum to 1 (Mixtral) or the raw
+      softmax probabilities.
+    expert_axis: None, or the mesh axis (bound by ``shard_map``) whose devices each hold E / n
+      of the experts: then ``w_in`` / ``w_out`` (and ``state``) are this device's experts
+      ``[E / n, ...]``, ``router_kernel`` is whole, and tokens travel with two all-to-alls
+      (``moe_parallel.expert_parallel``). Stateless recipes only: a DelayedScaling state's x
+      and gradient rings would need a max over the axis and the kernel rings none.
+    capacity: with ``expert_axis``, rows per destination device (None: dropless).
+    align: row alignment of each expert's block (a multiple of 16).
+  Returns:
+    ``(y [..., D] in x's dtype, load_balancing_loss f32 [])``: the loss is Switch
+    Transformer's ``E * sum_e f_e P_e`` over this call's tokens (add it, scaled, to the
+    training loss).
+  Raises:
+    TypeError / ValueError at trace time: shapes and dtypes that do not fit together, top_k out
+    of range, an unknown activation, w_in's F not 2 H for a gated activation, a recipe
+    ``grouped_linear`` does not take, a DelayedScaling state missing or with expert_axis, and
+    what ``grouped_linear`` raises.
+  """
+  x = float_array(x, "x")
+  router_kernel = float_array(router_kernel, "router_kernel")
+  w_in, w_out = float_array(w_in, "w_in"), float_array(w_out, "w_out")
+  d = x.shape[-1]
+  if router_kernel.ndim != 2 or router_kernel.shape[0] != d:
+    raise ValueError(f"router_kernel must be [D, E] with x's D={d}, got "
+                     f"{list(router_kernel.shape)}")
+  num_experts = router_kernel.shape[1]
+  _, gated = activations.check(activation)
+  local = w_in.shape[0] if w_in.ndim == 3 else None
+  if w_in.ndim != 3 or w_in.shape[1] != d:
+    raise ValueError(f"w_in must be [E, D, F] with D={d}, got {list(w_in.shape)}")
+  hidden = w_in.shape[2] // 2 if gated else w_in.shape[2]
+  if gated and w_in.shape[2] % 2:
+    raise ValueError(f"w_in's F must be 2 H ([gate | up]) for the gated activation "
+                     f"{activation!r}, got F={w_in.shape[2]}")
+  if w_out.shape != (local, hidden, d):
+    raise ValueError(f"w_out must be [E, H, D] = [{local}, {hidden}, {d}] (w_in's experts, H "
+                     f"from w_in's F, x's D), got {list(w_out.shape)}")
+  check_recipe(recipe)
+  normalize_weights = checks.boolean(normalize_weights, "normalize_weights")
+  if expert_axis is not None:
+    if recipe.stateful:
+      raise TypeError(f"moe_mlp with expert_axis takes a stateless recipe (CurrentScaling), "
+                      f"got {type(recipe).__name__}")
+  elif local != num_experts:
+    raise ValueError(f"w_in must hold the router's {num_experts} experts, got {local}")
+  if recipe.stateful and not isinstance(state, MoeState):
+    raise TypeError(f"state must be a jax_fp8.moe.MoeState (MoeState.create(E, recipe)) under "
+                    f"{type(recipe).__name__}, got {checks.describe(state)}")
+  lead = x.shape[:-1]
+  tokens = x.reshape(-1, d)
+  logits = jnp.dot(tokens.astype(jnp.float32), router_kernel.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  routing = top_k_routing(logits, top_k, normalize=normalize_weights)
+
+  def experts(rows, group_sizes):
+    h = grouped_linear(rows, w_in, group_sizes, recipe=recipe,
+                       state=state.w_in if state is not None else None, aligned=True)
+    a = activations.apply(h, activation).astype(rows.dtype)
+    return grouped_linear(a, w_out, group_sizes, recipe=recipe,
+                          state=state.w_out if state is not None else None, aligned=True)
+
+  if expert_axis is None:
+    perm = permute(tokens, routing.experts, num_experts, align=align)
+    y = unpermute(experts(perm.rows, perm.group_sizes), perm, routing.weights)
+  else:
+    y = expert_parallel(tokens, routing, num_experts, expert_axis, experts, capacity=capacity,
+                        align=align)
+  return y.astype(x.dtype).reshape(*lead, d), load_balancing_loss(routing)

@@ -1,0 +1,184 @@
+"""moe_mlp and the MoeMlp layers against an f32 mixture of experts (the same routing, experts
+through f32 ragged_dot): values and gradients per recipe within the FP8 formats' bounds,
+delayed-scaling state across steps, the sown load-balancing loss, the shared expert, expert
+parallelism on CPU devices, and bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import normwise, roundoff
+from flax import nnx
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_fp8
+import jax_fp8.flax as jfl
+import jax_fp8.nnx as jnx
+from jax_fp8 import activations, moe_routing as mr
+from jax_fp8.moe import MoeState, moe_mlp
+
+E4M3, E5M2 = roundoff("e4m3"), roundoff("e5m2")
+# y: x and w_in rounded (gate and up each), the activation's product, a and w_out rounded.
+FWD_TOL = normwise(*[E4M3] * 6)
+# gradients: the e5m2 output gradient and the activation gradient's, beside the e4m3 operands.
+BWD_TOL = normwise(E5M2, E5M2, E4M3, E4M3, E4M3, E4M3)
+T, D, H, E, K = 40, 32, 48, 4, 2
+RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling()}
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def problem(rng, tokens=T, experts=E):
+  x = jnp.asarray(rng.standard_normal((tokens, D)), jnp.float32)
+  router = jnp.asarray(rng.standard_normal((D, experts)), jnp.float32)
+  w_in = jnp.asarray(rng.standard_normal((experts, D, 2 * H)) / np.sqrt(D), jnp.float32)
+  w_out = jnp.asarray(rng.standard_normal((experts, H, D)) / np.sqrt(H), jnp.float32)
+  return x, router, w_in, w_out
+
+
+def moe_f32(x, router, w_in, w_out):
+  """The same mixture in f32: moe_routing's routing and layout, ragged_dot experts."""
+  routing = mr.top_k_routing(jnp.dot(x, router, precision=jax.lax.Precision.HIGHEST), K)
+  perm = mr.permute(x, routing.experts, w_in.shape[0])
+  hi = jax.lax.Precision.HIGHEST
+  h = jax.lax.ragged_dot(perm.rows, w_in, perm.group_sizes, precision=hi)
+  out = jax.lax.ragged_dot(activations.apply(h, "swiglu"), w_out, perm.group_sizes, precision=hi)
+  return mr.unpermute(out, perm, routing.weights), mr.load_balancing_loss(routing)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=list(RECIPES))
+def test_values_and_gradients_match_f32(rng, recipe):
+  recipe = RECIPES[recipe]
+  x, router, w_in, w_out = problem(rng)
+  ct = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+  state = MoeState.create(E, recipe) if recipe.stateful else None
+
+  def loss(x, router, w_in, w_out):
+    y, aux = moe_mlp(x, router, w_in, w_out, top_k=K, recipe=recipe, state=state)
+    return jnp.sum(y * ct), (y, aux)
+
+  def loss_f32(x, router, w_in, w_out):
+    y, aux = moe_f32(x, router, w_in, w_out)
+    return jnp.sum(y * ct), (y, aux)
+  (_, (y, aux)), grads = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3), has_aux=True))(
+      x, router, w_in, w_out)
+  (_, (y32, aux32)), grads32 = jax.value_and_grad(loss_f32, (0, 1, 2, 3), has_aux=True)(
+      x, router, w_in, w_out)
+  assert y.shape == (T, D) and y.dtype == jnp.float32
+  assert rel(y, y32) <= FWD_TOL, rel(y, y32)
+  np.testing.assert_allclose(aux, aux32, rtol=1e-6)  # the routing is f32 in both
+  for name, g, g32 in zip(("x", "router", "w_in", "w_out"), grads, grads32):
+    assert rel(g, g32) <= BWD_TOL, (name, rel(g, g32))
+
+
+def test_delayed_state_moves_over_steps(rng):
+  recipe = jax_fp8.DelayedScaling()
+  x, router, w_in, w_out = problem(rng)
+  state = MoeState.create(E, recipe)
+
+  @jax.jit
+  def step(state):
+    f = lambda s: jnp.sum(moe_mlp(x, router, w_in, w_out, top_k=K, recipe=recipe,
+                                  state=s)[0])  # noqa: E731
+    return jax_fp8.update_state(state, jax.grad(f)(state))
+  s1 = step(state)
+  s2 = step(s1)
+  assert np.all(np.asarray(s2.w_in.kernels.steps) == 2)
+  assert np.all(np.asarray(s2.w_out.x.steps) == 2)
+  # each expert kernel's ring observed its own kernel's amax
+  np.testing.assert_allclose(np.asarray(s2.w_in.kernels.amax_history)[:, 0],
+                             np.abs(np.asarray(w_in)).max(axis=(1, 2)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shared", [None, 32], ids=["routed", "shared-expert"])
+def test_linen_layer(rng, shared):
+  x = jnp.asarray(rng.standard_normal((2, 20, D)), jnp.float32)
+  layer = jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, shared_hidden_features=shared)
+  variables = layer.init(jax.random.key(0), x)
+  assert variables["params"]["w_in"].shape == (E, D, 2 * H)
+  assert isinstance(variables["fp8_state"]["moe"], MoeState)
+  y, updated = layer.apply(variables, x, mutable=["intermediates"])
+  assert y.shape == x.shape
+  (aux,) = updated["intermediates"]["load_balancing_loss"]
+  params = variables["params"]
+  y32, aux32 = moe_f32(x.reshape(-1, D), params["router"], params["w_in"], params["w_out"])
+  np.testing.assert_allclose(aux, aux32, rtol=1e-6)
+  if shared is None:
+    assert rel(y.reshape(-1, D), y32) <= FWD_TOL
+
+  def loss(params, state):
+    return jnp.sum(layer.apply({"params": params, "fp8_state": state}, x) ** 2)
+  grads, state_grads = jax.jit(jax.grad(loss, (0, 1)))(params, variables["fp8_state"])
+  assert set(grads) >= {"router", "w_in", "w_out"}
+  new_state = jax_fp8.update_state(variables["fp8_state"], state_grads)
+  assert int(new_state["moe"].w_out.grad.steps) == 1
+
+
+def test_nnx_layer_train_step(rng):
+  model = jnx.MoeMlp(D, E, K, H, recipe=jax_fp8.DelayedScaling(), rngs=nnx.Rngs(0))
+  x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+  diff = nnx.DiffState(0, (nnx.Param, jnx.Fp8State))
+
+  @nnx.jit
+  def step(model, x):
+    def loss_fn(model):
+      y, intermediates = nnx.capture(model, nnx.Intermediate)(x)
+      (aux,) = intermediates["load_balancing_loss"].get_value()
+      return jnp.mean(y ** 2) + 0.01 * aux
+    loss, grads = nnx.value_and_grad(loss_fn, argnums=diff)(model)
+    jnx.update_fp8_state(model, grads)
+    return loss
+  step(model, x)
+  step(model, x)
+  assert np.all(np.asarray(model.fp8_state.get_value().w_in.kernels.steps) == 2)
+
+
+def test_expert_parallel_layer_equals_one_device(rng):
+  """Experts over 4 CPU devices (CurrentScaling: each device scales its own pieces): values
+  within the FP8 bound of the f32 mixture of the gathered parameters."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("e",))
+  recipe = jax_fp8.CurrentScaling()
+  layer = jfl.MoeMlp(num_experts=8, top_k=K, hidden_features=H, recipe=recipe,
+                     expert_axis="e")
+  x = jnp.asarray(rng.standard_normal((4 * T, D)), jnp.float32)
+  specs = {"router": P(), "w_in": P("e"), "w_out": P("e")}
+  init = jax.jit(jax.shard_map(lambda x: layer.init(jax.random.key(0), x)["params"], mesh=mesh,
+                               in_specs=P("e"), out_specs=specs, check_vma=False))
+  params = init(x)
+  assert params["w_in"].shape == (8, D, 2 * H)
+  run = jax.jit(jax.shard_map(lambda p, x: layer.apply({"params": p}, x), mesh=mesh,
+                              in_specs=(specs, P("e")), out_specs=P("e")))
+  y = run(params, x)
+  y32, _ = moe_f32(x, params["router"], params["w_in"], params["w_out"])
+  assert rel(y, y32) <= FWD_TOL, rel(y, y32)
+
+
+@pytest.mark.parametrize("change,error,match", [
+    (dict(router=jnp.zeros((D + 1, E))), ValueError, "router_kernel must be \\[D, E\\]"),
+    (dict(w_in=jnp.zeros((E, D, 2 * H + 1))), ValueError, "F must be 2 H"),
+    (dict(w_out=jnp.zeros((E, H, D + 16))), ValueError, "w_out must be \\[E, H, D\\]"),
+    (dict(w_in=jnp.zeros((E + 1, D, 2 * H)), w_out=jnp.zeros((E + 1, H, D))), ValueError,
+     "must hold the router's 4 experts"),
+    (dict(activation="relu"), ValueError, "activation"),
+    (dict(state=None), TypeError, "state must be a jax_fp8.moe.MoeState"),
+    (dict(recipe=jax_fp8.BlockScaling(), state=None), TypeError, "grouped_linear takes"),
+    (dict(top_k=E + 1), ValueError, "top_k"),
+])
+def test_bad_input(rng, change, error, match):
+  x, router, w_in, w_out = problem(rng)
+  args = dict(router=router, w_in=w_in, w_out=w_out, top_k=K, recipe=jax_fp8.DelayedScaling(),
+              state=MoeState.create(E, jax_fp8.DelayedScaling()), activation="swiglu")
+  args.update(change)
+  with pytest.raises(error, match=match):
+    moe_mlp(x, args.pop("router"), args.pop("w_in"), args.pop("w_out"), **args)
+
+
+def test_expert_axis_refuses_delayed_scaling():
+  mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("e",))
+  layer = jfl.MoeMlp(num_experts=4, top_k=1, hidden_features=H, expert_axis="e")
+  with pytest.raises(TypeError, match="expert_axis takes a stateless recipe"):
+    jax.jit(jax.shard_map(lambda x: layer.init(jax.random.key(0), x), mesh=mesh,
+                          in_specs=P("e"), out_specs=P(), check_vma=False))(jnp.zeros((8, D)))
