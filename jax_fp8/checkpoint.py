@@ -70,7 +70,8 @@ def _check_rings(rings: dict, recipe) -> None:
     return
   want = {"margin": recipe.margin, "algo": recipe.algo, "shape": [recipe.history_len]}
   for path, ring in rings.items():
-    got = {k: ring[k] for k in want}
+    # a stacked ring (per expert, per scanned layer) has leading axes before its history
+    got = {k: ring[k][-1:] if k == "shape" else ring[k] for k in want}
     if got != want or ring["fmt"] not in (recipe.fwd_fmt, recipe.bwd_fmt):
       raise ValueError(f"ring {path} ({ring}) was not made by the recipe {recipe}: pass the "
                        f"recipe the layers ran with")

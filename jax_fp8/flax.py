@@ -1,5 +1,5 @@
-"""Flax (linen) layers backed by jax_fp8.linear, mlp and moe_mlp, and the state classes registered with
-flax.serialization (so ``flax.serialization.to_bytes`` / ``from_bytes`` and Flax checkpoints
+"""Flax (linen) layers backed by jax_fp8.linear, mlp and moe_mlp, and the state classes registered
+with flax.serialization (so ``flax.serialization.to_bytes`` / ``from_bytes`` and Flax checkpoints
 carry the FP8 state). Needs the ``flax`` extra (``pip install jax_fp8[flax]``); importing this
 module registers the state classes."""
 
@@ -20,9 +20,8 @@ from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kern
 from .inference import Fp8Weight
 from .cast_kernel import CastKernel
 from .layer_state import GroupedLinearState, LinearState, MlpState, MultiLinearState
-from .moe import MoeState, local_experts, moe_mlp
-from .ops.grouped_gemm import ROW_ALIGN
-from .recipes import DelayedScaling, Recipe
+from .moe import MoeState, expert_init, local_experts, moe_mlp
+from .recipes import DelayedScaling, Recipe, check_recipe
 from .state import ScaleRing
 
 STATE_COLLECTION = "fp8_state"
@@ -277,6 +276,7 @@ class MoeMlp(nn.Module):
     shared_hidden_features: None (default), or the shared expert's hidden size.
     normalize_weights: routing weights rescaled to sum to 1 (default True).
     recipe: ``DelayedScaling`` (default) or ``CurrentScaling``.
+    amax_axis_name: as ``Dense``'s (data-parallel devices sharing the scales).
     expert_axis: None, or a mesh axis of n devices each holding E / n experts (expert
       parallelism, ``moe_parallel``): then init and apply run inside ``shard_map`` over that
       axis (each device makes and holds its own experts' "w_in" / "w_out"; out_specs
@@ -295,6 +295,7 @@ class MoeMlp(nn.Module):
   shared_hidden_features: int | None = None
   normalize_weights: bool = True
   recipe: Recipe = DelayedScaling()
+  amax_axis_name: str | None = None
   expert_axis: str | None = None
   capacity: int | None = None
   dtype: Any = None
@@ -304,6 +305,7 @@ class MoeMlp(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
+    check_recipe(self.recipe)
     e = checks.integer(self.num_experts, "MoeMlp.num_experts", lo=1)
     h = checks.integer(self.hidden_features, "MoeMlp.hidden_features", lo=1)
     _, gated = activations.check(self.activation, "MoeMlp.activation")
@@ -312,20 +314,24 @@ class MoeMlp(nn.Module):
     d = jnp.shape(inputs)[-1]
     local = local_experts(e, self.expert_axis, "MoeMlp")
     router = self.param("router", self.router_init, (d, e), self.param_dtype)
-    w_in = self.param("w_in", self.kernel_init, (local, d, 2 * h if gated else h),
-                      self.param_dtype)
-    w_out = self.param("w_out", self.kernel_init, (local, h, d), self.param_dtype)
+    init = expert_init(self.kernel_init, e, self.expert_axis)
+    w_in = self.param("w_in", init, (local, d, 2 * h if gated else h), self.param_dtype)
+    w_out = self.param("w_out", init, (local, h, d), self.param_dtype)
     state = None
     if self.recipe.stateful:
       state = fp8_state_variable(self, "moe", MoeState.create, local, self.recipe)
     x = inputs if self.dtype is None else inputs.astype(self.dtype)
+    # init usually runs outside the pmap / shard_map whose axis is named (as Dense's)
+    axis = None if self.is_initializing() else self.amax_axis_name
     y, aux = moe_mlp(x, router, w_in, w_out, top_k=self.top_k, recipe=self.recipe, state=state,
                      activation=self.activation, normalize_weights=self.normalize_weights,
-                     expert_axis=self.expert_axis, capacity=self.capacity, align=ROW_ALIGN)
+                     amax_axis_name=axis, expert_axis=self.expert_axis, capacity=self.capacity)
     self.sow("intermediates", "load_balancing_loss", aux)
     if self.shared_hidden_features is not None:
-      y = y + Mlp(self.shared_hidden_features, activation=self.activation, dtype=self.dtype,
-                  param_dtype=self.param_dtype, recipe=self.recipe, name="shared")(inputs)
+      shared = Mlp(self.shared_hidden_features, activation=self.activation, dtype=self.dtype,
+                   param_dtype=self.param_dtype, recipe=self.recipe, amax_axis_name=axis,
+                   name="shared")(inputs)
+      y = y + shared.astype(y.dtype)
     return y
 
 

@@ -111,7 +111,7 @@ def grouped_linear(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array,
     bias = float_array(bias, "bias")
     if bias.shape != (groups, n):
       raise ValueError(f"bias must be [G, N] = [{groups}, {n}], got {list(bias.shape)}")
-  _check_grouped_recipe(recipe)
+  check_grouped_recipe(recipe)
   aligned = checks.boolean(aligned, "aligned")
   out_dtype = compute_dtype(x, dtype)
   fp8 = fp8_pays(recipe, m, n, k, groups)
@@ -133,7 +133,7 @@ def grouped_linear(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array,
                                                amax_axis_name, dtypes, aligned)
 
 
-def _check_grouped_recipe(recipe) -> None:
+def check_grouped_recipe(recipe) -> None:
   """TypeError unless ``recipe`` is a recipe that ``grouped_linear`` serves, naming those."""
   check_recipe(recipe)
   if not recipe.grouped:

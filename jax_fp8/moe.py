@@ -17,13 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from . import activations, checks
-from .grouped_linear import grouped_linear
+from .grouped_linear import check_grouped_recipe, grouped_linear
 from .layer_checks import float_array
 from .layer_state import GroupedLinearState
 from .moe_parallel import expert_parallel
 from .moe_routing import load_balancing_loss, permute, top_k_routing, unpermute
 from .ops.grouped_gemm import ROW_ALIGN
-from .recipes import Recipe, check_recipe
+from .recipes import Recipe
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w_in", "w_out"],
@@ -55,9 +55,24 @@ def local_experts(num_experts: int, expert_axis: str | None, owner: str) -> int:
   return num_experts // n
 
 
+def expert_init(init, num_experts: int, expert_axis: str | None):
+  """An initializer of a stack of expert kernels ``[E_local, ...]``: ``init`` itself without
+  ``expert_axis``; with it, this device's slice of the whole ``[E, ...]`` stack that ``init``
+  makes from the key, so each device's experts differ and equal one device's."""
+  if expert_axis is None:
+    return init
+
+  def sliced(key, shape, dtype=jnp.float32):
+    local = shape[0]
+    whole = init(key, (num_experts,) + tuple(shape[1:]), dtype)
+    return jax.lax.dynamic_slice_in_dim(whole, jax.lax.axis_index(expert_axis) * local, local)
+  return sliced
+
+
 def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.Array, *,
             top_k: int, recipe: Recipe, state: MoeState | None = None,
             activation: str = "swiglu", normalize_weights: bool = True,
+            amax_axis_name: str | tuple[str, ...] | None = None,
             expert_axis: str | None = None, capacity: int | None = None,
             align: int = ROW_ALIGN) -> tuple[jax.Array, jax.Array]:
   """A mixture-of-experts MLP over tokens ``x``: each token goes to its ``top_k`` experts, each
@@ -84,12 +99,17 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
       applied in f32 between the two grouped linears.
     normalize_weights: a bool; the k routing weights rescaled to sum to 1 (Mixtral) or the raw
       softmax probabilities.
+    amax_axis_name: as in ``grouped_linear`` (data-parallel devices that share the scales, each
+      holding every expert); with ``expert_axis``, further axes to share x's and the
+      gradient's amax over (never the expert axis: each device's experts keep their own
+      scales, and its tokens theirs).
     expert_axis: None, or the mesh axis (bound by ``shard_map``) whose devices each hold E / n
       of the experts: then ``w_in`` / ``w_out`` (and ``state``) are this device's experts
       ``[E / n, ...]``, ``router_kernel`` is whole, and tokens travel with two all-to-alls
       (``moe_parallel.expert_parallel``). Stateless recipes only: a DelayedScaling state's x
       and gradient rings would need a max over the axis and the kernel rings none.
-    capacity: with ``expert_axis``, rows per destination device (None: dropless).
+    capacity: with ``expert_axis``, rows per destination device (None: dropless); a
+      ValueError without it.
     align: row alignment of each expert's block (a multiple of 16).
   Returns:
     ``(y [..., D] in x's dtype, load_balancing_loss f32 [])``: the loss is Switch
@@ -120,14 +140,27 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
   if w_out.shape != (local, hidden, d):
     raise ValueError(f"w_out must be [E, H, D] = [{local}, {hidden}, {d}] (w_in's experts, H "
                      f"from w_in's F, x's D), got {list(w_out.shape)}")
-  check_recipe(recipe)
+  check_grouped_recipe(recipe)
+  m = recipe.dim_multiple
+  if d % m or hidden % m:
+    raise ValueError(f"{type(recipe).__name__}'s FP8 GEMMs need the model dimension D and the "
+                     f"experts' hidden size H to be multiples of {m}, got D={d}, H={hidden}")
   normalize_weights = checks.boolean(normalize_weights, "normalize_weights")
+  axis = amax_axis_name
   if expert_axis is not None:
     if recipe.stateful:
       raise TypeError(f"moe_mlp with expert_axis takes a stateless recipe (CurrentScaling), "
                       f"got {type(recipe).__name__}")
-  elif local != num_experts:
-    raise ValueError(f"w_in must hold the router's {num_experts} experts, got {local}")
+    axis = () if amax_axis_name is None else amax_axis_name
+    if expert_axis in ((axis,) if isinstance(axis, str) else tuple(axis)):
+      raise ValueError(f"amax_axis_name must not name the expert axis {expert_axis!r}: each "
+                       f"device's experts keep their own scales")
+  else:
+    if local != num_experts:
+      raise ValueError(f"w_in must hold the router's {num_experts} experts, got {local}")
+    if capacity is not None:
+      raise ValueError(f"capacity applies with expert_axis (rows per destination device); "
+                       f"without it every token reaches its experts, got capacity={capacity!r}")
   if recipe.stateful and not isinstance(state, MoeState):
     raise TypeError(f"state must be a jax_fp8.moe.MoeState (MoeState.create(E, recipe)) under "
                     f"{type(recipe).__name__}, got {checks.describe(state)}")
@@ -138,10 +171,10 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
   routing = top_k_routing(logits, top_k, normalize=normalize_weights)
 
   def experts(rows, group_sizes):
-    h = grouped_linear(rows, w_in, group_sizes, recipe=recipe,
+    h = grouped_linear(rows, w_in, group_sizes, recipe=recipe, amax_axis_name=axis,
                        state=state.w_in if state is not None else None, aligned=True)
     a = activations.apply(h, activation).astype(rows.dtype)
-    return grouped_linear(a, w_out, group_sizes, recipe=recipe,
+    return grouped_linear(a, w_out, group_sizes, recipe=recipe, amax_axis_name=axis,
                           state=state.w_out if state is not None else None, aligned=True)
 
   if expert_axis is None:

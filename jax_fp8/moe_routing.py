@@ -72,12 +72,12 @@ def top_k_routing(logits: jax.Array, top_k: int, *, normalize: bool = True) -> R
 def load_balancing_loss(routing: Routing) -> jax.Array:
   """Switch Transformer's auxiliary loss, ``E * sum_e f_e * P_e``: f_e the fraction of the
   T * k assignments that went to expert e, P_e the mean router probability of e. 1 when both
-  are uniform; it grows as routing concentrates. f32 scalar; its gradient flows through P
-  (the assignment counts are constants)."""
+  are uniform; it grows as routing concentrates; 0 for no tokens. f32 scalar; its gradient
+  flows through P (the assignment counts are constants)."""
   t, e = routing.probs.shape
   counts = jnp.zeros((e,), jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
-  fraction = counts / routing.experts.size
-  return e * jnp.sum(fraction * jnp.mean(routing.probs, axis=0))
+  fraction = counts / max(routing.experts.size, 1)  # no tokens: a loss of 0, not NaN
+  return e * jnp.sum(fraction * jnp.sum(routing.probs, axis=0) / max(t, 1))
 
 
 def permuted_rows(tokens: int, top_k: int, num_experts: int, align: int = ROW_ALIGN) -> int:

@@ -33,8 +33,8 @@ from ._nnx_base import Fp8State, _init_norm, _key, _norm_args, sr_stream
 from ._nnx_general import Einsum, LinearGeneral
 from .layer_checks import check_split
 from .layer_state import MlpState
-from .moe import MoeState, local_experts, moe_mlp
-from .recipes import DelayedScaling, Recipe
+from .moe import MoeState, expert_init, local_experts, moe_mlp
+from .recipes import DelayedScaling, Recipe, check_recipe
 from .state import update_state
 
 __all__ = ["Einsum", "Fp8State", "Linear", "LinearGeneral", "Mlp", "MoeMlp", "MultiLinear",
@@ -210,23 +210,25 @@ class MoeMlp(nnx.Module):
   hidden_features when gated) and "w_out" [E, hidden_features, in_features], each expert's
   initialised as ``nnx.Linear``'s kernel; "shared" an ``Mlp`` with ``shared_hidden_features``
   (else None); under ``DelayedScaling`` the ``Fp8State`` "fp8_state" holds a ``MoeState``.
-  Each call sows its load-balancing loss as the ``nnx.Intermediate`` "load_balancing_loss":
-  ``y, intermediates = nnx.capture(model, nnx.Intermediate)(x)`` returns it.
+  Each call sows its load-balancing loss as the ``nnx.Intermediate`` "load_balancing_loss"
+  (the latest call's, f32 []): ``y, intermediates = nnx.capture(model, nnx.Intermediate)(x)``
+  returns it; ``nnx.pop(model, nnx.Intermediate)`` after a call takes it.
 
-  Args: in_features (D), num_experts (E), top_k, hidden_features (H), and ``jax_fp8.flax.MoeMlp``'s
-  activation, shared_hidden_features, normalize_weights, recipe, expert_axis (with it,
-  construct and call inside ``shard_map`` over that axis: each device makes E / n experts),
-  capacity, dtype, param_dtype, kernel_init, router_init; rngs. Input ``[..., in_features]``;
-  output ``[..., in_features]``.
+  Args: in_features (D), num_experts (E), top_k, hidden_features (H), and
+  ``jax_fp8.flax.MoeMlp``'s activation, shared_hidden_features, normalize_weights, recipe,
+  amax_axis_name, expert_axis (with it, construct and call inside ``shard_map`` over that axis:
+  each device makes its E / n experts), capacity, dtype, param_dtype, kernel_init, router_init;
+  rngs. Input ``[..., in_features]``; output ``[..., in_features]``.
   """
 
   def __init__(self, in_features: int, num_experts: int, top_k: int, hidden_features: int, *,
                activation: str = "swiglu", shared_hidden_features: int | None = None,
-               normalize_weights: bool = True, recipe=DelayedScaling(),
+               normalize_weights: bool = True, recipe=DelayedScaling(), amax_axis_name=None,
                expert_axis: str | None = None, capacity: int | None = None, dtype: Any = None,
                param_dtype: Any = jnp.float32,
                kernel_init: Callable = nnx.initializers.lecun_normal(batch_axis=(0,)),
                router_init: Callable = nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
+    check_recipe(recipe)
     d = checks.integer(in_features, "MoeMlp.in_features", lo=1)
     e = checks.integer(num_experts, "MoeMlp.num_experts", lo=1)
     h = checks.integer(hidden_features, "MoeMlp.hidden_features", lo=1)
@@ -236,14 +238,16 @@ class MoeMlp(nnx.Module):
     local = local_experts(e, expert_axis, "MoeMlp")
     self.in_features, self.num_experts, self.top_k = d, e, top_k
     self.activation, self.normalize_weights, self.recipe = activation, normalize_weights, recipe
-    self.expert_axis, self.capacity, self.dtype = expert_axis, capacity, dtype
+    self.amax_axis_name, self.expert_axis = amax_axis_name, expert_axis
+    self.capacity, self.dtype = capacity, dtype
+    init = expert_init(kernel_init, e, expert_axis)
     self.router = nnx.Param(router_init(rngs.params(), (d, e), param_dtype))
-    self.w_in = nnx.Param(kernel_init(rngs.params(), (local, d, 2 * h if gated else h),
-                                      param_dtype))
-    self.w_out = nnx.Param(kernel_init(rngs.params(), (local, h, d), param_dtype))
+    self.w_in = nnx.Param(init(rngs.params(), (local, d, 2 * h if gated else h), param_dtype))
+    self.w_out = nnx.Param(init(rngs.params(), (local, h, d), param_dtype))
     self.fp8_state = Fp8State(MoeState.create(local, recipe)) if recipe.stateful else None
     self.shared = (Mlp(d, shared_hidden_features, activation=activation, dtype=dtype,
-                       param_dtype=param_dtype, recipe=recipe, rngs=rngs)
+                       param_dtype=param_dtype, recipe=recipe, amax_axis_name=amax_axis_name,
+                       rngs=rngs)
                    if shared_hidden_features is not None else None)
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
@@ -255,9 +259,12 @@ class MoeMlp(nnx.Module):
     y, aux = moe_mlp(x, self.router.get_value(), self.w_in.get_value(), self.w_out.get_value(),
                      top_k=self.top_k, recipe=self.recipe, state=state,
                      activation=self.activation, normalize_weights=self.normalize_weights,
-                     expert_axis=self.expert_axis, capacity=self.capacity)
-    self.sow(nnx.Intermediate, "load_balancing_loss", aux)
-    return y if self.shared is None else y + self.shared(inputs)
+                     amax_axis_name=self.amax_axis_name, expert_axis=self.expert_axis,
+                     capacity=self.capacity)
+    # the latest call's loss (not a growing tuple, which would retrace a jitted step)
+    self.sow(nnx.Intermediate, "load_balancing_loss", aux, reduce_fn=lambda _, new: new,
+             init_fn=lambda: jnp.zeros((), jnp.float32))
+    return y if self.shared is None else y + self.shared(inputs).astype(y.dtype)
 
 
 def update_fp8_state(model: nnx.Module, grads: nnx.State) -> None:

@@ -187,3 +187,23 @@ def test_nnx_state(rng, tmp_path):
   nnx.update(fresh, restored)
   assert_same(nnx.state(fresh), state)
   np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(model(x)))
+
+
+def test_stacked_expert_rings(rng, tmp_path):
+  """A MoE layer's state (one ring per expert kernel, stacked [G, L]) saves and restores; a
+  recipe of another history length is still refused."""
+  x = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
+  model = jax_fp8.nnx.MoeMlp(32, 4, 2, 16, recipe=RECIPE, rngs=nnx.Rngs(0))
+  grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2),
+                   argnums=nnx.DiffState(0, (nnx.Param, jax_fp8.nnx.Fp8State)))(model)
+  jax_fp8.nnx.update_fp8_state(model, grads)
+  nnx.pop(model, nnx.Intermediate)  # the load-balancing loss the calls sowed
+  state = nnx.state(model)
+  checkpoint.save(tmp_path / "ckpt", state, RECIPE)
+  fresh = jax_fp8.nnx.MoeMlp(32, 4, 2, 16, recipe=RECIPE, rngs=nnx.Rngs(1))
+  restored = checkpoint.restore(tmp_path / "ckpt", nnx.state(fresh), RECIPE)
+  nnx.update(fresh, restored)
+  assert_same(nnx.state(fresh), state)
+  other = jax_fp8.DelayedScaling(history_len=4, fast_accum_gemms=("fprop",))
+  with pytest.raises(ValueError, match="was not made by the recipe"):
+    checkpoint.save(tmp_path / "other", state, other)

@@ -3,8 +3,6 @@ recipe, with group sizes holding zeros, every row in one expert, sums below M, M
 of 16, unaligned groups (the padded wgrad) and aligned ones; traced sizes with one compilation,
 scan, delayed-scaling state updates, the compute-dtype path and bad input."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,7 +46,8 @@ def state_for(recipe, groups=4):
 
 
 def onehot(sizes, m):
-  """f32 [M, G]: each row's group (the clipped groups of grouped_gemm), all zero for a row in no group."""
+  """f32 [M, G]: each row's group (the clipped groups of grouped_gemm), all zero for a row in
+  no group."""
   start, end = group_bounds(sizes, m)
   row = jnp.arange(m)[:, None]
   return ((row >= start) & (row < end)).astype(jnp.float32)
@@ -133,6 +132,20 @@ def test_no_rows_and_one_expert(rng):
   want = on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, w, b, gs, t)
   assert rel(dx, want[0]) < BWD_TOL and rel(dw, want[1]) < BWD_TOL
   assert rel(db, want[2]) < bias_tol(jnp.float32, 50) and not np.any(np.asarray(dx)[43:])
+
+
+def test_aligned_groups_clipped_at_m(rng):
+  """aligned=True with M = 20 (not a multiple of 16) and sizes summing past M: the second
+  group is empty once clipped at M, so its kernel gradient is zero (not the NaN of a group
+  starting at row 20, which the transposed copies' 32 columns would hold)."""
+  recipe = jax_fp8.CurrentScaling()
+  x, w, b, t = problem(rng, 20, groups=2)
+  gs = jnp.asarray([20, 5], jnp.int32)
+  dx, dw, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=(6, 7))(
+      x, w, b, None, gs, t, recipe, True)
+  want = on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, w, b, gs, t)
+  assert np.all(np.asarray(dw[1]) == 0) and np.all(np.asarray(db[1]) == 0)
+  assert rel(dw[0], want[1][0]) < BWD_TOL and rel(dx, want[0]) < BWD_TOL
 
 
 def test_padded_wgrad_equals_an_aligned_layout(rng):

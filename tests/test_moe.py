@@ -126,7 +126,7 @@ def test_nnx_layer_train_step(rng):
   def step(model, x):
     def loss_fn(model):
       y, intermediates = nnx.capture(model, nnx.Intermediate)(x)
-      (aux,) = intermediates["load_balancing_loss"].get_value()
+      aux = intermediates["load_balancing_loss"].get_value()
       return jnp.mean(y ** 2) + 0.01 * aux
     loss, grads = nnx.value_and_grad(loss_fn, argnums=diff)(model)
     jnx.update_fp8_state(model, grads)
@@ -149,11 +149,83 @@ def test_expert_parallel_layer_equals_one_device(rng):
                                in_specs=P("e"), out_specs=specs, check_vma=False))
   params = init(x)
   assert params["w_in"].shape == (8, D, 2 * H)
+  # each device made its own slice of the stack one device makes from the same key
+  whole = jfl.MoeMlp(num_experts=8, top_k=K, hidden_features=H, recipe=recipe).init(
+      jax.random.key(0), x)["params"]
+  for name in ("router", "w_in", "w_out"):
+    np.testing.assert_array_equal(np.asarray(params[name]), np.asarray(whole[name]))
   run = jax.jit(jax.shard_map(lambda p, x: layer.apply({"params": p}, x), mesh=mesh,
                               in_specs=(specs, P("e")), out_specs=P("e")))
   y = run(params, x)
   y32, _ = moe_f32(x, params["router"], params["w_in"], params["w_out"])
   assert rel(y, y32) <= FWD_TOL, rel(y, y32)
+
+
+def test_expert_parallel_keeps_each_experts_scale(rng):
+  """Experts 1e5 apart in magnitude on different devices: each expert's kernel is scaled by
+  its own amax (not the max over the devices holding other experts), so the tokens of the
+  small experts keep E4M3's precision."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("e",))
+  recipe = jax_fp8.CurrentScaling()
+  x, router, w_in, w_out = problem(rng, tokens=4 * T, experts=8)
+  small = np.repeat([1e-5, 1.0, 1.0, 1.0], 2)[:, None, None]  # device 0's experts 0 and 1
+  w_in = w_in * small
+
+  def local(x, router, w_in, w_out):
+    return moe_mlp(x, router, w_in, w_out, top_k=1, recipe=recipe, expert_axis="e")[0]
+  run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("e"), P(), P("e"), P("e")),
+                              out_specs=P("e")))
+  y = np.asarray(run(x, router, w_in, w_out))
+  routing = mr.top_k_routing(jnp.dot(x, router, precision=jax.lax.Precision.HIGHEST), 1)
+  perm = mr.permute(x, routing.experts, 8)
+  hi = jax.lax.Precision.HIGHEST
+  h = jax.lax.ragged_dot(perm.rows, w_in, perm.group_sizes, precision=hi)
+  out = jax.lax.ragged_dot(activations.apply(h, "swiglu"), w_out, perm.group_sizes, precision=hi)
+  y32 = np.asarray(mr.unpermute(out, perm, routing.weights))
+  rows = np.isin(np.asarray(routing.experts[:, 0]), [0, 1])
+  assert rows.sum() > 0
+  assert rel(y[rows], y32[rows]) <= FWD_TOL, rel(y[rows], y32[rows])
+
+
+def test_data_parallel_delayed_scaling(rng):
+  """Every device holds every expert, tokens split over "data": with amax_axis_name the
+  replicated rings move identically on every device, and the values are the f32 mixture's."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:4]), ("data",))
+  recipe = jax_fp8.DelayedScaling()
+  x, router, w_in, w_out = problem(rng, tokens=4 * T)
+  state = MoeState.create(E, recipe)
+
+  def local(x, state):
+    f = lambda s: jnp.sum(moe_mlp(x, router, w_in, w_out, top_k=K, recipe=recipe, state=s,
+                                  amax_axis_name="data")[0] ** 2)  # noqa: E731
+    y = moe_mlp(x, router, w_in, w_out, top_k=K, recipe=recipe, state=state,
+                amax_axis_name="data")[0]
+    return y, jax.grad(f)(state)
+  run = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P()),
+                              out_specs=(P("data"), P())))
+  y, grads = run(x, state)
+  new = jax_fp8.update_state(state, grads)
+  assert int(new.w_in.x.steps) == 1
+  np.testing.assert_allclose(np.asarray(new.w_in.x.amax_history)[0],
+                             np.abs(np.asarray(x)).max(), rtol=1e-6)  # the max over devices
+  assert rel(y, moe_f32(x, router, w_in, w_out)[0]) <= FWD_TOL
+
+
+@pytest.mark.parametrize("layer", ["linen", "nnx"])
+def test_shared_expert_keeps_the_compute_dtype(rng, layer):
+  x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+  if layer == "linen":
+    m = jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, shared_hidden_features=32)
+    y = m.apply(m.init(jax.random.key(0), x), x)
+  else:
+    y = jnx.MoeMlp(D, E, K, H, shared_hidden_features=32, rngs=nnx.Rngs(0))(x)
+  assert y.dtype == jnp.bfloat16
+
+
+def test_no_tokens():
+  x, router, w_in, w_out = problem(np.random.default_rng(0))
+  y, aux = moe_mlp(x[:0], router, w_in, w_out, top_k=K, recipe=jax_fp8.CurrentScaling())
+  assert y.shape == (0, D) and float(aux) == 0.0
 
 
 @pytest.mark.parametrize("change,error,match", [
@@ -166,6 +238,9 @@ def test_expert_parallel_layer_equals_one_device(rng):
     (dict(state=None), TypeError, "state must be a jax_fp8.moe.MoeState"),
     (dict(recipe=jax_fp8.BlockScaling(), state=None), TypeError, "grouped_linear takes"),
     (dict(top_k=E + 1), ValueError, "top_k"),
+    (dict(w_in=jnp.zeros((E, D, 2 * 24)), w_out=jnp.zeros((E, 24, D))), ValueError,
+     "multiples of 16, got D=32, H=24"),
+    (dict(capacity=8), ValueError, "capacity applies with expert_axis"),
 ])
 def test_bad_input(rng, change, error, match):
   x, router, w_in, w_out = problem(rng)
@@ -174,6 +249,14 @@ def test_bad_input(rng, change, error, match):
   args.update(change)
   with pytest.raises(error, match=match):
     moe_mlp(x, args.pop("router"), args.pop("w_in"), args.pop("w_out"), **args)
+
+
+def test_layers_check_the_recipe_first():
+  with pytest.raises(TypeError, match="recipe"):
+    jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, recipe="delayed").init(
+        jax.random.key(0), jnp.zeros((4, D)))
+  with pytest.raises(TypeError, match="recipe"):
+    jnx.MoeMlp(D, E, K, H, recipe="delayed", rngs=nnx.Rngs(0))
 
 
 def test_expert_axis_refuses_delayed_scaling():

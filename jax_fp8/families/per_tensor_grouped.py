@@ -137,7 +137,9 @@ def _grouped_linear_bwd(s: Static, res, g):
   qg, qk = cg.tensor, saved.kernels
   dx = grouped_gemm(qg.data, qk.data, qg.scale, qk.scale, group_sizes,
                     out_dtype=gemm_out(x_dtype)).astype(x_dtype)  # dgrad [M, K]
-  x_t, g_t, sizes = saved.x.data_t, qg.data_t, group_sizes
+  # the groups as the forward clipped them at M (the transposed copies are wider: ceil16(M))
+  start, end = group_bounds(group_sizes, rows)
+  x_t, g_t, sizes = saved.x.data_t, qg.data_t, end - start
   if not s.aligned and rows and group_sizes.shape[0] > 1:  # (one group starts at row 0)
     # the groups moved to start at multiples of ROW_ALIGN, zero columns between them
     src, sizes = aligned_columns(group_sizes, rows)
