@@ -31,7 +31,7 @@ def _parallel(mesh, capacity=None):
   return jax.shard_map(local, mesh=mesh, in_specs=(P("e"), P("e"), P("e")), out_specs=P("e"))
 
 
-@pytest.mark.parametrize("devices", [2, 4, 8])
+@pytest.mark.parametrize("devices", [2, 8])
 def test_equals_one_device(rng, devices):
   mesh = Mesh(np.array(jax.devices("cpu")[:devices]), ("e",))
   x = jnp.asarray(rng.standard_normal((T * devices, D)), jnp.float32)
