@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import normwise, roundoff
+from conftest import normwise, on_cpu, roundoff
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 
@@ -147,9 +147,9 @@ def test_expert_parallel_layer_equals_one_device(rng):
                                in_specs=P("e"), out_specs=specs, check_vma=False))
   params = init(x)
   assert params["w_in"].shape == (8, D, 2 * H)
-  # each device made its own slice of the stack one device makes from the same key
-  whole = jfl.MoeMlp(num_experts=8, top_k=K, hidden_features=H, recipe=recipe).init(
-      jax.random.key(0), x)["params"]
+  # each device made its own slice of the stack one (CPU) device makes from the same key
+  whole = on_cpu(lambda x: jfl.MoeMlp(num_experts=8, top_k=K, hidden_features=H,
+                                      recipe=recipe).init(jax.random.key(0), x)["params"], x)
   for name in ("router", "w_in", "w_out"):
     np.testing.assert_array_equal(np.asarray(params[name]), np.asarray(whole[name]))
   run = jax.jit(jax.shard_map(lambda p, x: layer.apply({"params": p}, x), mesh=mesh,
