@@ -49,6 +49,15 @@ projections of each layer (and, in the fused variants, the SwiGLU between them):
   cost of the quantizations. NVFP4's stochastic rounding takes one key, the same every step
   (as ``benchmarks.demo_step``'s).
 
+With ``--moe-experts`` E (0, the default: dense MLPs) every layer's MLP is a mixture of E
+experts, dropless top ``--moe-top-k``, each a SwiGLU MLP of ``--moe-hidden`` (0: ``--ffn``)
+behind an RMSNorm of its own (``Config.moe_experts``): ``jax_fp8.flax.MoeMlp`` (grouped FP8
+GEMMs) in the delayed and current variants, in ``bf16`` its BF16 twin (``jax.lax.ragged_dot``);
+the loss adds the load-balancing loss (weight 0.01). The other variants have no MoE layer (an
+error names them), nor ``_cast_kernels`` (its experts would be quantized per microbatch
+anyway); the variants that differ only in their MLP then differ in q / k / v and the
+attention's norm. Without ``--variants``: every variant that runs.
+
 With ``--microbatches`` n the step scans over n microbatches of ``--batch`` / n sequences,
 accumulating the gradients (jax_fp8's state ``jax_fp8.share``d among them). Each variant's
 step is timed as ``benchmarks.train_step`` times one: the median of ``--windows`` windows of
@@ -58,7 +67,7 @@ by kind and its idle time.
 
     python -m benchmarks.model_step [--d-model 4096] [--heads 32] [--ffn 14336] [--layers 4]
         [--seq 2048] [--batch 8] [--vocab 32000] [--microbatches 1]
-        [--param-dtype float32|bfloat16]
+        [--param-dtype float32|bfloat16] [--moe-experts 0] [--moe-top-k 2] [--moe-hidden 0]
         [--attention cudnn|xla|default] [--variants NAME ...] [--profile [NAME ...]]
         [--steps 8] [--windows 3] [--profile-steps 3] [--quick] [--out PATH]
 
@@ -79,7 +88,7 @@ import dataclasses
 import jax
 import optax
 
-from jax_fp8.demo.model import LLAMA, Config, Transformer
+from jax_fp8.demo.model import LLAMA, PER_TENSOR, Config, Transformer
 from jax_fp8.demo.train import init_variables, make_train_step
 
 from . import train_step
@@ -133,18 +142,32 @@ class Settings:
   microbatches: int = 1
   param_dtype: str = "float32"
   attention: str = "cudnn"  # jax.nn.dot_product_attention's; "default": the platform's
+  moe_experts: int = 0  # > 0: the MLPs mixtures of this many experts
+  moe_top_k: int = 2
+  moe_hidden: int = 0  # each expert's hidden size; 0: ffn
 
 
+MOE = ("moe_experts", "moe_top_k", "moe_hidden")  # the fields --quick keeps (with microbatches)
 QUICK = Settings(d_model=256, heads=4, ffn=512, layers=2, seq=128, batch=2, vocab=512,
                  attention="default")
 
 
+def moe_variants() -> list[str]:
+  """The variants with a MoE form: BF16 and jax_fp8's per-tensor recipes, kernels not cast."""
+  return [v for v in VARIANTS if v not in CAST_KERNELS and VARIANTS[v].get("linear", "fp8") in
+          ("flax", "fp8") and VARIANTS[v].get("recipe", "delayed") in PER_TENSOR]
+
+
 def model_config(s: Settings, variant: str) -> Config:
   """The model of ``variant`` at the sizes of ``s``."""
+  moe = {}
+  if s.moe_experts:
+    moe = dict(moe_experts=s.moe_experts, moe_top_k=s.moe_top_k,
+               moe_hidden=s.moe_hidden or s.ffn)
   return Config(s.d_model, s.heads, s.layers, s.seq, vocab=s.vocab, d_ff=s.ffn,
                 param_dtype=s.param_dtype,
                 attention=None if s.attention == "default" else s.attention,
-                **{**LLAMA, **VARIANTS[variant]})
+                **{**LLAMA, **VARIANTS[variant]}, **moe)
 
 
 def setup(s: Settings, variant: str, tx):
@@ -186,20 +209,41 @@ def main(argv=None):
   train_step.add_arguments(p, VARIANTS, list(VARIANTS), steps=8, profile_steps=3,
                            out="model_step")
   p.add_argument("--quick", action="store_true", help="a tiny model (a CPU smoke run)")
+  p.set_defaults(variants=None)
   args = p.parse_args(argv)
   cfg = Settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(Settings)})
   if args.quick:
-    if cfg != dataclasses.replace(Settings(), microbatches=cfg.microbatches):
-      p.error("--quick runs its own tiny model: give no model flags but --microbatches with it")
-    cfg = dataclasses.replace(QUICK, microbatches=cfg.microbatches)
+    kept = {f: getattr(cfg, f) for f in ("microbatches", *MOE)}
+    if cfg != dataclasses.replace(Settings(), **kept):
+      p.error("--quick runs its own tiny model: give no model flags but --microbatches and the "
+              "--moe ones with it")
+    cfg = dataclasses.replace(QUICK, **kept)
+  for name in ("moe_experts", "moe_hidden"):
+    if getattr(cfg, name) < 0:
+      p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
+  if not cfg.moe_experts and (cfg.moe_top_k, cfg.moe_hidden) != (Settings().moe_top_k, 0):
+    p.error("--moe-top-k and --moe-hidden apply with --moe-experts")
+  if cfg.moe_experts and not 1 <= cfg.moe_top_k <= cfg.moe_experts:
+    p.error(f"--moe-top-k must be in [1, --moe-experts ({cfg.moe_experts})], got "
+            f"{cfg.moe_top_k}")
   for f in dataclasses.fields(Settings):
-    if f.type in (int, "int") and getattr(cfg, f.name) < 1:
+    if f.name not in MOE and f.type in (int, "int") and getattr(cfg, f.name) < 1:
       p.error(f"--{f.name.replace('_', '-')} must be >= 1, got {getattr(cfg, f.name)}")
   if cfg.batch % cfg.microbatches:
     p.error(f"--microbatches ({cfg.microbatches}) must divide --batch ({cfg.batch})")
   if cfg.d_model % cfg.heads or (cfg.d_model // cfg.heads) % 2:
     p.error(f"--d-model ({cfg.d_model}) must be a multiple of --heads ({cfg.heads}) with an even "
             f"head size")
+  if cfg.moe_experts:
+    if args.variants is None:
+      args.variants = moe_variants()
+    elif [v for v in args.variants if v not in moe_variants()]:
+      p.error(f"--moe-experts: no MoE form of "
+              f"{[v for v in args.variants if v not in moe_variants()]} (MoeMlp runs the "
+              f"per-tensor recipes, kernels not cast; BF16 its ragged_dot twin): choose among "
+              f"{moe_variants()}")
+  elif args.variants is None:
+    args.variants = list(VARIANTS)
   return train_step.run(p, args, lambda variant, profile_steps: measure(
       cfg, variant, args.steps, args.windows, profile_steps),
       {"config": dataclasses.asdict(cfg)}, "model_step", PEERS)

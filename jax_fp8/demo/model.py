@@ -13,6 +13,12 @@ MXFP8 and NVFP4 GEMMs emulated on Hopper); "bf16", their bf16 twins here (``Bf16
 ``Bf16Mlp``: the demo's baseline); "flax", ``flax.linen.Dense`` (the benchmarks' baseline);
 "flax_fp8", Flax's FP8 ``nn.Dense`` (``Fp8DirectDotGeneralOp``); "fp8_bf16_kernel_copy",
 ``KernelCopyDense``.
+``moe_experts`` > 0: every block's MLP a mixture of experts (dropless top-``moe_top_k`` of
+``moe_experts``, each expert ``moe_hidden`` wide, ``cfg.activation`` between; its norm an
+unfused module "mlp_norm", no biases): ``jax_fp8.flax.MoeMlp`` (grouped FP8 GEMMs) for the
+per-tensor recipes, its BF16 twin ``Bf16MoeMlp`` (``jax.lax.ragged_dot``) for "bf16" and
+"flax"; each sows its load-balancing loss in "intermediates", which the train step adds,
+times ``moe_aux_weight``, to the loss. 0 (the default): the dense MLP of ``mlp``.
 ``fuse_norm``: the norms before q / k / v and the MLP inside those layers (``norm=``; under the
 per-tensor and block recipes inside the FP8 cast-transposes). One rule names the parameters
 and one order creates them, so one seed gives a ``Config``'s FP8 and BF16 models the same ones.
@@ -32,7 +38,7 @@ from flax.linen import fp8_ops
 
 import jax_fp8
 import jax_fp8.flax
-from jax_fp8 import norms
+from jax_fp8 import activations, moe_routing, norms
 
 from .data import VOCAB
 
@@ -48,6 +54,7 @@ ATTENTION = ("cudnn", "xla")  # the implementations of jax.nn.dot_product_attent
 LINEAR = ("fp8", "bf16", "flax", "flax_fp8", "fp8_bf16_kernel_copy")
 QKV = ("split", "shared_input", "separate", "fused")
 MLP = ("fused", "shared_input", "separate")
+MOE_LINEAR = ("fp8", "bf16", "flax")  # the linears with a MoE MLP ("flax": the BF16 twin)
 NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}
 POSITION = ("learned", "rope", None)
 FLAX_FP8_COLLECTION = "_overwrite_with_gradient"  # Flax's FP8 scales and amax histories
@@ -101,6 +108,10 @@ class Config:
   residual_dtype: str = "float32"
   scan: bool = False  # the blocks under nn.scan (one "layers" module) or each its own
   nvfp4_bf16_share: float = NVFP4_BF16_SHARE  # of the last blocks in BF16 under NVFP4
+  moe_experts: int = 0  # > 0: the MLPs mixtures of this many experts; 0: dense
+  moe_top_k: int = 2  # experts per token
+  moe_hidden: int | None = None  # each expert's hidden size; None: d_ff
+  moe_aux_weight: float = 0.01  # the load-balancing loss's weight (mean over the blocks)
 
   def __post_init__(self):
     if self.d_ff is None:
@@ -128,9 +139,29 @@ class Config:
                            "gelu" if self.linear == "bf16" else self.activation):
       raise ValueError(f"activation={self.activation!r} with mlp={self.mlp!r} and linear="
                        f"{self.linear!r}: the unfused MLPs are SwiGLU, BF16's fused one GELU")
+    if self.moe_experts:
+      self._check_moe()
     if self.scan and self.bf16_blocks:
       raise ValueError(f"under scan every block runs alike: {self.bf16_blocks} BF16 blocks "
                        f"need scan=False (or nvfp4_bf16_share=0)")
+
+  def _check_moe(self) -> None:
+    if self.moe_experts < 0 or not 1 <= self.moe_top_k <= self.moe_experts:
+      raise ValueError(f"moe_top_k must be in [1, moe_experts={self.moe_experts}], got "
+                       f"{self.moe_top_k}")
+    if self.moe_hidden is None:
+      object.__setattr__(self, "moe_hidden", self.d_ff)
+    if self.moe_hidden < 1:
+      raise ValueError(f"moe_hidden must be >= 1, got {self.moe_hidden}")
+    if self.linear not in MOE_LINEAR or (self.fp8 and self.recipe not in PER_TENSOR):
+      what = f"recipe {self.recipe!r}" if self.fp8 else f"linear {self.linear!r}"
+      raise ValueError(f"moe_experts > 0 runs linear {list(MOE_LINEAR)}, FP8 under the per-tensor "
+                       f"recipes {list(PER_TENSOR)} (jax_fp8.flax.MoeMlp's), not {what}")
+
+  @property
+  def moe(self) -> bool:
+    """Whether the blocks' MLPs are mixtures of experts."""
+    return self.moe_experts > 0
 
   @property
   def fp8(self) -> bool:
@@ -327,6 +358,59 @@ def _qkv(cfg: Config, h, norm: str | None):
   return tuple(y.reshape(b, t, cfg.n_heads, d // cfg.n_heads) for y in ys)
 
 
+class Bf16MoeMlp(nn.Module):
+  """The bf16 twin of ``jax_fp8.flax.MoeMlp(num_experts, top_k, hidden_features, activation)``
+  (no shared expert, one device): its parameters "router" [D, E], "w_in" [E, D, F] and "w_out"
+  [E, H, D], created in its order; the router in f32, ``jax_fp8.moe_routing``'s top-k routing
+  and permutation, the experts through ``jax.lax.ragged_dot`` in ``dtype`` (the activation in
+  f32 between, as ``moe_mlp``), the load-balancing loss sown as "load_balancing_loss" in
+  "intermediates". h: [..., D] -> [..., D] in ``dtype``."""
+
+  num_experts: int
+  top_k: int
+  hidden_features: int
+  activation: str = "swiglu"
+  dtype: type = COMPUTE
+  param_dtype: type = jnp.float32
+  kernel_init: object = nn.initializers.lecun_normal(batch_axis=(0,))
+  router_init: object = nn.initializers.lecun_normal()
+
+  @nn.compact
+  def __call__(self, h):
+    d, e, f = h.shape[-1], self.num_experts, self.hidden_features
+    _, gated = activations.check(self.activation, "Bf16MoeMlp.activation")
+    router = self.param("router", self.router_init, (d, e), self.param_dtype)
+    w_in = self.param("w_in", self.kernel_init, (e, d, 2 * f if gated else f), self.param_dtype)
+    w_out = self.param("w_out", self.kernel_init, (e, f, d), self.param_dtype)
+    tokens = h.reshape(-1, d).astype(self.dtype)
+    logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32),
+                     precision=jax.lax.Precision.HIGHEST)
+    routing = moe_routing.top_k_routing(logits, self.top_k)
+    self.sow("intermediates", "load_balancing_loss", moe_routing.load_balancing_loss(routing))
+    perm = moe_routing.permute(tokens, routing.experts, e)
+    y = jax.lax.ragged_dot(perm.rows, w_in.astype(self.dtype), perm.group_sizes)
+    y = activations.apply(y, self.activation).astype(self.dtype)
+    y = jax.lax.ragged_dot(y, w_out.astype(self.dtype), perm.group_sizes)
+    return moe_routing.unpermute(y, perm, routing.weights).reshape(h.shape)
+
+
+def _moe(cfg: Config, h):
+  """The block's mixture-of-experts MLP of h [B, T, D] (normalized) -> [B, T, D]: FP8's
+  ``MoeMlp`` or its BF16 twin, the same parameters from one seed."""
+  if cfg.init_std is None:
+    init = {}
+  else:
+    init = dict(kernel_init=nn.initializers.normal(cfg.init_std),
+                router_init=nn.initializers.normal(cfg.init_std))
+  kw = dict(activation=cfg.activation, dtype=COMPUTE, param_dtype=jnp.dtype(cfg.param_dtype),
+            name="moe", **init)
+  if cfg.fp8:
+    return jax_fp8.flax.MoeMlp(cfg.moe_experts, cfg.moe_top_k, cfg.moe_hidden,
+                               recipe=cfg.recipe_object(),
+                               amax_axis_name=_fp8_kw(cfg, None)["amax_axis_name"], **kw)(h)
+  return Bf16MoeMlp(cfg.moe_experts, cfg.moe_top_k, cfg.moe_hidden, **kw)(h)
+
+
 def _mlp(cfg: Config, h, norm: str | None):
   """The block's MLP of h [B, T, D] -> [B, T, D], d_model -> d_ff -> d_model."""
   if cfg.mlp == "fused":
@@ -358,6 +442,9 @@ class Block(nn.Module):
       q, k = rope(q), rope(k)
     a = causal_attention(q, k, v, cfg.attention_implementation).reshape(b, t, d)
     x = x + dense(cfg, d, "attn_out")(a).astype(x.dtype)
+    if cfg.moe:  # the norm a module of its own: MoeMlp fuses none
+      h = NORMS[cfg.norm](dtype=COMPUTE, name="mlp_norm")(x)
+      return x + _moe(cfg, h).astype(x.dtype), None
     h, norm = _norm_input(cfg, x, "mlp_norm")
     return x + _mlp(cfg, h, norm).astype(x.dtype), None
 

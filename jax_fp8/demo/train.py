@@ -7,7 +7,8 @@ Also the demo's presets, optimizer and step keys, which ``benchmarks.demo_step``
 A step carries ``(params, opt_state, collections)``: ``collections`` is every variable
 collection of the model but its parameters (``init_variables``): jax_fp8's scale rings
 (``"fp8_state"``, advanced by ``jax_fp8.update_state``), Flax's FP8 collection (replaced by its
-gradient, as Flax prescribes); ``{}`` for BF16 and the stateless recipes.
+gradient, as Flax prescribes); ``{}`` for BF16 and the stateless recipes. A mixture-of-experts
+model's (``Config.moe_experts``) losses add its load-balancing loss (``moe_loss``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import jax_fp8.flax
 from .model import FLAX_FP8_COLLECTION, Config, Transformer
 
 STATE = jax_fp8.flax.STATE_COLLECTION
+INTERMEDIATES = "intermediates"  # where MoE layers sow their load-balancing loss
 SKIP_STEPS = 2  # steps left out of a loop's timing: compilation, then the first donated step
 
 
@@ -88,6 +90,7 @@ def init_variables(model: Transformer, seed: int):
   """``(params, collections)`` of a fresh ``model``, from ``jax.random.key(seed)``."""
   tokens = jnp.zeros((1, model.cfg.seq_len), jnp.int32)
   variables = dict(jax.jit(model.init)(jax.random.key(seed), tokens))
+  variables.pop(INTERMEDIATES, None)  # what a MoE layer sows: a loss of the step, not a state
   return variables.pop("params"), variables
 
 
@@ -106,21 +109,46 @@ def _rngs(key) -> dict:
   return {} if key is None else {jax_fp8.flax.SR_STREAM: key}
 
 
+def _is_moe(model) -> bool:
+  cfg = getattr(model, "cfg", None)
+  return cfg is not None and cfg.moe
+
+
+def moe_loss(intermediates) -> jax.Array:
+  """The mean of the load-balancing losses that a model's MoE layers sowed in ``intermediates``
+  (one a block; stacked [L] under ``nn.scan``), f32 []."""
+  leaves = [jnp.ravel(v) for v in jax.tree.leaves(intermediates)]
+  return jnp.mean(jnp.concatenate(leaves).astype(jnp.float32))
+
+
+def _apply(model, params, collections, x, key):
+  """``model.apply``'s output; for a MoE model (``cfg.moe``), with the load-balancing loss
+  times ``cfg.moe_aux_weight`` (else 0, no op traced)."""
+  variables, rngs = _variables(params, collections), _rngs(key)
+  if not _is_moe(model):
+    return model.apply(variables, x, rngs=rngs), None
+  out, sown = model.apply(variables, x, rngs=rngs, mutable=[INTERMEDIATES])
+  return out, model.cfg.moe_aux_weight * moe_loss(sown[INTERMEDIATES])
+
+
 def cross_entropy(model, params, collections, batch, key=None):
-  """Mean next-token cross-entropy, f32 []: a loss of ``make_train_step``.
+  """Mean next-token cross-entropy, f32 [] (plus a MoE model's weighted load-balancing loss):
+  a loss of ``make_train_step``.
 
   batch: integer [B, T + 1] tokens (uint8 bytes or int32). key: this step's key for NVFP4's
   stochastic rounding (the layers' "stochastic_rounding" rng stream), or None.
   """
   tokens = batch.astype(jnp.int32)
-  logits = model.apply(_variables(params, collections), tokens[:, :-1], rngs=_rngs(key))
-  return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  logits, aux = _apply(model, params, collections, tokens[:, :-1], key)
+  loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+  return loss if aux is None else loss + aux
 
 
 def mean_square(model, params, collections, x, key=None):
   """mean(block(x)^2) in f32 of a ``Block`` (``benchmarks.block``'s loss). x: [B, T, D]."""
-  y, _ = model.apply(_variables(params, collections), x, rngs=_rngs(key))
-  return jnp.mean(jnp.square(y.astype(jnp.float32)))
+  (y, _), aux = _apply(model, params, collections, x, key)
+  loss = jnp.mean(jnp.square(y.astype(jnp.float32)))
+  return loss if aux is None else loss + aux
 
 
 def next_collections(collections, grads) -> dict:
