@@ -6,7 +6,10 @@
 # script lists them; sanitize runs compute-sanitizer's memcheck, racecheck, initcheck
 # and synccheck over every variant of our kernels; step-profile traces the block train step
 # with the JAX profiler; profile runs Nsight Compute over our kernels). Optional environment:
-# TESTS_K (pytest -k expression, default "not cpu"), BENCH_ONLY (benchmark case groups, see
+# TESTS_K (pytest -k expression, default "not cpu"), TEST_SHARDS (tests: that many pytest
+# processes over disjoint files, default 4), TESTS_TIMEOUT (seconds each, default 1800),
+# CUTLASS_WHEEL (the nvidia-cutlass wheel, installed before the build where the machine has
+# none and no internet to fetch it), BENCH_ONLY (benchmark case groups, see
 # python -m benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes, default "delayed
 # fast_all bf16"), NCU_KERNELS / NCU_SKIP / NCU_COUNT (profile's kernel-name regex, matching
 # launches skipped and profiled), SANITIZE_TOOLS (default all four), SANITIZE_KERNELS
@@ -38,6 +41,9 @@ sampler=$!
 trap 'kill $sampler 2>/dev/null' EXIT
 t0=$(date +%s)
 if [ "${SKIP_BUILD:-0}" != 1 ]; then
+  python3 -c "import importlib.util as u; exit(u.find_spec('cutlass_library') is None)" \
+    || python3 -m pip install -q --no-deps ${CUTLASS_WHEEL:-nvidia-cutlass} > "$OUT/cutlass.log" 2>&1 \
+    || { tail -5 "$OUT/cutlass.log"; exit 1; }
   python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
     || { tail -40 "$OUT/build.log"; exit 1; }
   echo "build $(( $(date +%s) - t0 )) s"
@@ -50,9 +56,19 @@ for s in "${steps[@]}"; do
   t0=$(date +%s)
   case $s in
     # The CPU-parametrized cases run in CI; here the CUDA ones and those on the default device.
-    tests) python3 -m pytest tests -q -x -p no:cacheprovider -k "${TESTS_K:-not cpu}" \
-             > "$OUT/tests.log" 2>&1
-           tail -5 "$OUT/tests.log" ;;
+    # TEST_SHARDS processes share the GPU (no preallocation), the files dealt out by size.
+    tests) python3 scripts/test_shards.py ${TEST_SHARDS:-4} > "$OUT/shards.txt"
+           i=0
+           while read -r files; do
+             XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT ${TESTS_TIMEOUT:-1800} \
+               python3 -m pytest $files -q -p no:cacheprovider -rfE --tb=short \
+               -k "${TESTS_K:-not cpu}" > "$OUT/tests-$i.log" 2>&1 &
+             i=$((i + 1))
+           done < "$OUT/shards.txt"
+           wait
+           for log in "$OUT"/tests-*.log; do
+             echo "$(basename $log): $(tail -1 $log)"; grep -E "^(FAILED|ERROR) " $log | head -20
+           done ;;
     bench) python3 -m benchmarks.run --out "$OUT/bench.json" ${BENCH_ONLY:+--only $BENCH_ONLY} \
              > "$OUT/bench.log" 2>&1
            tail -25 "$OUT/bench.log" ;;
