@@ -225,6 +225,15 @@ def rng(request):
 ACCUMULATION = 2.0**-12
 
 
+def default_devices(n: int) -> list:
+  """The default backend's first ``n`` devices (CPU: eight, forced above), or the test skips
+  where it has fewer (a machine with one GPU)."""
+  devices = jax.devices()
+  if len(devices) < n:
+    pytest.skip(f"needs {n} {devices[0].platform} devices, this machine has {len(devices)}")
+  return devices[:n]
+
+
 def summation_error(n: int, platform: str = "cpu") -> float:
   """Bound on the error of a sum of ``n`` terms computed in f32 in any order, relative to the
   sum of the terms' magnitudes: Higham's gamma_n = n u / (1 - n u), u = 2^-24; on a GPU plus

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from conftest import default_devices
 
 import jax_fp8
 import jax_fp8.convert as jc
@@ -200,7 +201,7 @@ def test_logically_partitioned_linen_lm(rng, monkeypatch):
     np.testing.assert_array_equal(a, b)
   # Logical rules map them onto a mesh as for the original model.
   rules = (("mlp", "model"), ("heads", "model"), ("embed", None), ("vocab", None), ("kv", None))
-  mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+  mesh = jax.make_mesh((2,), ("model",), devices=default_devices(2))
   shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(v), mesh, rules)
   assert shardings["params"]["up_0"]["kernel"].spec == jax.sharding.PartitionSpec(None, "model")
   report = conversion_report(model, inputs)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import roundoff, summation_error
+from conftest import default_devices, roundoff, summation_error
 from flax import nnx
 
 import jax_fp8
@@ -234,7 +234,7 @@ def test_out_sharding(rng):
   """out_sharding (a NamedSharding, or a PartitionSpec under jax.set_mesh) shards each layer's
   output as asked, the values as without it."""
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  mesh = Mesh(np.array(jax.devices()[:2]), ("model",))
+  mesh = Mesh(np.array(default_devices(2)), ("model",))
   x = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)
   rngs = nnx.Rngs(0)
   last = P(None, "model")
