@@ -19,7 +19,8 @@ from ._layer import (SR_STREAM, call_layer, call_mlp, cast_leaf, check_cast_kern
                      check_norm_attr, create_state, kernel_ring, linen_key)
 from .inference import Fp8Weight
 from .cast_kernel import CastKernel
-from .layer_state import GroupedLinearState, LinearState, MlpState, MultiLinearState
+from .layer_state import (MLP_RINGS, GroupedLinearState, GroupedMlpState, LinearState, MlpState,
+                          MultiLinearState)
 from .moe import MoeState, expert_init, local_experts, moe_mlp
 from .recipes import DelayedScaling, Recipe, check_recipe
 from .state import ScaleRing
@@ -40,9 +41,10 @@ def _register(cls, fields):
 _register(ScaleRing, ("amax_history", "scale", "steps"))
 _register(LinearState, ("x", "kernel", "grad"))
 _register(MultiLinearState, ("x", "kernels", "grads"))
-_register(MlpState, tuple(f.name for f in dataclasses.fields(MlpState)))
+_register(MlpState, MLP_RINGS)
 _register(GroupedLinearState, ("x", "kernels", "grad"))
-_register(MoeState, ("w_in", "w_out"))
+_register(GroupedMlpState, MLP_RINGS)
+_register(MoeState, ("experts",))
 
 
 def _kernel(module: nn.Module, name: str, shape):
@@ -258,7 +260,8 @@ class Mlp(nn.Module):
 class MoeMlp(nn.Module):
   """A mixture-of-experts MLP block with FP8 experts (``jax_fp8.moe.moe_mlp``): a router in f32,
   top-k routing, every expert an MLP (``hidden_features`` wide, gated by default) run as
-  grouped FP8 GEMMs forward and backward, and an optional shared expert that every token
+  grouped FP8 GEMMs forward and backward with the activation inside their cast-transposes
+  (``grouped_mlp``), and an optional shared expert that every token
   passes through (a ``jax_fp8.flax.Mlp``, DeepSeek-V3's shared expert).
 
   Parameters: "router" [D, E]; "w_in" [E, D, F] (F = 2 * hidden_features for a gated

@@ -7,20 +7,17 @@ in the compute dtype."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
 from . import checks, sharding
 from .families import grouped_family
 from .families._shared import group_bias
-from .layer_checks import (amax_axes, check_dims, check_rings, check_stateless, compute_dtype,
-                           float_array, fp8_pays)
+from .layer_checks import (amax_axes, check_dims, check_grouped_recipe, check_stateless,
+                           compute_dtype, fp8_pays, grouped_bias, grouped_operands, state_rings)
 from .layer_state import GroupedLinearState
-from .ops.grouped_gemm import MAX_GROUPS, group_bounds
-from .recipes import RECIPES, Recipe, check_recipe
-from .state import ScaleRing
+from .ops.grouped_gemm import group_bounds
+from .recipes import Recipe
 
 
 def grouped_linear(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array,
@@ -90,28 +87,10 @@ def grouped_linear(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array,
   TransformerEngine), per-expert weight scales as TransformerEngine's grouped linear keeps
   them; the grouped GEMMs are ``jax.lax.ragged_dot``'s contractions (``grouped_gemm``).
   """
-  x = float_array(x, "x")
-  if x.ndim != 2:
-    raise ValueError(f"x must be [M, K] (the rows grouped consecutively by expert), got shape "
-                     f"{list(x.shape)}")
-  kernels = float_array(kernels, "kernels")
-  if kernels.ndim != 3 or kernels.shape[1] != x.shape[1]:
-    raise ValueError(f"kernels must be [G, K, N] with x's K={x.shape[1]}, got shape "
-                     f"{list(kernels.shape)}")
+  x, kernels, group_sizes = grouped_operands(x, kernels, group_sizes)
   (m, k), (groups, _, n) = x.shape, kernels.shape
-  group_sizes = checks.array(group_sizes, "group_sizes")
-  if group_sizes.dtype != jnp.int32 or group_sizes.ndim != 1:
-    raise TypeError(f"group_sizes must be int32 [G], got {checks.describe(group_sizes)}")
-  if group_sizes.shape[0] != groups:
-    raise ValueError(f"group_sizes [G] and kernels [G, K, N] must share G, got group_sizes "
-                     f"[{group_sizes.shape[0]}] and kernels {list(kernels.shape)}")
-  if not 1 <= groups <= MAX_GROUPS:
-    raise ValueError(f"kernels must hold 1 to {MAX_GROUPS} experts, got G={groups}")
-  if bias is not None:
-    bias = float_array(bias, "bias")
-    if bias.shape != (groups, n):
-      raise ValueError(f"bias must be [G, N] = [{groups}, {n}], got {list(bias.shape)}")
-  check_grouped_recipe(recipe)
+  bias = grouped_bias(bias, "bias", groups, n, "N")
+  check_grouped_recipe(recipe, "grouped_linear")
   aligned = checks.boolean(aligned, "aligned")
   out_dtype = compute_dtype(x, dtype)
   fp8 = fp8_pays(recipe, m, n, k, groups)
@@ -119,13 +98,13 @@ def grouped_linear(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array,
     check_dims(recipe, {"K": k, "N": n})
   rings = None
   if recipe.stateful:
-    rings = _state_rings(recipe, state, groups)
+    rings = state_rings(state, GroupedLinearState, recipe, groups)
   else:
     check_stateless(recipe, state, amax_axis_name)
   amax_axis_name = amax_axes(x, kernels, bias, state, amax_axis_name)
   x = x.astype(out_dtype)
   if not fp8:
-    return _grouped_linear_in_dtype(x, kernels, bias, group_sizes)
+    return ragged_in_dtype(x, kernels, bias, group_sizes)
   x, kernels, bias, group_sizes = sharding.vary_like((x, kernels, bias, group_sizes), x,
                                                      kernels, bias, group_sizes)
   dtypes = (x.dtype, out_dtype, kernels.dtype, None if bias is None else bias.dtype)
@@ -133,43 +112,10 @@ def grouped_linear(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array,
                                                amax_axis_name, dtypes, aligned)
 
 
-def check_grouped_recipe(recipe) -> None:
-  """TypeError unless ``recipe`` is a recipe that ``grouped_linear`` serves, naming those."""
-  check_recipe(recipe)
-  if not recipe.grouped:
-    takes = " or ".join(c.article() for c in RECIPES if c.grouped)
-    raise TypeError(f"grouped_linear takes {takes} (per-tensor scales, one per expert for the "
-                    f"kernels), got {type(recipe).__name__}: no block-scaled grouped FP8 GEMM "
-                    f"exists yet")
-
-
-def _state_rings(recipe: Recipe, state, groups: int):
-  """The rings of ``state`` (x, kernels stacked [G], grad), checked against the recipe and G:
-  TypeError / ValueError naming what is wrong."""
-  if not isinstance(state, GroupedLinearState):
-    raise TypeError(f"state must be a jax_fp8.GroupedLinearState (GroupedLinearState.create("
-                    f"{groups}, recipe)), got {type(state).__name__}")
-  (name_x, rx), (name_k, rk), (name_g, rg) = state.named_rings()
-  if not isinstance(rk, ScaleRing):
-    raise TypeError(f"{name_k} must be a jax_fp8.ScaleRing stacked over the experts, got "
-                    f"{type(rk).__name__}")
-  shapes = tuple(jnp.shape(v) for v in (rk.amax_history, rk.scale, rk.steps))
-  if (len(shapes[0]) != 2 or shapes[0][0] != groups or shapes[1] != (groups,)
-      or shapes[2] != (groups,)):
-    raise ValueError(f"{name_k} must hold one ring per expert, stacked: amax_history [G, L], "
-                     f"scale [G] and steps [G] with G={groups} (GroupedLinearState.create("
-                     f"{groups}, recipe)), got amax_history {list(shapes[0])}, scale "
-                     f"{list(shapes[1])}, steps {list(shapes[2])}")
-  first = dataclasses.replace(rk, amax_history=rk.amax_history[0], scale=rk.scale[0],
-                              steps=rk.steps[0])
-  check_rings(((name_x, rx), (f"{name_k}[0]", first), (name_g, rg)),
-              (recipe.fwd_fmt, recipe.fwd_fmt, recipe.bwd_fmt), recipe)
-  return rx, rk, rg
-
-
-def _grouped_linear_in_dtype(x, kernels, bias, group_sizes):
-  """The grouped linear where FP8 cannot pay: XLA's ``ragged_dot`` in x's dtype, no ring
-  touched; the groups clipped as ``grouped_gemm`` clips them."""
+def ragged_in_dtype(x, kernels, bias, group_sizes):
+  """The grouped linear where FP8 cannot pay: XLA's ``ragged_dot`` of x [M, K] and kernels
+  [G, K, N] in x's dtype, each row's group's bias [G, N] (or None) added in f32, no ring
+  touched; the groups clipped as ``grouped_gemm`` clips them. [M, N] in x's dtype."""
   start, end = group_bounds(group_sizes, x.shape[0])
   y = jax.lax.ragged_dot(x, kernels.astype(x.dtype), end - start)
   if bias is None:

@@ -1,19 +1,24 @@
-"""The argument checks that ``linear``, ``multi_linear`` and ``mlp`` share, each written once:
-float arrays, the fused norm, the compute dtype, ``split``, the PRNG key, the state against the
-recipe, the amax axes, and whether the FP8 path pays at a shape. Every check raises TypeError /
-ValueError at trace time naming the argument, the rule and the value seen."""
+"""The argument checks that ``linear``, ``multi_linear``, ``mlp``, ``grouped_linear`` and
+``grouped_mlp`` share, each written once: float arrays, the fused norm, the compute dtype,
+``split``, the PRNG key, an MLP's kernel shapes, a grouped layer's operands and recipe, the
+state against the recipe, the amax axes, and whether the FP8 path pays at a shape. Every check
+raises TypeError / ValueError at trace time naming the argument, the rule and the value seen."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from . import checks, norms, sharding
+from . import activations, checks, norms, sharding
 from .formats import FLOAT_DTYPES
 from .ops._ring import check_ring
+from .ops.grouped_gemm import MAX_GROUPS
 from .ops.sources import COL_MULTIPLE, MAX_PARTS
 from .philox import key_words
-from .recipes import Recipe, check_recipe
+from .recipes import RECIPES, Recipe, check_recipe
+from .state import ScaleRing
 
 
 def float_array(v, name: str) -> jax.Array:
@@ -71,6 +76,70 @@ def check_split(split, n: int) -> tuple[int, ...] | None:
   return split
 
 
+def mlp_dims(activation: str, x, kernel_in, kernel_out) -> tuple[int, int, int, int]:
+  """(K, N, F, D) of an MLP's kernel_in [..., K, N] and kernel_out [..., F, D] (a grouped
+  MLP's with the experts' axis G in front), checked against x [..., K] and the activation: N =
+  2F for a gated one (gate and up side by side), else N = F; ValueError naming the shapes
+  otherwise (and the activation's error for an unknown one)."""
+  _, gated = activations.check(activation)
+  k, n = kernel_in.shape[-2:]
+  f, d = kernel_out.shape[-2:]
+  if x.shape[-1] != k or n != (2 * f if gated else f):
+    lead = "G, " * (kernel_in.ndim - 2)
+    raise ValueError(f"x [..., K], kernel_in [{lead}K, N] and kernel_out [{lead}F, D] need x's "
+                     f"K = kernel_in's K and N = "
+                     f"{'2F (gate and up side by side)' if gated else 'F'} under "
+                     f"{activation!r}, got x {x.shape}, kernel_in {kernel_in.shape}, "
+                     f"kernel_out {kernel_out.shape}")
+  return k, n, f, d
+
+
+def grouped_operands(x, kernels, group_sizes, name: str = "kernels"):
+  """A grouped layer's (x [M, K], kernels [G, K, N], group_sizes int32 [G]) as arrays, checked:
+  x and the kernels (the argument ``name``) float arrays of those ranks sharing K, group_sizes
+  int32 [G] of the kernels' G, 1 <= G <= ``MAX_GROUPS``; TypeError / ValueError naming the
+  argument otherwise."""
+  x = float_array(x, "x")
+  if x.ndim != 2:
+    raise ValueError(f"x must be [M, K] (the rows grouped consecutively by expert), got shape "
+                     f"{list(x.shape)}")
+  kernels = float_array(kernels, name)
+  if kernels.ndim != 3 or kernels.shape[1] != x.shape[1]:
+    raise ValueError(f"{name} must be [G, K, N] with x's K={x.shape[1]}, got shape "
+                     f"{list(kernels.shape)}")
+  groups = kernels.shape[0]
+  group_sizes = checks.array(group_sizes, "group_sizes")
+  if group_sizes.dtype != jnp.int32 or group_sizes.ndim != 1:
+    raise TypeError(f"group_sizes must be int32 [G], got {checks.describe(group_sizes)}")
+  if group_sizes.shape[0] != groups:
+    raise ValueError(f"group_sizes [G] and {name} [G, K, N] must share G, got group_sizes "
+                     f"[{group_sizes.shape[0]}] and {name} {list(kernels.shape)}")
+  if not 1 <= groups <= MAX_GROUPS:
+    raise ValueError(f"{name} must hold 1 to {MAX_GROUPS} experts, got G={groups}")
+  return x, kernels, group_sizes
+
+
+def grouped_bias(bias, name: str, groups: int, width: int, dim: str):
+  """None, or ``bias`` (the argument ``name``) as a float array [G, width], one bias per
+  expert (``dim``: width's letter in the message); TypeError / ValueError otherwise."""
+  if bias is None:
+    return None
+  bias = float_array(bias, name)
+  if bias.shape != (groups, width):
+    raise ValueError(f"{name} must be [G, {dim}] = [{groups}, {width}], got {list(bias.shape)}")
+  return bias
+
+
+def check_grouped_recipe(recipe, op: str) -> None:
+  """TypeError unless ``recipe`` is a recipe that the grouped layers serve (``Recipe.grouped``),
+  naming those (``op``: the function called, for the message)."""
+  check_recipe(recipe)
+  if not recipe.grouped:
+    takes = " or ".join(c.article() for c in RECIPES if c.grouped)
+    raise TypeError(f"{op} takes {takes} (per-tensor scales, one per expert for the kernels), "
+                    f"got {type(recipe).__name__}: no block-scaled grouped FP8 GEMM exists yet")
+
+
 def check_key(recipe: Recipe, key):
   """The key words (uint32 [2]) that ``recipe``'s stochastic rounding draws from, or None;
   ValueError for a key the recipe does not use or that is not a JAX PRNG key."""
@@ -95,6 +164,42 @@ def check_rings(named, fmts, recipe) -> None:
     raise ValueError(f"rings (fmt, history_len, margin, algo) for "
                      f"({', '.join(name for name, _ in named)}) = {have} do not match the "
                      f"recipe's {want}")
+
+
+def state_rings(state, cls, recipe: Recipe, groups: int | None = None) -> tuple:
+  """The rings of a layer's ``state`` in its ``named_rings`` order, checked: ``state`` a
+  ``cls`` (``MlpState``, ``GroupedLinearState``, ``GroupedMlpState``), every ring a ScaleRing
+  of the recipe's history length, margin and algo, the gradients' (named "state.grad...") of
+  its backward format and the others of its forward format. With ``groups`` (a grouped layer's
+  G) the kernels' rings ("state.kernel...") hold one ring per expert, stacked: amax_history
+  [G, L], scale [G], steps [G]. TypeError / ValueError naming what is wrong."""
+  create = f"{cls.__name__}.create({'' if groups is None else f'{groups}, '}recipe)"
+  if not isinstance(state, cls):
+    raise TypeError(f"state must be a jax_fp8.{cls.__name__} ({create}), got "
+                    f"{type(state).__name__}")
+  named = state.named_rings()
+  checked = tuple((f"{name}[0]", _first_of_stack(name, ring, groups, create))
+                  if groups is not None and name.startswith("state.kernel") else (name, ring)
+                  for name, ring in named)
+  check_rings(checked, tuple(recipe.bwd_fmt if name.startswith("state.grad") else
+                             recipe.fwd_fmt for name, _ in named), recipe)
+  return tuple(r for _, r in named)
+
+
+def _first_of_stack(name: str, ring, groups: int, create: str) -> ScaleRing:
+  """Expert 0's ring of ``ring``, one ring per expert stacked over ``groups``; TypeError /
+  ValueError naming ``name`` where it is no ScaleRing or not stacked so."""
+  if not isinstance(ring, ScaleRing):
+    raise TypeError(f"{name} must be a jax_fp8.ScaleRing stacked over the experts, got "
+                    f"{type(ring).__name__}")
+  shapes = tuple(jnp.shape(v) for v in (ring.amax_history, ring.scale, ring.steps))
+  if (len(shapes[0]) != 2 or shapes[0][0] != groups or shapes[1] != (groups,)
+      or shapes[2] != (groups,)):
+    raise ValueError(f"{name} must hold one ring per expert, stacked: amax_history [G, L], "
+                     f"scale [G] and steps [G] with G={groups} ({create}), got amax_history "
+                     f"{list(shapes[0])}, scale {list(shapes[1])}, steps {list(shapes[2])}")
+  return dataclasses.replace(ring, amax_history=ring.amax_history[0], scale=ring.scale[0],
+                             steps=ring.steps[0])
 
 
 def check_stateless(recipe: Recipe, state, amax_axis_name) -> None:

@@ -1,7 +1,7 @@
 """The scale rings of a layer under a stateful recipe (``DelayedScaling``): ``LinearState``
-(``linear``), ``MultiLinearState`` (``multi_linear``), ``MlpState`` (``mlp``) and
-``GroupedLinearState`` (``grouped_linear``), pytrees to differentiate with respect to and to
-advance with ``jax_fp8.update_state``."""
+(``linear``), ``MultiLinearState`` (``multi_linear``), ``MlpState`` (``mlp``),
+``GroupedLinearState`` (``grouped_linear``) and ``GroupedMlpState`` (``grouped_mlp``), pytrees
+to differentiate with respect to and to advance with ``jax_fp8.update_state``."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ import dataclasses
 import functools
 
 import jax
-import jax.numpy as jnp
 
 from . import checks
 from .recipes import DelayedScaling, Recipe
-from .state import ScaleRing
+from .state import ScaleRing, stacked
 
 
 def _check_stateful(recipe: Recipe, cls) -> None:
@@ -84,12 +83,11 @@ class MultiLinearState:
 MLP_RINGS = ("x", "kernel_in", "grad_in", "hidden", "kernel_out", "grad_out")
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=list(MLP_RINGS),
-                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
-class MlpState:
-  """The scale rings of ``mlp``: its input x, kernel_in, the up projection's output gradient
-  (grad_in), the activation (hidden), kernel_out, and the output gradient (grad_out)."""
+class _MlpRings:
+  """The six rings of an MLP, in ``MLP_RINGS``' order: its input x, kernel_in, the up
+  projection's output gradient (grad_in), the activation (hidden), kernel_out, and the output
+  gradient (grad_out)."""
 
   x: ScaleRing
   kernel_in: ScaleRing
@@ -97,6 +95,19 @@ class MlpState:
   hidden: ScaleRing
   kernel_out: ScaleRing
   grad_out: ScaleRing
+
+  def named_rings(self):
+    """(name, ring) pairs in ``MLP_RINGS``' order."""
+    return tuple((f"state.{name}", getattr(self, name)) for name in MLP_RINGS)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=list(MLP_RINGS),
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class MlpState(_MlpRings):
+  """The scale rings of ``mlp``: its input x, kernel_in, the up projection's output gradient
+  (grad_in), the activation (hidden), kernel_out, and the output gradient (grad_out), one
+  ScaleRing each."""
 
   @classmethod
   def create(cls, recipe: DelayedScaling = DelayedScaling()) -> "MlpState":
@@ -106,10 +117,6 @@ class MlpState:
     _check_stateful(recipe, cls)
     fwd, bwd = recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.bwd_fmt)
     return cls(fwd, fwd, bwd, fwd, fwd, bwd)
-
-  def named_rings(self):
-    """(name, ring) pairs in ``MLP_RINGS``' order."""
-    return tuple((f"state.{name}", getattr(self, name)) for name in MLP_RINGS)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "kernels", "grad"],
@@ -140,10 +147,38 @@ class GroupedLinearState:
     stateless recipe."""
     groups = checks.integer(groups, "groups", lo=1)
     _check_stateful(recipe, cls)
-    kernel = recipe.ring(recipe.fwd_fmt)
-    stacked = jax.tree.map(lambda v: jnp.broadcast_to(v, (groups,) + v.shape), kernel)
-    return cls(recipe.ring(recipe.fwd_fmt), stacked, recipe.ring(recipe.bwd_fmt))
+    return cls(recipe.ring(recipe.fwd_fmt), stacked(recipe.ring(recipe.fwd_fmt), groups),
+               recipe.ring(recipe.bwd_fmt))
 
   def named_rings(self):
     """(x's, the kernels' (stacked), the gradient's) (name, ring) pairs."""
     return ("state.x", self.x), ("state.kernels", self.kernels), ("state.grad", self.grad)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=list(MLP_RINGS),
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class GroupedMlpState(_MlpRings):
+  """The scale rings of ``grouped_mlp``, ``MlpState``'s six with each kernel's ring one per
+  expert: x, kernel_in, the up projection's output gradient (grad_in), the activation
+  (hidden), kernel_out and the output gradient (grad_out).
+
+  Attributes:
+    x, grad_in, hidden, grad_out: one ScaleRing each (the grouped GEMMs take one scale for
+      those operands): the recipe's forward format for x and hidden, its backward format for
+      the gradients.
+    kernel_in, kernel_out: one ScaleRing each whose leaves are stacked over the G experts
+      (amax_history f32 [G, L], scale f32 [G], steps f32 [G]), as ``GroupedLinearState``'s
+      kernels: expert g's kernel is quantized with ring g's scale and ring g observes it.
+  """
+
+  @classmethod
+  def create(cls, groups: int,
+             recipe: DelayedScaling = DelayedScaling()) -> "GroupedMlpState":
+    """Fresh rings (formats as in ``MlpState.create``), the kernels' for ``groups`` experts,
+    stacked. Raises TypeError / ValueError for groups not an int >= 1 or a stateless
+    recipe."""
+    groups = checks.integer(groups, "groups", lo=1)
+    _check_stateful(recipe, cls)
+    fwd, bwd = recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.bwd_fmt)
+    return cls(fwd, stacked(fwd, groups), bwd, fwd, stacked(fwd, groups), bwd)

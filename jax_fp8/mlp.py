@@ -21,8 +21,9 @@ from .cast_kernel import CastKernel, check_cast
 from .families import family
 from .families.nvfp4 import fold_key
 from .inference import Fp8Weight
-from .layer_checks import (amax_axes, check_dims, check_key, check_norm, check_rings,
-                           check_stateless, compute_dtype, float_array, fp8_pays, gemm_input)
+from .layer_checks import (amax_axes, check_dims, check_key, check_norm, check_stateless,
+                           compute_dtype, float_array, fp8_pays, gemm_input, mlp_dims,
+                           state_rings)
 from .layer_state import MlpState
 from .linear import linear
 from .recipes import DelayedScaling, Recipe, check_recipe
@@ -78,7 +79,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   TransformerEngine); gated activations after Shazeer 2020 (arXiv 2002.05202).
   """
   x = float_array(x, "x")
-  _, gated = activations.check(activation)
+  activations.check(activation)
   norm_params, norm = check_norm(x, (norm, gamma, beta, epsilon))
   out_dtype = compute_dtype(x, dtype)
   check_recipe(recipe)
@@ -99,13 +100,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   if x.ndim < 1 or kernel_in.ndim != 2 or kernel_out.ndim != 2:
     raise ValueError(f"x must be [..., K], kernel_in [K, N] and kernel_out [F, D], got x "
                      f"{x.shape}, kernel_in {kernel_in.shape}, kernel_out {kernel_out.shape}")
-  k, n = kernel_in.shape
-  f, d = kernel_out.shape
-  if x.shape[-1] != k or n != (2 * f if gated else f):
-    raise ValueError(f"x [..., K], kernel_in [K, N] and kernel_out [F, D] need x's K = "
-                     f"kernel_in's K and N = {'2F (gate and up side by side)' if gated else 'F'}"
-                     f" under {activation!r}, got x {x.shape}, kernel_in {kernel_in.shape}, "
-                     f"kernel_out {kernel_out.shape}")
+  k, n, f, d = mlp_dims(activation, x, kernel_in, kernel_out)
   for name, b, size in (("bias_in", bias_in, n), ("bias_out", bias_out, d)):
     if b is not None and b.shape != (size,):
       raise ValueError(f"{name} must be [{size}], got {list(b.shape)}")
@@ -114,12 +109,7 @@ def mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   fp8 = fp8_pays(recipe, m, n, k) and fp8_pays(recipe, m, d, f)
   rings = None
   if recipe.stateful:
-    if not isinstance(state, MlpState):
-      raise TypeError(f"state must be a jax_fp8.MlpState, got {type(state).__name__}")
-    named = state.named_rings()
-    check_rings(named, tuple(recipe.bwd_fmt if name.startswith("state.grad") else
-                             recipe.fwd_fmt for name, _ in named), recipe)
-    rings = tuple(r for _, r in named)
+    rings = state_rings(state, MlpState, recipe)
   else:
     check_stateless(recipe, state, amax_axis_name)
   if fp8:

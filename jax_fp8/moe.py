@@ -1,7 +1,8 @@
 """``moe_mlp``: a mixture-of-experts MLP with FP8 experts — a router in f32, top-k routing, the
-tokens permuted into one aligned block per expert, the experts' two linears as grouped FP8
-GEMMs (``grouped_linear``, forward and backward), and the results combined with the routing
-weights; optionally the experts split over a mesh axis (``moe_parallel``).
+tokens permuted into one aligned block per expert, the experts' MLPs as grouped FP8 GEMMs with
+the activation fused into their cast-transposes (``grouped_mlp``, forward and backward), and
+the results combined with the routing weights; optionally the experts split over a mesh axis
+(``moe_parallel``).
 
 Sources: the sparsely-gated MoE layer (Shazeer et al. 2017), Switch Transformer's
 load-balancing loss (Fedus et al. 2021), gated expert MLPs (Mixtral, Jiang et al. 2024;
@@ -17,30 +18,29 @@ import jax
 import jax.numpy as jnp
 
 from . import activations, checks
-from .grouped_linear import check_grouped_recipe, grouped_linear
-from .layer_checks import float_array
-from .layer_state import GroupedLinearState
+from .grouped_mlp import grouped_mlp
+from .layer_checks import check_grouped_recipe, float_array
+from .layer_state import GroupedMlpState
 from .moe_parallel import expert_parallel
 from .moe_routing import load_balancing_loss, permute, top_k_routing, unpermute
 from .ops.grouped_gemm import ROW_ALIGN
 from .recipes import Recipe
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["w_in", "w_out"],
-                   meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["experts"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class MoeState:
-  """The scale rings of ``moe_mlp`` under ``DelayedScaling``: one ``GroupedLinearState`` per
-  expert linear (each with one ring per expert kernel)."""
+  """The scale rings of ``moe_mlp`` under ``DelayedScaling``: ``experts``, the experts'
+  ``GroupedMlpState`` (one ring each for their input, activation and two gradients, one ring
+  per expert for each kernel)."""
 
-  w_in: GroupedLinearState
-  w_out: GroupedLinearState
+  experts: GroupedMlpState
 
   @classmethod
   def create(cls, num_experts: int, recipe: Recipe) -> "MoeState":
-    """Fresh rings for ``num_experts`` experts (``GroupedLinearState.create``)."""
-    return cls(GroupedLinearState.create(num_experts, recipe),
-               GroupedLinearState.create(num_experts, recipe))
+    """Fresh rings for ``num_experts`` experts (``GroupedMlpState.create``). Raises TypeError /
+    ValueError for num_experts not an int >= 1 or a stateless recipe."""
+    return cls(GroupedMlpState.create(num_experts, recipe))
 
 
 def local_experts(num_experts: int, expert_axis: str | None, owner: str) -> int:
@@ -81,8 +81,9 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
 
   The router (``x @ router_kernel`` and its softmax) runs in f32. Dropless: every token reaches
   its experts whatever the imbalance (the grouped GEMMs read the group sizes on the device);
-  each expert's block of tokens is padded to a multiple of ``align`` rows, so the grouped
-  linears run with ``aligned=True``.
+  each expert's block of tokens is padded to a multiple of ``align`` rows, so the grouped MLP
+  (``grouped_mlp``: the activation and its gradient inside its FP8 cast-transposes) runs with
+  ``aligned=True``.
 
   Args:
     x: [..., D] tokens, float32 / bfloat16 / float16 (the compute dtype).
@@ -91,15 +92,15 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
       else H.
     w_out: [E, H, D] the experts' second kernels.
     top_k: experts per token, 1 <= top_k <= E.
-    recipe: ``DelayedScaling`` or ``CurrentScaling`` (the recipes ``grouped_linear`` takes).
+    recipe: ``DelayedScaling`` or ``CurrentScaling`` (the recipes ``grouped_mlp`` takes).
     state: under ``DelayedScaling`` a ``MoeState`` (``MoeState.create(E, recipe)``, or its
       slice of this device's experts under ``expert_axis``); differentiate with respect to it
       and pass the gradient to ``jax_fp8.update_state``. Under ``CurrentScaling``: None.
     activation: "swiglu" (default), "geglu", "silu" or "gelu" (``jax_fp8.activations``),
-      applied in f32 between the two grouped linears.
+      computed in f32 inside the grouped MLP's cast-transposes.
     normalize_weights: a bool; the k routing weights rescaled to sum to 1 (Mixtral) or the raw
       softmax probabilities.
-    amax_axis_name: as in ``grouped_linear`` (data-parallel devices that share the scales, each
+    amax_axis_name: as in ``grouped_mlp`` (data-parallel devices that share the scales, each
       holding every expert); with ``expert_axis``, further axes to share x's and the
       gradient's amax over (never the expert axis: each device's experts keep their own
       scales, and its tokens theirs).
@@ -118,8 +119,8 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
   Raises:
     TypeError / ValueError at trace time: shapes and dtypes that do not fit together, top_k out
     of range, an unknown activation, w_in's F not 2 H for a gated activation, a recipe
-    ``grouped_linear`` does not take, a DelayedScaling state missing or with expert_axis, and
-    what ``grouped_linear`` raises.
+    ``grouped_mlp`` does not take, a DelayedScaling state missing or with expert_axis, and
+    what ``grouped_mlp`` raises.
   """
   x = float_array(x, "x")
   router_kernel = float_array(router_kernel, "router_kernel")
@@ -140,7 +141,7 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
   if w_out.shape != (local, hidden, d):
     raise ValueError(f"w_out must be [E, H, D] = [{local}, {hidden}, {d}] (w_in's experts, H "
                      f"from w_in's F, x's D), got {list(w_out.shape)}")
-  check_grouped_recipe(recipe)
+  check_grouped_recipe(recipe, "moe_mlp")
   m = recipe.dim_multiple
   if d % m or hidden % m:
     raise ValueError(f"{type(recipe).__name__}'s FP8 GEMMs need the model dimension D and the "
@@ -171,11 +172,9 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
   routing = top_k_routing(logits, top_k, normalize=normalize_weights)
 
   def experts(rows, group_sizes):
-    h = grouped_linear(rows, w_in, group_sizes, recipe=recipe, amax_axis_name=axis,
-                       state=state.w_in if state is not None else None, aligned=True)
-    a = activations.apply(h, activation).astype(rows.dtype)
-    return grouped_linear(a, w_out, group_sizes, recipe=recipe, amax_axis_name=axis,
-                          state=state.w_out if state is not None else None, aligned=True)
+    return grouped_mlp(rows, w_in, w_out, group_sizes, activation=activation, recipe=recipe,
+                       state=None if state is None else state.experts, aligned=True,
+                       amax_axis_name=axis)
 
   if expert_axis is None:
     perm = permute(tokens, routing.experts, num_experts, align=align)

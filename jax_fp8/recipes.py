@@ -77,8 +77,9 @@ class Recipe:
     casts_kernel: whether ``cast_kernel`` and ``Fp8Weight`` (inference) serve it.
     fuses: whether the input norm and the MLP's activation run inside its quantizers (else the
       layers compose XLA's norm and activation with its linears).
-    grouped: whether ``grouped_linear`` serves it (its family has the grouped rules: the
-      grouped FP8 GEMMs take one scale per operand or per expert, so only per-tensor scaling).
+    grouped: whether ``grouped_linear`` and ``grouped_mlp`` serve it (its family has the
+      grouped rules: the grouped FP8 GEMMs take one scale per operand or per expert, so only
+      per-tensor scaling).
   """
 
   family: str

@@ -166,6 +166,12 @@ def next_ring(ring: ScaleRing, amax: jax.Array) -> ScaleRing:
   return advance(ring, observe(ring, amax))
 
 
+def stacked(ring: ScaleRing, n: int) -> ScaleRing:
+  """``n`` copies of ``ring`` stacked on a leading axis (amax_history [n, L], scale [n], steps
+  [n]): one ring per expert kernel of a grouped layer, each observing its own kernel."""
+  return jax.tree.map(lambda v: jnp.broadcast_to(v, (n,) + jnp.shape(v)), ring)
+
+
 def _is_ring(x) -> bool:
   return isinstance(x, ScaleRing)
 

@@ -44,14 +44,17 @@ MUTATIONS = [
      "  saved = (Quantized(data_t=qx.data, scale=qx.scale), tuple(rowwise(ck.tensor) for ck in "
      "cks),"),
     ("grouped dgrad x1.05", "jax_fp8/families/per_tensor_grouped.py",
-     "                    out_dtype=gemm_out(x_dtype)).astype(x_dtype)  # dgrad [M, K]",
-     "                    out_dtype=gemm_out(x_dtype)).astype(x_dtype) * 1.05  # dgrad [M, K]"),
+     "                      out_dtype=gemm_out(dtype)).astype(dtype)  # dgrad [M, K]",
+     "                      out_dtype=gemm_out(dtype)).astype(dtype) * 1.05  # dgrad [M, K]"),
     ("grouped wgrad x1.05", "jax_fp8/families/per_tensor_grouped.py",
-     "                          out_dtype=gemm_out(k_dtype)).astype(k_dtype)  # wgrad [G, K, N]",
-     "                          out_dtype=gemm_out(k_dtype)).astype(k_dtype) * 1.05  # wgrad"),
+     "                            out_dtype=gemm_out(dtype)).astype(dtype)  # wgrad [G, K, N]",
+     "                            out_dtype=gemm_out(dtype)).astype(dtype) * 1.05  # wgrad"),
     ("grouped wgrad groups left unaligned", "jax_fp8/families/per_tensor_grouped.py",
-     "  if not s.aligned and rows and group_sizes.shape[0] > 1:",
+     "  if not aligned and rows and group_sizes.shape[0] > 1:",
      "  if False:"),
+    ("grouped MLP dgrad through the activation x1.05", "jax_fp8/families/per_tensor_grouped.py",
+     "  dx = _dgrad(cdy.tensor, saved.k_in, group_sizes, x_dtype)  # [M, K]",
+     "  dx = _dgrad(cdy.tensor, saved.k_in, group_sizes, x_dtype) * 1.05  # [M, K]"),
     ("block dgrad x1.05", "jax_fp8/families/block.py",
      "               out_dtype=gemm_dtype(x_dtype))  # dgrad: 1x128 . 128x128",
      "               out_dtype=gemm_dtype(x_dtype)) * 1.05  # dgrad: 1x128 . 128x128"),
@@ -66,7 +69,7 @@ MUTATIONS = [
 
 DEFAULT_TESTS = ["tests/test_backward_twins.py", "tests/test_state.py",
                  "tests/test_mxfp8_block_scaling.py", "tests/test_nvfp4_block_scaling.py",
-                 "tests/test_grouped_linear.py"]
+                 "tests/test_grouped_linear.py", "tests/test_grouped_mlp.py"]
 
 # Run pytest in the copy with the copy's jax_fp8, not the editable install's: scikit-build-core's
 # editable install puts a redirecting finder on sys.meta_path ahead of sys.path.

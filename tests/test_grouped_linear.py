@@ -400,8 +400,10 @@ def test_bad_inputs(case):
     jax.eval_shape(lambda: jax_fp8.grouped_linear(*args, **kwargs))
 
 
-def test_state_create_errors():
+@pytest.mark.parametrize("cls", [jax_fp8.GroupedLinearState, jax_fp8.GroupedMlpState],
+                         ids=lambda c: c.__name__)
+def test_state_create_errors(cls):
   with pytest.raises(TypeError, match="groups must be a Python int"):
-    jax_fp8.GroupedLinearState.create(4.0)
-  with pytest.raises(TypeError, match="GroupedLinearState.create takes a DelayedScaling"):
-    jax_fp8.GroupedLinearState.create(4, jax_fp8.CurrentScaling())
+    cls.create(4.0)
+  with pytest.raises(TypeError, match=f"{cls.__name__}.create takes a DelayedScaling"):
+    cls.create(4, jax_fp8.CurrentScaling())

@@ -7,9 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import normwise, on_cpu, roundoff
+from conftest import on_cpu
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
+from test_grouped_mlp import BWD_TOL, FWD_TOL  # the experts' grouped MLP's bounds
 
 import jax_fp8
 import jax_fp8.flax as jfl
@@ -17,11 +18,6 @@ import jax_fp8.nnx as jnx
 from jax_fp8 import activations, moe_routing as mr
 from jax_fp8.moe import MoeState, moe_mlp
 
-E4M3, E5M2 = roundoff("e4m3"), roundoff("e5m2")
-# y: x and w_in rounded (gate and up each), the activation's product, a and w_out rounded.
-FWD_TOL = normwise(*[E4M3] * 6)
-# gradients: the e5m2 output gradient and the activation gradient's, beside the e4m3 operands.
-BWD_TOL = normwise(E5M2, E5M2, E4M3, E4M3, E4M3, E4M3)
 T, D, H, E, K = 40, 32, 48, 4, 2
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling()}
 
@@ -86,10 +82,10 @@ def test_delayed_state_moves_over_steps(rng):
     return jax_fp8.update_state(state, jax.grad(f)(state))
   s1 = step(state)
   s2 = step(s1)
-  assert np.all(np.asarray(s2.w_in.kernels.steps) == 2)
-  assert np.all(np.asarray(s2.w_out.x.steps) == 2)
+  assert np.all(np.asarray(s2.experts.kernel_in.steps) == 2)
+  assert np.all(np.asarray(s2.experts.hidden.steps) == 2)
   # each expert kernel's ring observed its own kernel's amax
-  np.testing.assert_allclose(np.asarray(s2.w_in.kernels.amax_history)[:, 0],
+  np.testing.assert_allclose(np.asarray(s2.experts.kernel_in.amax_history)[:, 0],
                              np.abs(np.asarray(w_in)).max(axis=(1, 2)), rtol=1e-6)
 
 
@@ -112,7 +108,7 @@ def test_linen_layer(rng):
   grads, state_grads = jax.jit(jax.grad(loss, (0, 1)))(params, variables["fp8_state"])
   assert set(grads) >= {"router", "w_in", "w_out"}
   new_state = jax_fp8.update_state(variables["fp8_state"], state_grads)
-  assert int(new_state["moe"].w_out.grad.steps) == 1
+  assert int(new_state["moe"].experts.grad_out.steps) == 1
 
 
 def test_nnx_layer_train_step(rng):
@@ -131,7 +127,7 @@ def test_nnx_layer_train_step(rng):
     return loss
   step(model, x)
   step(model, x)
-  assert np.all(np.asarray(model.fp8_state.get_value().w_in.kernels.steps) == 2)
+  assert np.all(np.asarray(model.fp8_state.get_value().experts.kernel_in.steps) == 2)
 
 
 def test_expert_parallel_layer_equals_one_device(rng):
@@ -203,8 +199,8 @@ def test_data_parallel_delayed_scaling(rng):
                               out_specs=(P("data"), P())))
   y, grads = run(x, state)
   new = jax_fp8.update_state(state, grads)
-  assert int(new.w_in.x.steps) == 1
-  np.testing.assert_allclose(np.asarray(new.w_in.x.amax_history)[0],
+  assert int(new.experts.x.steps) == 1
+  np.testing.assert_allclose(np.asarray(new.experts.x.amax_history)[0],
                              np.abs(np.asarray(x)).max(), rtol=1e-6)  # the max over devices
   assert rel(y, moe_f32(x, router, w_in, w_out)[0]) <= FWD_TOL
 
@@ -238,7 +234,7 @@ def test_no_tokens():
      "must hold the router's 4 experts"),
     (dict(activation="relu"), ValueError, "activation"),
     (dict(state=None), TypeError, "state must be a jax_fp8.moe.MoeState"),
-    (dict(recipe=jax_fp8.BlockScaling(), state=None), TypeError, "grouped_linear takes"),
+    (dict(recipe=jax_fp8.BlockScaling(), state=None), TypeError, "moe_mlp takes"),
     (dict(top_k=E + 1), ValueError, "top_k"),
     (dict(w_in=jnp.zeros((E, D, 2 * 24)), w_out=jnp.zeros((E, 24, D))), ValueError,
      "multiples of 16, got D=32, H=24"),

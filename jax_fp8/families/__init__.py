@@ -7,9 +7,11 @@ axis_name, dtypes, norm, words, split)``, the FP8 path of x2 [M, K] against one 
 kernels. Families whose recipes fuse the norm and the MLP's activation (``Recipe.fuses``) also
 have ``mlp``; those that serve ``cast_kernel`` and ``Fp8Weight`` (``Recipe.casts_kernel``) have
 ``cast``, ``cast_fields``, ``quantize_weight``, ``weight_scale_shape`` and ``weight_input``.
-The families of recipes that ``grouped_linear`` serves (``Recipe.grouped``) have a module of
-grouped rules, ``grouped_family(recipe)``, with ``grouped_linear(x, kernels, bias, group_sizes,
-rings, recipe, axis_name, dtypes, aligned)``.
+The families of recipes that ``grouped_linear`` and ``grouped_mlp`` serve (``Recipe.grouped``)
+have a module of grouped rules, ``grouped_family(recipe)``, with ``grouped_linear(x, kernels,
+bias, group_sizes, rings, recipe, axis_name, dtypes, aligned)`` and ``grouped_mlp(x, kernel_in,
+kernel_out, bias_in, bias_out, group_sizes, rings, recipe, activation, axis_name, dtypes,
+aligned)``.
 """
 
 from __future__ import annotations
