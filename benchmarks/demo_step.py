@@ -9,7 +9,7 @@ of random bytes placed on the device once and one step key, the same every step.
 scaling with fast accumulation in the forward GEMM / in all three (the demo's
 ``--fast-accum``). Timing and profile as ``benchmarks.train_step``'s.
 
-    python -m benchmarks.demo_step [--preset auto|gpu|cpu|smoke] [--variants NAME ...]
+    python -m benchmarks.demo_step [--preset auto|gpu|cpu|smoke|moe|moe_smoke] [--variants NAME ...]
         [--profile [NAME ...]] [--steps 10] [--windows 3] [--profile-steps 5] [--out PATH]
 
 Writes ``benchmarks/results/<gpu>-demo_step.json`` (or ``--out``): ``env`` (GPU, versions,
@@ -60,6 +60,11 @@ def main(argv=None):
                            profile_steps=5, out="demo_step")
   args = p.parse_args(argv)
   preset = preset_name(args.preset)
+  for variant in args.variants:
+    try:
+      PRESETS[preset].config(**VARIANTS[variant])
+    except ValueError as e:  # what the model has no layers for (the MoE presets' recipes)
+      p.error(f"--variants {variant} with --preset {preset}: {e}")
   return train_step.run(p, args, lambda variant, profile_steps: measure(
       preset, variant, args.steps, args.windows, profile_steps),
       {"preset": {"name": preset, **dataclasses.asdict(PRESETS[preset])}}, "demo_step", PEERS)

@@ -8,17 +8,17 @@ Mixtral-like and DeepSeek-V3-like shapes, balanced and skewed routing, against B
         [--linears gate_up down] [--routings balanced skewed] [--gemms forward dgrad wgrad]
         [--wgrad-dtype float32|bfloat16] [--peer-max-ms 500] [--seed 0] [--quick] [--out PATH]
 
-Cases (``CASES``): ``mixtral`` (d_model 4096, expert ffn 14336, 8 experts, top 2) and
-``deepseek_v3`` (d_model 7168, expert ffn 2048, 256 experts, top 8). Each expert has two
-linears: ``gate_up`` (K = d_model, N = 2 ffn: gate and up in one GEMM, as a gated expert MLP
-runs them) and ``down`` (K = ffn, N = d_model). ``--tokens`` tokens each routed to top_k experts
-give tokens * top_k real rows. Routing (``route``, seeded): ``balanced``, every expert the same
-rows; ``skewed``, each token's top_k distinct experts drawn with half the probability on a
-tenth of the experts (Gumbel top-k: sampling without replacement, so the hot experts' share of
-the rows is what the JSON's ``hot_share`` says, at most a half). Each group is padded to a
-multiple of 16 rows (``grouped_gemm_wgrad``'s alignment rule; the padding rows zero) inside a
-static capacity of tokens * top_k + 15 * experts rows, the most padding can take, so one
-compilation serves every routing; the rows past the groups are zero.
+Cases (``CASES``, ``benchmarks.moe_cases``): ``mixtral`` (d_model 4096, expert ffn 14336, 8
+experts, top 2) and ``deepseek_v3`` (d_model 7168, expert ffn 2048, 256 experts, top 8). Each
+expert has two linears: ``gate_up`` (K = d_model, N = 2 ffn: gate and up in one GEMM, as a gated
+expert MLP runs them) and ``down`` (K = ffn, N = d_model). ``--tokens`` tokens each routed to
+top_k experts give tokens * top_k real rows. Routing (``route``, seeded): ``balanced``, every
+expert the same rows; ``skewed``, each token's top_k distinct experts drawn with half the
+probability on a tenth of the experts (Gumbel top-k: sampling without replacement, so the hot
+experts' share of the rows is what the JSON's ``hot_share`` says, at most a half). Each group is
+padded to a multiple of 16 rows (``grouped_gemm_wgrad``'s alignment rule; the padding rows zero)
+inside a static capacity of tokens * top_k + 15 * experts rows, the most padding can take, so
+one compilation serves every routing; the rows past the groups are zero.
 
 The three GEMMs of the linear x [M, K] @ w[g] [K, N] (HYBRID: x and w e4m3, the gradient g e5m2;
 ``b_scale`` one per expert in forward and dgrad), each timed on the device
@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -70,31 +69,15 @@ import numpy as np
 import jax_fp8
 from jax_fp8.ops.grouped_gemm import ROW_ALIGN
 
-from .common import ceilings, environment, write_results
+from .common import ceilings, environment
+from .moe_cases import (CASES, CUDNN_RAGGED_DOT, QUICK_CASES, QUICK_TOKENS, TOKENS, Case,
+                        error_text, finish, time_ragged)
 from .timing import device_time
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-  """A mixture of experts' sizes."""
-
-  d_model: int
-  ffn: int  # one expert's hidden size
-  experts: int
-  top_k: int
-
-  def linear(self, name: str) -> tuple[int, int]:
-    """(K, N) of the expert linear ``name``."""
-    return (self.d_model, 2 * self.ffn) if name == "gate_up" else (self.ffn, self.d_model)
-
-
-CASES = {"mixtral": Case(4096, 14336, 8, 2), "deepseek_v3": Case(7168, 2048, 256, 8)}
-QUICK_CASES = {"mixtral": Case(128, 64, 4, 2), "deepseek_v3": Case(128, 32, 16, 4)}
-TOKENS, QUICK_TOKENS = 16384, 64
 LINEARS = ("gate_up", "down")
 ROUTINGS = ("balanced", "skewed")
 GEMMS = ("forward", "dgrad", "wgrad")
-CUDNN_RAGGED_DOT = {"xla_gpu_experimental_use_ragged_dot_fusion": True}
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 
 
@@ -228,47 +211,16 @@ def operands(spec: Gemm, k: int, n: int, groups: Groups):
           lambda a, b, gs: jax.lax.ragged_dot_general(a, b, gs, dn), (dy, w, sizes))
 
 
-def xla_path(fn, args, options) -> str:
-  """How XLA compiled the ragged dot in ``fn``: "cudnn" (cuDNN's grouped GEMM), "ragged-dot"
-  (kept as one op), or "dense" (rewritten into one dense dot over every group)."""
-  text = jax.jit(fn, compiler_options=options).lower(*args).compile().as_text()
-  if "__cudnn$fusion" in text:
-    return "cudnn"
-  return "ragged-dot" if "ragged-dot(" in text else "dense"
-
-
-def _error(e: Exception) -> str:
-  return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
-
-
 def time_peer(prefix: str, fn, args, options, spec: Gemm, groups: Groups, dense_bf16: float,
               max_s: float, fp8_us: float | None, timed_path: str | None = None) -> dict:
-  """The BF16 peer's figures under ``prefix``: its XLA path, µs, TFLOP/s (real rows) and the
-  FP8 op's speedup over it. Not timed: a dense path whose G-fold work would take longer than
-  ``max_s`` at the dense BF16 rate, or the path of ``timed_path`` (a peer already timed on it);
-  a failure is recorded."""
-  row = {}
-  try:
-    row[f"{prefix}_path"] = path = xla_path(fn, args, options)
-    if path == timed_path:
-      row[f"{prefix}_skipped"] = f"XLA took the {path} path with {options} too"
-      return row
-    # The dense rewrite multiplies every row of the capacity by every group's matrix.
-    work = (spec.flops * len(groups.sizes) * groups.capacity / groups.sizes.sum()
-            if path == "dense" else spec.flops)
-    est = work / (dense_bf16 * 1e12)
-    if est > max_s:
-      row[f"{prefix}_skipped"] = (f"XLA's {path} path: about {est:.1f} s a call at this run's "
-                                  f"dense BF16 rate (over --peer-max-ms)")
-      return row
-    t = device_time(fn, *args, iters=min(20, max(2, math.ceil(0.2 / est))),
-                    compiler_options=options)
-  except Exception as e:  # noqa: BLE001 (out of memory, an unsupported path: recorded)
-    row[f"{prefix}_error"] = _error(e)
-    return row
-  row.update({f"{prefix}_us": t * 1e6, f"{prefix}_TFLOPs": spec.flops / t / 1e12})
-  if fp8_us is not None:
-    row[f"vs_{prefix}"] = t * 1e6 / fp8_us
+  """The BF16 peer's figures under ``prefix`` (``moe_cases.time_ragged``'s: its XLA path, µs,
+  TFLOP/s of the real rows, or why it was skipped or failed) and the FP8 op's speedup over it.
+  XLA's dense rewrite multiplies every row of the capacity by every group's matrix."""
+  dense = spec.flops * len(groups.sizes) * groups.capacity / groups.sizes.sum()
+  peer = time_ragged(fn, args, options, spec.flops, dense, dense_bf16, max_s, timed_path)
+  row = {f"{prefix}_{k}": v for k, v in peer.items()}
+  if fp8_us is not None and "us" in peer:
+    row[f"vs_{prefix}"] = peer["us"] / fp8_us
   return row
 
 
@@ -281,7 +233,7 @@ def bench_gemm(spec: Gemm, k: int, n: int, groups: Groups, limits: dict, max_s: 
     row.update({"us": t * 1e6, "TFLOPs": spec.flops / t / 1e12, **limits,
                 "of_dense_fp8": spec.flops / t / 1e12 / limits["dense_fp8_TFLOPs"]})
   except Exception as e:  # noqa: BLE001 (recorded; the run exits 1)
-    row.update({"error": _error(e), **limits})
+    row.update({"error": error_text(e), **limits})
   del fp8_args
   peers = [("bf16", None)]
   if jax.default_backend() == "gpu" and spec.name != "wgrad":
@@ -385,12 +337,7 @@ def main(argv=None):
                         "peer_max_ms": args.peer_max_ms, "seed": args.seed,
                         "quick": args.quick},
              "routing": routing, "rows": rows}
-  write_results(results, args.out, f"{env['device'].replace(' ', '_')}-moe")
-  failed = [r for r in rows if "error" in r]
-  if failed:
-    print(f"{len(failed)} FP8 case(s) failed", file=sys.stderr)
-    sys.exit(1)
-  return results
+  return finish(results, args.out, "moe", sum("error" in r for r in rows), "FP8")
 
 
 if __name__ == "__main__":

@@ -22,12 +22,14 @@ from .profiling import summarize, trace_events
 
 
 def measure(step, carried: tuple, inputs: tuple, tokens: int, steps: int, windows: int,
-            profile_steps: int) -> dict:
+            profile_steps: int, report=None) -> dict:
   """The row of ``step(*carried, *inputs) -> (*carried, loss)`` (jitted, ``carried`` donated;
   ``tokens`` a step): ``step_ms``, ``window_ms`` (each window's), ``tokens_per_s``,
   ``compile_s``, ``temp_bytes``, ``peak_bytes`` (arguments, outputs and temporaries the
   compiled step plans, donated buffers counted once), ``loss`` (after the timed steps), and
-  with ``profile_steps`` > 0 ``profile`` (``profiling.summarize``'s rows)."""
+  with ``profile_steps`` > 0 ``profile`` (``profiling.summarize``'s rows). ``report``: None, or
+  ``report(carried) -> dict`` of the carried buffers after the timed steps, joined to the
+  row."""
   t0 = time.perf_counter()
   compiled = step.lower(*carried, *inputs).compile()
   compile_s = time.perf_counter() - t0
@@ -42,11 +44,12 @@ def measure(step, carried: tuple, inputs: tuple, tokens: int, steps: int, window
     jax.block_until_ready(loss)
     times.append((time.perf_counter() - t0) / steps)
   step_s = statistics.median(times)
+  extra = {} if report is None else report(tuple(carried))
   row = {"step_ms": step_s * 1e3, "tokens_per_s": tokens / step_s, "compile_s": compile_s,
          "temp_bytes": mem.temp_size_in_bytes,
          "peak_bytes": (mem.argument_size_in_bytes + mem.output_size_in_bytes
                         + mem.temp_size_in_bytes - mem.alias_size_in_bytes),
-         "loss": float(loss), "window_ms": [t * 1e3 for t in times]}
+         "loss": float(loss), "window_ms": [t * 1e3 for t in times], **extra}
   if profile_steps:
     options = ({"xla_gpu_enable_command_buffer": ""} if jax.default_backend() == "gpu"
                else None)
@@ -60,13 +63,22 @@ def measure(step, carried: tuple, inputs: tuple, tokens: int, steps: int, window
   return row
 
 
-def add_speedups(rows: list[dict], peers: tuple[str, ...]) -> None:
-  """Each row's ``speedup_vs_<peer>``: the peer row's step time over its own (None where no
-  row of that variant ran)."""
-  by_name = {r["variant"]: r["step_ms"] for r in rows}
+FASTEST = "fastest_peer"  # the peer name that stands for the fastest of a run's peers
+
+
+def add_speedups(rows: list[dict], peers: tuple[str, ...], fastest_of: tuple[str, ...] = (),
+                 time: str = "step_ms") -> str | None:
+  """Each row's ``speedup_vs_<peer>``: the peer row's ``time`` over its own (None where either
+  has none: that variant did not run or was not timed); with ``fastest_of``,
+  ``speedup_vs_fastest_peer`` likewise over the fastest of those variants that have a time,
+  whose name it returns (None: none)."""
+  by_name = {r["variant"]: r[time] for r in rows if time in r}
+  fastest = min((v for v in fastest_of if v in by_name), key=by_name.get, default=None)
   for r in rows:
-    for peer in peers:
-      r[f"speedup_vs_{peer}"] = by_name[peer] / r["step_ms"] if peer in by_name else None
+    for peer in peers + ((FASTEST,) if fastest_of else ()):
+      name = fastest if peer == FASTEST else peer
+      r[f"speedup_vs_{peer}"] = by_name[name] / r[time] if name in by_name and time in r else None
+  return fastest
 
 
 def _width(variants) -> int:
@@ -75,16 +87,19 @@ def _width(variants) -> int:
 
 
 def print_rows(rows: list[dict], title: str, peers: tuple[str, ...]) -> None:
-  """The rows as a table under ``title`` (step, the speedups over ``peers``, compile, temp),
-  then each profiled row's busy device streams by kind of work and their largest events."""
+  """The rows as a table under ``title`` (step, TFLOP/s where the rows count FLOPs, the
+  speedups over ``peers``, compile, temp), then each profiled row's busy device streams by
+  kind of work and their largest events."""
   print(f"\n{title}")
   w = _width(r["variant"] for r in rows)
-  print(f"{'variant':<{w}}{'step ms':>9}" + "".join(f"{'vs ' + p:>14}" for p in peers)
-        + f"{'compile s':>11}{'temp GiB':>10}")
+  flops = all("TFLOPs" in r for r in rows)
+  cols = {p: max(14, len(p) + 5) for p in peers}  # "vs <peer>" and two spaces
+  print(f"{'variant':<{w}}{'step ms':>9}" + (f"{'TFLOP/s':>9}" if flops else "")
+        + "".join(f"{'vs ' + p:>{cols[p]}}" for p in peers) + f"{'compile s':>11}{'temp GiB':>10}")
   fmt = lambda v: f"{v:.3f}x" if v is not None else "-"
   for r in rows:
-    print(f"{r['variant']:<{w}}{r['step_ms']:9.1f}"
-          + "".join(f"{fmt(r[f'speedup_vs_{p}']):>14}" for p in peers)
+    print(f"{r['variant']:<{w}}{r['step_ms']:9.1f}" + (f"{r['TFLOPs']:9.3g}" if flops else "")
+          + "".join(f"{fmt(r[f'speedup_vs_{p}']):>{cols[p]}}" for p in peers)
           + f"{r['compile_s']:11.1f}{r['temp_bytes'] / 2**30:10.2f}")
   for r in rows:
     for t in r.get("profile", ()):
@@ -114,13 +129,15 @@ def add_arguments(p, variants, default: list[str], steps: int, profile_steps: in
   p.add_argument("--out", help=f"JSON path (default: benchmarks/results/<gpu>-{out}.json)")
 
 
-def run(p, args, measure_variant, setting: dict, out: str, peers: tuple[str, ...]) -> dict:
+def run(p, args, measure_variant, setting: dict, out: str, peers: tuple[str, ...],
+        fastest_of: tuple[str, ...] = ()) -> dict:
   """Checks the flags of ``add_arguments`` (``p.error`` on bad ones), then runs each variant:
   its row, ``measure_variant(variant, profile_steps)`` (0: no profile), joins the results
   (``env``, the ``setting`` that all rows share, ``steps``, ``windows``, ``rows``), written
-  after each row (a cut run keeps its rows); then the speedups over ``peers``, the table, and
-  the results written again (to ``--out``, default ``benchmarks/results/<gpu>-<out>.json``)
-  and returned."""
+  after each row (a cut run keeps its rows); then the speedups over ``peers`` (and with
+  ``fastest_of``, over the fastest of those: ``add_speedups``, its name the results'
+  ``fastest_peer``), the table, and the results written again (to ``--out``, default
+  ``benchmarks/results/<gpu>-<out>.json``) and returned."""
   for flag in ("steps", "windows", "profile_steps"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -141,7 +158,10 @@ def run(p, args, measure_variant, setting: dict, out: str, peers: tuple[str, ...
     print(f"{variant:<{w}}{r['step_ms']:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  compile "
           f"{r['compile_s']:6.1f} s  temp {r['temp_bytes'] / 2**30:6.2f} GiB  loss "
           f"{r['loss']:.4f}", flush=True)
-  add_speedups(rows, peers)
+  fastest = add_speedups(rows, peers, fastest_of)
+  if fastest_of:
+    results[FASTEST] = fastest
+    peers = peers + (FASTEST,)
   print_rows(rows, f"{env['device']}  jax {env['jax']}  {env['date']}  {setting}", peers)
   write_results(results, args.out, name)
   return results

@@ -20,7 +20,7 @@ set -u
 OUT=${OUT:-/tmp/jax_fp8_out}
 mkdir -p "$OUT"
 steps=("$@")
-known=" tests bench sanitize graphs demo demo-block demo-step convergence dp model-step moe step-profile profile "
+known=" tests bench sanitize graphs demo demo-block demo-step demo-moe convergence dp model-step moe moe-layer step-profile profile "
 [ ${#steps[@]} -gt 0 ] \
   || { echo "usage: bash scripts/gpu_check.sh STEP... (steps:$known)" >&2; exit 2; }
 for s in "${steps[@]}"; do
@@ -92,6 +92,12 @@ for s in "${steps[@]}"; do
     # e.g. --cases mixtral --tokens 8192).
     moe)   python3 -m benchmarks.moe --out "$OUT/moe.json" ${MOE_ARGS:-} > "$OUT/moe.log" 2>&1
            echo "moe exit $?"; tail -52 "$OUT/moe.log" ;;
+    # The MoE layer's forward and backward (Mixtral- and DeepSeek-V3-like): MoeMlp beside BF16
+    # ragged_dot and the capacity-factor einsum peers, BF16 and Flax FP8 (MOE_LAYER_ARGS: more
+    # flags, e.g. --cases mixtral --variants delayed bf16 bf16_capacity).
+    moe-layer) python3 -m benchmarks.moe_layer --out "$OUT/moe_layer.json" ${MOE_LAYER_ARGS:-} \
+             > "$OUT/moe_layer.log" 2>&1
+           echo "moe-layer exit $?"; tail -16 "$OUT/moe_layer.log" ;;
     # The demo's train step per variant, BF16 beside FP8, in one process (DEMO_STEP_ARGS: more
     # flags, e.g. --variants bf16 delayed --profile).
     demo-step) python3 -m benchmarks.demo_step --out "$OUT/demo_step.json" ${DEMO_STEP_ARGS:-} \
@@ -100,6 +106,16 @@ for s in "${steps[@]}"; do
     demo-block) python3 -m jax_fp8.demo --preset gpu --recipe block --out "$OUT/demo-block" \
              > "$OUT/demo-block.log" 2>&1
            echo "demo-block exit $?"; tail -15 "$OUT/demo-block.log" ;;
+    # The MoE preset's convergence run, FP8 (delayed) beside BF16 over DEMO_MOE_STEPS (default
+    # 1500, the recipes' run length) under the 1% loss rule, stopped after DEMO_MOE_MINUTES
+    # (default 8) and checkpointed in build/demo-moe, which a warm machine keeps: the same step
+    # in the next call resumes (as convergence's). Its files come back in $OUT/demo-moe.
+    demo-moe) mkdir -p build/demo-moe "$OUT/demo-moe"
+           JAX_COMPILATION_CACHE_DIR=build/demo-moe/jax_cache python3 -m jax_fp8.demo --preset moe \
+             --steps ${DEMO_MOE_STEPS:-1500} --tolerance 0.01 --out build/demo-moe \
+             --stop-after ${DEMO_MOE_MINUTES:-8} > "$OUT/demo-moe.log" 2>&1
+           echo "demo-moe exit $?"; tr '\r' '\n' < "$OUT/demo-moe.log" | grep -v "step/s" | tail -15
+           cp build/demo-moe/*.json build/demo-moe/*.png "$OUT/demo-moe/" 2>/dev/null ;;
     # The recipes' 1500-step convergence runs against BF16 (CONVERGENCE_RECIPES, default
     # "current mxfp8 nvfp4"), stopped after CONVERGENCE_MINUTES (default 8) and checkpointed in
     # build/convergence, which a warm machine keeps: the same step in the next call resumes.

@@ -123,6 +123,9 @@ QUICK = {
                              r"::test_bad_inputs"],
     "test_moe_routing.py": [r"::test_permute_layout\[37-", r"::test_round_trip_and_gradient"],
     "test_moe.py": [r"::test_values_and_gradients_match_f32\[current", r"::test_bad_input"],
+    "test_capacity_moe.py": [r"::test_no_drop_equals_the_ragged_dot_twin",
+                             r"::test_dispatch_priority", r"::test_bad_arguments",
+                             r"::test_model_config_rejects_a_capacity"],
     "test_current_scaling.py": [r"::test_forward_and_grads_against_f32", r"::test_errors"],
     "test_block_linear.py": [r"::test_forward_and_grads\[\w+-bfloat16-f32scale",
                              r"::test_bad_inputs"],
@@ -153,9 +156,11 @@ QUICK = {
     "test_errors.py": [r"::test_clear_error\[", r"::test_grad_names_the_op\["],
     "test_multidevice.py": [r"::test_data_parallel$", r"::test_explicit_axes_rejected"],
     "test_demo.py": [r"::test_training_batches", r"::test_demo_config_rejects",
-                     r"::test_demo_rejects_a_negative_tolerance"],
+                     r"::test_demo_rejects_a_negative_tolerance",
+                     r"::test_demo_moe_preset_rejects_other_recipes"],
     "test_benchmarks.py": [r"::test_per_call_takes_more_calls_until_resolved",
-                           r"::test_model_step_bad_flags"],
+                           r"::test_model_step_bad_flags", r"::test_moe_layer_bad_flags",
+                           r"::test_demo_step_moe_preset_rejects"],
 }
 
 

@@ -16,9 +16,8 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from benchmarks import (data_parallel, demo_step, inference, model_step, moe,  # noqa: E402
-                        profiling, run, timing)
+                        moe_layer, profiling, run, timing)
 from jax_fp8.demo.model import Transformer  # noqa: E402
-from jax_fp8.demo.train import cross_entropy, init_variables  # noqa: E402
 
 
 def test_quick_suite(tmp_path):
@@ -164,40 +163,55 @@ def test_model_step_microbatches(tmp_path):
 
 
 def test_model_step_moe(tmp_path):
-  """With --moe-experts the model-step benchmark times a MoE decoder's train step (MoeMlp under
-  delayed scaling): the JSON as returned, a finite loss. At step 0 (the same parameters from
-  one seed) FP8's loss, load-balancing term included, is that of BF16's twin (ragged_dot)
-  within FP8's error. (One variant timed: the twin's step compiles as long again.)"""
+  """With --moe-experts the model-step benchmark times a MoE decoder's train step: MoeMlp under
+  delayed scaling beside a capacity-factor peer (Flax's FP8 einsums; the BF16 peer is the same
+  module, tests/test_capacity_moe.py): the JSON as returned, finite losses, TFLOP/s of the
+  stated FLOPs, the speedups over the fastest peer that ran, the peer's dropped assignments;
+  one load-balancing loss (and one count of dropped assignments) a layer, stacked by nn.scan.
+  (FP8's loss against its BF16 twin's at step 0: tests/test_demo.py's MoE preset.)"""
   out = tmp_path / "model_step.json"
   res = model_step.main(["--quick", "--moe-experts", "4", "--steps", "1", "--windows", "1",
-                         "--variants", "delayed", "--out", str(out)])
+                         "--variants", "delayed", "flax_fp8_capacity", "--out", str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(res))
   assert res["config"]["moe_experts"] == 4 and res["config"]["moe_top_k"] == 2
-  assert [r["variant"] for r in res["rows"]] == ["delayed"]
-  assert 0 < res["rows"][0]["loss"] < 10 and res["rows"][0]["step_ms"] > 0
+  assert res["config"]["moe_capacity_factor"] == 1.25 and res["fastest_peer"] == "flax_fp8_capacity"
+  rows = {r["variant"]: r for r in res["rows"]}
+  assert list(rows) == ["delayed", "flax_fp8_capacity"]
   s = dataclasses.replace(model_step.QUICK, moe_experts=4)
-  tokens = jax.random.randint(jax.random.key(0), (s.batch, s.seq + 1), 0, s.vocab)
-  losses = {}
-  for variant in ("bf16", "delayed"):
-    model = Transformer(model_step.model_config(s, variant))
-    params, collections = init_variables(model, 1)
-    assert "intermediates" not in collections
-    losses[variant] = float(jax.jit(functools.partial(cross_entropy, model))(
-        params, collections, tokens))
-    if variant == "bf16":
-      sown = jax.jit(functools.partial(model.apply, mutable=["intermediates"]))(
-          {"params": params, **collections}, tokens[:, :-1])[1]
-  assert np.isfinite(list(losses.values())).all()
-  assert abs(losses["delayed"] - losses["bf16"]) < 0.02 * losses["bf16"], losses
-  # one load-balancing loss a layer (stacked by nn.scan), near 1 for a fresh router
-  (aux,) = jax.tree.leaves(sown)
-  assert aux.shape == (s.layers,) and np.all(np.abs(np.asarray(aux) - 1) < 0.5)
+  # 3 x the forward's 2 x tokens x (layers x (q k v o + attention + router + 2 SwiGLU experts)
+  # + the LM head), d_model 256, ffn 512, seq 128, batch 2, vocab 512
+  assert res["step_flops"] == 3 * 2 * 256 * (2 * (4 * 256**2 + 2 * 128 * 256 + 256 * 4
+                                                  + 2 * 3 * 256 * 512) + 256 * 512)
+  for r in rows.values():
+    assert 0 < r["loss"] < 10 and r["step_ms"] > 0
+    assert r["TFLOPs"] == pytest.approx(res["step_flops"] / r["step_ms"] / 1e9)
+    assert r["speedup_vs_bf16"] is None and "speedup_vs_flax_fp8" not in r
+    assert r["speedup_vs_fastest_peer"] == rows["flax_fp8_capacity"]["step_ms"] / r["step_ms"]
+  peer = rows["flax_fp8_capacity"]
+  assert peer["routed_assignments"] == s.layers * s.batch * s.seq * s.moe_top_k
+  for when in ("first", "last"):
+    assert 0 <= peer[f"dropped_{when}"] < peer["routed_assignments"] / 2
+  assert "dropped_first" not in rows["delayed"]
+  model = Transformer(model_step.model_config(s, "bf16_capacity"))
+  tokens = jax.ShapeDtypeStruct((s.batch, s.seq), jnp.int32)
+  variables = jax.eval_shape(model.init, jax.random.key(1), tokens)
+  sown = jax.eval_shape(functools.partial(model.apply, mutable=["intermediates"]), variables,
+                        tokens)[1]["intermediates"]["layers"]["moe"]
+  assert jax.tree.map(lambda v: v.shape, sown) == {
+      "load_balancing_loss": ((s.layers,),), "dropped_assignments": ((s.layers,),)}
 
 
 @pytest.mark.parametrize("argv,message", [
     (["--quick", "--moe-experts", "4", "--variants", "block"], "no MoE form of .'block'."),
     (["--quick", "--moe-experts", "2", "--moe-top-k", "3"], "--moe-top-k must be in .1, "),
-    (["--moe-top-k", "1"], "--moe-top-k and --moe-hidden apply with --moe-experts"),
+    (["--moe-top-k", "1"], "--moe-top-k, --moe-hidden and --moe-capacity-factor apply with "
+                           "--moe-experts"),
+    (["--moe-capacity-factor", "2"], "--moe-top-k, --moe-hidden and --moe-capacity-factor "
+                                     "apply with --moe-experts"),
+    (["--quick", "--moe-experts", "4", "--moe-capacity-factor", "0"],
+     "--moe-capacity-factor must be > 0, got 0.0"),
+    (["--quick", "--variants", "bf16", "bf16_capacity"],
+     r"\['bf16_capacity'\] \(the capacity-factor MoE\) run with --moe-experts"),
     (["--heads", "0"], "--heads must be >= 1, got 0"),
     (["--layers", "-1"], "--layers must be >= 1, got -1"),
     (["--quick", "--microbatches", "0"], "--microbatches must be >= 1, got 0"),
@@ -232,6 +246,14 @@ def test_demo_step_benchmark(tmp_path):
   assert res["rows"][1]["profile"][0]["us_per_step"] > 0
   if jax.default_backend() == "cpu":
     assert res["rows"][1]["loss"] == res["rows"][2]["loss"]
+
+
+def test_demo_step_moe_preset_rejects_other_recipes(capsys):
+  """The demo-step benchmark refuses a variant the MoE preset's model has no layer for, before
+  building any, with the model's rule."""
+  with pytest.raises(SystemExit):
+    demo_step.main(["--preset", "moe_smoke", "--variants", "bf16", "mxfp8"])
+  assert "--variants mxfp8 with --preset moe_smoke: moe_experts > 0" in capsys.readouterr().err
 
 
 def test_inference_benchmark(tmp_path):
@@ -271,6 +293,49 @@ def test_moe_benchmark(tmp_path):
       assert np.all(padded % 16 == 0) and np.all(padded - g["sizes"] < 16)
       assert padded.sum() <= g["capacity"]
     assert routings["skewed"]["max_group"] > routings["balanced"]["max_group"]
+
+
+def test_moe_layer_benchmark(tmp_path):
+  """The MoE layer benchmark end to end at the quick Mixtral-like case: jax_fp8's MoeMlp, the
+  ragged_dot twin (XLA's path recorded) and the BF16 capacity peer (its dropped assignments;
+  the FP8 one's layer runs in test_model_step_moe): TFLOP/s of the routed tokens' expert FLOPs,
+  the speedups over BF16 and the fastest peer, the JSON as returned."""
+  out = tmp_path / "moe_layer.json"
+  variants = ["delayed", "bf16", "bf16_capacity"]
+  res = moe_layer.main(["--quick", "--cases", "mixtral", "--variants", *variants,
+                        "--out", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(res))
+  rows = {r["variant"]: r for r in res["rows"]}
+  assert list(rows) == variants and all("error" not in r for r in rows.values())
+  case = moe_layer.QUICK_CASES["mixtral"]  # d 128, ffn 64, 4 experts, top 2; 64 tokens
+  flops = 3 * 2 * 64 * 2 * 3 * 128 * 64
+  assert res["config"]["flops"] == {"mixtral": flops} and res["config"]["seq"] == 32
+  fastest = min(("bf16", "bf16_capacity"), key=lambda v: rows[v]["us"])
+  assert res["fastest_peer"] == {"mixtral": fastest}
+  for r in rows.values():
+    assert r["TFLOPs"] == pytest.approx(flops / r["us"] / 1e6)
+    assert r["speedup_vs_bf16"] == rows["bf16"]["us"] / r["us"]
+    assert r["speedup_vs_fastest_peer"] == rows[fastest]["us"] / r["us"]
+    assert r["speedup_vs_bf16_cudnn"] is None  # not run
+  assert rows["bf16"]["path"] in ("dense", "ragged-dot", "cudnn")
+  peer = rows["bf16_capacity"]  # C = 1.25 x 32 x 2 / 4 of each 32-token group
+  assert peer["slots"] == 20 and peer["routed_assignments"] == 64 * case.top_k
+  assert 0 <= peer["dropped_assignments"] < 64
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--quick", "--tokens", "48"], r"--tokens \(48\) must be a positive multiple of --seq "
+                                    r"\(32\)"),
+    (["--quick", "--capacity-factor", "0"], "--capacity-factor must be > 0, got 0.0"),
+    (["--quick", "--variants", "bf16_cudnn"], "bf16_cudnn .* runs on a GPU only"),
+])
+def test_moe_layer_bad_flags(capsys, argv, message):
+  """Bad flags stop the MoE layer benchmark before anything is built, the flag named."""
+  if "bf16_cudnn" in argv and jax.default_backend() == "gpu":
+    pytest.skip("bf16_cudnn runs on a GPU")
+  with pytest.raises(SystemExit):
+    moe_layer.main(argv)
+  assert re.search(message, capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("gemm", moe.GEMMS)

@@ -1,6 +1,7 @@
 """The main job's smallest preset, end to end (data, the models, report, exit status)."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from jax_fp8.demo import data
 from jax_fp8.demo.__main__ import main
 from jax_fp8.demo.model import LLAMA, Config, Transformer, _fp8_kw
-from jax_fp8.demo.train import init_variables
+from jax_fp8.demo.train import PRESETS, init_variables
 
 
 def test_demo_smoke(tmp_path):
@@ -22,6 +23,32 @@ def test_demo_smoke(tmp_path):
   assert list(res["runs"]) == ["bf16", *recipes] and all(res["passed"].values())
   for run in res["runs"].values():
     assert len(run["train_losses"]) == 10 and run["val_loss"] < run["train_losses"][0]
+
+
+def test_demo_moe_smoke(tmp_path):
+  """The MoE preset's smallest size end to end: FP8's MoeMlp (delayed) beside its BF16 ragged_dot
+  twin on real text, the settings recording the experts; at step 0 (the same parameters and
+  batch) FP8's training loss, load-balancing term included, is BF16's within FP8's error."""
+  main(["--preset", "moe_smoke", "--out", str(tmp_path)])
+  res = json.loads((tmp_path / "results.json").read_text())
+  assert list(res["runs"]) == ["bf16", "delayed"] and res["passed"] == {"delayed": True}
+  assert (res["config"]["moe_experts"], res["config"]["moe_top_k"]) == (4, 2)
+  bf16, fp8 = (res["runs"][r]["train_losses"] for r in ("bf16", "delayed"))
+  assert len(bf16) == len(fp8) == PRESETS["moe_smoke"].steps
+  assert abs(fp8[0] - bf16[0]) < 0.02 * bf16[0], (fp8[0], bf16[0])
+  assert all(np.isfinite(bf16 + fp8))
+
+
+def test_demo_moe_preset_rejects_other_recipes(capsys):
+  """The MoE presets run the per-tensor recipes (MoeMlp's): another is refused at the command
+  line with the model's rule (the demo-step benchmark's: tests/test_benchmarks.py); the dense
+  presets record no MoE fields (the runs saved before them still match)."""
+  with pytest.raises(SystemExit):
+    main(["--preset", "moe_smoke", "--recipe", "delayed", "block"])
+  assert re.search(r"--recipe block with --preset moe_smoke: moe_experts > 0 runs .* not recipe "
+                   r"'block'", capsys.readouterr().err)
+  assert "moe_experts" not in PRESETS["smoke"].record()
+  assert PRESETS["moe"].record()["moe_hidden"] == 4096
 
 
 def test_demo_split_runs(tmp_path, capsys):

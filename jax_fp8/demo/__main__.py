@@ -18,7 +18,10 @@ then resumes it, keeps the runs that already finished, and leaves each resumed s
 first steps out of the timing. ``--attention xla`` trains with XLA's attention in place of
 cuDNN's on a GPU, whose backward adds in no fixed order: with it a GPU run is bit-reproducible.
 ``--fast-accum GEMM...`` gives the per-tensor recipes' GEMMs it names (fprop, dgrad, wgrad)
-fast accumulation (``DelayedScaling.fast_accum_gemms``).
+fast accumulation (``DelayedScaling.fast_accum_gemms``). ``--preset moe`` (``moe_smoke``: its
+test-suite size) trains the model with every MLP a dropless mixture of experts: FP8's
+``jax_fp8.flax.MoeMlp`` (the per-tensor recipes) beside its BF16 twin (``jax.lax.ragged_dot``);
+its validation loss is the cross-entropy alone (its training loss adds the load-balancing loss).
 """
 
 from __future__ import annotations
@@ -179,7 +182,8 @@ def parse_args(argv):
   p = argparse.ArgumentParser(prog="python -m jax_fp8.demo", description="Train one byte-level "
                               "transformer twice, FP8 and BF16, and compare them.")
   p.add_argument("--preset", choices=["auto", *PRESETS], default="auto",
-                 help="model size; auto = gpu on a GPU backend, else cpu")
+                 help="model size; auto = gpu on a GPU backend, else cpu; moe (moe_smoke): "
+                      "the gpu (smoke) model with mixtures of experts for MLPs")
   p.add_argument("--steps", type=int, help="training steps (overrides the preset)")
   p.add_argument("--out", default="demo_out", help="folder for results.json and the PNG")
   p.add_argument("--tolerance", type=float, default=0.05,
@@ -216,6 +220,11 @@ def parse_args(argv):
     p.error(f"--only must be {BF16} or one of --recipe ({', '.join(args.recipe)}), got "
             f"{args.only!r}")
   other = [r for r in args.recipe if r not in PER_TENSOR]
+  for recipe in args.recipe if args.preset in PRESETS else ():  # "auto": a dense preset
+    try:
+      PRESETS[args.preset].config(fp8=True, recipe=recipe)
+    except ValueError as e:  # what the model has no layers for (the MoE presets' recipes)
+      p.error(f"--recipe {recipe} with --preset {args.preset}: {e}")
   if args.fast_accum and other:
     p.error(f"--fast-accum applies to the per-tensor recipes ({', '.join(PER_TENSOR)}), not "
             f"to {', '.join(other)}")
@@ -253,16 +262,18 @@ def main(argv=None) -> None:
   batches = data.train_batches(corpus.train, preset.steps, preset.batch, preset.seq_len,
                                args.seed)
   val = data.val_batches(corpus.val, preset.val_batches, preset.batch, preset.seq_len)
+  moe = (f", MLPs of {preset.moe_experts} experts (top {preset.moe_top_k}, hidden "
+         f"{preset.moe_hidden})" if preset.moe_experts else "")
   print(f"preset {name}: d_model {preset.d_model}, layers {preset.n_layers}, heads "
-        f"{preset.n_heads}, seq {preset.seq_len}, batch {preset.batch}, steps {preset.steps}, "
-        f"on {device}")
+        f"{preset.n_heads}, seq {preset.seq_len}, batch {preset.batch}, steps {preset.steps}"
+        f"{moe}, on {device}")
   print(f"data: {corpus.files} stdlib files, {len(corpus.train):,} train / {len(corpus.val):,} "
         f"validation bytes ({val.shape[0] * val.shape[1]} validation windows)")
 
   print(f"FP8 recipes: {', '.join(args.recipe)}" + (
       f" (fast accumulation in {', '.join(args.fast_accum)})" if args.fast_accum else ""))
   attention = args.attention or default_attention(jax.default_backend())
-  settings = {"preset": name, "config": dataclasses.asdict(preset), "seed": args.seed,
+  settings = {"preset": name, "config": preset.record(), "seed": args.seed,
               "attention": attention, "device": device, "backend": jax.default_backend(),
               "jax_version": jax.__version__, "fp8_kernels_cuda": jax_fp8.cuda_available()}
   runs, stopped, trained = {}, False, False

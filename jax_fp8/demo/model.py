@@ -13,12 +13,15 @@ MXFP8 and NVFP4 GEMMs emulated on Hopper); "bf16", their bf16 twins here (``Bf16
 ``Bf16Mlp``: the demo's baseline); "flax", ``flax.linen.Dense`` (the benchmarks' baseline);
 "flax_fp8", Flax's FP8 ``nn.Dense`` (``Fp8DirectDotGeneralOp``); "fp8_bf16_kernel_copy",
 ``KernelCopyDense``.
-``moe_experts`` > 0: every block's MLP a mixture of experts (dropless top-``moe_top_k`` of
+``moe_experts`` > 0: every block's MLP a mixture of experts (top-``moe_top_k`` of
 ``moe_experts``, each expert ``moe_hidden`` wide, ``cfg.activation`` between; its norm an
-unfused module "mlp_norm", no biases): ``jax_fp8.flax.MoeMlp`` (grouped FP8 GEMMs) for the
-per-tensor recipes, its BF16 twin ``Bf16MoeMlp`` (``jax.lax.ragged_dot``) for "bf16" and
-"flax"; each sows its load-balancing loss in "intermediates", which the train step adds,
-times ``moe_aux_weight``, to the loss. 0 (the default): the dense MLP of ``mlp``.
+unfused module "mlp_norm", no biases). Dropless (``moe_capacity_factor`` None):
+``jax_fp8.flax.MoeMlp`` (grouped FP8 GEMMs) for the per-tensor recipes, its BF16 twin
+``Bf16MoeMlp`` (``jax.lax.ragged_dot``) for "bf16" and "flax". With a capacity factor, the
+peers' einsum MoE that drops what overflows an expert's slots (``CapacityMoeMlp``): in BF16
+for "flax", its experts through Flax's ``Fp8Einsum`` for "flax_fp8". Each sows its
+load-balancing loss in "intermediates", which the train step adds, times ``moe_aux_weight``,
+to the loss. 0 (the default): the dense MLP of ``mlp``.
 ``fuse_norm``: the norms before q / k / v and the MLP inside those layers (``norm=``; under the
 per-tensor and block recipes inside the FP8 cast-transposes). One rule names the parameters
 and one order creates them, so one seed gives a ``Config``'s FP8 and BF16 models the same ones.
@@ -40,6 +43,7 @@ import jax_fp8
 import jax_fp8.flax
 
 from .data import VOCAB
+from .capacity_moe import CapacityMoeMlp
 from .twins import COMPUTE, Bf16Dense, Bf16Mlp, Bf16MoeMlp, KernelCopyDense
 
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling(),
@@ -53,7 +57,8 @@ ATTENTION = ("cudnn", "xla")  # the implementations of jax.nn.dot_product_attent
 LINEAR = ("fp8", "bf16", "flax", "flax_fp8", "fp8_bf16_kernel_copy")
 QKV = ("split", "shared_input", "separate", "fused")
 MLP = ("fused", "shared_input", "separate")
-MOE_LINEAR = ("fp8", "bf16", "flax")  # the linears with a MoE MLP ("flax": the BF16 twin)
+MOE_LINEAR = ("fp8", "bf16", "flax")  # the linears with a dropless MoE MLP ("flax": BF16 twin)
+CAPACITY_LINEAR = ("flax", "flax_fp8")  # the linears with a capacity-factor MoE MLP (BF16, FP8)
 NORMS = {"layernorm": nn.LayerNorm, "rmsnorm": nn.RMSNorm}
 POSITION = ("learned", "rope", None)
 FLAX_FP8_COLLECTION = "_overwrite_with_gradient"  # Flax's FP8 scales and amax histories
@@ -111,6 +116,8 @@ class Config:
   moe_top_k: int = 2  # experts per token
   moe_hidden: int | None = None  # each expert's hidden size; None: d_ff
   moe_aux_weight: float = 0.01  # the load-balancing loss's weight (mean over the blocks)
+  # None: the dropless MoE; a number > 0: the einsum MoE of that capacity factor (the peers')
+  moe_capacity_factor: float | None = None
 
   def __post_init__(self):
     if self.d_ff is None:
@@ -140,6 +147,9 @@ class Config:
                        f"{self.linear!r}: the unfused MLPs are SwiGLU, BF16's fused one GELU")
     if self.moe_experts:
       self._check_moe()
+    elif self.moe_capacity_factor is not None:
+      raise ValueError(f"moe_capacity_factor={self.moe_capacity_factor!r} applies with "
+                       f"moe_experts > 0")
     if self.scan and self.bf16_blocks:
       raise ValueError(f"under scan every block runs alike: {self.bf16_blocks} BF16 blocks "
                        f"need scan=False (or nvfp4_bf16_share=0)")
@@ -152,10 +162,18 @@ class Config:
       object.__setattr__(self, "moe_hidden", self.d_ff)
     if self.moe_hidden < 1:
       raise ValueError(f"moe_hidden must be >= 1, got {self.moe_hidden}")
-    if self.linear not in MOE_LINEAR or (self.fp8 and self.recipe not in PER_TENSOR):
+    if self.moe_capacity_factor is not None:
+      if not self.moe_capacity_factor > 0:
+        raise ValueError(f"moe_capacity_factor must be > 0, got {self.moe_capacity_factor!r}")
+      if self.linear not in CAPACITY_LINEAR:
+        raise ValueError(f"moe_capacity_factor runs the einsum MoE of linear "
+                         f"{list(CAPACITY_LINEAR)} (BF16, Flax's Fp8Einsum), not linear "
+                         f"{self.linear!r}: jax_fp8's MoeMlp and its twin are dropless")
+    elif self.linear not in MOE_LINEAR or (self.fp8 and self.recipe not in PER_TENSOR):
       what = f"recipe {self.recipe!r}" if self.fp8 else f"linear {self.linear!r}"
       raise ValueError(f"moe_experts > 0 runs linear {list(MOE_LINEAR)}, FP8 under the per-tensor "
-                       f"recipes {list(PER_TENSOR)} (jax_fp8.flax.MoeMlp's), not {what}")
+                       f"recipes {list(PER_TENSOR)} (jax_fp8.flax.MoeMlp's), not {what} (or "
+                       f"a moe_capacity_factor with linear {list(CAPACITY_LINEAR)})")
 
   @property
   def moe(self) -> bool:
@@ -266,7 +284,8 @@ def _qkv(cfg: Config, h, norm: str | None):
 
 def _moe(cfg: Config, h):
   """The block's mixture-of-experts MLP of h [B, T, D] (normalized) -> [B, T, D]: FP8's
-  ``MoeMlp`` or its BF16 twin, the same parameters from one seed."""
+  ``MoeMlp``, its BF16 twin, or the capacity-factor peer (each sequence a routing group); the
+  same parameters from one seed."""
   if cfg.init_std is None:
     init = {}
   else:
@@ -278,6 +297,10 @@ def _moe(cfg: Config, h):
     return jax_fp8.flax.MoeMlp(cfg.moe_experts, cfg.moe_top_k, cfg.moe_hidden,
                                recipe=cfg.recipe_object(),
                                amax_axis_name=_fp8_kw(cfg, None)["amax_axis_name"], **kw)(h)
+  if cfg.moe_capacity_factor is not None:
+    return CapacityMoeMlp(cfg.moe_experts, cfg.moe_top_k, cfg.moe_hidden,
+                          capacity_factor=cfg.moe_capacity_factor,
+                          fp8=cfg.linear == "flax_fp8", **kw)(h)
   return Bf16MoeMlp(cfg.moe_experts, cfg.moe_top_k, cfg.moe_hidden, **kw)(h)
 
 

@@ -8,7 +8,8 @@ A step carries ``(params, opt_state, collections)``: ``collections`` is every va
 collection of the model but its parameters (``init_variables``): jax_fp8's scale rings
 (``"fp8_state"``, advanced by ``jax_fp8.update_state``), Flax's FP8 collection (replaced by its
 gradient, as Flax prescribes); ``{}`` for BF16 and the stateless recipes. A mixture-of-experts
-model's (``Config.moe_experts``) losses add its load-balancing loss (``moe_loss``).
+model's (``Config.moe_experts``) training losses add its load-balancing loss (``moe_loss``); its
+validation loss is the cross-entropy alone.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import jax_fp8
 import jax_fp8.flax
 
 from .model import FLAX_FP8_COLLECTION, Config, Transformer
+from .twins import LOAD_BALANCING
 
 STATE = jax_fp8.flax.STATE_COLLECTION
-INTERMEDIATES = "intermediates"  # where MoE layers sow their load-balancing loss
+INTERMEDIATES = "intermediates"  # where MoE layers sow their load-balancing loss (and counts)
 SKIP_STEPS = 2  # steps left out of a loop's timing: compilation, then the first donated step
 
 
@@ -43,13 +45,27 @@ class Preset:
   steps: int
   lr: float
   val_batches: int
+  moe_experts: int = 0  # > 0: every MLP a dropless mixture of this many experts (Config's)
+  moe_top_k: int = 2
+  moe_hidden: int | None = None  # each expert's hidden size; None: the dense MLP's
 
   def config(self, fp8: bool, recipe: str = "delayed", attention: str | None = None,
              fast_accum_gemms: tuple[str, ...] = ()) -> Config:
     """The demo's model of this size: FP8 under ``recipe`` or its BF16 twin."""
+    moe = {f: getattr(self, f) for f in MOE_FIELDS} if self.moe_experts else {}
     return Config(self.d_model, self.n_heads, self.n_layers, self.seq_len,
                   linear="fp8" if fp8 else "bf16", recipe=recipe, attention=attention,
-                  fast_accum_gemms=fast_accum_gemms)
+                  fast_accum_gemms=fast_accum_gemms, **moe)
+
+  def record(self) -> dict:
+    """The fields a run records among its settings: the MoE ones only for a MoE preset (so
+    the dense runs saved before they existed still match)."""
+    fields = dataclasses.asdict(self)
+    return fields if self.moe_experts else {
+        k: v for k, v in fields.items() if k not in MOE_FIELDS}
+
+
+MOE_FIELDS = ("moe_experts", "moe_top_k", "moe_hidden")  # Preset's, named as Config's
 
 
 PRESETS = {
@@ -62,6 +78,13 @@ PRESETS = {
     # One NVIDIA H200: ~400M parameters and 32K tokens a step, large enough GEMMs for FP8 to win.
     "gpu": Preset(d_model=2048, n_heads=16, n_layers=8, seq_len=1024, batch=32, steps=300,
                   lr=3e-4, val_batches=8),
+    # The gpu preset's model, every MLP a mixture of 8 experts, top 2, each half the dense
+    # MLP's width: a token's expert FLOPs those of the dense MLP, 4x its parameters.
+    "moe": Preset(d_model=2048, n_heads=16, n_layers=8, seq_len=1024, batch=32, steps=300,
+                  lr=3e-4, val_batches=8, moe_experts=8, moe_top_k=2, moe_hidden=4096),
+    # The smoke preset's, with 4 experts of 64, top 2 (the test suite's).
+    "moe_smoke": Preset(d_model=128, n_heads=2, n_layers=1, seq_len=32, batch=4, steps=4,
+                        lr=3e-3, val_batches=2, moe_experts=4, moe_top_k=2, moe_hidden=64),
 }
 
 
@@ -114,32 +137,38 @@ def _is_moe(model) -> bool:
   return cfg is not None and cfg.moe
 
 
+def sown(intermediates, name: str) -> list[jax.Array]:
+  """The values that a model's layers sowed as ``name`` in ``intermediates`` (one a layer;
+  stacked [L] under ``nn.scan``), each raveled."""
+  return [jnp.ravel(v) for path, v in jax.tree_util.tree_leaves_with_path(intermediates)
+          if any(getattr(k, "key", None) == name for k in path)]
+
+
 def moe_loss(intermediates) -> jax.Array:
   """The mean of the load-balancing losses that a model's MoE layers sowed in ``intermediates``
   (one a block; stacked [L] under ``nn.scan``), f32 []."""
-  leaves = [jnp.ravel(v) for v in jax.tree.leaves(intermediates)]
-  return jnp.mean(jnp.concatenate(leaves).astype(jnp.float32))
+  return jnp.mean(jnp.concatenate(sown(intermediates, LOAD_BALANCING)).astype(jnp.float32))
 
 
-def _apply(model, params, collections, x, key):
-  """``model.apply``'s output; for a MoE model (``cfg.moe``), with the load-balancing loss
-  times ``cfg.moe_aux_weight`` (else 0, no op traced)."""
+def _apply(model, params, collections, x, key, aux: bool = True):
+  """``model.apply``'s output; with ``aux``, for a MoE model (``cfg.moe``), with the
+  load-balancing loss times ``cfg.moe_aux_weight`` (else None, no op traced)."""
   variables, rngs = _variables(params, collections), _rngs(key)
-  if not _is_moe(model):
+  if not (aux and _is_moe(model)):
     return model.apply(variables, x, rngs=rngs), None
-  out, sown = model.apply(variables, x, rngs=rngs, mutable=[INTERMEDIATES])
-  return out, model.cfg.moe_aux_weight * moe_loss(sown[INTERMEDIATES])
+  out, intermediates = model.apply(variables, x, rngs=rngs, mutable=[INTERMEDIATES])
+  return out, model.cfg.moe_aux_weight * moe_loss(intermediates[INTERMEDIATES])
 
 
-def cross_entropy(model, params, collections, batch, key=None):
-  """Mean next-token cross-entropy, f32 [] (plus a MoE model's weighted load-balancing loss):
-  a loss of ``make_train_step``.
+def cross_entropy(model, params, collections, batch, key=None, *, with_aux: bool = True):
+  """Mean next-token cross-entropy, f32 [] (with ``with_aux``, plus a MoE model's weighted
+  load-balancing loss: the training loss); a loss of ``make_train_step``.
 
   batch: integer [B, T + 1] tokens (uint8 bytes or int32). key: this step's key for NVFP4's
   stochastic rounding (the layers' "stochastic_rounding" rng stream), or None.
   """
   tokens = batch.astype(jnp.int32)
-  logits, aux = _apply(model, params, collections, tokens[:, :-1], key)
+  logits, aux = _apply(model, params, collections, tokens[:, :-1], key, with_aux)
   loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
   return loss if aux is None else loss + aux
 
@@ -248,6 +277,7 @@ def evaluate(loss, params, collections, batches):
   return jnp.mean(jax.lax.map(functools.partial(loss, params, collections), batches))
 
 
-def make_eval(model, *, loss=cross_entropy):
-  """Jitted ``(params, collections, batches) -> mean loss`` over uint8 [n, B, T + 1]."""
+def make_eval(model, *, loss=functools.partial(cross_entropy, with_aux=False)):
+  """Jitted ``(params, collections, batches) -> mean loss`` over uint8 [n, B, T + 1] (by
+  default the cross-entropy alone, a MoE model's too)."""
   return jax.jit(functools.partial(evaluate, functools.partial(loss, model)))

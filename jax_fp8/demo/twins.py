@@ -14,6 +14,7 @@ import jax_fp8.flax
 from jax_fp8 import activations, moe_routing, norms
 
 COMPUTE = jnp.bfloat16
+LOAD_BALANCING = "load_balancing_loss"  # the name a MoE layer sows its auxiliary loss under
 
 
 def _normalized(module: nn.Module, x, norm: str | None):
@@ -114,8 +115,9 @@ class Bf16MoeMlp(nn.Module):
   (no shared expert, one device): its parameters "router" [D, E], "w_in" [E, D, F] and "w_out"
   [E, H, D], created in its order; the router in f32, ``jax_fp8.moe_routing``'s top-k routing
   and permutation, the experts through ``jax.lax.ragged_dot`` in ``dtype`` (the activation in
-  f32 between, as ``moe_mlp``), the load-balancing loss sown as "load_balancing_loss" in
-  "intermediates". h: [..., D] -> [..., D] in ``dtype``."""
+  f32 between, as ``moe_mlp``), the load-balancing loss sown as ``LOAD_BALANCING`` in
+  "intermediates". h: [..., D] -> [..., D] in ``dtype``. Its parameters and routing
+  (``route``) are the capacity-factor peers' too (``jax_fp8.demo.capacity_moe``)."""
 
   num_experts: int
   top_k: int
@@ -126,10 +128,12 @@ class Bf16MoeMlp(nn.Module):
   kernel_init: object = nn.initializers.lecun_normal(batch_axis=(0,))
   router_init: object = nn.initializers.lecun_normal()
 
-  @nn.compact
-  def __call__(self, h):
+  def route(self, h):
+    """The parameters and the routing of h [..., D], from the module's ``__call__``: (tokens
+    [T, D], w_in, w_out, all in ``dtype``; ``moe_routing.Routing`` of the T tokens), the
+    load-balancing loss sown."""
     d, e, f = h.shape[-1], self.num_experts, self.hidden_features
-    _, gated = activations.check(self.activation, "Bf16MoeMlp.activation")
+    _, gated = activations.check(self.activation, f"{type(self).__name__}.activation")
     router = self.param("router", self.router_init, (d, e), self.param_dtype)
     w_in = self.param("w_in", self.kernel_init, (e, d, 2 * f if gated else f), self.param_dtype)
     w_out = self.param("w_out", self.kernel_init, (e, f, d), self.param_dtype)
@@ -137,9 +141,14 @@ class Bf16MoeMlp(nn.Module):
     logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST)
     routing = moe_routing.top_k_routing(logits, self.top_k)
-    self.sow("intermediates", "load_balancing_loss", moe_routing.load_balancing_loss(routing))
-    perm = moe_routing.permute(tokens, routing.experts, e)
-    y = jax.lax.ragged_dot(perm.rows, w_in.astype(self.dtype), perm.group_sizes)
+    self.sow("intermediates", LOAD_BALANCING, moe_routing.load_balancing_loss(routing))
+    return tokens, w_in.astype(self.dtype), w_out.astype(self.dtype), routing
+
+  @nn.compact
+  def __call__(self, h):
+    tokens, w_in, w_out, routing = self.route(h)
+    perm = moe_routing.permute(tokens, routing.experts, self.num_experts)
+    y = jax.lax.ragged_dot(perm.rows, w_in, perm.group_sizes)
     y = activations.apply(y, self.activation).astype(self.dtype)
-    y = jax.lax.ragged_dot(y, w_out.astype(self.dtype), perm.group_sizes)
+    y = jax.lax.ragged_dot(y, w_out, perm.group_sizes)
     return moe_routing.unpermute(y, perm, routing.weights).reshape(h.shape)
