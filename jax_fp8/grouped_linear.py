@@ -18,7 +18,7 @@ from .families._shared import group_bias
 from .layer_checks import (amax_axes, check_dims, check_rings, check_stateless, compute_dtype,
                            float_array, fp8_pays)
 from .layer_state import GroupedLinearState
-from .ops.grouped_gemm import MAX_GROUPS, group_bounds
+from .ops.grouped_gemm import MAX_GROUPS, XLA_RAGGED_DOT, group_bounds
 from .recipes import RECIPES, Recipe, check_recipe
 from .state import ScaleRing
 
@@ -137,10 +137,15 @@ def check_grouped_recipe(recipe) -> None:
   """TypeError unless ``recipe`` is a recipe that ``grouped_linear`` serves, naming those."""
   check_recipe(recipe)
   if not recipe.grouped:
-    takes = " or ".join(c.article() for c in RECIPES if c.grouped)
-    raise TypeError(f"grouped_linear takes {takes} (per-tensor scales, one per expert for the "
-                    f"kernels), got {type(recipe).__name__}: no block-scaled grouped FP8 GEMM "
-                    f"exists yet")
+    raise TypeError(ungrouped_reason(recipe))
+
+
+def ungrouped_reason(recipe: Recipe) -> str:
+  """Why ``grouped_linear`` does not serve ``recipe`` (one whose ``grouped`` is False), naming
+  the recipes it serves (``check_grouped_recipe``'s error, ``convert``'s reason)."""
+  takes = " or ".join(c.article() for c in RECIPES if c.grouped)
+  return (f"grouped_linear takes {takes} (per-tensor scales, one per expert for the kernels), "
+          f"got {type(recipe).__name__}: no block-scaled grouped FP8 GEMM exists yet")
 
 
 def _state_rings(recipe: Recipe, state, groups: int):
@@ -171,7 +176,7 @@ def _grouped_linear_in_dtype(x, kernels, bias, group_sizes):
   """The grouped linear where FP8 cannot pay: XLA's ``ragged_dot`` in x's dtype, no ring
   touched; the groups clipped as ``grouped_gemm`` clips them."""
   start, end = group_bounds(group_sizes, x.shape[0])
-  y = jax.lax.ragged_dot(x, kernels.astype(x.dtype), end - start)
+  y = XLA_RAGGED_DOT(x, kernels.astype(x.dtype), end - start)
   if bias is None:
     return y
   return (y.astype(jnp.float32) + group_bias(bias, group_sizes, x.shape[0])).astype(x.dtype)

@@ -178,13 +178,14 @@ def fp8_pays(recipe: Recipe, m: int | None, n: int, k: int, groups: int = 1) -> 
   return k > 0 and n > 0 and m * n * k >= t * (m * k + groups * k * n + m * n)
 
 
-def intensity(m: int | None, n: int, k: int) -> float:
-  """``M*N*K / (M*K + K*N + M*N)``, the GEMM's multiply-adds per element of x, kernel and
-  output that ``fp8_pays`` compares with ``fp8_min_intensity``; ``m`` None: its bound as M
-  grows, ``N*K / (N + K)``. 0 for an empty GEMM."""
+def intensity(m: int | None, n: int, k: int, groups: int = 1) -> float:
+  """``M*N*K / (M*K + G*K*N + M*N)``, the GEMM's multiply-adds per element of x, kernels and
+  output that ``fp8_pays`` compares with ``fp8_min_intensity`` (``groups``: G, the kernels of
+  a grouped GEMM; 1 for a dense one); ``m`` None: its bound as M grows, ``N*K / (N + K)``. 0
+  for an empty GEMM."""
   if m is None:
     return n * k / (n + k) if n > 0 and k > 0 else 0.0
-  den = m * k + k * n + m * n
+  den = m * k + groups * k * n + m * n
   return m * n * k / den if den else 0.0
 
 
