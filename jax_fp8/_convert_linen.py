@@ -1,8 +1,9 @@
 """``convert`` for linen models: ``Converted``, the module that runs a model with its dense
-calls intercepted (``nn.intercept_methods``), the intercepts that run the selected ``nn.Dense``
-/ ``nn.DenseGeneral`` / ``nn.Einsum`` calls through ``_contraction.contract`` with the layer's
-own parameters, and the trace that notes every dense call as a ``LayerReport`` (for the
-warnings and ``conversion_report``). See ``jax_fp8.convert``'s docstring for the contract."""
+calls intercepted (``nn.intercept_methods``) and its ``jax.lax.ragged_dot`` calls too
+(``_convert_ragged``), the intercepts that run the selected ``nn.Dense`` / ``nn.DenseGeneral`` /
+``nn.Einsum`` calls through ``_contraction.contract`` with the layer's own parameters, and the
+trace that notes every dense call and ragged dot as a ``LayerReport`` (for the warnings and
+``conversion_report``). See ``jax_fp8.convert``'s docstring for the contract."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 
 from . import convert_report as cr
 from ._contraction import Contraction, contract, dense_general_plan, einsum_plan
+from ._convert_ragged import RaggedCalls, intercepted
 from ._convert_rules import _device_note, _selects, _status
 from ._layer import create_state, linen_key
 from .convert_report import LayerReport
@@ -24,8 +26,8 @@ from .inference import Fp8Weight
 from .recipes import Recipe
 
 class Converted(nn.Module):
-  """A linen model run with its selected dense layers through jax_fp8 (``convert``). It shares
-  the model's scope, so the variables keep the model's paths."""
+  """A linen model run with its selected dense layers and ragged dots through jax_fp8
+  (``convert``). It shares the model's scope, so the variables keep the model's paths."""
 
   module: nn.Module
   recipe: Recipe
@@ -43,7 +45,10 @@ class Converted(nn.Module):
     token = _TRACE.set(trace)
     try:
       intercept = functools.partial(_intercept, self.recipe, self.include, self.exclude)
-      with nn.intercept_methods(intercept):
+      calls = RaggedCalls(self.recipe, self.include, self.exclude,
+                          functools.partial(trace.note, dense=False))
+      with (nn.intercept_methods(calls.intercept), nn.intercept_methods(intercept),
+            intercepted(calls)):
         out = self.module(*args, **kwargs)
     finally:
       _TRACE.reset(token)
@@ -64,19 +69,21 @@ class Converted(nn.Module):
 
 
 class _Trace:
-  """The dense layers one call of a converted linen model met, in call order."""
+  """The dense layers and ragged dots one call of a converted linen model met, in call order."""
 
   def __init__(self):
     self.seen = {}   # path -> [LayerReport with the status of convert's rules, smallest M]
     self.last = None  # the path of the last dense layer called
     self.last_shape = None  # its output's shape
 
-  def note(self, layer: LayerReport):
+  def note(self, layer: LayerReport, dense: bool = True):
+    """Note a call of ``layer`` (``dense`` False: a ragged dot, never the output projection)."""
     old = self.seen.get(layer.path)
     if old is not None and old.m is not None and (layer.m is None or old.m <= layer.m):
       layer = old
     self.seen[layer.path] = layer
-    self.last = layer.path
+    if dense:
+      self.last = layer.path
 
   def layers(self, recipe) -> tuple[LayerReport, ...]:
     """The layers, a converted one's status at its smallest M (FP8 or below intensity)."""

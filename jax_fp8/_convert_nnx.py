@@ -19,6 +19,7 @@ from flax import nnx
 from . import convert_report as cr
 from . import nnx as fp8_nnx
 from ._contraction import Contraction, dense_general_plan, einsum_plan
+from ._convert_ragged import RaggedCalls, intercepted
 from ._convert_rules import _device_note, _selects, _status
 from .convert_report import LayerReport
 
@@ -226,34 +227,53 @@ def _rows(node, x) -> int | None:
   return math.prod(shape[:len(shape) - contracted])
 
 
+# Why convert leaves an NNX model's ragged dots as they are (docs/convert.md says more).
+NNX_RAGGED = ("NNX: convert swaps layers in place and runs nothing around the model's call, so "
+              "no function the model calls is intercepted (docs/convert.md): call "
+              "jax_fp8.grouped_linear there, or use jax_fp8.nnx.MoeMlp")
+
+
 def _nnx_trace(model, static, inputs, values):
-  """(path -> the smallest M each dense layer of ``static`` was called with, in first-call
-  order; the path of the last one called) for one abstract call of the NNX ``model``."""
+  """(path -> the smallest M each dense layer of ``static`` and each ragged dot call site was
+  called with, in first-call order; the path of the last dense layer called; the ragged dots'
+  ``LayerReport``s, each left as it was with ``NNX_RAGGED``) for one abstract call of the NNX
+  ``model``. The model's module classes' ``__call__`` are wrapped while it runs, to tell the
+  dense layers' M and the module that makes each ragged dot."""
   graphdef, state = nnx.split(model)
   wanted = {r.path for r in static}
-  rows, last, last_shape = {}, [None], [None]
-  classes = {type(node) for p, node in nnx.iter_graph(model) if "/".join(map(str, p)) in wanted}
+  rows, last, last_shape, ragged = {}, [None], [None], {}
+  classes = {type(node) for _, node in nnx.iter_graph(model) if isinstance(node, nnx.Module)
+             and any("__call__" in vars(c) for c in type(node).__mro__)}
   paths = {}
+
+  def called(path, m):
+    old = rows.get(path)
+    rows[path] = m if old is None or (m is not None and m < old) else old
+
+  def note(row):  # a ragged dot call
+    ragged.setdefault(row.path, row)
+    called(row.path, row.m)
+  calls = RaggedCalls(None, None, None, note, leave=NNX_RAGGED)
 
   def recording(call):
     @functools.wraps(call)
     def wrapper(self, *a, **kw):
       path = paths.get(id(self))
-      if path is not None and a:
-        m = _rows(self, a[0])
-        old = rows.get(path)
-        rows[path] = m if old is None or (m is not None and m < old) else old
-        last[0] = path
-      out = call(self, *a, **kw)
-      if path is not None:
+      if path is None:
+        return call(self, *a, **kw)
+      name = "/".join(map(str, path))
+      if name in wanted and a:
+        called(name, _rows(self, a[0]))
+        last[0] = name
+      out = calls.within(path, None, call, self, *a, **kw)
+      if name in wanted:
         last_shape[0] = jnp.shape(out)
       return out
     return wrapper
 
   def run(state, *values):
     copy = nnx.merge(graphdef, state)
-    paths.update({id(node): "/".join(map(str, p)) for p, node in nnx.iter_graph(copy)
-                  if "/".join(map(str, p)) in wanted})
+    paths.update({id(node): p for p, node in nnx.iter_graph(copy) if isinstance(node, nnx.Module)})
     a, kw = inputs(values)
     return copy(*a, **kw)
 
@@ -261,7 +281,8 @@ def _nnx_trace(model, static, inputs, values):
   try:
     for cls in classes:
       cls.__call__ = recording(cls.__call__)
-    out = jax.eval_shape(run, state, *values)
+    with intercepted(calls):
+      out = jax.eval_shape(run, state, *values)
   finally:
     for cls, call in saved.items():
       if call is None:
@@ -269,4 +290,4 @@ def _nnx_trace(model, static, inputs, values):
       else:
         cls.__call__ = call
   output = last[0] if last_shape[0] in {v.shape for v in jax.tree.leaves(out)} else None
-  return rows, output
+  return rows, output, tuple(ragged.values())

@@ -11,6 +11,30 @@ model's own code unchanged. Needs the ``flax`` extra.
   the stateless recipes). Only ``__call__`` of the model is converted. ``convert`` of a
   converted model converts the original anew with the new arguments (the recipe replaced); a
   bound module (``bind``, or built inside another module's method) is refused.
+- Linen mixtures of experts (``_convert_ragged``): while the converted ``__call__`` runs,
+  ``jax.lax.ragged_dot`` and ``jax.lax.ragged_dot_general`` are replaced on the ``jax.lax``
+  module (restored in ``finally``; calls from other threads and outside the model run as
+  before). A call made inside one of the model's modules with lhs [M, K], rhs [G, K, N]
+  (``ragged_dot_general``: ragged_dot's own dimension numbers), integer group sizes [G], the
+  default precision, float operands and a float output (``preferred_element_type`` None or a
+  float) and nothing else (no ``group_offset`` / ``out_sharding``) runs as
+  ``jax_fp8.grouped_linear(lhs, rhs, group_sizes, recipe=..., state=..., dtype=<the call's
+  output dtype>)``: the rhs (the module's expert weights, or what the module made of them) as
+  the kernels, so gradients reach them and lhs as ragged_dot's would. Its rings (a
+  ``GroupedLinearState`` under ``DelayedScaling``, one kernel ring per expert) are the variable
+  "ragged_dot_<i>" in "fp8_state" under the calling module's path, for the i-th ragged dot
+  (from 0, in call order) that one call of that module makes: a module called twice reuses its
+  names and rings, as a dense layer does. The selection below applies to the path
+  "<module path>/ragged_dot_<i>" (a pattern naming the module matches it unless anchored with
+  ``$``), the intensity is the grouped GEMM's ``M*N*K / (M*K + G*K*N + M*N)``. Left as they
+  were, with the reason in the report: other forms; every call under a recipe without grouped
+  GEMMs (``recipe.grouped`` False: ``BlockScaling``, ``MXFP8BlockScaling``,
+  ``NVFP4BlockScaling``); under ``DelayedScaling`` a call from a method Flax makes no variables
+  in (a setup-style module's ``__call__``) or from inside a JAX transform within the method
+  (``jax.checkpoint``, ``jax.jit``, ``lax.scan``: the ring would be observed apart from its
+  module; Flax's ``nn.remat`` / ``nn.scan`` serve; JAX has no ``vmap`` of a ragged dot to begin
+  with). Not seen at all: a ``ragged_dot`` the model's code bound before the call (``from
+  jax.lax import ragged_dot`` at import), which the report cannot list either.
 - NNX: ``convert(model, ...)`` replaces every ``nnx.Linear``, ``nnx.LinearGeneral`` (e.g. the
   projections of ``nnx.MultiHeadAttention``) and ``nnx.Einsum`` the filter selects, in place, by
   a ``jax_fp8.nnx.Linear``, ``LinearGeneral`` or ``Einsum`` holding the same parameter
@@ -18,7 +42,9 @@ model's own code unchanged. Needs the ``flax`` extra.
   layer if ``model`` is itself one of those). Layers made by ``nnx.vmap`` (kernels with leading
   stack axes, e.g. [L, K, N]) get stacked rings and stochastic rounding streams, one a layer,
   so ``nnx.scan`` over them trains. A second ``convert`` of a model it converted is refused
-  (the first recipe would stay): convert a freshly built model instead.
+  (the first recipe would stay): convert a freshly built model instead. Its ragged dots stay
+  as they are (nothing of jax_fp8 runs around an NNX model's call, docs/convert.md says why);
+  ``conversion_report`` lists them with that reason.
 
 ``DenseGeneral`` / ``LinearGeneral`` and ``Einsum`` run as one GEMM (``_contraction``): the
 input's trailing axes contracted into the kernel's, the output the input's other axes followed by
@@ -158,12 +184,13 @@ def conversion_report(model, *args, rngs=None, **kwargs) -> ConversionReport:
   Returns:
     a ``ConversionReport``: one ``LayerReport`` per dense layer (linen: ``nn.Dense``,
     ``nn.DenseGeneral``, ``nn.Einsum`` and subclasses; NNX: ``nnx.Linear``,
-    ``nnx.LinearGeneral``, ``nnx.Einsum`` and the jax_fp8 layers), converted or not, why, and
-    each converted layer's status at the traced M (``fp8`` or ``below_intensity``).
+    ``nnx.LinearGeneral``, ``nnx.Einsum`` and the jax_fp8 layers) and per ``jax.lax``
+    ragged dot call site ("lax.ragged_dot", its expert count in ``groups``), converted or not,
+    why, and each converted layer's status at the traced M (``fp8`` or ``below_intensity``).
     ``print(report)`` shows the table.
   Raises:
     TypeError for a model that ``convert`` did not return, or rngs given for NNX. The NNX
-    trace patches the dense layer classes' ``__call__`` while it runs (not thread-safe).
+    trace patches the model's module classes' ``__call__`` while it runs (not thread-safe).
   """
   leaves, tree = jax.tree.flatten((args, kwargs))
   dyn = [i for i, v in enumerate(leaves)
@@ -193,9 +220,9 @@ def conversion_report(model, *args, rngs=None, **kwargs) -> ConversionReport:
     if rngs is not None:
       raise TypeError("rngs serves linen models' init; an NNX model holds its own: pass none")
     recipe, static = _nnx_conversion(model)
-    rows, last = _nnx_trace(model, static, lambda values: inputs(values),
-                            [leaves[i] for i in dyn])
-    called = [r for r in static if r.path in rows]
+    rows, last, ragged = _nnx_trace(model, static, lambda values: inputs(values),
+                                    [leaves[i] for i in dyn])
+    called = [r for r in static if r.path in rows] + list(ragged)
     layers = sorted(called, key=lambda r: list(rows).index(r.path)) + [
         r for r in static if r.path not in rows]
     layers = tuple(cr.at_rows(r, recipe, rows.get(r.path)) for r in layers)

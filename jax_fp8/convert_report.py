@@ -1,5 +1,6 @@
-"""What ``jax_fp8.convert`` did to a model: one ``LayerReport`` per dense layer found, converted
-or not and why, and the intensity at the shapes a trace saw; a ``ConversionReport`` holds them
+"""What ``jax_fp8.convert`` did to a model: one ``LayerReport`` per dense layer (and per
+``jax.lax.ragged_dot`` call site of a mixture of experts) found, converted or not and why, and
+the intensity at the shapes a trace saw; a ``ConversionReport`` holds them
 (``jax_fp8.convert.conversion_report`` builds it) and prints as a table. Also the warning the
 conversion gives where layers stay in higher precision for want of intensity, or where the
 model's last projection runs in FP8."""
@@ -43,18 +44,22 @@ class ConversionWarning(UserWarning):
 
 @dataclasses.dataclass(frozen=True)
 class LayerReport:
-  """One dense layer of a converted model.
+  """One dense layer of a converted model, or one ``jax.lax.ragged_dot`` call site.
 
   Attributes:
     path: the layer's module path, its names joined by "/" (as ``quantize_weights`` sees its
-      params, less the parameter's name).
-    layer: its type, e.g. "nn.Dense", "nn.DenseGeneral", "nnx.Linear", "nnx.LinearGeneral".
+      params, less the parameter's name); a ragged dot's: its module's path and
+      "ragged_dot_<i>", the i-th ragged dot that one call of the module makes (where its rings
+      lie in "fp8_state").
+    layer: its type, e.g. "nn.Dense", "nn.DenseGeneral", "nnx.Linear", "nnx.LinearGeneral",
+      "lax.ragged_dot", "lax.ragged_dot_general".
     k, n: the GEMM's contracted and output sizes (flattened; None where unknown).
     m: the rows of its input at the traced shapes (the product of the axes not contracted;
       the smallest over its calls), None where the trace did not call it or it is unknown.
     status: one of ``FP8``, ``BELOW``, ``CONVERTED`` (converted) or ``NEVER_PAYS``,
       ``EXCLUDED``, ``NOT_INCLUDED``, ``UNALIGNED``, ``UNSUPPORTED`` (left as it was).
     detail: the reason in words ("" for FP8).
+    groups: a ragged dot's expert count G (its rhs [G, K, N]); None for a dense layer.
   """
 
   path: str
@@ -64,6 +69,7 @@ class LayerReport:
   m: int | None
   status: str
   detail: str
+  groups: int | None = None
 
   @property
   def converted(self) -> bool:
@@ -72,11 +78,11 @@ class LayerReport:
 
   @property
   def intensity(self) -> float | None:
-    """``M*N*K / (M*K + K*N + M*N)`` at the traced M (its bound ``N*K / (N + K)`` where M is
-    unknown), None without K and N."""
+    """``M*N*K / (M*K + G*K*N + M*N)`` (G = 1 for a dense layer) at the traced M (its bound
+    ``N*K / (N + K)`` where M is unknown), None without K and N."""
     if self.k is None or self.n is None:
       return None
-    return intensity(self.m, self.n, self.k)
+    return intensity(self.m, self.n, self.k, self.groups or 1)
 
 
 def at_rows(layer: LayerReport, recipe: Recipe, m: int | None) -> LayerReport:
@@ -86,12 +92,13 @@ def at_rows(layer: LayerReport, recipe: Recipe, m: int | None) -> LayerReport:
     return dataclasses.replace(layer, m=m)
   if m is None:
     return dataclasses.replace(layer, m=m, status=CONVERTED)
-  if fp8_pays(recipe, m, layer.n, layer.k):
+  groups = layer.groups or 1
+  if fp8_pays(recipe, m, layer.n, layer.k, groups):
     return dataclasses.replace(layer, m=m, status=FP8, detail="")
   return dataclasses.replace(
       layer, m=m, status=BELOW,
-      detail=f"{intensity(m, layer.n, layer.k):.0f} < fp8_min_intensity={threshold(recipe)} at "
-             f"M={m}: runs in its input's dtype")
+      detail=f"{intensity(m, layer.n, layer.k, groups):.0f} < fp8_min_intensity="
+             f"{threshold(recipe)} at M={m}: runs in its input's dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +113,8 @@ class ConversionReport:
       where an output of the model has that layer's output shape (None otherwise, e.g. where
       the logits come from a tied embedding after it).
   ``str(report)`` is a table; ``converted``, ``fp8``, ``left`` select rows; ``select`` is the
-  ``select`` argument of ``jax_fp8.quantize_weights`` that quantizes the converted layers'
-  kernels only.
+  ``select`` argument of ``jax_fp8.quantize_weights`` that quantizes the converted dense
+  layers' kernels only (a ragged dot's expert weights stay as they are).
   """
 
   recipe: Recipe
@@ -138,13 +145,15 @@ class ConversionReport:
 
   def select(self, path: str, kernel=None) -> bool:
     """Whether ``path`` (a parameter's path, e.g. "block_0/Dense_0/kernel", as
-    ``quantize_weights`` passes it) is a parameter of a converted layer."""
-    return path.rpartition("/")[0] in {r.path for r in self.converted}
+    ``quantize_weights`` passes it) is a parameter of a converted dense layer."""
+    return path.rpartition("/")[0] in {r.path for r in self.converted if r.groups is None}
 
   def __str__(self) -> str:
-    head = ("path", "layer", "K", "N", "M", "intensity", "status")
+    grouped = any(r.groups is not None for r in self.layers)  # a column G for ragged dots
+    head = ("path", "layer", "K", "N", "M", *("G",) * grouped, "intensity", "status")
     fmt = lambda v: "-" if v is None else str(v)  # noqa: E731
     rows = [(r.path or "(model)", r.layer, fmt(r.k), fmt(r.n), fmt(r.m),
+             *(fmt(r.groups),) * grouped,
              "-" if r.intensity is None else f"{r.intensity:.0f}{'' if r.m is not None else '*'}",
              r.status + (f": {r.detail}" if r.detail else "")) for r in self.layers]
     widths = [max(len(row[i]) for row in (head, *rows)) for i in range(len(head) - 1)]
@@ -153,8 +162,8 @@ class ConversionReport:
     recipe = repr(self.recipe).replace(repr(NEVER_INTENSITY), "NEVER_INTENSITY")
     title = (f"jax_fp8.convert, {recipe}: {len(self.converted)} of {len(self.layers)} "
              f"dense layers converted, {len(self.fp8)} ran FP8 at the traced shapes")
-    notes = ("(intensity: M*N*K / (M*K + K*N + M*N) at the traced M; * where M is unknown: "
-             "its bound N*K / (N + K))")
+    notes = (f"(intensity: M*N*K / (M*K + {'G*' * grouped}K*N + M*N) at the traced M; * where M "
+             f"is unknown: its bound N*K / (N + K))")
     lines = [title, line(head), *map(line, rows), notes]
     if self.last is not None and self[self.last].converted:
       lines.append(f"the last projection, {self.last!r}, is converted: FP8 recipes keep an "

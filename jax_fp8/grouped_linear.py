@@ -16,7 +16,7 @@ from .families._shared import group_bias
 from .layer_checks import (amax_axes, check_dims, check_grouped_recipe, check_stateless,
                            compute_dtype, fp8_pays, grouped_bias, grouped_operands, state_rings)
 from .layer_state import GroupedLinearState
-from .ops.grouped_gemm import group_bounds
+from .ops.grouped_gemm import XLA_RAGGED_DOT, group_bounds
 from .recipes import Recipe
 
 
@@ -117,7 +117,7 @@ def ragged_in_dtype(x, kernels, bias, group_sizes):
   [G, K, N] in x's dtype, each row's group's bias [G, N] (or None) added in f32, no ring
   touched; the groups clipped as ``grouped_gemm`` clips them. [M, N] in x's dtype."""
   start, end = group_bounds(group_sizes, x.shape[0])
-  y = jax.lax.ragged_dot(x, kernels.astype(x.dtype), end - start)
+  y = XLA_RAGGED_DOT(x, kernels.astype(x.dtype), end - start)
   if bias is None:
     return y
   return (y.astype(jnp.float32) + group_bias(bias, group_sizes, x.shape[0])).astype(x.dtype)

@@ -135,9 +135,15 @@ def check_grouped_recipe(recipe, op: str) -> None:
   naming those (``op``: the function called, for the message)."""
   check_recipe(recipe)
   if not recipe.grouped:
-    takes = " or ".join(c.article() for c in RECIPES if c.grouped)
-    raise TypeError(f"{op} takes {takes} (per-tensor scales, one per expert for the kernels), "
-                    f"got {type(recipe).__name__}: no block-scaled grouped FP8 GEMM exists yet")
+    raise TypeError(ungrouped_reason(recipe, op))
+
+
+def ungrouped_reason(recipe: Recipe, op: str = "grouped_linear") -> str:
+  """Why ``op`` (a grouped layer) does not serve ``recipe``, one whose ``grouped`` is False,
+  naming the recipes it serves (``check_grouped_recipe``'s error, ``convert``'s reason)."""
+  takes = " or ".join(c.article() for c in RECIPES if c.grouped)
+  return (f"{op} takes {takes} (per-tensor scales, one per expert for the kernels), got "
+          f"{type(recipe).__name__}: no block-scaled grouped FP8 GEMM exists yet")
 
 
 def check_key(recipe: Recipe, key):
@@ -283,13 +289,14 @@ def fp8_pays(recipe: Recipe, m: int | None, n: int, k: int, groups: int = 1) -> 
   return k > 0 and n > 0 and m * n * k >= t * (m * k + groups * k * n + m * n)
 
 
-def intensity(m: int | None, n: int, k: int) -> float:
-  """``M*N*K / (M*K + K*N + M*N)``, the GEMM's multiply-adds per element of x, kernel and
-  output that ``fp8_pays`` compares with ``fp8_min_intensity``; ``m`` None: its bound as M
-  grows, ``N*K / (N + K)``. 0 for an empty GEMM."""
+def intensity(m: int | None, n: int, k: int, groups: int = 1) -> float:
+  """``M*N*K / (M*K + G*K*N + M*N)``, the GEMM's multiply-adds per element of x, kernels and
+  output that ``fp8_pays`` compares with ``fp8_min_intensity`` (``groups``: G, the kernels of
+  a grouped GEMM; 1 for a dense one); ``m`` None: its bound as M grows, ``N*K / (N + K)``. 0
+  for an empty GEMM."""
   if m is None:
     return n * k / (n + k) if n > 0 and k > 0 else 0.0
-  den = m * k + k * n + m * n
+  den = m * k + groups * k * n + m * n
   return m * n * k / den if den else 0.0
 
 

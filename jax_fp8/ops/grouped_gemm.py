@@ -22,6 +22,9 @@ ROW_ALIGN = _ffi.CONSTANTS["grouped_row_align"]  # 16: wgrad groups start at mul
 MAX_GROUPS = _ffi.CONSTANTS["max_groups"]
 _ROWS, _WGRAD = 0, 1  # the handler's `form` attribute (csrc GroupedForm)
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+# XLA's ragged dots as jax.lax held them when jax_fp8 was imported: jax_fp8.convert replaces
+# jax.lax's while a converted linen model runs, and jax_fp8's own calls are never the model's.
+XLA_RAGGED_DOT, XLA_RAGGED_DOT_GENERAL = jax.lax.ragged_dot, jax.lax.ragged_dot_general
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +119,8 @@ def _on_cpu(p: Problem, a, b, a_scale, b_scale, group_sizes):
   a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   hi = jax.lax.Precision.HIGHEST
   if p.form == _ROWS:
-    acc = jax.lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), sizes, precision=hi,
-                             preferred_element_type=jnp.float32)  # [M, N]
+    acc = XLA_RAGGED_DOT(a, jnp.swapaxes(b, 1, 2), sizes, precision=hi,
+                         preferred_element_type=jnp.float32)  # [M, N]
     row_scale = b_scale if not p.per_group_scale else jnp.concatenate(
         [b_scale, jnp.ones((1,), jnp.float32)])[jnp.searchsorted(end, jnp.arange(rows),
                                                                  side="right")]
@@ -125,8 +128,8 @@ def _on_cpu(p: Problem, a, b, a_scale, b_scale, group_sizes):
   else:
     dn = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((1,), (1,)), ((), ())),
                                            lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
-    acc = jax.lax.ragged_dot_general(a, b, sizes, dn, precision=hi,
-                                     preferred_element_type=jnp.float32)  # [G, K, N]
+    acc = XLA_RAGGED_DOT_GENERAL(a, b, sizes, dn, precision=hi,
+                                 preferred_element_type=jnp.float32)  # [G, K, N]
     d = apply_scales(acc, a_scale, b_scale)
     d = jnp.where(misaligned(start, end)[:, None, None], jnp.nan, d)
   return d.astype(p.out_dtype)
