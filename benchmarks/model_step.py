@@ -169,7 +169,7 @@ class Settings:
 
 # the fields --quick keeps (with microbatches)
 MOE = ("moe_experts", "moe_top_k", "moe_hidden", "moe_capacity_factor")
-QUICK = Settings(d_model=256, heads=4, ffn=512, layers=2, seq=128, batch=2, vocab=512,
+QUICK = Settings(d_model=256, heads=4, ffn=512, layers=1, seq=128, batch=2, vocab=512,
                  attention="default")
 
 

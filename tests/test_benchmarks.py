@@ -180,8 +180,8 @@ def test_model_step_moe(tmp_path):
   s = dataclasses.replace(model_step.QUICK, moe_experts=4)
   # 3 x the forward's 2 x tokens x (layers x (q k v o + attention + router + 2 SwiGLU experts)
   # + the LM head), d_model 256, ffn 512, seq 128, batch 2, vocab 512
-  assert res["step_flops"] == 3 * 2 * 256 * (2 * (4 * 256**2 + 2 * 128 * 256 + 256 * 4
-                                                  + 2 * 3 * 256 * 512) + 256 * 512)
+  assert res["step_flops"] == 3 * 2 * 256 * (s.layers * (4 * 256**2 + 2 * 128 * 256 + 256 * 4
+                                                         + 2 * 3 * 256 * 512) + 256 * 512)
   for r in rows.values():
     assert 0 < r["loss"] < 10 and r["step_ms"] > 0
     assert r["TFLOPs"] == pytest.approx(res["step_flops"] / r["step_ms"] / 1e9)
