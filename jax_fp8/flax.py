@@ -16,8 +16,8 @@ from flax import serialization
 
 from . import _names, activations, checks, norms
 from ._flax_cast import cast_kernels
-from ._layer import (call_layer, call_mlp, check_layer, check_norm_attr, create_state,
-                     linen_key)
+from ._layer import (SR_STREAM, call_layer, call_mlp, check_layer, check_norm_attr,
+                     create_state, linen_key)
 from .inference import Fp8Weight
 from .cast_kernel import CastKernel
 from .layer_state import (MLP_RINGS, GroupedLinearState, GroupedMlpState, LinearState, MlpState,
@@ -26,7 +26,7 @@ from .moe import MoeState, expert_init, local_experts, moe_mlp
 from .recipes import DelayedScaling, Recipe, check_recipe
 from .state import ScaleRing
 
-__all__ = ["STATE_COLLECTION", "Dense", "Mlp", "MoeMlp", "MultiDense", "cast_kernels",
+__all__ = ["SR_STREAM", "STATE_COLLECTION", "Dense", "Mlp", "MoeMlp", "MultiDense", "cast_kernels",
            "fp8_state_variable"]
 
 STATE_COLLECTION = "fp8_state"

@@ -13,7 +13,7 @@ import pytest
 from conftest import PLATFORMS, bits, on_cpu, poison_allocator, roundoff
 
 import jax_fp8
-from jax_fp8 import reference
+from jax_fp8 import formats, reference
 from jax_fp8.ops import blockwise
 
 FMTS = ["e4m3", "e5m2"]
@@ -343,7 +343,7 @@ def test_dequantize_roundtrip(platform, rng, fmt):
   for dtype in DTYPES:
     for ue8m0 in (False, True):
       x = rand_rows(rng, (300, 512), dtype)
-      xf = ref(reference.as_f32, x)  # the values the kernels see (f32 subnormals -> 0)
+      xf = ref(formats.as_f32, x)  # the values the kernels see (f32 subnormals -> 0)
       for gs in (128, 32):
         got = blockwise.group_quantize(x, group_size=gs, fmt=fmt, ue8m0=ue8m0)
         q, s = got.data, got.scale
