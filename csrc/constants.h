@@ -62,9 +62,14 @@ enum class ScaleLayoutId : int64_t { kRow = 0, kCol = 1, kColTma = 2 };
 // The tile of block scaling: 128 x 128 blocks (block_quantize) and 1 x 128 / 128 x 1 groups
 // (group_cast_transpose), as cuBLASLt's BLK128x128 / VEC128 scale modes take them.
 constexpr int kBlockTile = 128;
+// Under block scales the grouped GEMM's ragged contraction (wgrad) starts each group at a row
+// that is a multiple of this, so that the 1 x 128 groups of its operands along the grouped rows
+// (each with one scale) never straddle two groups.
+constexpr int kGroupedBlockRowAlign = kBlockTile;
 
-// Scale modes of jax_fp8_gemm (the `scale_mode` attribute): per-tensor scalars; a 1 x 128
-// groups with b 128 x 128 blocks; a and b both 1 x 128 groups.
+// Scale modes of jax_fp8_gemm and jax_fp8_grouped_gemm (the `scale_mode` attribute):
+// per-tensor scalars; a 1 x 128 groups with b 128 x 128 blocks; a and b both 1 x 128 groups
+// (the grouped GEMM: kBlock128x128 for its rows form, kGroup1x128 for its wgrad).
 enum class ScaleMode : int64_t { kPerTensor = 0, kBlock128x128 = 1, kGroup1x128 = 2 };
 
 // Group sizes jax_fp8_group_quantize takes (one instantiation each).

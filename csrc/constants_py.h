@@ -30,6 +30,7 @@ inline nanobind::dict constants_dict() {
   d["layout_col"] = int64_t(ScaleLayoutId::kCol);
   d["layout_col_tma"] = int64_t(ScaleLayoutId::kColTma);
   d["block_tile"] = kBlockTile;
+  d["grouped_block_row_align"] = kGroupedBlockRowAlign;
   d["scale_mode_per_tensor"] = int64_t(ScaleMode::kPerTensor);
   d["scale_mode_block"] = int64_t(ScaleMode::kBlock128x128);
   d["scale_mode_group"] = int64_t(ScaleMode::kGroup1x128);
