@@ -290,7 +290,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     cutlass::arch::fence_barrier_init();
   }
   // Every CTA's barriers exist before the cluster's copies and arrivals reach them.
-  cute::cluster_sync();
+  if (p.cluster > 1)
+    cute::cluster_sync();
+  else
+    __syncthreads();
   cudaGridDependencySynchronize();  // PDL: the upstream grid's outputs are ready from here on
 
   if (group == 0) {
@@ -374,7 +377,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         // The MMAs are done and this warp's reads of the scales too: free the stage in every
         // CTA whose producer copies into it.
         __syncwarp();
-        if (lane == 0)
+        if (lane == 0 && p.cluster == 1) Barrier::arrive(&empty[stage]);
+        if (lane == 0 && p.cluster > 1)
           for (int c = 0; c < p.cluster; ++c) Barrier::arrive(&empty[stage], c, 1);
         if (++stage == T::kStages) stage = 0, phase ^= 1;
       }

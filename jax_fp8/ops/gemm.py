@@ -151,19 +151,27 @@ def _on_cuda(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
 
 
 def _block_kernel(kernel: str, p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
-  """jax_fp8's block-scaled kernel ``kernel`` (csrc/ffi/block_gemm.h), with the scales in the
-  layouts it reads: a_scale [K/128, ceil4(M)], b_scale [K/128, N] (1 x 128 groups) or
-  [K/128, ceil4(ceil(N/128))] (128 x 128 blocks), each M or N contiguous (TMA's rows of 16
-  bytes); a needs no padding (TMA reads rows past M as zeros)."""
+  """jax_fp8's block-scaled kernel ``kernel``, with the scales in the layouts it reads
+  (``block_kernel_call``); a needs no padding (TMA reads rows past M as zeros)."""
   _, bias = p.split(rest)
-  m, n = a.shape[0], b.shape[0]
-  a_scale = jnp.pad(a_scale, ((0, -m % 4), (0, 0))).T
+  a_scale_t = jnp.pad(a_scale, ((0, -a.shape[0] % 4), (0, 0))).T
   if p.mode == BLOCK_128X128:
     b_scale = jnp.pad(b_scale, ((0, -b_scale.shape[0] % 4), (0, 0)))
-  return jax.ffi.ffi_call("jax_fp8_block_gemm", jax.ShapeDtypeStruct((m, n), out_dtype),
+  return block_kernel_call(kernel, p.mode, out_dtype, a, b, a_scale_t, b_scale.T, bias)
+
+
+def block_kernel_call(kernel: str, mode: int, out_dtype, a, b, a_scale_t, b_scale_t, bias=None):
+  """The FFI call of jax_fp8's block-scaled kernel ``kernel`` (one of ``ALGORITHMS[2:]``; CUDA,
+  sm_90) on operands already checked by ``gemm``, the scales in the layouts it reads
+  (``csrc/ffi/block_gemm.h``), each M or N contiguous for TMA's 16-byte rows: a [M, K] and
+  b [N, K] e4m3; a_scale_t [K/128, ceil4(M)]; b_scale_t [K/128, N] (``GROUP_1X128``) or
+  [K/128, ceil4(ceil(N/128))] (``BLOCK_128X128``); bias [N] in ``out_dtype`` (bf16 / f16) or
+  None. Returns d [M, N] in ``out_dtype``."""
+  return jax.ffi.ffi_call("jax_fp8_block_gemm",
+                          jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype),
                           vmap_method="sequential")(
-      a, b, a_scale, b_scale.T, bias if bias is not None else jnp.zeros((0,), out_dtype),
-      has_bias=p.has_bias, scale_mode=np.int64(p.mode), kernel=kernel)
+      a, b, a_scale_t, b_scale_t, bias if bias is not None else jnp.zeros((0,), out_dtype),
+      has_bias=bias is not None, scale_mode=np.int64(mode), kernel=kernel)
 
 
 def _cublaslt(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
