@@ -46,17 +46,22 @@ def bench_quantizers(shapes, rand, ceil):
   return rows
 
 
+def _gemm_problem(m, n, k, rand):
+  """e4m3 a [M, K] and b [N, K], a's 1 x 128 scales, the GEMM's FLOPs and the per-tensor FP8
+  GEMM's seconds on a and b."""
+  a = rand(3, (m, k), jnp.float8_e4m3fn)
+  b = rand(4, (n, k), jnp.float8_e4m3fn)
+  sa = jnp.abs(rand(5, (m, k // 128), jnp.float32)) + 0.5
+  one = jnp.float32(1)
+  return a, b, sa, 2 * m * n * k, device_time(lambda a, b: jax_fp8.gemm(a, b, one, one), a, b)
+
+
 def bench_gemm(shapes, rand):
   """Block-scaled GEMMs, 1 x 128 activations times b in 128 x 128 blocks (forward, dgrad) or
   in 1 x 128 groups (wgrad), against the per-tensor FP8 GEMM and BF16 on the same operands."""
   rows = []
   for m, n, k in shapes:
-    a = rand(3, (m, k), jnp.float8_e4m3fn)
-    b = rand(4, (n, k), jnp.float8_e4m3fn)
-    sa = jnp.abs(rand(5, (m, k // 128), jnp.float32)) + 0.5
-    one = jnp.float32(1)
-    flops = 2 * m * n * k
-    tensor = device_time(lambda a, b: jax_fp8.gemm(a, b, one, one), a, b)
+    a, b, sa, flops, tensor = _gemm_problem(m, n, k, rand)
     a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
     bf16 = device_time(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ()))), a16, b16)
     for case, b_rows in (("block gemm", -(-n // 128)), ("block gemm 1x128", n)):
@@ -76,12 +81,7 @@ def bench_kernels(shapes, rand):
   and every kernel's rate."""
   rows = []
   for m, n, k in shapes:
-    a = rand(3, (m, k), jnp.float8_e4m3fn)
-    b = rand(4, (n, k), jnp.float8_e4m3fn)
-    sa = jnp.abs(rand(5, (m, k // 128), jnp.float32)) + 0.5
-    one = jnp.float32(1)
-    flops = 2 * m * n * k
-    tensor = device_time(lambda a, b: jax_fp8.gemm(a, b, one, one), a, b)
+    a, b, sa, flops, tensor = _gemm_problem(m, n, k, rand)
     for case, b_rows in (("block gemm kernels", -(-n // 128)), ("block gemm 1x128 kernels", n)):
       sb = jnp.abs(rand(6, (b_rows, k // 128), jnp.float32)) + 0.5
       t = {name: device_time(lambda a, b, sa, sb, name=name: jax_fp8.gemm(
