@@ -47,8 +47,9 @@ inline ffi::Error DecodeBlockGemm(Platform platform, BlockGemmCall& c, ffi::AnyB
   if (b.dimensions()[1] != K) return invalid("a [M, K] and b [N, K] must share K");
   if (K % kBlockTile || K == 0 || N % kGemmDimMultiple || N == 0)
     return invalid("K must be a positive multiple of 128 and N of 16");
-  constexpr int64_t kMax = std::numeric_limits<int>::max();
-  if (M > kMax || N > kMax || K > kMax) return invalid("M, N and K must be below 2^31");
+  // The kernel's row and column arithmetic is in int: M rounded up to a tile must fit.
+  constexpr int64_t kMax = std::numeric_limits<int>::max() - 256;
+  if (M > kMax || N > kMax || K > kMax) return invalid("M, N and K must be below 2^31 - 256");
   if (d->dimensions()[0] != M || d->dimensions()[1] != N) return invalid("d must be [M, N]");
   const ScaleMode mode = static_cast<ScaleMode>(scale_mode);
   const auto [na, nb] = block_gemm_scale_sizes(mode, M, N, K);

@@ -139,12 +139,16 @@ def _on_cuda(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
   (``_cublaslt``) or one of jax_fp8's block-scaled kernels (``_block_kernel``)."""
   m, n = a.shape[0], b.shape[0]  # this device's piece under a sharded jit
   # Block-scaled problems are keyed, and cuBLASLt's candidates timed, at M padded to 4 rows.
+  # A kernel named by the caller runs as it is, nothing timed; "auto" and "cublaslt" time
+  # the problem's candidates once (cuBLASLt's choice is installed for the handler to find).
   rows = m if p.mode == PER_TENSOR else -(-m // 4) * 4
-  kernel = gemm_algorithms.select((rows, n, a.shape[1], a.dtype.name, b.dtype.name,
-                                   jnp.dtype(out_dtype).name, p.has_bias, p.fast_accum,
-                                   int(p.mode)))
-  if p.algorithm != "auto":
-    kernel = None if p.algorithm == "cublaslt" else p.algorithm
+  kernel = p.algorithm
+  if p.algorithm in ("auto", "cublaslt"):
+    kernel = gemm_algorithms.select((rows, n, a.shape[1], a.dtype.name, b.dtype.name,
+                                     jnp.dtype(out_dtype).name, p.has_bias, p.fast_accum,
+                                     int(p.mode)))
+    if p.algorithm == "cublaslt":
+      kernel = None
   out = (functools.partial(_block_kernel, kernel) if kernel else _cublaslt)(
       p, out_dtype, a, b, a_scale, b_scale, *rest)
   return sharding.vary_like(out, a, b, a_scale, b_scale, *rest)
