@@ -38,6 +38,9 @@ inline nanobind::dict constants_dict() {
   for (int g : kGroupSizes) group_sizes.append(g);
   d["group_sizes"] = nb::tuple(group_sizes);
   d["max_tile_rows"] = kMaxTileRows;
+  nb::list block_gemm_kernels;
+  for (const BlockGemmKernel& k : kBlockGemmKernels) block_gemm_kernels.append(k.name);
+  d["block_gemm_kernels"] = nb::tuple(block_gemm_kernels);
   d["mx_block"] = kMxBlock;
   d["nvfp4_block"] = kNvfp4Block;
   d["activation_none"] = int64_t(ActivationId::kNone);

@@ -10,6 +10,8 @@
     python scripts/run_kernels.py grouped    # the grouped GEMMs: setup, fill and CUTLASS kernels
     python scripts/run_kernels.py grouped_block  # the same with block scales (CUTLASS's
                                                  # blockwise-scaling kernels)
+    python scripts/run_kernels.py block_gemm # every block-scaled GEMM kernel of ours (sm_90);
+                                             # also part of coverage
 
 Inputs are copied from the host: initcheck reports buffers written by XLA's own kernels as
 uninitialized (it did for a slice and for jnp.zeros), never those written by a copy.
@@ -24,6 +26,7 @@ import numpy as np
 
 import jax_fp8
 from jax_fp8.hadamard import rht_signs
+from jax_fp8.ops import gemm as gemm_ops
 from jax_fp8.ops import nvfp4 as nvfp4_ops
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -108,6 +111,7 @@ def coverage():
   block()
   mxfp8()
   nvfp4()
+  block_gemm()
 
 
 def parts():
@@ -229,6 +233,31 @@ def grouped_block():
       jax.block_until_ready(wgrad(a_t, b_t, a_scale_t, b_scale_t, s, out))
 
 
+def block_gemm():
+  """jax_fp8's block-scaled GEMM kernels: each one, b in 128 x 128 blocks and in 1 x 128
+  groups, every output dtype, with a bias where it applies; M off the tile and N of no tile
+  width (partial tiles, a cluster's second tile past M, tiles across two blocks of b), and more
+  tiles than the grid has CTAs (the stages wrap around). The operands and the scales, in the
+  layouts the kernel reads, are made on the host and copied."""
+  rng = np.random.default_rng(5)
+  e4m3 = jnp.float8_e4m3fn
+  for m, n, k in ((300, 400, 1152), (4100, 1040, 256)):
+    kb = k // 128
+    a, b = (rng.standard_normal(s).astype(e4m3) for s in ((m, k), (n, k)))
+    scales = lambda shape: (rng.uniform(0.5, 2, shape)).astype(np.float32)  # noqa: E731
+    a_scale_t = np.pad(scales((kb, m)), ((0, 0), (0, -m % 4)))
+    b_scale_t = {gemm_ops.GROUP_1X128: scales((kb, n)),
+                 gemm_ops.BLOCK_128X128: np.pad(scales((kb, -(-n // 128))),
+                                                ((0, 0), (0, -(-n // 128) % 4)))}
+    for kernel, mode, out in itertools.product(gemm_ops.ALGORITHMS[2:], b_scale_t,
+                                               (jnp.bfloat16, jnp.float16, jnp.float32)):
+      biases = (None,) if out == jnp.float32 else (None, rng.standard_normal(n).astype(out))
+      for bias in biases:
+        args = jax.device_put((a, b, a_scale_t, b_scale_t[mode], bias))
+        jax.block_until_ready(jax.jit(
+            lambda *v: gemm_ops.block_kernel_call(kernel, mode, out, *v))(*args))
+
+
 def nvfp4():
   """NVFP4 quantization: every input dtype, ragged rows (rowwise only), a partial 128-column
   tile, every direction, 2D tiles, stochastic rounding and the Hadamard transform, with the
@@ -265,4 +294,5 @@ def nvfp4():
 
 if __name__ == "__main__":
   {"profile": profile, "coverage": coverage, "parts": parts, "block": block, "mxfp8": mxfp8,
-   "nvfp4": nvfp4, "gemm": gemm, "grouped": grouped, "grouped_block": grouped_block}[sys.argv[1]]()
+   "nvfp4": nvfp4, "gemm": gemm, "grouped": grouped, "grouped_block": grouped_block,
+   "block_gemm": block_gemm}[sys.argv[1]]()
