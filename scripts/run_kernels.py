@@ -26,8 +26,8 @@ import numpy as np
 
 import jax_fp8
 from jax_fp8.hadamard import rht_signs
-from jax_fp8.ops import gemm as gemm_ops
 from jax_fp8.ops import nvfp4 as nvfp4_ops
+from jax_fp8.ops.gemm import ALGORITHMS, BLOCK_128X128, GROUP_1X128, block_kernel_call
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -246,16 +246,16 @@ def block_gemm():
     a, b = (rng.standard_normal(s).astype(e4m3) for s in ((m, k), (n, k)))
     scales = lambda shape: (rng.uniform(0.5, 2, shape)).astype(np.float32)  # noqa: E731
     a_scale_t = np.pad(scales((kb, m)), ((0, 0), (0, -m % 4)))
-    b_scale_t = {gemm_ops.GROUP_1X128: scales((kb, n)),
-                 gemm_ops.BLOCK_128X128: np.pad(scales((kb, -(-n // 128))),
+    b_scale_t = {GROUP_1X128: scales((kb, n)),
+                 BLOCK_128X128: np.pad(scales((kb, -(-n // 128))),
                                                 ((0, 0), (0, -(-n // 128) % 4)))}
-    for kernel, mode, out in itertools.product(gemm_ops.ALGORITHMS[2:], b_scale_t,
+    for kernel, mode, out in itertools.product(ALGORITHMS[2:], b_scale_t,
                                                (jnp.bfloat16, jnp.float16, jnp.float32)):
       biases = (None,) if out == jnp.float32 else (None, rng.standard_normal(n).astype(out))
       for bias in biases:
         args = jax.device_put((a, b, a_scale_t, b_scale_t[mode], bias))
         jax.block_until_ready(jax.jit(
-            lambda *v: gemm_ops.block_kernel_call(kernel, mode, out, *v))(*args))
+            lambda *v: block_kernel_call(kernel, mode, out, *v))(*args))
 
 
 def nvfp4():
