@@ -100,9 +100,10 @@ struct BlockGemmTraits {
   static constexpr int kABytes = kBlockM * kBlockK;
   static constexpr int kBBytes = kBlockN * kBlockK;
   static constexpr int kAScaleBytes = kBlockM * 4;
-  // 128 x 128 block scales: four f32 from the tile's first block (TMA's smallest box is 16 bytes;
-  // the tile's columns lie in at most two blocks, asserted below).
-  static constexpr int kBScaleFloats = kColumnScales ? kBlockN : 4;
+  // 128 x 128 block scales: eight f32 from the 16-byte-aligned group of four holding the tile's
+  // first block (a TMA box starts on a 16-byte boundary of the row; the tile's columns lie in
+  // at most two blocks, asserted below, so the second is inside the eight too).
+  static constexpr int kBScaleFloats = kColumnScales ? kBlockN : 8;
   static constexpr int kBScaleSlot = (kBScaleFloats * 4 + 127) / 128 * 128;  // TMA: 128-byte aligned
   // Bytes the TMA copies of one stage bring to this CTA (a box counts whole, out-of-bounds
   // elements included: TMA fills them with zeros).
@@ -261,7 +262,8 @@ __device__ __forceinline__ void block_gemm_promote(float (&acc)[T::kAccum],
 // Tensor maps (csrc/ffi/block_gemm_launch.cuh): a [M, K] u8 with boxes of 128 x 128, b [N, K]
 // u8 with boxes of kBlockN / cluster rows x 128, both 128-byte swizzled; a_scale [K/128,
 // ceil4(M)] f32 with boxes of 1 x 128; b_scale [K/128, N] (column scales) with boxes of
-// 1 x kBlockN, or [K/128, ceil4(ceil(N / 128))] (block scales) with boxes of 1 x 4.
+// 1 x kBlockN, or [K/128, ceil4(ceil(N / 128))] (block scales) with boxes of 1 x 8 starting at
+// a multiple of 4.
 template <class T, class Tiles>
 __global__ void __launch_bounds__(T::kThreads, 1)
     sm90_fp8_block_gemm_kernel(const __grid_constant__ CUtensorMap a_map,
@@ -325,7 +327,7 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                                        kb);
           cute::SM90_TMA_LOAD_2D::copy(&b_scale_map, &full[stage], kHint,
                                        smem + T::kBScaleOffset + stage * T::kBScaleSlot,
-                                       T::kColumnScales ? t.n0 : t.n0 / 128, kb);
+                                       T::kColumnScales ? t.n0 : t.n0 / 128 / 4 * 4, kb);
           if (++stage == T::kStages) stage = 0, phase ^= 1;
         }
       }
@@ -372,7 +374,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
         block_gemm_promote<T>(
             acc, part,
             reinterpret_cast<const float*>(smem + T::kAScaleOffset + stage * T::kAScaleBytes),
-            reinterpret_cast<const float*>(smem + T::kBScaleOffset + stage * T::kBScaleSlot),
+            reinterpret_cast<const float*>(smem + T::kBScaleOffset + stage * T::kBScaleSlot) +
+                (T::kColumnScales ? 0 : t.n0 / 128 % 4),
             row, lane % 4, boundary);
         // The MMAs are done and this warp's reads of the scales too: free the stage in every
         // CTA whose producer copies into it.
