@@ -246,9 +246,9 @@ def block_gemm():
     a, b = (rng.standard_normal(s).astype(e4m3) for s in ((m, k), (n, k)))
     scales = lambda shape: (rng.uniform(0.5, 2, shape)).astype(np.float32)  # noqa: E731
     a_scale_t = np.pad(scales((kb, m)), ((0, 0), (0, -m % 4)))
+    nb = -(-n // 128)
     b_scale_t = {GROUP_1X128: scales((kb, n)),
-                 BLOCK_128X128: np.pad(scales((kb, -(-n // 128))),
-                                                ((0, 0), (0, -(-n // 128) % 4)))}
+                 BLOCK_128X128: np.pad(scales((kb, nb)), ((0, 0), (0, -nb % 4)))}
     for kernel, mode, out in itertools.product(ALGORITHMS[2:], b_scale_t,
                                                (jnp.bfloat16, jnp.float16, jnp.float32)):
       biases = (None,) if out == jnp.float32 else (None, rng.standard_normal(n).astype(out))
