@@ -1,7 +1,8 @@
 """Block-scaling cases of the suite (DeepSeek-V3 recipe): the quantizers against copy bandwidth
-and their jnp twins, the block-scaled GEMM against the per-tensor FP8 GEMM, the block-scaled
-linear against BF16 and per-tensor FP8, and the effect of PDL on a quantize -> GEMM ->
-quantize chain; the MXFP8 and NVFP4 quantizers against their jnp twins."""
+and their jnp twins, the block-scaled GEMM against the per-tensor FP8 GEMM, jax_fp8's own
+block-scaled kernels against cuBLASLt's, the block-scaled linear against BF16 and per-tensor
+FP8, and the effect of PDL on a quantize -> GEMM -> quantize chain; the MXFP8 and NVFP4
+quantizers against their jnp twins."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 import jax_fp8
 from jax_fp8 import reference
 from jax_fp8.hadamard import hadamard_transform
+from jax_fp8.ops.gemm import ALGORITHMS
 
 from . import peers
 from .timing import device_time
@@ -44,17 +46,22 @@ def bench_quantizers(shapes, rand, ceil):
   return rows
 
 
+def _gemm_problem(m, n, k, rand):
+  """e4m3 a [M, K] and b [N, K], a's 1 x 128 scales, the GEMM's FLOPs and the per-tensor FP8
+  GEMM's seconds on a and b."""
+  a = rand(3, (m, k), jnp.float8_e4m3fn)
+  b = rand(4, (n, k), jnp.float8_e4m3fn)
+  sa = jnp.abs(rand(5, (m, k // 128), jnp.float32)) + 0.5
+  one = jnp.float32(1)
+  return a, b, sa, 2 * m * n * k, device_time(lambda a, b: jax_fp8.gemm(a, b, one, one), a, b)
+
+
 def bench_gemm(shapes, rand):
   """Block-scaled GEMMs, 1 x 128 activations times b in 128 x 128 blocks (forward, dgrad) or
   in 1 x 128 groups (wgrad), against the per-tensor FP8 GEMM and BF16 on the same operands."""
   rows = []
   for m, n, k in shapes:
-    a = rand(3, (m, k), jnp.float8_e4m3fn)
-    b = rand(4, (n, k), jnp.float8_e4m3fn)
-    sa = jnp.abs(rand(5, (m, k // 128), jnp.float32)) + 0.5
-    one = jnp.float32(1)
-    flops = 2 * m * n * k
-    tensor = device_time(lambda a, b: jax_fp8.gemm(a, b, one, one), a, b)
+    a, b, sa, flops, tensor = _gemm_problem(m, n, k, rand)
     a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
     bf16 = device_time(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ()))), a16, b16)
     for case, b_rows in (("block gemm", -(-n // 128)), ("block gemm 1x128", n)):
@@ -63,6 +70,29 @@ def bench_gemm(shapes, rand):
       rows.append({"case": case, "shape": [m, n, k], "us": ours * 1e6,
                    "TFLOPs": flops / ours / 1e12, "per_tensor_TFLOPs": flops / tensor / 1e12,
                    "vs_per_tensor": tensor / ours, "vs_bf16": bf16 / ours})
+  return rows
+
+
+def bench_kernels(shapes, rand):
+  """jax_fp8's block-scaled GEMM kernels (``gemm(..., algorithm=name)``, each timed) against
+  cuBLASLt's block-scaled GEMM (its timed best, ``algorithm="cublaslt"``) and the per-tensor FP8
+  GEMM on the same operands: a in 1 x 128 groups, b in 128 x 128 blocks (forward, dgrad) or
+  1 x 128 groups (wgrad), bf16 output. A row per form: the fastest kernel of ours, its name,
+  and every kernel's rate."""
+  rows = []
+  for m, n, k in shapes:
+    a, b, sa, flops, tensor = _gemm_problem(m, n, k, rand)
+    for case, b_rows in (("block gemm kernels", -(-n // 128)), ("block gemm 1x128 kernels", n)):
+      sb = jnp.abs(rand(6, (b_rows, k // 128), jnp.float32)) + 0.5
+      t = {name: device_time(lambda a, b, sa, sb, name=name: jax_fp8.gemm(
+          a, b, sa, sb, algorithm=name), a, b, sa, sb) for name in ALGORITHMS[1:]}
+      lt = t.pop("cublaslt")
+      best = min(t, key=t.get)
+      rows.append({"case": case, "shape": [m, n, k], "us": t[best] * 1e6, "kernel": best,
+                   "TFLOPs": flops / t[best] / 1e12, "cublaslt_TFLOPs": flops / lt / 1e12,
+                   "per_tensor_TFLOPs": flops / tensor / 1e12, "vs_cublaslt": lt / t[best],
+                   "vs_per_tensor": tensor / t[best],
+                   "kernels_TFLOPs": {name: flops / us / 1e12 for name, us in t.items()}})
   return rows
 
 

@@ -300,9 +300,9 @@ def main(argv=None):
       args.variants = moe_variants()
     elif [v for v in args.variants if v not in moe_variants()]:
       p.error(f"--moe-experts: no MoE form of "
-              f"{[v for v in args.variants if v not in moe_variants()]} (MoeMlp runs the "
-              f"per-tensor recipes, kernels not cast; BF16 its ragged_dot twin): choose among "
-              f"{moe_variants()}")
+              f"{[v for v in args.variants if v not in moe_variants()]} (the demo model's MoeMlp "
+              f"runs the per-tensor recipes, kernels not cast; BF16 its ragged_dot twin): "
+              f"choose among {moe_variants()}")
   elif args.variants is None:
     args.variants = list(VARIANTS)
   elif [v for v in args.variants if v in CAPACITY_VARIANTS]:

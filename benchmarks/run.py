@@ -27,6 +27,8 @@ GEMM_SHAPES = [(8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096),
                (16384, 4096, 4096), (4096, 1024, 4096)]  # (M, N, K)
 QUICK_GEMM_SHAPES = [(256, 256, 256)]
 BLOCK_LINEAR_SHAPES = [(16384, 4096, 14336), (16384, 14336, 4096), (8192, 8192, 8192)]
+# Issue 48's Llama shapes, for jax_fp8's block-scaled kernels.
+BLOCK_GEMM_SHAPES = GEMM_SHAPES[:4]
 PDL_SHAPES = [(512, 4096, 4096), (4096, 4096, 4096)]
 # Where FP8 stops paying: the linear at arithmetic intensities M*N*K / (M*K + K*N + M*N) from
 # about 170 to 2000 (the GEMM's FLOPs per element the quantizers move).
@@ -37,7 +39,7 @@ CROSSOVER_SHAPES = [(4096, d, d) for d in (512, 1024, 1536, 2048, 3072, 4096)] +
 # the "auto" linear runs BF16 there.
 AUTO = jax_fp8.DelayedScaling(fp8_min_intensity=CROSSOVER_INTENSITY)
 GROUPS = ["quantize", "fused", "mx_nvfp4", "gemm", "linear", "block_step", "block_scaling",
-          "crossover"]  # --only
+          "block_gemm", "crossover"]  # --only
 
 
 def bench_quantize(quick, ceil):
@@ -330,8 +332,9 @@ def print_table(results):
   w = max([len(r["case"]) + 2 for r in results["rows"]] + [28])
   print(f"{'case':<{w}}{'shape':<20}{'us':>10}  figures")
   for r in results["rows"]:
-    figs = "  ".join(f"{k}={v:.3g}" for k, v in r.items()
-                     if k not in ("case", "shape", "us") and isinstance(v, float))
+    figs = "  ".join([f"{k}={v:.3g}" for k, v in r.items()
+                      if k not in ("case", "shape", "us") and isinstance(v, float)]
+                     + ([f"kernel={r['kernel']}"] if "kernel" in r else []))
     us = f"{r['us']:>10.1f}" if "us" in r else f"{'-':>10}"
     print(f"{r['case']:<{w}}{'x'.join(map(str, r['shape'])):<20}{us}  {figs}")
 
@@ -360,6 +363,8 @@ def main(argv=None):
           block_scaled.bench_linear(QUICK_GEMM_SHAPES if q else BLOCK_LINEAR_SHAPES,
                                     linear_problem, fwd_bwd) +
           block_scaled.bench_pdl(QUICK_GEMM_SHAPES if q else PDL_SHAPES, rand)),
+      "block_gemm": lambda: block_scaled.bench_kernels(
+          QUICK_GEMM_SHAPES if q else BLOCK_GEMM_SHAPES, rand),
       "crossover": lambda: bench_crossover(q),
   }
   rows = [r for g in GROUPS if g in args.only for r in groups[g]()]

@@ -62,9 +62,14 @@ enum class ScaleLayoutId : int64_t { kRow = 0, kCol = 1, kColTma = 2 };
 // The tile of block scaling: 128 x 128 blocks (block_quantize) and 1 x 128 / 128 x 1 groups
 // (group_cast_transpose), as cuBLASLt's BLK128x128 / VEC128 scale modes take them.
 constexpr int kBlockTile = 128;
+// Under block scales the grouped GEMM's ragged contraction (wgrad) starts each group at a row
+// that is a multiple of this, so that the 1 x 128 groups of its operands along the grouped rows
+// (each with one scale) never straddle two groups.
+constexpr int kGroupedBlockRowAlign = kBlockTile;
 
-// Scale modes of jax_fp8_gemm (the `scale_mode` attribute): per-tensor scalars; a 1 x 128
-// groups with b 128 x 128 blocks; a and b both 1 x 128 groups.
+// Scale modes of jax_fp8_gemm and jax_fp8_grouped_gemm (the `scale_mode` attribute):
+// per-tensor scalars; a 1 x 128 groups with b 128 x 128 blocks; a and b both 1 x 128 groups
+// (the grouped GEMM: kBlock128x128 for its rows form, kGroup1x128 for its wgrad).
 enum class ScaleMode : int64_t { kPerTensor = 0, kBlock128x128 = 1, kGroup1x128 = 2 };
 
 // Group sizes jax_fp8_group_quantize takes (one instantiation each).
@@ -87,5 +92,24 @@ constexpr int kNvfp4Block = 16;
 
 // Most row tiles of 128 a block-scaling kernel takes: CUDA's limit on gridDim.y.
 constexpr int64_t kMaxTileRows = 65535;
+
+// jax_fp8's own block-scaled GEMM kernels for sm_90a (csrc/kernels/block_gemm.cuh), the
+// candidates `gemm` times beside cuBLASLt's and the values of its `algorithm` argument: a
+// persistent kernel of 128 x block_n output tiles whose `cluster` CTAs (1, or 2 along M) share
+// each tile of b through TMA multicast. The name records the configuration; jax_fp8's GEMM
+// algorithm file stores it (jax_fp8/ops/gemm_algorithms.py).
+struct BlockGemmKernel {
+  const char* name;
+  int block_n;
+  int cluster;
+};
+constexpr BlockGemmKernel kBlockGemmKernels[] = {
+    {"sm90_128x112_c1", 112, 1}, {"sm90_128x112_c2", 112, 2}, {"sm90_128x128_c1", 128, 1},
+    {"sm90_128x128_c2", 128, 2}, {"sm90_128x144_c1", 144, 1}, {"sm90_128x144_c2", 144, 2},
+    {"sm90_128x160_c1", 160, 1}, {"sm90_128x160_c2", 160, 2}};
+constexpr int kNumBlockGemmKernels = sizeof(kBlockGemmKernels) / sizeof(kBlockGemmKernels[0]);
+// Part of the identity of a kind of device (csrc/ffi/gemm_lt.h device_identity): raised when
+// the candidates change, so that recorded choices made without them are timed again.
+constexpr int kBlockGemmRevision = 1;
 
 }  // namespace jax_fp8

@@ -30,6 +30,7 @@ inline nanobind::dict constants_dict() {
   d["layout_col"] = int64_t(ScaleLayoutId::kCol);
   d["layout_col_tma"] = int64_t(ScaleLayoutId::kColTma);
   d["block_tile"] = kBlockTile;
+  d["grouped_block_row_align"] = kGroupedBlockRowAlign;
   d["scale_mode_per_tensor"] = int64_t(ScaleMode::kPerTensor);
   d["scale_mode_block"] = int64_t(ScaleMode::kBlock128x128);
   d["scale_mode_group"] = int64_t(ScaleMode::kGroup1x128);
@@ -37,6 +38,9 @@ inline nanobind::dict constants_dict() {
   for (int g : kGroupSizes) group_sizes.append(g);
   d["group_sizes"] = nb::tuple(group_sizes);
   d["max_tile_rows"] = kMaxTileRows;
+  nb::list block_gemm_kernels;
+  for (const BlockGemmKernel& k : kBlockGemmKernels) block_gemm_kernels.append(k.name);
+  d["block_gemm_kernels"] = nb::tuple(block_gemm_kernels);
   d["mx_block"] = kMxBlock;
   d["nvfp4_block"] = kNvfp4Block;
   d["activation_none"] = int64_t(ActivationId::kNone);

@@ -1,5 +1,6 @@
 // The CUDA extension: exports the CUDA FFI handlers, the shared constants (constants_py.h) and
-// the GEMM algorithm choice (gemm_lt.h) that jax_fp8/ops/gemm_algorithms.py drives.
+// the GEMM algorithm choice (gemm_lt.h; jax_fp8's own block-scaled kernels among the
+// candidates: block_gemm.h) that jax_fp8/ops/gemm_algorithms.py drives.
 // Built when nvcc and cuBLASLt are found; cudart is linked statically, cuBLASLt dynamically, so
 // importing it fails cleanly (and jax_fp8 carries on with the CPU targets) where those
 // libraries are missing.
@@ -54,6 +55,7 @@ XLA_FFI_Error* Mxfp8QuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* Nvfp4QuantizeCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* GemmCudaHandler(XLA_FFI_CallFrame* call_frame);
 XLA_FFI_Error* GroupedGemmCudaHandler(XLA_FFI_CallFrame* call_frame);
+XLA_FFI_Error* BlockGemmCudaHandler(XLA_FFI_CallFrame* call_frame);
 }
 
 NB_MODULE(_jax_fp8_cuda, m) {
@@ -64,6 +66,7 @@ NB_MODULE(_jax_fp8_cuda, m) {
     d["jax_fp8_quantize_ring"] = nb::capsule(reinterpret_cast<void*>(QuantizeRingCudaHandler));
     d["jax_fp8_gemm"] = nb::capsule(reinterpret_cast<void*>(GemmCudaHandler));
     d["jax_fp8_grouped_gemm"] = nb::capsule(reinterpret_cast<void*>(GroupedGemmCudaHandler));
+    d["jax_fp8_block_gemm"] = nb::capsule(reinterpret_cast<void*>(BlockGemmCudaHandler));
     d["jax_fp8_cast_transpose_ring"] =
         nb::capsule(reinterpret_cast<void*>(CastTransposeRingCudaHandler));
     d["jax_fp8_group_quantize"] = nb::capsule(reinterpret_cast<void*>(GroupQuantizeCudaHandler));
@@ -76,7 +79,8 @@ NB_MODULE(_jax_fp8_cuda, m) {
   });
   // The identity of CUDA device `ordinal`'s kind (gemm_lt.h: device_identity).
   m.def("gemm_device", [](int ordinal) { return jax_fp8::device_identity(ordinal); });
-  // (candidate algorithms as bytes, microseconds per run or -1, index of the fastest).
+  // (cuBLASLt's candidate algorithms as bytes, their microseconds per run or -1, jax_fp8's
+  // kernels timed (names), their microseconds per run or -1).
   m.def("gemm_tune", [](int device, int64_t m_, int64_t n, int64_t k, const std::string& a,
                         const std::string& b, const std::string& d, bool has_bias,
                         bool fast_accum, int64_t scale_mode) {
@@ -88,7 +92,7 @@ NB_MODULE(_jax_fp8_cuda, m) {
     }
     nb::list algos;
     for (const auto& algo : t.candidates) algos.append(algo_bytes(algo));
-    return nb::make_tuple(algos, t.us, t.best);
+    return nb::make_tuple(algos, t.us, t.kernels, t.kernel_us);
   });
   m.def("gemm_choose", [](const std::string& device, int64_t m_, int64_t n, int64_t k,
                           const std::string& a, const std::string& b, const std::string& d,

@@ -104,7 +104,7 @@ class RaggedCalls:
     if status == cr.CONVERTED and homeless is not None:
       return cr.UNSUPPORTED, (f"{type(self.recipe).__name__} keeps the call's rings in its "
                               f"module's \"fp8_state\", and {homeless} (a stateless recipe, "
-                              f"CurrentScaling, needs no rings)")
+                              f"CurrentScaling or BlockScaling, needs no rings)")
     return status, why
 
 

@@ -28,8 +28,7 @@ model's own code unchanged. Needs the ``flax`` extra.
   "<module path>/ragged_dot_<i>" (a pattern naming the module matches it unless anchored with
   ``$``), the intensity is the grouped GEMM's ``M*N*K / (M*K + G*K*N + M*N)``. Left as they
   were, with the reason in the report: other forms; every call under a recipe without grouped
-  GEMMs (``recipe.grouped`` False: ``BlockScaling``, ``MXFP8BlockScaling``,
-  ``NVFP4BlockScaling``); under ``DelayedScaling`` a call from a method Flax makes no variables
+  GEMMs (``recipe.grouped`` False: ``MXFP8BlockScaling``, ``NVFP4BlockScaling``); under ``DelayedScaling`` a call from a method Flax makes no variables
   in (a setup-style module's ``__call__``) or from inside a JAX transform within the method
   (``jax.checkpoint``, ``jax.jit``, ``lax.scan``: the ring would be observed apart from its
   module; Flax's ``nn.remat`` / ``nn.scan`` serve; JAX has no ``vmap`` of a ragged dot to begin

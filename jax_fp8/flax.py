@@ -278,16 +278,18 @@ class MoeMlp(nn.Module):
   Attributes:
     num_experts: E.
     top_k: experts per token.
-    hidden_features: each expert's H, a multiple of 16.
+    hidden_features: each expert's H, a multiple of the recipe's ``dim_multiple`` (16, 128
+      under ``BlockScaling``).
     activation: "swiglu" (default), "geglu", "silu" or "gelu".
     shared_hidden_features: None (default), or the shared expert's hidden size.
     normalize_weights: routing weights rescaled to sum to 1 (default True).
-    recipe: ``DelayedScaling`` (default) or ``CurrentScaling``.
+    recipe: ``DelayedScaling`` (default), ``CurrentScaling`` or ``BlockScaling`` (each
+      expert's rows padded to its ``grouped_row_align``).
     amax_axis_name: as ``Dense``'s (data-parallel devices sharing the scales).
     expert_axis: None, or a mesh axis of n devices each holding E / n experts (expert
       parallelism, ``moe_parallel``): then init and apply run inside ``shard_map`` over that
       axis (each device makes and holds its own experts' "w_in" / "w_out"; out_specs
-      ``P(expert_axis)`` gathers them into [E, ...]); CurrentScaling only.
+      ``P(expert_axis)`` gathers them into [E, ...]); stateless recipes only.
     capacity: with ``expert_axis``, rows per destination device (None: dropless).
     dtype: the compute dtype (None: the input's); param_dtype: the parameters'.
     kernel_init, router_init: initializers.

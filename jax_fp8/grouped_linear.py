@@ -42,7 +42,11 @@ def grouped_linear(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array,
   layout, wgrad ``grouped_gemm_wgrad`` on x's and the gradient's transposed copies; only FP8
   copies are saved. The kernels are cast-transposed one expert after another (the per-tensor
   kernel in a loop of G launches). The GEMMs promote to f32 (the recipe's
-  ``fast_accum_gemms`` does not apply to them).
+  ``fast_accum_gemms`` does not apply to them). Under ``BlockScaling`` the same three GEMMs
+  are block-scaled (E4M3 everywhere): x and the output gradient group cast-transposed (1 x 128
+  groups along K and N for the forward and dgrad, 128-row groups along M for wgrad), the
+  kernels in 128 x 128 blocks, each expert's its own (one block quantization of the [G K, N]
+  stack).
 
   Args:
     x: [M, K] float32 / bfloat16 / float16, the rows grouped consecutively by expert (a
@@ -52,24 +56,33 @@ def grouped_linear(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array,
     group_sizes: [G] int32, the rows of each group in order, 1 <= G <= 1024.
     bias: optional [G, N] float32 / bfloat16 / float16, one bias per expert, added in f32
       before the output's rounding.
-    recipe: a ``DelayedScaling`` (the state's rings must have been made by it) or a
-      ``CurrentScaling`` (stateless); ``fp8_min_intensity`` as in ``linear``, the intensity of
-      the grouped GEMM ``M*N*K / (M*K + G*K*N + M*N)`` (below it: XLA's ``ragged_dot`` in the
-      compute dtype, no ring moved).
+    recipe: a ``DelayedScaling`` (the state's rings must have been made by it), a
+      ``CurrentScaling`` (stateless) or a ``BlockScaling`` (stateless; K and N multiples of
+      128); ``fp8_min_intensity`` as in ``linear``, the intensity of the grouped GEMM
+      ``M*N*K / (M*K + G*K*N + M*N)`` (below it: XLA's ``ragged_dot`` in the compute dtype, no
+      ring moved).
     state: under ``DelayedScaling``, a ``GroupedLinearState``
       (``GroupedLinearState.create(G, recipe)``: rings for x and the gradient, and one ring per
       expert kernel, stacked); differentiate with respect to it and pass that gradient to
-      ``jax_fp8.update_state``. Under ``CurrentScaling``: None.
+      ``jax_fp8.update_state``. Under the stateless recipes: None.
     aligned: a bool; True promises that every non-empty group starts at a row that is a
-      multiple of 16 (``grouped_gemm.ROW_ALIGN``), as a token permutation that pads each
-      expert's rows lays them out; the kernel gradient of a group that breaks the promise is
-      NaN (a device value: it cannot be checked at trace time). False (default): any sizes;
-      the backward copies the two transposed FP8 operands of wgrad into a layout whose groups
-      start at multiples of 16 (one gather of FP8 bytes each, [K, P] and [N, P] with
-      ``P = round_up(M + 15 G, 16)``).
+      multiple of the recipe's ``grouped_row_align`` (16, ``grouped_gemm.ROW_ALIGN``; 128 under
+      ``BlockScaling``, ``BLOCK_ROW_ALIGN``, whose 128-row groups along M must not straddle two
+      experts), as a token permutation that pads each expert's rows lays them out; the kernel
+      gradient of a group that breaks the promise is NaN (a device value: it cannot be checked
+      at trace time). False (default): any sizes. Per-tensor, the backward copies the two
+      transposed FP8 operands of wgrad into a layout whose groups start at multiples of 16
+      (one gather of FP8 bytes each, [K, P] and [N, P] with ``P = round_up(M + 15 G, 16)``).
+      Under ``BlockScaling``, whose transposed copies' scales depend on where the groups lie,
+      x and the output gradient are copied in their dtype into a layout of
+      ``P = round_up(M + 127 G, 128)`` rows whose groups start at multiples of 128 (zero rows
+      between them) before their group cast-transposes, and the forward and dgrad take the
+      row-wise FP8 copies' rows back (a gather of FP8 bytes); x's transposed copy, saved for
+      the backward, is then [K, P].
     amax_axis_name: as in ``linear``: under ``pmap`` / ``shard_map`` the axes whose devices
       share the scales (data parallel, every device holding all G experts); amaxes, and the
-      kernels' rings expert by expert, are max-reduced over them.
+      kernels' rings expert by expert, are max-reduced over them. ``BlockScaling`` reduces no
+      amax: None or ().
     dtype: the output's dtype, in which x is quantized (float32, bfloat16, float16); None: x's.
       x's gradient comes back in x's dtype, the kernels' and bias's in theirs.
   Returns:
@@ -77,15 +90,17 @@ def grouped_linear(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array,
   Raises:
     TypeError / ValueError at trace time: x not [M, K] or kernels not [G, K, N] of a float
     dtype, K not shared, group_sizes not int32 [G] (TypeError) or of another G than the
-    kernels' or outside 1..1024 (ValueError), bias not [G, N], K or N not a multiple of 16 on
-    the FP8 path, a recipe that is not a recipe, or one without grouped GEMMs (TypeError:
-    BlockScaling, MXFP8BlockScaling and NVFP4BlockScaling, for which no block-scaled grouped
-    GEMM exists yet), a state that is not a ``GroupedLinearState`` of this G and recipe, a
-    state given to CurrentScaling, aligned not a bool, amax_axis_name as in ``linear``.
+    kernels' or outside 1..1024 (ValueError), bias not [G, N], K or N not a multiple of 16
+    (128 under BlockScaling) on the FP8 path, a recipe that is not a recipe, or one without
+    grouped GEMMs (TypeError: MXFP8BlockScaling and NVFP4BlockScaling), a state that is not a
+    ``GroupedLinearState`` of this G and recipe, a state given to a stateless recipe, aligned
+    not a bool, amax_axis_name as in ``linear``; under BlockScaling, G K or M rows beyond
+    65535 * 128 (the block quantizers' grid).
 
   Method: per-tensor delayed scaling with the HYBRID format (Micikevicius et al. 2022; NVIDIA
   TransformerEngine), per-expert weight scales as TransformerEngine's grouped linear keeps
-  them; the grouped GEMMs are ``jax.lax.ragged_dot``'s contractions (``grouped_gemm``).
+  them; block scaling as DeepSeek-V3 (arXiv 2412.19437, section 3.3) trained its experts; the
+  grouped GEMMs are ``jax.lax.ragged_dot``'s contractions (``grouped_gemm``).
   """
   x, kernels, group_sizes = grouped_operands(x, kernels, group_sizes)
   (m, k), (groups, _, n) = x.shape, kernels.shape

@@ -44,7 +44,13 @@ def grouped_mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
   projection's dgrad dh and wgrad; ``activation_grad_cast_transpose`` reads dh and y once and
   writes the up projection's output gradient for its dgrad and wgrad. Saved: the FP8 copies of
   x (transposed), both kernels and act(y) (transposed), and y in the compute dtype. The GEMMs
-  promote to f32 (the recipe's ``fast_accum_gemms`` does not apply to them).
+  promote to f32 (the recipe's ``fast_accum_gemms`` does not apply to them). Under
+  ``BlockScaling`` the same GEMMs are block-scaled (E4M3 everywhere, as ``grouped_linear``'s):
+  x and the output gradient group cast-transposed, ``activation_group_cast_transpose`` and
+  ``activation_grad_group_cast_transpose`` writing act(y) and the up projection's output
+  gradient in 1 x 128 groups along the columns and 128-row groups along M, the kernels in
+  128 x 128 blocks, each expert's its own; saved likewise (x and act(y) transposed, both
+  kernels' blocks, y).
 
   Args:
     x: [M, K] float32 / bfloat16 / float16, the rows grouped consecutively by expert.
@@ -56,20 +62,22 @@ def grouped_mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
       bias per expert, each added in f32 before its GEMM's output is rounded.
     activation: "swiglu" (default), "geglu", "silu" or "gelu" (tanh approximation;
       ``jax_fp8.activations``).
-    recipe: a ``DelayedScaling`` (the state's rings must have been made by it) or a
+    recipe: a ``DelayedScaling`` (the state's rings must have been made by it), a
       ``CurrentScaling`` (stateless; the activation's amax from XLA's activation of y, its
-      gradient's likewise). FP8 runs where both grouped GEMMs reach the recipe's
+      gradient's likewise) or a ``BlockScaling`` (stateless; K, F and D multiples of 128).
+      FP8 runs where both grouped GEMMs reach the recipe's
       ``fp8_min_intensity`` (``grouped_linear``'s intensity, ``M*N*K / (M*K + G*K*N + M*N)``
       and ``M*D*F / (M*F + G*F*D + M*D)``); below it the MLP is XLA's ``ragged_dot`` and
       activation in the compute dtype, rings untouched.
     state: under ``DelayedScaling``, a ``GroupedMlpState`` (``GroupedMlpState.create(G,
       recipe)``: one ring each for x, the activation and the two gradients, one ring per
       expert for each kernel, stacked); differentiate with respect to it and pass that
-      gradient to ``jax_fp8.update_state``. Under ``CurrentScaling``: None.
+      gradient to ``jax_fp8.update_state``. Under the stateless recipes: None.
     aligned: a bool, ``grouped_linear``'s promise: True, every non-empty group starts at a row
-      that is a multiple of 16 (else that group's kernel gradients are NaN); False (default),
-      any sizes, the backward's wgrad operands gathered into such a layout.
-    amax_axis_name: as in ``grouped_linear``.
+      that is a multiple of the recipe's ``grouped_row_align`` (16; 128 under
+      ``BlockScaling``), else that group's kernel gradients are NaN; False (default), any
+      sizes, the wgrad operands laid out so (as ``grouped_linear`` lays them out).
+    amax_axis_name: as in ``grouped_linear`` (``BlockScaling`` reduces no amax: None or ()).
     dtype: the compute dtype of the GEMMs and the activation, and the output's (float32,
       bfloat16, float16); None: x's. x's gradient comes back in x's dtype, the kernels' and
       biases' in theirs.
@@ -80,13 +88,16 @@ def grouped_mlp(x: jax.Array, kernel_in: jax.Array, kernel_out: jax.Array,
     dtype, K not shared, N not 2F under a gated activation (F otherwise), the kernels' G
     different, group_sizes not int32 [G] (TypeError) or of another G or outside 1..1024
     (ValueError), a bias not [G, N] / [G, D], an unknown activation, K, F or D not a multiple
-    of 16 on the FP8 path, a recipe without grouped GEMMs (TypeError naming those that have
-    them), a state that is not a ``GroupedMlpState`` of this G and recipe, a state given to
-    CurrentScaling, aligned not a bool, amax_axis_name as in ``linear``.
+    of 16 (128 under BlockScaling) on the FP8 path, a recipe without grouped GEMMs (TypeError
+    naming those that have them), a state that is not a ``GroupedMlpState`` of this G and
+    recipe, a state given to a stateless recipe, aligned not a bool, amax_axis_name as in
+    ``linear``; under BlockScaling, G K, G F or M rows beyond 65535 * 128 (the block
+    quantizers' grid).
 
   Method: per-tensor delayed scaling with the HYBRID format (Micikevicius et al. 2022; NVIDIA
   TransformerEngine), per-expert weight scales; the activation fused as TransformerEngine's
-  LayerNormMLP fuses it; gated expert MLPs as in Mixtral (Jiang et al. 2024) and DeepSeek-V3.
+  LayerNormMLP fuses it; block scaling as DeepSeek-V3 (arXiv 2412.19437, section 3.3) trained
+  its experts; gated expert MLPs as in Mixtral (Jiang et al. 2024) and DeepSeek-V3.
   """
   activations.check(activation)
   x, kernel_in, group_sizes = grouped_operands(x, kernel_in, group_sizes, "kernel_in")

@@ -141,9 +141,10 @@ def check_grouped_recipe(recipe, op: str) -> None:
 def ungrouped_reason(recipe: Recipe, op: str = "grouped_linear") -> str:
   """Why ``op`` (a grouped layer) does not serve ``recipe``, one whose ``grouped`` is False,
   naming the recipes it serves (``check_grouped_recipe``'s error, ``convert``'s reason)."""
-  takes = " or ".join(c.article() for c in RECIPES if c.grouped)
-  return (f"{op} takes {takes} (per-tensor scales, one per expert for the kernels), got "
-          f"{type(recipe).__name__}: no block-scaled grouped FP8 GEMM exists yet")
+  *rest, last = [c.article() for c in RECIPES if c.grouped]
+  return (f"{op} takes {', '.join(rest)} or {last} (the scalings of the grouped FP8 GEMMs: "
+          f"per-tensor, one scale per expert for the kernels, or DeepSeek-V3's blocks), got "
+          f"{type(recipe).__name__}: no grouped FP8 GEMM takes its scales")
 
 
 def check_key(recipe: Recipe, key):

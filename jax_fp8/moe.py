@@ -23,7 +23,6 @@ from .layer_checks import check_grouped_recipe, float_array
 from .layer_state import GroupedMlpState
 from .moe_parallel import expert_parallel
 from .moe_routing import load_balancing_loss, permute, top_k_routing, unpermute
-from .ops.grouped_gemm import ROW_ALIGN
 from .recipes import Recipe
 
 
@@ -74,14 +73,15 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
             activation: str = "swiglu", normalize_weights: bool = True,
             amax_axis_name: str | tuple[str, ...] | None = None,
             expert_axis: str | None = None, capacity: int | None = None,
-            align: int = ROW_ALIGN) -> tuple[jax.Array, jax.Array]:
+            align: int | None = None) -> tuple[jax.Array, jax.Array]:
   """A mixture-of-experts MLP over tokens ``x``: each token goes to its ``top_k`` experts, each
   expert an MLP ``act(t @ w_in[e]) @ w_out[e]`` run as grouped FP8 GEMMs over all the tokens it
   received, and the token's output is the routing-weighted sum of its experts' outputs.
 
   The router (``x @ router_kernel`` and its softmax) runs in f32. Dropless: every token reaches
   its experts whatever the imbalance (the grouped GEMMs read the group sizes on the device);
-  each expert's block of tokens is padded to a multiple of ``align`` rows, so the grouped MLP
+  each expert's block of tokens is padded to a multiple of ``align`` rows (by default the
+  recipe's ``grouped_row_align``: 16, or 128 under ``BlockScaling``), so the grouped MLP
   (``grouped_mlp``: the activation and its gradient inside its FP8 cast-transposes) runs with
   ``aligned=True``.
 
@@ -92,10 +92,12 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
       else H.
     w_out: [E, H, D] the experts' second kernels.
     top_k: experts per token, 1 <= top_k <= E.
-    recipe: ``DelayedScaling`` or ``CurrentScaling`` (the recipes ``grouped_mlp`` takes).
+    recipe: ``DelayedScaling``, ``CurrentScaling`` or ``BlockScaling`` (the recipes
+      ``grouped_mlp`` takes; D and H multiples of its ``dim_multiple``: 16, 128 under
+      ``BlockScaling``).
     state: under ``DelayedScaling`` a ``MoeState`` (``MoeState.create(E, recipe)``, or its
       slice of this device's experts under ``expert_axis``); differentiate with respect to it
-      and pass the gradient to ``jax_fp8.update_state``. Under ``CurrentScaling``: None.
+      and pass the gradient to ``jax_fp8.update_state``. Under the stateless recipes: None.
     activation: "swiglu" (default), "geglu", "silu" or "gelu" (``jax_fp8.activations``),
       computed in f32 inside the grouped MLP's cast-transposes.
     normalize_weights: a bool; the k routing weights rescaled to sum to 1 (Mixtral) or the raw
@@ -111,7 +113,8 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
       and gradient rings would need a max over the axis and the kernel rings none.
     capacity: with ``expert_axis``, rows per destination device (None: dropless); a
       ValueError without it.
-    align: row alignment of each expert's block (a multiple of 16).
+    align: row alignment of each expert's block, a multiple of the recipe's
+      ``grouped_row_align`` (None: that).
   Returns:
     ``(y [..., D] in x's dtype, load_balancing_loss f32 [])``: the loss is Switch
     Transformer's ``E * sum_e f_e P_e`` over this call's tokens (add it, scaled, to the
@@ -119,8 +122,8 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
   Raises:
     TypeError / ValueError at trace time: shapes and dtypes that do not fit together, top_k out
     of range, an unknown activation, w_in's F not 2 H for a gated activation, a recipe
-    ``grouped_mlp`` does not take, a DelayedScaling state missing or with expert_axis, and
-    what ``grouped_mlp`` raises.
+    ``grouped_mlp`` does not take, align not a multiple of its ``grouped_row_align``, a
+    DelayedScaling state missing or with expert_axis, and what ``grouped_mlp`` raises.
   """
   x = float_array(x, "x")
   router_kernel = float_array(router_kernel, "router_kernel")
@@ -142,6 +145,12 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
     raise ValueError(f"w_out must be [E, H, D] = [{local}, {hidden}, {d}] (w_in's experts, H "
                      f"from w_in's F, x's D), got {list(w_out.shape)}")
   check_grouped_recipe(recipe, "moe_mlp")
+  if align is None:
+    align = recipe.grouped_row_align
+  elif checks.integer(align, "align", 1) % recipe.grouped_row_align:
+    raise ValueError(f"align must be a multiple of {type(recipe).__name__}'s grouped row "
+                     f"alignment {recipe.grouped_row_align} (where the grouped wgrad's groups "
+                     f"start), got {align}")
   m = recipe.dim_multiple
   if d % m or hidden % m:
     raise ValueError(f"{type(recipe).__name__}'s FP8 GEMMs need the model dimension D and the "
@@ -150,8 +159,8 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
   axis = amax_axis_name
   if expert_axis is not None:
     if recipe.stateful:
-      raise TypeError(f"moe_mlp with expert_axis takes a stateless recipe (CurrentScaling), "
-                      f"got {type(recipe).__name__}")
+      raise TypeError(f"moe_mlp with expert_axis takes a stateless recipe (CurrentScaling, "
+                      f"BlockScaling), got {type(recipe).__name__}")
     axis = () if amax_axis_name is None else amax_axis_name
     if expert_axis in ((axis,) if isinstance(axis, str) else tuple(axis)):
       raise ValueError(f"amax_axis_name must not name the expert axis {expert_axis!r}: each "

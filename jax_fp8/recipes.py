@@ -17,6 +17,7 @@ import numpy as np
 from . import checks
 from .formats import BLOCK, DIM_MULTIPLE, GROUP_EPS, MX_BLOCK, NVFP4_BLOCK
 from .hadamard import rht_signs
+from .ops.grouped_gemm import BLOCK_ROW_ALIGN, ROW_ALIGN
 from .state import HISTORY_LEN, ScaleRing, check_history_len, check_ring_params
 
 LINEAR_GEMMS = ("fprop", "dgrad", "wgrad")  # a linear's three GEMMs
@@ -78,8 +79,12 @@ class Recipe:
     fuses: whether the input norm and the MLP's activation run inside its quantizers (else the
       layers compose XLA's norm and activation with its linears).
     grouped: whether ``grouped_linear`` and ``grouped_mlp`` serve it (its family has the
-      grouped rules: the grouped FP8 GEMMs take one scale per operand or per expert, so only
-      per-tensor scaling).
+      grouped rules: the grouped FP8 GEMMs take per-tensor scales, one per operand or per
+      expert, or block ones).
+    grouped_row_align: under ``grouped`` recipes, the multiple of rows at which every
+      non-empty group must start in the grouped wgrad's operands (the grouped layers'
+      ``aligned=True`` promise, ``moe_mlp``'s padding of each expert's rows): 16 per-tensor
+      (``ROW_ALIGN``), 128 under block scaling (``BLOCK_ROW_ALIGN``: whole 1 x 128 groups).
   """
 
   family: str
@@ -90,6 +95,7 @@ class Recipe:
   casts_kernel: bool = False
   fuses: bool = False
   grouped: bool = False
+  grouped_row_align: int | None = None
 
   @property
   def dim_rule(self) -> str:
@@ -118,6 +124,7 @@ class PerTensorFormats(Recipe):
   casts_kernel = True
   fuses = True
   grouped = True
+  grouped_row_align = ROW_ALIGN
 
   @property
   def fwd_fmt(self) -> str:
@@ -200,6 +207,8 @@ class BlockScaling(Recipe):
   dim_reason = "the groups of x along K and of the gradient along N"
   casts_kernel = True
   fuses = True
+  grouped = True
+  grouped_row_align = BLOCK_ROW_ALIGN
 
   ue8m0: bool = False
   eps: float = GROUP_EPS

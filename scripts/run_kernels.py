@@ -8,6 +8,10 @@
                                              # parts: the cast-transpose of x in parts)
     python scripts/run_kernels.py gemm       # our cuBLASLt calls, every scale mode (memcheck)
     python scripts/run_kernels.py grouped    # the grouped GEMMs: setup, fill and CUTLASS kernels
+    python scripts/run_kernels.py grouped_block  # the same with block scales (CUTLASS's
+                                                 # blockwise-scaling kernels)
+    python scripts/run_kernels.py block_gemm # every block-scaled GEMM kernel of ours (sm_90);
+                                             # also part of coverage
 
 Inputs are copied from the host: initcheck reports buffers written by XLA's own kernels as
 uninitialized (it did for a slice and for jnp.zeros), never those written by a copy.
@@ -23,6 +27,7 @@ import numpy as np
 import jax_fp8
 from jax_fp8.hadamard import rht_signs
 from jax_fp8.ops import nvfp4 as nvfp4_ops
+from jax_fp8.ops.gemm import ALGORITHMS, BLOCK_128X128, GROUP_1X128, block_kernel_call
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -106,6 +111,7 @@ def coverage():
   block()
   mxfp8()
   nvfp4()
+  block_gemm()
 
 
 def parts():
@@ -199,6 +205,59 @@ def grouped():
           jax_fp8.grouped_gemm_wgrad(a_t, b_t, one, one, s, out_dtype=out)))
 
 
+def grouped_block():
+  """The block-scaled grouped GEMMs, both forms and both outputs: groups at any row (the rows
+  form), K and N not multiples of the tile, empty groups, rows in no group, clipped sizes,
+  wgrad groups ending inside a 128-row group and a misaligned one (the setup and fill kernels:
+  all four tools; CUTLASS's kernel, outside namespace jax_fp8, under memcheck over every kernel).
+  The scales are copied from the host in the layouts the kernel reads: wgrad's given as the
+  transposes of [M/128, K] / [M/128, N] arrays, which cancel against the op's own transposes
+  inside one jit (XLA writes nothing initcheck would not see)."""
+  rng = np.random.default_rng(5)
+  e4 = jnp.float8_e4m3fn
+  scales = lambda shape: jax.device_put((2.0 ** rng.uniform(-4, 4, shape)).astype(np.float32))
+  a = jax.device_put(rng.standard_normal((200, 384)).astype(e4))
+  b = jax.device_put(rng.standard_normal((4, 176, 384)).astype(e4))
+  a_scale, b_scale = scales((200, 3)), scales((4, 2, 3))
+  a_t = jax.device_put(rng.standard_normal((48, 384)).astype(e4))
+  b_t = jax.device_put(rng.standard_normal((80, 384)).astype(e4))
+  a_scale_t, b_scale_t = scales((3, 48)), scales((3, 80))  # [M/128, K], [M/128, N]
+  wgrad = jax.jit(lambda a_t, b_t, sa, sb, s, out: jax_fp8.grouped_gemm_wgrad(
+      a_t, b_t, sa.T, sb.T, s, out_dtype=out), static_argnums=5)
+  for out in (jnp.bfloat16, jnp.float32):
+    for sizes in ([50, 50, 50, 50], [0, 120, 0, 30], [90, 90, 90, 90], [10, 6, 64, 5]):
+      s = jax.device_put(np.int32(sizes))
+      jax.block_until_ready(jax_fp8.grouped_gemm(a, b, a_scale, b_scale, s, out_dtype=out))
+    for sizes in ([128, 128, 128, 0], [0, 256, 0, 37], [100, 0, 28, 128], [384, 0, 0, 0]):
+      s = jax.device_put(np.int32(sizes))
+      jax.block_until_ready(wgrad(a_t, b_t, a_scale_t, b_scale_t, s, out))
+
+
+def block_gemm():
+  """jax_fp8's block-scaled GEMM kernels: each one, b in 128 x 128 blocks and in 1 x 128
+  groups, every output dtype, with a bias where it applies; M off the tile and N of no tile
+  width (partial tiles, a cluster's second tile past M, tiles across two blocks of b), and more
+  tiles than the grid has CTAs (the stages wrap around). The operands and the scales, in the
+  layouts the kernel reads, are made on the host and copied."""
+  rng = np.random.default_rng(5)
+  e4m3 = jnp.float8_e4m3fn
+  for m, n, k in ((300, 400, 1152), (4100, 1040, 256)):
+    kb = k // 128
+    a, b = (rng.standard_normal(s).astype(e4m3) for s in ((m, k), (n, k)))
+    scales = lambda shape: (rng.uniform(0.5, 2, shape)).astype(np.float32)  # noqa: E731
+    a_scale_t = np.pad(scales((kb, m)), ((0, 0), (0, -m % 4)))
+    nb = -(-n // 128)
+    b_scale_t = {GROUP_1X128: scales((kb, n)),
+                 BLOCK_128X128: np.pad(scales((kb, nb)), ((0, 0), (0, -nb % 4)))}
+    for kernel, mode, out in itertools.product(ALGORITHMS[2:], b_scale_t,
+                                               (jnp.bfloat16, jnp.float16, jnp.float32)):
+      biases = (None,) if out == jnp.float32 else (None, rng.standard_normal(n).astype(out))
+      for bias in biases:
+        args = jax.device_put((a, b, a_scale_t, b_scale_t[mode], bias))
+        jax.block_until_ready(jax.jit(
+            lambda *v: block_kernel_call(kernel, mode, out, *v))(*args))
+
+
 def nvfp4():
   """NVFP4 quantization: every input dtype, ragged rows (rowwise only), a partial 128-column
   tile, every direction, 2D tiles, stochastic rounding and the Hadamard transform, with the
@@ -235,4 +294,5 @@ def nvfp4():
 
 if __name__ == "__main__":
   {"profile": profile, "coverage": coverage, "parts": parts, "block": block, "mxfp8": mxfp8,
-   "nvfp4": nvfp4, "gemm": gemm, "grouped": grouped}[sys.argv[1]]()
+   "nvfp4": nvfp4, "gemm": gemm, "grouped": grouped, "grouped_block": grouped_block,
+   "block_gemm": block_gemm}[sys.argv[1]]()

@@ -36,7 +36,7 @@ def test_quick_suite(tmp_path):
                      for given in ("", ", amax given")),
                    "gemm", "linear fwd+bwd", "block train step",
                    "group_quantize", "block_quantize", "group_cast_transpose", "block gemm",
-                   "block gemm 1x128",
+                   "block gemm 1x128", "block gemm kernels", "block gemm 1x128 kernels",
                    "block linear fwd+bwd", "pdl chain", "linear stack peak memory",
                    "linear crossover"}
   assert all(r["us"] > 0 for r in res["rows"] if "us" in r)

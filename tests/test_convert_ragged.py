@@ -24,7 +24,11 @@ from jax_fp8.ops.grouped_gemm import XLA_RAGGED_DOT
 bound_ragged_dot = jax.lax.ragged_dot  # bound at import, as `from jax.lax import ragged_dot`
 
 E, D, H, TOKENS, TOP_K = 4, 32, 48, 24, 2  # experts; model and expert widths; tokens; top-k
-RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling()}
+RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling(),
+           "block": jax_fp8.BlockScaling()}
+# (D, H) per recipe: BlockScaling's K and N multiples of 128 (its groups of x start at any row:
+# grouped_linear lays them out at multiples of 128 for its wgrad itself).
+DIMS = {"delayed": (D, H), "current": (D, H), "block": (128, 128)}
 E4M3, E5M2 = roundoff("e4m3"), roundoff("e5m2")
 # The unconverted model is f32; the converted one rounds, on the deepest path of its output,
 # the permuted tokens and w_in, then the activation and w_out, to e4m3 (the router, N = E, and
@@ -38,8 +42,8 @@ GRAD_TOL = normwise(*[E4M3] * 4, *[E5M2] * 2)
 class Experts(nn.Module):
   """A mixture-of-experts MLP as a user writes it in linen: an f32 router, top-k routing and
   token permutation (jax_fp8.moe_routing), expert weights [E, D, hidden] and [E, hidden, D]
-  run by jax.lax.ragged_dot, looked up at the call as a model's code does. ``dots``: the two
-  expert GEMMs' functions (lhs, rhs, group_sizes) of a twin instead."""
+  run by jax.lax.ragged_dot, looked up at the call as a model's code does (D: x's width).
+  ``dots``: the two expert GEMMs' functions (lhs, rhs, group_sizes) of a twin instead."""
 
   hidden: int = H
   dots: tuple | None = None
@@ -49,8 +53,8 @@ class Experts(nn.Module):
     routing = top_k_routing(nn.Dense(E, name="router")(x), TOP_K)
     perm = permute(x, routing.experts, E)
     init = nn.initializers.lecun_normal(batch_axis=0)
-    w_in = self.param("w_in", init, (E, D, self.hidden))
-    w_out = self.param("w_out", init, (E, self.hidden, D))
+    w_in = self.param("w_in", init, (E, x.shape[-1], self.hidden))
+    w_out = self.param("w_out", init, (E, self.hidden, x.shape[-1]))
     first, second = self.dots or (None, None)
     h = jax.nn.gelu((first or jax.lax.ragged_dot)(perm.rows, w_in, perm.group_sizes))
     return unpermute((second or jax.lax.ragged_dot)(h, w_out, perm.group_sizes), perm,
@@ -68,8 +72,8 @@ class Model(nn.Module):
     return nn.Dense(16, name="head")(x + Experts(self.hidden, self.dots, name="moe")(x))
 
 
-def data(rng):
-  x = jnp.asarray(rng.standard_normal((TOKENS, D)), jnp.float32)
+def data(rng, d=D):
+  x = jnp.asarray(rng.standard_normal((TOKENS, d)), jnp.float32)
   return x, jnp.asarray(rng.standard_normal((TOKENS, 16)), jnp.float32)
 
 
@@ -90,10 +94,10 @@ def rows():
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_moe_converts_in_one_line(rng, name):
-  recipe = RECIPES[name]
-  x, t = data(rng)
-  model = convert(Model(), recipe)
-  v, plain = jax.jit(lambda k, x: (model.init(k, x), Model().init(k, x)))(jax.random.key(0), x)
+  recipe, (d, h) = RECIPES[name], DIMS[name]
+  x, t = data(rng, d)
+  model = convert(Model(h), recipe)
+  v, plain = jax.jit(lambda k, x: (model.init(k, x), Model(h).init(k, x)))(jax.random.key(0), x)
   assert jax.tree.structure(v["params"]) == jax.tree.structure(plain["params"])
   for a, b in zip(jax.tree.leaves(v["params"]), jax.tree.leaves(plain["params"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # the same names and values
@@ -114,11 +118,11 @@ def test_moe_converts_in_one_line(rng, name):
     dots = tuple(functools.partial(jax_fp8.grouped_linear, recipe=recipe,
                                    state=state["moe"][f"ragged_dot_{i}"] if state else None)
                  for i in range(2))
-    y = Model(dots=dots).apply({"params": params}, x)
+    y = Model(h, dots).apply({"params": params}, x)
     return jnp.sum(y * t), y
 
   def unconverted(params, state, x):
-    y = Model().apply({"params": params}, x)
+    y = Model(h).apply({"params": params}, x)
     return jnp.sum(y * t), y
 
   got, want, f32 = jax.jit(lambda *a: tuple(
@@ -137,7 +141,7 @@ def test_moe_converts_in_one_line(rng, name):
 
   report = conversion_report(model, x)
   m = rows()
-  for i, (k, n) in enumerate(((D, H), (H, D))):
+  for i, (k, n) in enumerate(((d, h), (h, d))):
     r = report[f"moe/ragged_dot_{i}"]
     assert (r.layer, r.k, r.n, r.m, r.groups, r.status) == ("lax.ragged_dot", k, n, m, E, "fp8")
   assert [r.path for r in report.left] == ["moe/router", "head"]
@@ -283,18 +287,25 @@ def test_scan_stacks_the_rings():
   assert report["layers/moe/ragged_dot_0"].m == rows()
 
 
-def test_block_scaling_leaves_them(rng):
+def test_recipes_that_leave_them(rng):
+  """BlockScaling converts ragged dots whose K and N are multiples of 128
+  (test_moe_converts_in_one_line) and leaves others as unaligned; a recipe without grouped
+  GEMMs (MXFP8BlockScaling) leaves every one, saying which recipes convert them."""
   x, _ = data(rng)
-  model = convert(Model(), jax_fp8.BlockScaling())
-  with pytest.warns(ConversionWarning, match="none of the 4 dense layers"):
-    v, y, want = init_and_apply(model, Model(), x)
-  assert "fp8_state" not in v
-  np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
-  report = conversion_report(model, x)
-  for i in range(2):
-    r = report[f"moe/ragged_dot_{i}"]
-    assert (r.status, r.groups) == ("unsupported", E)
-    assert r.detail.startswith("grouped_linear takes a DelayedScaling or a CurrentScaling")
+  for recipe, status, detail in (
+      (jax_fp8.BlockScaling(), "unaligned", "BlockScaling needs K and N multiples of 128"),
+      (jax_fp8.MXFP8BlockScaling(), "unsupported",
+       "grouped_linear takes a DelayedScaling, a CurrentScaling or a BlockScaling")):
+    model = convert(Model(), recipe)
+    with pytest.warns(ConversionWarning, match="none of the 4 dense layers"):
+      v, y, want = init_and_apply(model, Model(), x)
+    assert "fp8_state" not in v
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(want))
+    report = conversion_report(model, x)
+    for i in range(2):
+      r = report[f"moe/ragged_dot_{i}"]
+      assert (r.status, r.groups) == (status, E)
+      assert r.detail.startswith(detail), r.detail
 
 
 def test_nested_refused_and_other_threads(rng):

@@ -1,6 +1,7 @@
-"""jax_fp8.ops.gemm_algorithms: each GEMM problem timed once per kind of device, the choice
-recorded and read back by later runs (CPU: a stand-in for the CUDA extension's three
-functions); on a GPU, two processes give the same bits from the recorded choice."""
+"""jax_fp8.ops.gemm_algorithms: each GEMM problem timed once per kind of device, cuBLASLt's
+candidates and jax_fp8's own block-scaled kernels, the choice recorded and read back by later
+runs (CPU: a stand-in for the CUDA extension's three functions); on a GPU, two processes give
+the same bits from the recorded choice, and every candidate keeps within the bound."""
 
 import json
 import os
@@ -21,6 +22,10 @@ from jax_fp8.ops.gemm_algorithms import AUTOTUNE_ENV, CACHE_ENV
 
 PROBLEM = (256, 512, 1024, "float8_e4m3fn", "float8_e4m3fn", "bfloat16", False, True, 0)
 OTHER = (256, 512, 2048, "float8_e4m3fn", "float8_e5m2", "float32", False, False, 0)
+BLOCK = (256, 512, 1024, "float8_e4m3fn", "float8_e4m3fn", "bfloat16", False, False, 1)
+FAST, SLOW = gemm_algorithms.KERNELS[3], gemm_algorithms.KERNELS[0]
+TIMES = {"cublaslt_0": 3.0, "cublaslt_1": 1.0, "cublaslt_2": 2.0}
+A, B = "A (sm_90, cuBLASLt 1)", "B (sm_100, cuBLASLt 1)"
 
 
 def algorithm(ordinal: int, candidate: int) -> bytes:
@@ -29,19 +34,22 @@ def algorithm(ordinal: int, candidate: int) -> bytes:
 
 class FakeCuda:
   """The CUDA extension's GEMM-choice functions: two devices of kind A and one of kind B; the
-  second of three candidates is the fastest."""
+  second of cuBLASLt's three candidates is the fastest (1 us); jax_fp8's kernels take the times
+  in ``kernel_us`` ({ordinal: {name: us}}, none by default)."""
 
-  def __init__(self, fail=False):
-    self.tuned, self.chosen, self.fail = [], {}, fail
+  def __init__(self, fail=False, kernel_us=None):
+    self.tuned, self.chosen, self.fail, self.kernel_us = [], {}, fail, kernel_us or {}
 
   def gemm_device(self, ordinal):
-    return ["A (sm_90, cuBLASLt 1)", "A (sm_90, cuBLASLt 1)", "B (sm_100, cuBLASLt 1)"][ordinal]
+    return [A, A, B][ordinal]
 
   def gemm_tune(self, ordinal, *problem):
     if self.fail:
       raise RuntimeError("cudaMalloc of the GEMM timing buffers: out of memory")
     self.tuned.append((ordinal, problem))
-    return [algorithm(ordinal, c) for c in range(3)], [3.0, 1.0, 2.0], 1
+    kernels = self.kernel_us.get(ordinal, {})
+    return ([algorithm(ordinal, c) for c in range(3)], [3.0, 1.0, 2.0], list(kernels),
+            list(kernels.values()))
 
   def gemm_choose(self, device, *args):
     self.chosen[(device, args[:-1])] = args[-1]
@@ -50,12 +58,12 @@ class FakeCuda:
 @pytest.fixture
 def cuda(monkeypatch, tmp_path):
   """A fresh process's state with the stand-in extension and a cache file in tmp_path."""
-  def new_process(fail=False):
-    ext = FakeCuda(fail)
+  def new_process(fail=False, kernel_us=None):
+    ext = FakeCuda(fail, kernel_us)
     monkeypatch.setattr(_ffi, "_jax_fp8_cuda", ext)
     monkeypatch.setattr(_ffi, "cuda_available", lambda: True)
     monkeypatch.setattr(gemm_algorithms, "_gpu_ordinals", lambda: [0, 1, 2])
-    monkeypatch.setattr(gemm_algorithms, "_installed", set())
+    monkeypatch.setattr(gemm_algorithms, "_installed", {})
     monkeypatch.setattr(gemm_algorithms, "_recorded", {})
     return ext
   monkeypatch.setenv(CACHE_ENV, str(tmp_path / "gemm.jsonl"))
@@ -69,15 +77,69 @@ def records(path):
 
 def test_timed_once_per_kind_of_device_and_recorded(cuda, tmp_path):
   ext = cuda()
-  gemm_algorithms.select(PROBLEM)
-  gemm_algorithms.select(PROBLEM)
+  assert gemm_algorithms.select(PROBLEM) is None
+  assert gemm_algorithms.select(PROBLEM) is None
   assert [o for o, _ in ext.tuned] == [0, 2]  # one device of each kind, once
-  assert ext.chosen == {("A (sm_90, cuBLASLt 1)", PROBLEM): algorithm(0, 1),
-                        ("B (sm_100, cuBLASLt 1)", PROBLEM): algorithm(2, 1)}
+  assert ext.chosen == {(A, PROBLEM): algorithm(0, 1), (B, PROBLEM): algorithm(2, 1)}
   got = records(tmp_path / "gemm.jsonl")
-  assert [(r["device"], tuple(r["problem"]), r["algorithm"], r["candidates_us"]) for r in got] == [
-      ("A (sm_90, cuBLASLt 1)", PROBLEM, algorithm(0, 1).hex(), [3.0, 1.0, 2.0]),
-      ("B (sm_100, cuBLASLt 1)", PROBLEM, algorithm(2, 1).hex(), [3.0, 1.0, 2.0])]
+  assert [(r["device"], tuple(r["problem"]), r["algorithm"], r["kernel"], r["candidates_us"])
+          for r in got] == [(A, PROBLEM, algorithm(0, 1).hex(), None, TIMES),
+                            (B, PROBLEM, algorithm(2, 1).hex(), None, TIMES)]
+
+
+def test_a_faster_kernel_is_chosen_and_recorded(cuda, tmp_path):
+  """jax_fp8's kernel beats cuBLASLt's candidates on both kinds: select names it, cuBLASLt's
+  fastest is still installed (``algorithm="cublaslt"`` runs it), and a later process reads the
+  choice back without timing."""
+  times = {FAST: 0.5, SLOW: 2.5}
+  ext = cuda(kernel_us={0: times, 2: times})
+  assert gemm_algorithms.select(BLOCK) == FAST
+  assert ext.chosen == {(A, BLOCK): algorithm(0, 1), (B, BLOCK): algorithm(2, 1)}
+  got = records(tmp_path / "gemm.jsonl")
+  assert [(r["kernel"], r["candidates_us"]) for r in got] == [(FAST, TIMES | times)] * 2
+  later = cuda()
+  assert gemm_algorithms.select(BLOCK) == FAST and later.tuned == []
+  assert later.chosen == ext.chosen
+
+
+@pytest.mark.parametrize("kernel_us", [{0: {FAST: 1.5}, 2: {FAST: 1.5}},
+                                       {0: {FAST: 0.5}, 2: {FAST: 1.5}},
+                                       {0: {FAST: 0.5}, 2: {FAST: -1.0}}],
+                         ids=["slower", "faster-on-one-kind", "failed-on-one-kind"])
+def test_cublaslt_runs_unless_every_kind_chose_the_kernel(cuda, tmp_path, kernel_us):
+  """One program serves every device: a kernel runs only where every kind of device chose
+  it (a kernel that failed to run is never chosen)."""
+  ext = cuda(kernel_us=kernel_us)
+  assert gemm_algorithms.select(BLOCK) is None
+  assert ext.chosen == {(A, BLOCK): algorithm(0, 1), (B, BLOCK): algorithm(2, 1)}
+  got = {r["device"]: r["kernel"] for r in records(tmp_path / "gemm.jsonl")}
+  assert got == {A: FAST if kernel_us[0][FAST] < 1 else None,
+                 B: FAST if kernel_us[2][FAST] == 0.5 else None}
+
+
+def test_a_record_of_a_kernel_this_build_lacks_is_timed_again(cuda, tmp_path):
+  """A record naming a kernel that a later build dropped: a warning, the candidates are timed
+  again (this process runs the new choice), the file keeps its first record."""
+  path = tmp_path / "gemm.jsonl"
+  gone = {"device": A, "problem": list(BLOCK), "algorithm": algorithm(5, 5).hex(),
+          "kernel": "sm90_128x96_c4", "candidates_us": {}}
+  path.write_text(json.dumps(gone) + "\n")
+  ext = cuda(kernel_us={0: {FAST: 0.5}, 2: {FAST: 0.5}})
+  with pytest.warns(UserWarning, match="the kernel 'sm90_128x96_c4', which this build lacks"):
+    assert gemm_algorithms.select(BLOCK) == FAST
+  assert [o for o, _ in ext.tuned] == [0, 2]
+  assert ext.chosen[(A, BLOCK)] == algorithm(0, 1)
+  assert [r["kernel"] for r in records(path)] == ["sm90_128x96_c4", FAST]
+
+
+def test_a_kernel_alone_is_a_choice(cuda, tmp_path):
+  """No cuBLASLt candidate ran but a kernel did: the kernel, and no cuBLASLt algorithm
+  installed (the heuristic's stays)."""
+  ext = cuda(kernel_us={0: {FAST: 0.5}, 2: {FAST: 0.5}})
+  ext.gemm_tune = lambda ordinal, *problem: ([], [], [FAST], [0.5])
+  assert gemm_algorithms.select(BLOCK) == FAST and ext.chosen == {}
+  assert [(r["algorithm"], r["kernel"]) for r in records(tmp_path / "gemm.jsonl")] == [
+      (None, FAST)] * 2
 
 
 def test_a_later_run_takes_the_recorded_choice(cuda, tmp_path):
@@ -92,18 +154,22 @@ def test_a_later_run_takes_the_recorded_choice(cuda, tmp_path):
 
 
 def test_first_record_wins_and_bad_lines_are_skipped(cuda, tmp_path):
+  """The first record of a problem wins, in the format before jax_fp8's kernels too (no
+  "kernel", a list of times); lines that are not records are skipped with a warning."""
   path = tmp_path / "gemm.jsonl"
   device = "A (sm_90, cuBLASLt 1)"
   line = {"device": device, "problem": list(PROBLEM), "candidates_us": []}
   path.write_text("not json\n" + json.dumps({**line, "algorithm": algorithm(7, 7).hex()}) + "\n"
                   + json.dumps({**line, "algorithm": algorithm(8, 8).hex()}) + "\n"
-                  + json.dumps({"device": device}) + "\n")
+                  + json.dumps({"device": device}) + "\n"
+                  + json.dumps({**line, "algorithm": None, "kernel": None}) + "\n"
+                  + json.dumps({**line, "algorithm": None, "kernel": 3}) + "\n")
   ext = cuda()
   with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     gemm_algorithms.select(PROBLEM)
   assert [str(x.message).split(" is not")[0].split("/")[-1] for x in w] == [
-      "gemm.jsonl:1", "gemm.jsonl:4"]
+      "gemm.jsonl:1", "gemm.jsonl:4", "gemm.jsonl:5", "gemm.jsonl:6"]
   assert ext.chosen[(device, PROBLEM)] == algorithm(7, 7)
   assert [o for o, _ in ext.tuned] == [2]  # only the kind with no record
 
@@ -223,8 +289,8 @@ def test_recorded_choice_gives_the_same_bits_in_a_new_process(tmp_path):
       (2048, 1024, 4096, "float8_e4m3fn", "float8_e4m3fn", d, False, f, 0)
       for f in (False, True) for d in ("bfloat16", "float32"))
   for r in timed:
-    us = [t for t in r["candidates_us"] if t >= 0]
-    assert us and min(us) > 0
+    us = [t for t in r["candidates_us"].values() if t >= 0]
+    assert us and min(us) > 0 and r["kernel"] is None  # per-tensor: cuBLASLt alone
   assert run() == first
   assert records(path) == timed  # nothing timed the second time
 
@@ -236,13 +302,14 @@ def every_candidate(problem, run, check):
   ext = _ffi._jax_fp8_cuda
   ordinal = jax.devices("cuda")[0].local_hardware_id
   device = ext.gemm_device(ordinal)
-  candidates, _, best = ext.gemm_tune(ordinal, *problem)
+  candidates, us, _, _ = ext.gemm_tune(ordinal, *problem)
   try:
     for i, algorithm in enumerate(candidates):
       ext.gemm_choose(device, *problem, algorithm)
       check(np.asarray(jax.jit(lambda: run())().astype(jnp.float32)), i)  # a new jit each
   finally:
-    ext.gemm_choose(device, *problem, candidates[best])
+    ext.gemm_choose(device, *problem, candidates[int(np.argmin(np.where(np.array(us) < 0,
+                                                                         np.inf, us)))])
 
 
 @pytest.mark.gpu

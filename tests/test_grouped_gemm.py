@@ -1,12 +1,15 @@
-"""grouped_gemm and grouped_gemm_wgrad against their f32 references: every operand pair and
-output, group sizes with zeros, one group holding every row, sums below and above M, negative
-sizes, traced sizes changing with one compilation, scan, sharding and bad input."""
+"""grouped_gemm and grouped_gemm_wgrad against their f32 references, with per-tensor and block
+scales: every operand pair and output, group sizes with zeros, one group holding every row,
+sums below and above M, negative sizes, misaligned wgrad groups, traced sizes changing with one
+compilation, scan, sharding and bad input."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ACCUMULATION, on_cpu, poison_allocator, summation_error
+from conftest import ACCUMULATION, on_cpu, poison_allocator, reference_on_cpu, summation_error
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from test_gemm import PAIRS, RTOL, fp8_operand
 
@@ -32,15 +35,46 @@ WGRAD_SIZES = {
 }
 
 
+# Block scales: the rows form's groups at any row (a 1 x 128 group lies within one row) over
+# M = 200, K = 384 (three groups along K) and N = 176 (each b[g]'s second block of rows
+# ragged); wgrad's groups at multiples of 128 (BLOCK_ROW_ALIGN) over M = 384.
+BLOCK_SIZES = {
+    "zeros-negative-sum-below-m": [30, 0, -5, 100],  # rows 0, 30..130; rows 130.. in no group
+    "one-group": [0, 0, 200, 0],
+}
+BLOCK_WGRAD_SIZES = {
+    "zeros-ragged-last-sum-below-m": [128, 0, 128, 37],  # the last group ends at row 293
+    "one-group": [384, 0, 0, 0],
+}
+
+
+def block_scales(rng, shape):
+  """Positive f32 scales spread over 2^-8 .. 2^8, so that a scale read from another group or
+  block shows in the result."""
+  return jnp.asarray(2.0 ** rng.uniform(-8, 8, shape), jnp.float32)
+
+
 def _bound(twin, a, b, *rest, out_dtype=jnp.float32):
   """(want, bound): the f32 twin's result and the elementwise bound of an FP8 GEMM's output:
   the output's rounding plus the tensor cores' accumulation (``ACCUMULATION`` of the sum of
-  the products' magnitudes, which the twin of |a| and |b| gives)."""
-  twin32 = lambda *v: twin(*v, out_dtype=jnp.float32)  # noqa: E731
-  want = on_cpu(twin32, a, b, *rest)
-  absolute = lambda v: jnp.abs(v.astype(jnp.float32)).astype(v.dtype)  # noqa: E731
-  absdot = on_cpu(lambda a, b, *v: twin32(absolute(a), absolute(b), *v), a, b, *rest)
-  return want, RTOL[out_dtype] * np.abs(want) + ACCUMULATION * absdot + 1e-6
+  the products' magnitudes, which the twin of |a| and |b| gives; with block scales, positive,
+  each product scaled by its own)."""
+  want = reference_on_cpu(twin, a, b, *rest, out_dtype=jnp.float32)
+  return want, RTOL[out_dtype] * np.abs(want) + ACCUMULATION * _absdot(twin, a, b, *rest) + 1e-6
+
+
+def _absdot(twin, a, b, *rest):
+  """The f32 twin of |a| and |b|: the sums of the products' magnitudes."""
+  return reference_on_cpu(_of_magnitudes(twin), a, b, *rest, out_dtype=jnp.float32)
+
+
+@functools.cache
+def _of_magnitudes(twin):
+  """``twin`` of the operands' magnitudes (one function per twin, so it is jitted once)."""
+  def of_magnitudes(a, b, *rest, out_dtype):
+    absolute = lambda v: jnp.abs(v.astype(jnp.float32)).astype(v.dtype)  # noqa: E731
+    return twin(absolute(a), absolute(b), *rest, out_dtype=out_dtype)
+  return of_magnitudes
 
 
 def _check_close(got, want, bound):
@@ -59,14 +93,21 @@ def test_grouped_gemm_matches_f32(platform, rng, fa, fb, out_dtype, sizes, per_g
   sa = jnp.float32(rng.uniform(0.01, 2))
   sb = jnp.asarray(rng.uniform(0.01, 2, g) if per_group_scale else rng.uniform(0.01, 2),
                    jnp.float32)
-  group_sizes = jnp.asarray(SIZES[sizes], jnp.int32)
+  _check_rows_form(a, b, sa, sb, SIZES[sizes], out_dtype)
+
+
+def _check_rows_form(a, b, sa, sb, sizes, out_dtype):
+  """grouped_gemm (the output poisoned first) within the bound of its f32 twin, and zero in the
+  rows after the last group."""
+  (m, _), n = a.shape, b.shape[1]
+  group_sizes = jnp.asarray(sizes, jnp.int32)
   want, bound = _bound(reference.grouped_gemm, a, b, sa, sb, group_sizes, out_dtype=out_dtype)
   poison_allocator(m * n * jnp.dtype(out_dtype).itemsize)
   got = jax.jit(jax_fp8.grouped_gemm, static_argnames="out_dtype")(a, b, sa, sb, group_sizes,
                                                                    out_dtype=out_dtype)
   assert got.shape == (m, n) and got.dtype == out_dtype
   _check_close(got, want, bound)
-  end = min(m, sum(max(s, 0) for s in SIZES[sizes]))
+  end = min(m, sum(max(s, 0) for s in sizes))
   assert np.all(np.asarray(got)[end:] == 0)  # rows in no group: zero, written
 
 
@@ -100,6 +141,51 @@ def test_grouped_gemm_wgrad_misaligned_group_is_nan(platform, rng):
   got = np.asarray(jax.jit(jax_fp8.grouped_gemm_wgrad)(a_t, b_t, 1.0, 1.0, group_sizes))
   one = jnp.float32(1)
   want, bound = _bound(reference.grouped_gemm_wgrad, a_t, b_t, one, one, group_sizes)
+  assert np.isnan(got[2]).all() and np.isnan(want[2]).all()
+  assert np.all(got[1] == 0)
+  for i in (0, 3):
+    _check_close(got[i], want[i], bound[i])
+
+
+@pytest.mark.parametrize("sizes,out_dtype", [
+    ("zeros-negative-sum-below-m", jnp.bfloat16), ("one-group", jnp.float32)],
+    ids=["zeros-negative-sum-below-m-bfloat16", "one-group-float32"])
+def test_block_grouped_gemm_matches_f32(platform, rng, sizes, out_dtype):
+  """1 x 128 groups of a with 128 x 128 blocks of each b[g], groups at any row offset."""
+  m, k, n, g = 200, 384, 176, 4
+  a, b = fp8_operand(rng, (m, k), "e4m3"), fp8_operand(rng, (g, n, k), "e4m3")
+  sa, sb = block_scales(rng, (m, k // 128)), block_scales(rng, (g, 2, k // 128))
+  _check_rows_form(a, b, sa, sb, BLOCK_SIZES[sizes], out_dtype)
+
+
+@pytest.mark.parametrize("sizes", BLOCK_WGRAD_SIZES, ids=list(BLOCK_WGRAD_SIZES))
+def test_block_grouped_gemm_wgrad_matches_f32(platform, rng, sizes):
+  """Both operands in 1 x 128 groups along the grouped rows, each group's starting at a
+  multiple of 128; K and N not multiples of 128."""
+  m, k, n, g = 384, 48, 80, 4
+  a_t, b_t = fp8_operand(rng, (k, m), "e4m3"), fp8_operand(rng, (n, m), "e4m3")
+  sa, sb = block_scales(rng, (k, m // 128)), block_scales(rng, (n, m // 128))
+  group_sizes = jnp.asarray(BLOCK_WGRAD_SIZES[sizes], jnp.int32)
+  want, bound = _bound(reference.grouped_gemm_wgrad, a_t, b_t, sa, sb, group_sizes)
+  poison_allocator(g * k * n * 4)
+  got = jax.jit(jax_fp8.grouped_gemm_wgrad)(a_t, b_t, sa, sb, group_sizes)
+  assert got.shape == (g, k, n) and got.dtype == jnp.float32
+  _check_close(got, want, bound)
+  for i, s in enumerate(BLOCK_WGRAD_SIZES[sizes]):
+    if s == 0:
+      assert np.all(np.asarray(got[i]) == 0)  # an empty group's gradient: zero, written
+
+
+def test_block_grouped_gemm_wgrad_misaligned_group_is_nan(platform, rng):
+  """Under block scales a non-empty group starting at a row that is not a multiple of 128 is
+  NaN, on every platform (its 1 x 128 groups would straddle two groups); a group that ends
+  inside a 128-row group is computed, an empty one is zero."""
+  m, k, n = 256, 32, 32
+  a_t, b_t = fp8_operand(rng, (k, m), "e4m3"), fp8_operand(rng, (n, m), "e4m3")
+  sa, sb = block_scales(rng, (k, 2)), block_scales(rng, (n, 2))
+  group_sizes = jnp.asarray([100, 0, 28, 128], jnp.int32)  # starts 0, 100, 100, 128
+  got = np.asarray(jax.jit(jax_fp8.grouped_gemm_wgrad)(a_t, b_t, sa, sb, group_sizes))
+  want, bound = _bound(reference.grouped_gemm_wgrad, a_t, b_t, sa, sb, group_sizes)
   assert np.isnan(got[2]).all() and np.isnan(want[2]).all()
   assert np.all(got[1] == 0)
   for i in (0, 3):
@@ -159,6 +245,35 @@ def test_sharded_jit_equals_one_device(rng):
   assert np.all(np.abs(got_w - one_w)[finite] <= 2 * summation_error(m) * absdot_w[finite])
 
 
+def test_block_sharded_jit_equals_one_device(rng):
+  """Block scales under a sharded jit: b split over N in whole 128-row blocks (b_scale with
+  it), and for wgrad a_t over K (a_scale with it); the values equal one device's."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
+  m, k, n, g = 64, 256, 256, 2
+  a, b = fp8_operand(rng, (m, k), "e4m3"), fp8_operand(rng, (g, n, k), "e4m3")
+  sa, sb = block_scales(rng, (m, 2)), block_scales(rng, (g, 2, 2))
+  a_t, b_t = fp8_operand(rng, (k, 128), "e4m3"), fp8_operand(rng, (n, 128), "e4m3")
+  sa_t, sb_t = block_scales(rng, (k, 1)), block_scales(rng, (n, 1))
+  s = jnp.asarray([40, 24], jnp.int32)
+  s_w = jnp.asarray([128, 0], jnp.int32)
+  rows = lambda *v: jax_fp8.grouped_gemm(*v, out_dtype=jnp.float32)  # noqa: E731
+  with jax.default_device(jax.devices("cpu")[0]):
+    one = rows(a, b, sa, sb, s)
+    one_w = jax_fp8.grouped_gemm_wgrad(a_t, b_t, sa_t, sb_t, s_w)
+  split = lambda v, *spec: jax.device_put(v, NamedSharding(mesh, P(*spec)))  # noqa: E731
+  got = jax.jit(rows)(a, split(b, None, "x", None), sa, split(sb, None, "x", None), s)
+  assert got.sharding.spec[1] == "x"
+  got_w = jax.jit(jax_fp8.grouped_gemm_wgrad)(split(a_t, "x", None), b_t, split(sa_t, "x", None),
+                                              sb_t, s_w)
+  assert got_w.sharding.spec[1] == "x"
+  # each element the same dequantized products summed in f32, perhaps in another order
+  for twin, ops, out, one_out, terms in (
+      (reference.grouped_gemm, (a, b, sa, sb, s), got, one, k),
+      (reference.grouped_gemm_wgrad, (a_t, b_t, sa_t, sb_t, s_w), got_w, one_w, 128)):
+    assert np.all(np.abs(np.asarray(out) - np.asarray(one_out))
+                  <= 2 * summation_error(terms) * _absdot(twin, *ops))
+
+
 def test_not_differentiable(rng):
   a, b = fp8_operand(rng, (32, 32), "e4m3"), fp8_operand(rng, (2, 32, 32), "e4m3")
   s = jnp.asarray([16, 16], jnp.int32)
@@ -204,7 +319,40 @@ def _bad_cases():
       ("wgrad M mismatch", wgrad, (a_t, b_t[:, :32], 1.0, 1.0, s), {}, ValueError,
        "a_t must be \\[K, M\\] and b_t \\[N, M\\]"),
       ("wgrad per-group scale", wgrad, (a_t, b_t, 1.0, jnp.ones(2, jnp.float32), s), {},
-       TypeError, "b_scale must be a float32 scalar, got float32\\[2\\]"),
+       TypeError, "b_scale must be a float32 scalar with a per-tensor a_scale, got "
+       "float32\\[2\\]"),
+  ] + _block_bad_cases()
+
+
+def _block_bad_cases():
+  e4, e5, f32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float32
+  a, b = jnp.zeros((64, 256), e4), jnp.zeros((2, 48, 256), e4)
+  sa, sb = jnp.ones((64, 2), f32), jnp.ones((2, 1, 2), f32)
+  a_t, b_t = jnp.zeros((32, 256), e4), jnp.zeros((48, 256), e4)
+  sa_t, sb_t = jnp.ones((32, 2), f32), jnp.ones((48, 2), f32)
+  s = jnp.asarray([32, 32], jnp.int32)
+  rows, wgrad = jax_fp8.grouped_gemm, jax_fp8.grouped_gemm_wgrad
+  return [
+      ("block a_scale shape", rows, (a, b, sa[:, :1], sb, s), {}, ValueError,
+       "a_scale must be \\[M, K/128\\] = \\[64, 2\\] \\(1 x 128 groups of a's rows\\) with "
+       "block scales, got \\[64, 1\\]"),
+      ("block b_scale shape", rows, (a, b, sa, jnp.ones((2, 48, 2), f32), s), {}, ValueError,
+       "b_scale must be \\[G, ceil\\(N/128\\), K/128\\] = \\[2, 1, 2\\] .* got \\[2, 48, 2\\]"),
+      ("block b_scale per-tensor", rows, (a, b, sa, 1.0, s), {}, ValueError,
+       "b_scale must be \\[G, ceil\\(N/128\\), K/128\\] = \\[2, 1, 2\\] .* got \\[\\]"),
+      ("block scale dtype", rows, (a, b, sa.astype(jnp.bfloat16), sb, s), {}, TypeError,
+       "a_scale must be float32, got bfloat16\\[64, 2\\]"),
+      ("block e5m2", rows, (a, b.astype(e5), sa, sb, s), {}, TypeError,
+       "block-scaled grouped GEMMs take e4m3 operands .* got a float8_e4m3fn and b "
+       "float8_e5m2"),
+      ("block K", rows, (a[:, :64], b[:, :, :64], sa[:, :1], sb[:, :, :1], s), {}, ValueError,
+       "block scales need K a multiple of 128 .* got K=64"),
+      ("wgrad block M", wgrad, (a_t[:, :144], b_t[:, :144], sa_t, sb_t, s), {}, ValueError,
+       "block scales need M a multiple of 128 .* got M=144"),
+      ("wgrad block a_scale shape", wgrad, (a_t, b_t, sa_t[:, :1], sb_t, s), {}, ValueError,
+       "a_scale must be \\[K, M/128\\] = \\[32, 2\\] .* got \\[32, 1\\]"),
+      ("wgrad block b_scale shape", wgrad, (a_t, b_t, sa_t, sb_t.T, s), {}, ValueError,
+       "b_scale must be \\[N, M/128\\] = \\[48, 2\\] .* got \\[2, 48\\]"),
   ]
 
 

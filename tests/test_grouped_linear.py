@@ -1,13 +1,15 @@
 """jax_fp8.grouped_linear: forward and gradients (x, kernels, bias) against f32 ragged_dot per
-recipe, with group sizes holding zeros, every row in one expert, sums below M, M not a multiple
-of 16, unaligned groups (the padded wgrad) and aligned ones; traced sizes with one compilation,
-scan, delayed-scaling state updates, the compute-dtype path and bad input."""
+recipe (delayed, current and block scaling), with group sizes holding zeros, every row in one
+expert, sums below M, M not a multiple of 16 (of 128 under block scaling), unaligned groups (the
+padded wgrad) and aligned ones; the gradients as the products of the recipe's FP8 operands;
+traced sizes with one compilation, scan, delayed-scaling state updates, the compute-dtype path
+and bad input."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import on_cpu, roundoff, summation_error
+from conftest import normwise, on_cpu, roundoff, summation_error
 from test_linear import BWD_TOL, E4M3, E5M2, FWD_TOL, bias_tol, rel
 
 import jax_fp8
@@ -30,14 +32,22 @@ CASES = {
     "aligned": (50, [16, 0, 32, 2], True),  # non-empty groups start at 0, 16, 48
 }
 RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling()}
+# BlockScaling: K = N = 128 (its multiple); wgrad's groups start at multiples of 128 rows.
+BLOCK, BLOCK_TOL = jax_fp8.BlockScaling(), normwise(E4M3, E4M3)  # every operand in e4m3
+BLOCK_CASES = {
+    # starts 0, 128, 128, 256, the last group clipped at M
+    "aligned": (300, [128, 0, 128, 60], True),
+    # starts 0, 70, 70, 160, rows 185.. in no group: the padded layout
+    "unaligned": (200, [70, 0, 90, 25], False),
+}
 
 
-def problem(rng, m, dtype=jnp.float32, groups=4):
-  x = jnp.asarray(rng.standard_normal((m, K)), dtype)
-  scale = np.asarray(MAGNITUDES[:groups])[:, None, None] / np.sqrt(K)
-  w = jnp.asarray(rng.standard_normal((groups, K, N)) * scale, jnp.float32)
-  b = jnp.asarray(rng.standard_normal((groups, N)), jnp.float32)
-  t = jnp.asarray(rng.standard_normal((m, N)), jnp.float32)
+def problem(rng, m, dtype=jnp.float32, groups=4, k=K, n=N):
+  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  scale = np.asarray(MAGNITUDES[:groups])[:, None, None] / np.sqrt(k)
+  w = jnp.asarray(rng.standard_normal((groups, k, n)) * scale, jnp.float32)
+  b = jnp.asarray(rng.standard_normal((groups, n)), jnp.float32)
+  t = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
   return x, w, b, t
 
 
@@ -84,21 +94,38 @@ RECIPE_CASES = [("delayed", c) for c in CASES] + [("current", c)
 def test_forward_and_grads(platform, rng, name, case):
   m, sizes, aligned = CASES[case]
   recipe, dtype = RECIPES[name], jnp.bfloat16 if case == "zeros" else jnp.float32
-  x, w, b, t = problem(rng, m, dtype)
+  check_forward_and_grads(recipe, problem(rng, m, dtype), sizes, aligned, FWD_TOL, BWD_TOL)
+
+
+@pytest.mark.parametrize("case", ["aligned"])
+def test_block_forward_and_grads(platform, rng, case):
+  """BlockScaling: 1 x 128 groups of x and of the gradient, each expert kernel in its own
+  128 x 128 blocks (the unaligned layout's test: the next one's)."""
+  m, sizes, aligned = BLOCK_CASES[case]
+  check_forward_and_grads(BLOCK, problem(rng, m, k=128, n=128), sizes, aligned, BLOCK_TOL,
+                          BLOCK_TOL)
+
+
+def check_forward_and_grads(recipe, data, sizes, aligned, fwd_tol, bwd_tol):
+  """The layer's output and gradients against the f32 math: normwise within the recipe's
+  tolerances (and each expert's alone, whatever its magnitude), zero for rows in no group and
+  for an expert with no rows, the bias gradient through the output's rounding."""
+  x, w, b, t = data
+  (m, _), n, dtype = x.shape, w.shape[2], x.dtype
   gs = jnp.asarray(sizes, jnp.int32)
   state = state_for(recipe)
   forward = jax.jit(lambda x, w, b, s: jax_fp8.grouped_linear(
       x, w, gs, b, recipe=recipe, state=s, aligned=aligned))
   y, y_nb = forward(x, w, b, state), forward(x, w, None, state)
-  assert y.shape == (m, N) and y.dtype == dtype
+  assert y.shape == (m, n) and y.dtype == dtype
   want, want_nb = on_cpu(ragged_f32, x, w, b, gs), on_cpu(ragged_f32, x, w, 0 * b, gs)
   out = roundoff(dtype)  # the output's own rounding
   groups, end = rows_of(sizes, m)
   y32, y_nb = np.asarray(y.astype(jnp.float32)), np.asarray(y_nb.astype(jnp.float32))
-  assert rel(y32, want) < FWD_TOL + out
+  assert rel(y32, want) < fwd_tol + out
   for g, rows in enumerate(groups):  # each expert within the format, whatever its magnitude
     if rows.stop - rows.start >= 5:
-      assert rel(y_nb[rows], want_nb[rows]) < FWD_TOL + out, g
+      assert rel(y_nb[rows], want_nb[rows]) < fwd_tol + out, g
   assert np.all(y32[end:] == 0) and np.all(y_nb[end:] == 0)  # rows in no group
   grads = jax.jit(jax.grad(lambda x, w, b, s: loss(x, w, b, s, gs, t, recipe, aligned),
                            argnums=(0, 1, 2, 3)))(x, w, b, state)
@@ -108,12 +135,12 @@ def test_forward_and_grads(platform, rng, name, case):
   assert np.all(dx[end:] == 0)
   for g, rows in enumerate(groups):
     if rows.stop - rows.start >= 5:  # dgrad through each expert's own kernel scale
-      assert rel(dx[rows], want_dx[rows]) < BWD_TOL + out, g
+      assert rel(dx[rows], want_dx[rows]) < bwd_tol + out, g
     if rows.stop == rows.start:
       assert np.all(dw[g] == 0) and np.all(db[g] == 0)  # an expert with no rows: no gradient
     else:
       assert np.all(np.isfinite(dw[g]))
-  assert rel(dw, want_dw) < BWD_TOL + out
+  assert rel(dw, want_dw) < bwd_tol + out
   assert rel(db, want_db) < bias_tol(dtype, m)  # through the output's rounding to dtype
 
 
@@ -207,6 +234,58 @@ def test_backward_is_the_quantized_operands_products(platform, rng, name):
                 <= 2 * summation_error(N, platform) * abs_dx + 1e-30)
   assert np.all(np.abs(np.asarray(dw) - want_dw)
                 <= 2 * summation_error(m, platform) * abs_dw + 1e-30)
+
+
+@pytest.mark.parametrize("case", ["unaligned"])
+def test_block_backward_is_the_quantized_operands_products(platform, rng, case):
+  """Under BlockScaling the output is the unfused twin's (the same FP8 operands, up to the f32
+  sums' order and the roundings to x's dtype), and dx and dkernels are the grouped products of
+  the FP8 operands the recipe makes, up to the f32 sums' order: the output gradient in 1 x 128
+  groups along N (dgrad) and, with x, in 128-row groups along M starting at each expert's first
+  row (wgrad: each expert's rows quantized on their own, as the padded layout does), each
+  expert kernel in its own 128 x 128 blocks. A block scale read from another block or another
+  expert, or a 128-row group straddling two experts, shows here."""
+  m, sizes, aligned = BLOCK_CASES[case]
+  x, w, b, t = problem(rng, m, k=128, n=128)
+  gs = jnp.asarray(sizes, jnp.int32)
+  y, vjp = jax.jit(lambda x, w: jax.vjp(lambda x, w: jax_fp8.grouped_linear(
+      x, w, gs, b, recipe=BLOCK, aligned=aligned), x, w))(x, w)
+  dx, dw = jax.jit(vjp)(t)
+  groups, _ = rows_of(sizes, m)
+  kw = {"fmt": "e4m3", "eps": BLOCK.eps, "ue8m0": BLOCK.ue8m0}
+  hi = jax.lax.Precision.HIGHEST
+
+  def dequantized(q, scale, block_rows):
+    return q.astype(jnp.float32) * reference.expand_scales(scale, *q.shape, block_rows)
+
+  def want(x, w, t):
+    qw = jax.vmap(lambda k: reference.block_quantize(k, **kw))(w)  # [G, K, N], [G, 1, 1]
+    w8 = jax.vmap(lambda q, s: dequantized(q, s, 128))(qw.data, qw.scale)
+    qt = reference.group_quantize(t, **kw)  # [M, N], [M, N/128]
+    t8 = dequantized(qt.data, qt.scale, 1)
+    rows = onehot(gs, m)  # [M, G]
+    dx = jnp.einsum("mn,gkn,mg->mk", t8, w8, rows, precision=hi)
+    absx = jnp.einsum("mn,gkn,mg->mk", jnp.abs(t8), jnp.abs(w8), rows, precision=hi)
+    dw, absw = [], []
+    for r in groups:  # each expert's rows in their own 128-row groups along M
+      qx = reference.group_cast_transpose(x[r], **kw)  # data_t [K, R128]
+      qg = reference.group_cast_transpose(t[r], **kw)  # data_t [N, R128]
+      x8, g8 = dequantized(qx.data_t, qx.scale_t, 1), dequantized(qg.data_t, qg.scale_t, 1)
+      dw.append(jnp.matmul(x8, g8.T, precision=hi))
+      absw.append(jnp.matmul(jnp.abs(x8), jnp.abs(g8).T, precision=hi))
+    return dx, jnp.stack(dw), absx, jnp.stack(absw)
+  want_dx, want_dw, abs_dx, abs_dw = on_cpu(jax.jit(want), x, w, t)
+  assert np.all(np.abs(np.asarray(dx) - want_dx)
+                <= 2 * summation_error(128, platform) * abs_dx + 1e-30)
+  assert np.all(np.abs(np.asarray(dw) - want_dw)
+                <= 2 * summation_error(m, platform) * abs_dw + 1e-30)
+  want_y = on_cpu(jax.jit(lambda *a: reference.block_grouped_linear(*a, recipe=BLOCK)), x, w,
+                  gs, b)
+  absdot = on_cpu(jax.jit(lambda x, w: ragged_f32(jnp.abs(x), jnp.abs(w),
+                                                  jnp.zeros_like(w[:, 0]), gs)), x, w)
+  bound = (2 * roundoff(x.dtype) * np.abs(want_y)
+           + 2 * summation_error(128, platform) * (1 + E4M3)**2 * absdot)
+  assert np.all(np.abs(np.asarray(y) - want_y) <= bound)
 
 
 def test_forward_matches_reference_twin(platform, rng):
@@ -349,8 +428,8 @@ def _bad_cases():
   gs, b = jnp.asarray([8, 8, 8, 8], jnp.int32), jnp.zeros((4, N))
   delayed, current = jax_fp8.DelayedScaling(), jax_fp8.CurrentScaling()
   state = jax_fp8.GroupedLinearState.create(4, delayed)
-  per_recipe = ("grouped_linear takes a DelayedScaling or a CurrentScaling .*got {}: no "
-                "block-scaled grouped FP8 GEMM exists yet").format
+  per_recipe = ("grouped_linear takes a DelayedScaling, a CurrentScaling or a BlockScaling "
+                ".*got {}: no grouped FP8 GEMM takes its scales").format
   return [
       ("x rank", (x[None], w, gs, b), {"state": state}, ValueError, "x must be \\[M, K\\]"),
       ("x int", (x.astype(jnp.int32), w, gs, b), {"state": state}, TypeError,
@@ -369,8 +448,14 @@ def _bad_cases():
        "bias must be \\[G, N\\] = \\[4, 48\\], got \\[48\\]"),
       ("N not 16", (x, w[..., :40], gs, None), {"state": state}, ValueError,
        "multiples of 16 .*N=40"),
-      ("block recipe", (x, w, gs, b), {"recipe": jax_fp8.BlockScaling()}, TypeError,
-       per_recipe("BlockScaling")),
+      ("block K", (x, w, gs, b), {"recipe": jax_fp8.BlockScaling()}, ValueError,
+       "BlockScaling needs K and N multiples of 128 .*got K=32, N=48"),
+      ("block state", (jnp.zeros((32, 128)), jnp.zeros((4, 128, 128)), gs, None),
+       {"recipe": jax_fp8.BlockScaling(), "state": state}, ValueError,
+       "BlockScaling is stateless: pass state=None"),
+      ("block amax axis", (jnp.zeros((32, 128)), jnp.zeros((4, 128, 128)), gs, None),
+       {"recipe": jax_fp8.BlockScaling(), "amax_axis_name": "batch"}, ValueError,
+       "BlockScaling reduces no amax"),
       ("mxfp8 recipe", (x, w, gs, b), {"recipe": jax_fp8.MXFP8BlockScaling()}, TypeError,
        per_recipe("MXFP8BlockScaling")),
       ("nvfp4 recipe", (x, w, gs, b), {"recipe": jax_fp8.NVFP4BlockScaling()}, TypeError,

@@ -1,9 +1,10 @@
 """jax_fp8.grouped_mlp: values and gradients against an f32 ragged_dot model within the FP8
 formats' bounds, with group sizes holding zeros, every row in one expert, sums below M, M not a
-multiple of 16, aligned and unaligned groups, gated and plain activations; a twin built from
-jax_fp8.reference's quantizers that equals the layer bit for bit on CPU, the delayed state's
-observations included; traced sizes with one compilation; the compute-dtype path below
-fp8_min_intensity; bad input."""
+multiple of 16, aligned and unaligned groups, gated and plain activations, per-tensor and block
+scaling; a twin built from jax_fp8.reference's quantizers that equals the layer bit for bit on
+CPU, the delayed state's observations included, and under BlockScaling one within the f32 sums'
+order; traced sizes with one compilation; the compute-dtype path below fp8_min_intensity; bad
+input."""
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +17,10 @@ from test_linear import bias_tol, rel
 
 import jax_fp8
 from jax_fp8 import activations, reference
+from jax_fp8.families._shared import group_bias
 from jax_fp8.formats import amax
 from jax_fp8.layer_state import MLP_RINGS
+from jax_fp8.quantized import Quantized
 from jax_fp8.ops.grouped_gemm import ROW_ALIGN, group_bounds
 from jax_fp8.state import ScaleRing, current, next_ring
 
@@ -34,30 +37,44 @@ K, F, D, G = 32, 32, 48, 4
 # expert's rows, so an expert's act(y) far below the others' would leave E4M3's range.
 MAGNITUDES_OUT = (1.0, 1e-4, 10.0, 1e-2)
 MAGNITUDES_IN = (1.0, 0.5, 2.0, 1.0)
-RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling()}
+RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling(),
+           "block": jax_fp8.BlockScaling()}
 F32 = jnp.float32
+# Every f32 product of the twins and the f32 math: on a GPU XLA's default precision rounds f32
+# operands to TF32 (10 mantissa bits), far outside the bounds.
+HI = jax.lax.Precision.HIGHEST
+# BlockScaling: K = F = D = 128 (its multiple); every operand, the gradients too, in e4m3 (in
+# 1 x 128 groups or 128 x 128 blocks): the output's bound for the gradients as well.
+BLOCK, BLOCK_DIMS = RECIPES["block"], {"k": 128, "f": 128, "d": 128}
 
 
-def problem(rng, m, activation="swiglu", dtype=F32):
-  n = 2 * F if activations.ACTIVATIONS[activation][1] else F
-  x = jnp.asarray(rng.standard_normal((m, K)), dtype)
-  k_in = jnp.asarray(rng.standard_normal((G, K, n)) * np.asarray(MAGNITUDES_IN)[:, None, None]
-                     / np.sqrt(K), F32)
-  k_out = jnp.asarray(rng.standard_normal((G, F, D)) * np.asarray(MAGNITUDES_OUT)[:, None, None]
-                      / np.sqrt(F), F32)
+def problem(rng, m, activation="swiglu", dtype=F32, k=K, f=F, d=D):
+  n = 2 * f if activations.ACTIVATIONS[activation][1] else f
+  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  k_in = jnp.asarray(rng.standard_normal((G, k, n)) * np.asarray(MAGNITUDES_IN)[:, None, None]
+                     / np.sqrt(k), F32)
+  k_out = jnp.asarray(rng.standard_normal((G, f, d)) * np.asarray(MAGNITUDES_OUT)[:, None, None]
+                      / np.sqrt(f), F32)
   b_in = jnp.asarray(rng.standard_normal((G, n)) * 0.1, F32)
-  b_out = jnp.asarray(rng.standard_normal((G, D)) * 0.1, F32)
-  t = jnp.asarray(rng.standard_normal((m, D)), F32)
+  b_out = jnp.asarray(rng.standard_normal((G, d)) * 0.1, F32)
+  t = jnp.asarray(rng.standard_normal((m, d)), F32)
   return x, k_in, k_out, b_in, b_out, t
+
+
+def expert_sums(rows, v):
+  """f32 [G, ...]: each expert's rows of v [M, ...] summed (rows: ``onehot``'s [M, G])."""
+  return jnp.matmul(rows.T, v, precision=HI)
 
 
 def mlp_f32(x, k_in, k_out, b_in, b_out, sizes, activation):
   """The f32 math: ragged_dot over the clipped groups, each row's group's biases."""
   start, end = group_bounds(sizes, x.shape[0])
-  rows, hi = onehot(sizes, x.shape[0]), jax.lax.Precision.HIGHEST
-  y = jax.lax.ragged_dot(x.astype(F32), k_in, end - start, precision=hi) + rows @ b_in
+  rows = onehot(sizes, x.shape[0])
+  y = (jax.lax.ragged_dot(x.astype(F32), k_in, end - start, precision=HI)
+       + jnp.matmul(rows, b_in, precision=HI))
   h = activations.apply(y, activation)
-  return jax.lax.ragged_dot(h, k_out, end - start, precision=hi) + rows @ b_out
+  return jax.lax.ragged_dot(h, k_out, end - start, precision=HI) + jnp.matmul(rows, b_out,
+                                                                                precision=HI)
 
 
 def loss(x, k_in, k_out, b_in, b_out, state, sizes, t, recipe):
@@ -78,6 +95,11 @@ CASES = {
     "zeros": (50, [20, 0, 25, 5], False, "swiglu", "delayed", F32, True),  # unaligned groups
     "one-expert": (50, [0, 0, 50, 0], False, "gelu", "current", jnp.bfloat16, False),
     "sum-below-m": (45, [7, 13, 0, 11], False, "geglu", "current", F32, True),  # rows 31..: none
+    # BlockScaling: starts 0, 70, 70, 160 (the layout whose groups start at multiples of 128),
+    # rows 185.. in no group
+    "block-unaligned": (200, [70, 0, 90, 25], False, "swiglu", "block", F32, True),
+    # starts 0, 128, 128, 256, the last group clipped at M
+    "block-aligned": (300, [128, 0, 128, 60], True, "gelu", "block", jnp.bfloat16, False),
 }  # aligned groups: test_equals_twin, and test_moe's layers against their f32 mixture
 
 
@@ -85,7 +107,10 @@ CASES = {
 def test_forward_and_grads(platform, rng, case):
   m, sizes, aligned, act, name, dtype, biases = CASES[case]
   recipe, gs = RECIPES[name], jnp.asarray(sizes, jnp.int32)
-  x, k_in, k_out, b_in, b_out, t = problem(rng, m, act, dtype)
+  block = recipe is BLOCK
+  x, k_in, k_out, b_in, b_out, t = problem(rng, m, act, dtype, **(BLOCK_DIMS if block else {}))
+  fwd_tol, bwd_tol = FWD_TOL, FWD_TOL if block else BWD_TOL
+  d = k_out.shape[2]
   if not biases:
     b_in, b_out = None, None
 
@@ -95,9 +120,9 @@ def test_forward_and_grads(platform, rng, case):
     return jnp.sum(y.astype(F32) * t), y
   (_, y), grads = jax.jit(jax.value_and_grad(layer, argnums=(0, 1, 2, 3, 4), has_aux=True))(
       x, k_in, k_out, b_in, b_out, state_for(recipe))
-  assert y.shape == (m, D) and y.dtype == dtype
+  assert y.shape == (m, d) and y.dtype == dtype
   bi, bo = (b_in, b_out) if biases else (jnp.zeros((G, k_in.shape[2]), F32),
-                                         jnp.zeros((G, D), F32))
+                                         jnp.zeros((G, d), F32))
   want = reference_on_cpu(mlp_f32, x, k_in, k_out, bi, bo, gs, activation=act)
   want_grads = reference_on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2, 3, 4)), x, k_in, k_out,
                                 bi, bo, gs, t, activation=act)
@@ -107,19 +132,19 @@ def test_forward_and_grads(platform, rng, case):
   y32 = np.asarray(y.astype(F32))
   dx, dk_in, dk_out = (np.asarray(v.astype(F32)) for v in grads[:3])
   assert grads[0].dtype == dtype and grads[1].dtype == grads[2].dtype == F32
-  assert rel(y32, want) < FWD_TOL + out
+  assert rel(y32, want) < fwd_tol + out
   assert np.all(y32[end:] == 0) and np.all(dx[end:] == 0)  # rows in no group
   for g, rows in enumerate(groups):  # each expert within the formats, whatever its magnitude
     if rows.stop - rows.start >= 5:
-      assert rel(y32[rows], want[rows]) < FWD_TOL + out, g
-      assert rel(dx[rows], want_grads[0][rows]) < BWD_TOL + out, g
-      assert rel(dk_in[g], want_grads[1][g]) < BWD_TOL + out, g
-      assert rel(dk_out[g], want_grads[2][g]) < BWD_TOL + out, g
+      assert rel(y32[rows], want[rows]) < fwd_tol + out, g
+      assert rel(dx[rows], want_grads[0][rows]) < bwd_tol + out, g
+      assert rel(dk_in[g], want_grads[1][g]) < bwd_tol + out, g
+      assert rel(dk_out[g], want_grads[2][g]) < bwd_tol + out, g
     if rows.stop == rows.start:  # an expert with no rows: no gradient
       assert not np.any(dk_in[g]) and not np.any(dk_out[g]), g
   if biases:
     db_in, db_out = np.asarray(grads[3]), np.asarray(grads[4])
-    assert rel(db_in, want_grads[3]) < BWD_TOL + out  # sums of the activation's gradient
+    assert rel(db_in, want_grads[3]) < bwd_tol + out  # sums of the activation's gradient
     assert rel(db_out, want_grads[4]) < bias_tol(dtype, m)  # sums of t rounded to dtype
   else:
     assert grads[3] is None and grads[4] is None
@@ -139,12 +164,22 @@ def aligned_layout(sizes, m):
   return rows, cols, width, jnp.asarray(padded, jnp.int32)
 
 
-def grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, rings, cur, layout):
+def act_ops(platform):
+  """The twins' activation cast-transposes: the reference's on CPU, where the layer's kernels
+  quantize act(y) and its gradient to the same bytes; on a GPU jax_fp8's own, as the layer's,
+  since the device's expf may differ from XLA's in the last bit and an element then rounds to
+  the neighbouring FP8 value (a per-group scale with it), an error no bound on the GEMMs'
+  sums covers. Each op is held to the reference in its own tests."""
+  return reference if platform == "cpu" else jax_fp8
+
+
+def grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, rings, cur, layout, ops):
   """grouped_mlp's per-tensor forward and backward from the reference (SwiGLU): x [M, K],
   kernels [G, K, 2F] and [G, F, D], biases or None, the output gradient g [M, D]; rings in
   GroupedMlpState's order, the kernels' stacked [G]; cur: CurrentScaling (each ring set to its
   tensor's amax of the step); layout: ``aligned_layout``'s for wgrad, or None (the groups
-  aligned). y and dh come from ``jax_fp8.grouped_gemm``, the layer's GEMM. Returns the
+  aligned); ops: the module whose activation cast-transposes quantize act(y) and its gradient
+  (``act_ops``). y and dh come from ``jax_fp8.grouped_gemm``, the layer's GEMM. Returns the
   results (out, dx, dk_in, dk_out, db_in, db_out), the observations, and per GEMM result the
   magnitudes of its products (|a| @ |b| of the dequantized FP8 operands, for the bounds off
   CPU) and its number of terms."""
@@ -156,7 +191,7 @@ def grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, rings, cur, layout):
                                             observe=True)
 
   def with_bias(v, b):
-    return v if b is None else v + rows @ b
+    return v if b is None else v + jnp.matmul(rows, b, precision=HI)
 
   def grouped(a, b, b_scale, gemm=reference.grouped_gemm):  # a.data [M, C], b [G, N, C]
     d = gemm(a.data, b, a.scale, b_scale, gs, out_dtype=F32)
@@ -180,7 +215,7 @@ def grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, rings, cur, layout):
   y = with_bias(y, b_in)
   if cur:
     rh = current(rh, amax(activations.apply(y, "swiglu")))
-  ch = reference.activation_cast_transpose(y, rh, activation="swiglu", observe=True)
+  ch = ops.activation_cast_transpose(y, rh, activation="swiglu", observe=True)
   qh = ch.tensor  # [M, F], [F, M16]
   out, abs_out = grouped(qh, qk_out.data_t, qk_out.scale)  # [M, D]
   cg = cast(g, rg_out)
@@ -190,14 +225,15 @@ def grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, rings, cur, layout):
   dy = activations.grad(dh, y, "swiglu")  # [M, 2F]
   if cur:
     rg_in = current(rg_in, amax(dy))
-  cdy = reference.activation_grad_cast_transpose(dh, y, rg_in, activation="swiglu",
-                                                 observe=True)
+  cdy = ops.activation_grad_cast_transpose(dh, y, rg_in, activation="swiglu", observe=True)
   dx, abs_dx = grouped(cdy.tensor, qk_in.data, qk_in.scale)  # [M, K]
   dk_in, abs_dk_in = wgrad(qx, cdy.tensor)  # [G, K, 2F]
-  results = (with_bias(out, b_out), dx, dk_in, dk_out, rows.T @ dy, rows.T @ g)
+  results = (with_bias(out, b_out), dx, dk_in, dk_out, expert_sums(rows, dy),
+             expert_sums(rows, g))
   observed = (cx.ring, ck_in.ring, cdy.ring, ch.ring, ck_out.ring, cg.ring)
   bounds = ((abs_out, F), (abs_dx, 2 * F), (abs_dk_in, m), (abs_dk_out, m),
-            (rows.T @ jnp.abs(dy), m), (rows.T @ jnp.abs(g), m))  # |a| @ |b|, terms
+            (expert_sums(rows, jnp.abs(dy)), m),
+            (expert_sums(rows, jnp.abs(g)), m))  # |a| @ |b|, terms
   return results, observed, bounds
 
 
@@ -228,8 +264,8 @@ def test_equals_twin(platform, rng, case):
   3 million elements differed). The bias gradients, XLA's segment sums of the output gradient
   and of the activation's gradient (XLA's in both, each program fusing it its own way:
   ``ACT_ULPS``), against the twin's one-hot products: within two orders of an f32 sum. On a GPU
-  every GEMM sums in its own order and the kernels' activation takes the device's expf
-  (``ACT_ULPS``, test_backward_twins)."""
+  every GEMM sums in its own order (the results within the bound of their sums) and the twin
+  quantizes the activation with jax_fp8's own kernels (``act_ops``)."""
   name, biases, m, sizes, aligned = TWIN_CASES[case]
   recipe, gs, cur = RECIPES[name], jnp.asarray(sizes, jnp.int32), name == "current"
   x, k_in, k_out, b_in, b_out, g = problem(rng, m)
@@ -246,7 +282,8 @@ def test_equals_twin(platform, rng, case):
   got = (out, *jax.jit(vjp)(g))
   rings = state if state is not None else jax_fp8.GroupedMlpState.create(G)  # blank: current
   layout = None if aligned else aligned_layout(sizes, m)
-  want, observed, bounds = jax.jit(lambda *a: grouped_mlp_twin(*a, cur, layout))(
+  want, observed, bounds = jax.jit(lambda *a: grouped_mlp_twin(*a, cur, layout,
+                                                               act_ops(platform)))(
       x, k_in, k_out, b_in, b_out, gs, g, tuple(getattr(rings, n) for n in MLP_RINGS))
   names = ("out", "dx", "dk_in", "dk_out", "db_in", "db_out")
   for name, a, b, (absdot, terms) in zip(names, got[:6], want, bounds):
@@ -273,6 +310,108 @@ def test_equals_twin(platform, rng, case):
       np.testing.assert_allclose(a.amax_history, b.amax_history, rtol=ACT_ULPS, err_msg=name)
       a, b = (a.scale, a.steps), (b.scale, b.steps)
     tree_equal(a, b)
+
+
+def block_grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, groups, activation, ops):
+  """grouped_mlp under BlockScaling from the reference: x, act(y), the output gradient and the
+  activation's gradient in 1 x 128 groups along their rows for the forward and dgrad GEMMs
+  (the group cast-transposes' row-wise copies) and, for wgrad, each expert's rows in 128-row
+  groups of their own along M (a group cast-transpose of the expert's rows alone: what the
+  layer's layout whose groups start at multiples of 128 quantizes), each expert kernel in its
+  own 128 x 128 blocks. y and dh come from ``jax_fp8.grouped_gemm``, the layer's GEMM, each
+  row's group's bias added as the layer adds it. ``groups``: the experts' row slices (static);
+  ops: the module whose activation group cast-transposes quantize act(y) and its gradient
+  (``act_ops``). Returns the results (out, dx, dk_in, dk_out, db_in, db_out) and per result the
+  magnitudes of its products (|a| @ |b| of the dequantized FP8 operands) and its number of
+  terms."""
+  kw = {"fmt": "e4m3", "eps": BLOCK.eps, "ue8m0": BLOCK.ue8m0}
+  m, rows = x.shape[0], onehot(gs, x.shape[0])
+  swap = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
+
+  def with_bias(v, b):
+    return v if b is None else v + group_bias(b, gs, m)
+
+  def grouped(a, qk, gemm=reference.grouped_gemm):  # a [M, C] in 1 x 128 groups, qk's blocks
+    d = gemm(a.data, qk.data, a.scale, qk.scale, gs, out_dtype=F32)
+    return d, reference.grouped_gemm(jnp.abs(a.data.astype(F32)), jnp.abs(qk.data.astype(F32)),
+                                     a.scale, qk.scale, gs, out_dtype=F32)
+
+  def wgrad(cast_a, cast_b, ins_a, ins_b, shape):  # each expert's rows quantized on their own
+    def t(cast, ins, r):
+      q = cast(*(v[r] for v in ins))  # data_t [C, R128]
+      return q.data_t.astype(F32) * reference.expand_scales(q.scale_t, *q.data_t.shape, 1)
+    ds, absds = [], []
+    for r in groups:
+      if r.stop == r.start:  # an expert with no rows: no gradient
+        ds.append(jnp.zeros(shape, F32))
+        absds.append(ds[-1])
+        continue
+      a, b = t(cast_a, ins_a, r), t(cast_b, ins_b, r)
+      ds.append(jnp.matmul(a, b.T, precision=HI))
+      absds.append(jnp.matmul(jnp.abs(a), jnp.abs(b).T, precision=HI))
+    return jnp.stack(ds), jnp.stack(absds)
+
+  cast = lambda v: reference.group_cast_transpose(v, **kw)  # noqa: E731
+  act = lambda y: ops.activation_group_cast_transpose(  # noqa: E731
+      y, activation=activation, **kw)
+  act_grad = lambda dh, y: ops.activation_grad_group_cast_transpose(  # noqa: E731
+      dh, y, activation=activation, **kw)
+  blocks = jax.vmap(lambda k: reference.block_quantize(k, **kw))
+  qk_in, qk_out = blocks(k_in), blocks(k_out)  # [G, K, N], [G, K/128, N/128]; [G, F, D], ...
+  qk_in_t, qk_out_t = (Quantized(data=swap(qk.data), scale=swap(qk.scale))
+                       for qk in (qk_in, qk_out))
+  y = with_bias(grouped(cast(x), qk_in_t, jax_fp8.grouped_gemm)[0], b_in)  # [M, N], the layer's
+  out, abs_out = grouped(act(y), qk_out_t)  # [M, D]
+  dh = grouped(cast(g), qk_out, jax_fp8.grouped_gemm)[0]  # [M, F], the layer's
+  dx, abs_dx = grouped(act_grad(dh, y), qk_in)  # [M, K]
+  dk_in, abs_dk_in = wgrad(cast, act_grad, (x,), (dh, y), k_in.shape[1:])  # [G, K, N]
+  dk_out, abs_dk_out = wgrad(act, cast, (y,), (g,), k_out.shape[1:])  # [G, F, D]
+  dy = activations.grad(dh, y, activation)  # [M, N]
+  results = (with_bias(out, b_out), dx, dk_in, dk_out, expert_sums(rows, dy),
+             expert_sums(rows, g))
+  f = k_out.shape[1]
+  bounds = ((abs_out, f), (abs_dx, 2 * f), (abs_dk_in, m), (abs_dk_out, m),
+            (expert_sums(rows, jnp.abs(dy)), m), (expert_sums(rows, jnp.abs(g)), m))
+  return results, bounds
+
+
+BLOCK_TWIN_CASES = {  # (biases, M, group sizes, aligned)
+    "bias-unaligned": (True, 200, [70, 0, 90, 25], False),
+    "nobias-aligned": (False, 300, [128, 0, 128, 60], True),
+}
+
+
+@pytest.mark.parametrize("case", BLOCK_TWIN_CASES)
+def test_block_equals_twin(platform, rng, case):
+  """The layer under BlockScaling against ``block_grouped_mlp_twin``: out, dx and both kernels'
+  gradients within two orders of the f32 sums of the same FP8 operands (and ``ACT_ULPS`` of
+  the activation's kernel), the bias gradients as in ``test_equals_twin``. A scale read from
+  another block or another expert, a 128-row group straddling two experts, or an activation
+  quantized from other rows shows here."""
+  biases, m, sizes, aligned = BLOCK_TWIN_CASES[case]
+  gs = jnp.asarray(sizes, jnp.int32)
+  x, k_in, k_out, b_in, b_out, g = problem(rng, m, **BLOCK_DIMS)
+  if not biases:
+    b_in, b_out = None, None
+
+  def layer(x, k_in, k_out, b_in, b_out):
+    return jax_fp8.grouped_mlp(x, k_in, k_out, gs, b_in, b_out, recipe=BLOCK, aligned=aligned)
+  out, vjp = jax.jit(lambda *a: jax.vjp(layer, *a))(x, k_in, k_out, b_in, b_out)
+  got = (out, *jax.jit(vjp)(g))
+  groups, _ = rows_of(sizes, m)
+  want, bounds = jax.jit(lambda *a: block_grouped_mlp_twin(*a, groups, "swiglu",
+                                                           act_ops(platform)))(
+      x, k_in, k_out, b_in, b_out, gs, g)
+  names = ("out", "dx", "dk_in", "dk_out", "db_in", "db_out")
+  for name, a, b, (absdot, terms) in zip(names, got, want, bounds):
+    if name.startswith("db") and not biases:
+      assert a is None, name
+      continue
+    bound = ((2 * summation_error(terms, "cpu" if name.startswith("db") else platform)
+              + (0 if name == "db_out" else ACT_ULPS)) * np.asarray(absdot)
+             + 2 * roundoff(F32) * np.abs(np.asarray(b)))
+    err = np.abs(np.asarray(a) - np.asarray(b))
+    assert np.all(err <= bound), (name, np.max(err / np.maximum(bound, 1e-30)))
 
 
 def test_traced_group_sizes_one_compilation(platform, rng):
@@ -346,8 +485,14 @@ def _bad_cases():
        "bias_out must be \\[G, D\\] = \\[4, 48\\], got \\[4, 16\\]"),
       ("F not 16", (x, k_in[..., :48], k_out[:, :24]) + ok[3:4], {}, ValueError,
        "multiples of 16 .*F=24"),
-      ("block recipe", ok, {"recipe": jax_fp8.BlockScaling(), "state": None}, TypeError,
-       "grouped_mlp takes a DelayedScaling or a CurrentScaling .*got BlockScaling"),
+      ("block F", ok, {"recipe": BLOCK, "state": None}, ValueError,
+       "BlockScaling needs K and N multiples of 128 .*got K=32, F=32, D=48"),
+      ("block state", (jnp.zeros((32, 128)), jnp.zeros((G, 128, 256)), jnp.zeros((G, 128, 128)),
+                       gs), {"recipe": BLOCK}, ValueError,
+       "BlockScaling is stateless: pass state=None"),
+      ("mxfp8 recipe", ok, {"recipe": jax_fp8.MXFP8BlockScaling(), "state": None}, TypeError,
+       "grouped_mlp takes a DelayedScaling, a CurrentScaling or a BlockScaling .*got "
+       "MXFP8BlockScaling: no grouped FP8 GEMM takes its scales"),
       ("state type", ok, {"state": jax_fp8.GroupedLinearState.create(G)}, TypeError,
        "state must be a jax_fp8.GroupedMlpState \\(GroupedMlpState.create\\(4, recipe\\)\\), "
        "got GroupedLinearState"),

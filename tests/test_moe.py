@@ -19,7 +19,11 @@ from jax_fp8 import activations, moe_routing as mr
 from jax_fp8.moe import MoeState, moe_mlp
 
 T, D, H, E, K = 40, 32, 48, 4, 2
-RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling()}
+RECIPES = {"delayed": jax_fp8.DelayedScaling(), "current": jax_fp8.CurrentScaling(),
+           "block": jax_fp8.BlockScaling()}
+# (D, H, backward tolerance) per recipe: BlockScaling's D and H multiples of 128, every operand
+# (gradients too) in e4m3.
+DIMS = {"delayed": (D, H, BWD_TOL), "current": (D, H, BWD_TOL), "block": (128, 128, FWD_TOL)}
 
 
 def rel(a, b):
@@ -27,11 +31,11 @@ def rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def problem(rng, tokens=T, experts=E):
-  x = jnp.asarray(rng.standard_normal((tokens, D)), jnp.float32)
-  router = jnp.asarray(rng.standard_normal((D, experts)), jnp.float32)
-  w_in = jnp.asarray(rng.standard_normal((experts, D, 2 * H)) / np.sqrt(D), jnp.float32)
-  w_out = jnp.asarray(rng.standard_normal((experts, H, D)) / np.sqrt(H), jnp.float32)
+def problem(rng, tokens=T, experts=E, d=D, h=H):
+  x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.float32)
+  router = jnp.asarray(rng.standard_normal((d, experts)), jnp.float32)
+  w_in = jnp.asarray(rng.standard_normal((experts, d, 2 * h)) / np.sqrt(d), jnp.float32)
+  w_out = jnp.asarray(rng.standard_normal((experts, h, d)) / np.sqrt(h), jnp.float32)
   return x, router, w_in, w_out
 
 
@@ -47,9 +51,12 @@ def moe_f32(x, router, w_in, w_out):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=list(RECIPES))
 def test_values_and_gradients_match_f32(rng, recipe):
+  """Under BlockScaling each expert's rows are padded to 128 (its grouped_row_align), as its
+  grouped wgrad needs."""
+  d, h, bwd_tol = DIMS[recipe]
   recipe = RECIPES[recipe]
-  x, router, w_in, w_out = problem(rng)
-  ct = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+  x, router, w_in, w_out = problem(rng, d=d, h=h)
+  ct = jnp.asarray(rng.standard_normal((T, d)), jnp.float32)
   state = MoeState.create(E, recipe) if recipe.stateful else None
 
   def loss(x, router, w_in, w_out):
@@ -63,11 +70,11 @@ def test_values_and_gradients_match_f32(rng, recipe):
       x, router, w_in, w_out)
   (_, (y32, aux32)), grads32 = jax.value_and_grad(loss_f32, (0, 1, 2, 3), has_aux=True)(
       x, router, w_in, w_out)
-  assert y.shape == (T, D) and y.dtype == jnp.float32
+  assert y.shape == (T, d) and y.dtype == jnp.float32
   assert rel(y, y32) <= FWD_TOL, rel(y, y32)
   np.testing.assert_allclose(aux, aux32, rtol=1e-6)  # the routing is f32 in both
   for name, g, g32 in zip(("x", "router", "w_in", "w_out"), grads, grads32):
-    assert rel(g, g32) <= BWD_TOL, (name, rel(g, g32))
+    assert rel(g, g32) <= bwd_tol, (name, rel(g, g32))
 
 
 def test_delayed_state_moves_over_steps(rng):
@@ -234,7 +241,11 @@ def test_no_tokens():
      "must hold the router's 4 experts"),
     (dict(activation="relu"), ValueError, "activation"),
     (dict(state=None), TypeError, "state must be a jax_fp8.moe.MoeState"),
-    (dict(recipe=jax_fp8.BlockScaling(), state=None), TypeError, "moe_mlp takes"),
+    (dict(recipe=jax_fp8.MXFP8BlockScaling(), state=None), TypeError, "moe_mlp takes"),
+    (dict(recipe=jax_fp8.BlockScaling(), state=None, align=16), ValueError,
+     "align must be a multiple of BlockScaling's grouped row alignment 128"),
+    (dict(recipe=jax_fp8.BlockScaling(), state=None), ValueError,
+     "multiples of 128, got D=32, H=48"),
     (dict(top_k=E + 1), ValueError, "top_k"),
     (dict(w_in=jnp.zeros((E, D, 2 * 24)), w_out=jnp.zeros((E, 24, D))), ValueError,
      "multiples of 16, got D=32, H=24"),

@@ -76,7 +76,8 @@ const std::string& device_identity(int dev) {
                          std::to_string(prop.minor) + ", " +
                          std::to_string(prop.multiProcessorCount) + " SMs, cuBLASLt " +
                          std::to_string(cublasLtGetVersion()) + ", workspace " +
-                         std::to_string(kGemmWorkspaceBytes >> 20) + " MiB)";
+                         std::to_string(kGemmWorkspaceBytes >> 20) + " MiB, block GEMM r" +
+                         std::to_string(kBlockGemmRevision) + ")";
 }
 
 LtGemm::~LtGemm() {

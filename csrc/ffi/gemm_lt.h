@@ -25,8 +25,9 @@ std::string lt_status(cublasStatus_t s, const char* call);
 cublasLtHandle_t lt_handle(int dev);
 
 // What identifies a kind of device to an algorithm choice: its name, compute capability, SM
-// count, cuBLASLt's version and the workspace the algorithms may use, e.g.
-// "NVIDIA H200 (sm_90, 132 SMs, cuBLASLt 130100, workspace 32 MiB)".
+// count, cuBLASLt's version, the workspace the algorithms may use and the revision of jax_fp8's
+// own candidates (kBlockGemmRevision), e.g.
+// "NVIDIA H200 (sm_90, 132 SMs, cuBLASLt 130100, workspace 32 MiB, block GEMM r1)".
 const std::string& device_identity(int dev);
 
 // The matmul description of one GEMM (its pointers included: scales, bias, D scale, amax-D).
@@ -58,15 +59,19 @@ void choose_algorithm(const std::string& device, const GemmProblem& p,
                       const cublasLtMatmulAlgo_t& algo);
 bool chosen_algorithm(const std::string& device, const GemmProblem& p, cublasLtMatmulAlgo_t* algo);
 
-// Each candidate's time in microseconds (-1 where it failed to run) and the fastest's index.
+// cuBLASLt's candidates with their times in microseconds (-1 where one failed to run); for a
+// block-scaled problem on sm_90, jax_fp8's own kernels (block_gemm.h: kBlockGemmKernels'
+// names) with their times.
 struct TunedGemm {
   std::vector<cublasLtMatmulAlgo_t> candidates;
   std::vector<double> us;
-  int best = -1;
+  std::vector<std::string> kernels;
+  std::vector<double> kernel_us;
 };
-// Times up to kTuneCandidates candidates for p on device `dev`, on its own stream and its own
-// buffers of random finite data; throws std::runtime_error when none runs. Never inside an XLA
-// computation: jax_fp8 calls it while tracing (gemm_tuning.cc).
+// Times up to kTuneCandidates of cuBLASLt's candidates for p on device `dev`, and jax_fp8's
+// kernels where they serve p, on its own stream and its own buffers of random finite data;
+// throws std::runtime_error when none runs. Never inside an XLA computation: jax_fp8 calls it
+// while tracing (gemm_tuning.cc).
 TunedGemm tune_gemm(int dev, const GemmProblem& p);
 
 }  // namespace jax_fp8

@@ -1,5 +1,6 @@
-// Timing of cuBLASLt's candidate algorithms for one GEMM problem (gemm_lt.h: tune_gemm), as XLA
-// autotunes its own GEMMs: jax_fp8.ops.gemm_algorithms calls it once per problem and kind of
+// Timing of the candidate algorithms for one GEMM problem (gemm_lt.h: tune_gemm), as XLA
+// autotunes its own GEMMs: cuBLASLt's, and for a block-scaled problem on sm_90 jax_fp8's own
+// kernels (block_gemm.h). jax_fp8.ops.gemm_algorithms calls it once per problem and kind of
 // device while tracing, outside any XLA computation (usually before the first step runs: work
 // already queued on the device is not waited for), and keeps the fastest for the process and in
 // a file for later runs. It runs on its own stream, on buffers of its own that hold random
@@ -11,6 +12,7 @@
 #include <random>
 #include <stdexcept>
 
+#include "block_gemm.h"
 #include "gemm_lt.h"
 
 namespace jax_fp8 {
@@ -79,9 +81,35 @@ void fill_inputs(char* dev_ptr, size_t bytes, const std::vector<size_t>& scale_o
 
 }  // namespace
 
+// The argument of jax_fp8's kernels for a block-scaled problem (the output's dtype, the scale
+// mode), or false where they do not serve it: per-tensor scales, other operands or outputs, a
+// device other than sm_90.
+bool block_gemm_serves(int dev, const GemmProblem& p, BlockGemmOut* out) {
+  if (p.scale_mode == ScaleMode::kPerTensor || p.a_type != ffi::DataType::F8E4M3FN ||
+      p.b_type != ffi::DataType::F8E4M3FN)
+    return false;
+  switch (p.d_type) {
+    case ffi::DataType::BF16: *out = BlockGemmOut::kBf16; break;
+    case ffi::DataType::F16: *out = BlockGemmOut::kF16; break;
+    case ffi::DataType::F32: *out = BlockGemmOut::kF32; break;
+    default: return false;
+  }
+  int major = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev),
+        "cudaDeviceGetAttribute");
+  return major == 9 && !(p.has_bias && p.d_type == ffi::DataType::F32);
+}
+
 TunedGemm tune_gemm(int dev, const GemmProblem& p) {
   TuneScope scope(dev);
-  const auto [na, nb] = scale_sizes(p.scale_mode, p.M, p.N, p.K);
+  BlockGemmOut out;
+  const bool ours = block_gemm_serves(dev, p, &out);
+  auto [na, nb] = scale_sizes(p.scale_mode, p.M, p.N, p.K);
+  if (ours) {  // room for either layout of the scales (all ones)
+    const auto [oa, ob] = block_gemm_scale_sizes(p.scale_mode, p.M, p.N, p.K);
+    na = std::max(na, oa);
+    nb = std::max(nb, ob);
+  }
   Layout at;
   const size_t a = at.take(p.M * p.K * ffi::ByteWidth(p.a_type));
   const size_t b = at.take(p.N * p.K * ffi::ByteWidth(p.b_type));
@@ -114,16 +142,16 @@ TunedGemm tune_gemm(int dev, const GemmProblem& p) {
   std::string error;
   TunedGemm t;
   t.candidates = desc.candidates(lt, kTunedAlignment, kTuneCandidates, &error);
-  if (t.candidates.empty()) throw std::runtime_error(error);
+  if (t.candidates.empty() && !ours) throw std::runtime_error(error);
 
   check(cudaStreamCreateWithFlags(&scope.stream, cudaStreamNonBlocking), "cudaStreamCreate");
   check(cudaEventCreate(&scope.start), "cudaEventCreate");
   check(cudaEventCreate(&scope.stop), "cudaEventCreate");
-  // Microseconds per run over `reps` back-to-back runs; negative when a run fails.
-  auto time = [&](const cublasLtMatmulAlgo_t& algo, int reps) {
+  // Microseconds per run over `reps` back-to-back runs of run(); negative when a run fails.
+  auto time = [&](const auto& run, int reps) {
     cudaEventRecord(scope.start, scope.stream);
     for (int r = 0; r < reps; ++r)
-      if (!desc.run(lt, g, algo, scope.stream).empty()) return -1.0;
+      if (!run().empty()) return -1.0;
     cudaEventRecord(scope.stop, scope.stream);
     float ms = 0;
     if (cudaEventSynchronize(scope.stop) != cudaSuccess ||
@@ -133,24 +161,36 @@ TunedGemm tune_gemm(int dev, const GemmProblem& p) {
     }
     return 1000.0 * ms / reps;
   };
-  double best_us = std::numeric_limits<double>::infinity();
-  for (size_t i = 0; i < t.candidates.size(); ++i) {
-    double us = time(t.candidates[i], 1);  // also the warm-up
+  // A warm-up run, then the faster of two windows of back-to-back runs of about kTuneWindowUs.
+  auto measure = [&](const auto& run) {
+    double us = time(run, 1);
     if (us >= 0) {
       const int reps = std::clamp(int(std::ceil(kTuneWindowUs / std::max(us, 1.0))), 1, kTuneMaxReps);
       us = std::numeric_limits<double>::infinity();
       for (int window = 0; window < 2 && us >= 0; ++window) {
-        const double w = time(t.candidates[i], reps);
+        const double w = time(run, reps);
         us = w < 0 ? -1.0 : std::min(us, w);
       }
     }
+    return us;
+  };
+  bool ran = false;
+  for (const cublasLtMatmulAlgo_t& algo : t.candidates) {
+    const double us = measure([&] { return desc.run(lt, g, algo, scope.stream); });
     t.us.push_back(us);
-    if (us >= 0 && us < best_us) {
-      best_us = us;
-      t.best = static_cast<int>(i);
+    ran |= us >= 0;
+  }
+  if (ours) {
+    const BlockGemmArgs bg{p.M, p.N, p.K, p.scale_mode, out, g.a, g.b, g.a_scale, g.b_scale,
+                           g.bias, g.d};
+    for (int k = 0; k < kNumBlockGemmKernels; ++k) {
+      const double us = measure([&] { return run_block_gemm(bg, k, scope.stream); });
+      t.kernels.push_back(kBlockGemmKernels[k].name);
+      t.kernel_us.push_back(us);
+      ran |= us >= 0;
     }
   }
-  if (t.best < 0) throw std::runtime_error("none of cuBLASLt's candidate algorithms ran");
+  if (!ran) throw std::runtime_error("none of the candidate algorithms ran");
   return t;
 }
 

@@ -1,171 +1,75 @@
 // CUDA FFI handler for jax_fp8_grouped_gemm: FP8 grouped GEMMs whose group sizes stay on the
-// device (jax.lax.ragged_dot's semantics; the forms and the fill rules: grouped_gemm_setup.cuh).
-// Three launches on the stream, no host synchronization and no allocation, so the call is
-// safe in XLA's command buffers and never recompiles when the sizes change:
-//   1. the setup kernel turns group_sizes into each group's problem shape, pointers, leading
-//      dimensions and alpha (a_scale * b_scale[g]) in the workspace;
-//   2. the fill kernel zeroes what no group writes (NaN for a misaligned wgrad group);
-//   3. CUTLASS's Hopper ptr-array grouped GEMM (TMA loads, warp-specialized cooperative
-//      consumers, f32 accumulation promoted out of the FP8 tensor cores' accumulators, its
-//      tile scheduler walking the problem shapes it reads from device memory) runs every group.
-// Built for sm_90a only (wgmma and TMA); the handler refuses other devices.
+// device (jax.lax.ragged_dot's semantics; the forms, scale modes and fill rules:
+// csrc/kernels/grouped_gemm_setup.cuh), with per-tensor or block scales; how a call runs
+// (setup, fill, CUTLASS) and its workspace: grouped_gemm_cutlass.cuh. This file holds the
+// handler and the per-tensor kernels; grouped_gemm_block_cuda.cu the block-scaled ones. Built
+// for sm_90a only (wgmma and TMA); the handler refuses other devices.
 //
-// Arguments: a, b (FP8), a_scale [] f32, b_scale [] or [G] f32, group_sizes [G] int32.
+// Arguments: a, b (FP8), a_scale, b_scale (f32), group_sizes [G] int32.
 // Results: d, workspace [kGroupedPlanBytes * (G + 1) + kGroupedCutlassBytes] u8.
-// Attribute: form (GroupedForm). Shapes: kRows a [M, K], b [G, N, K], d [M, N];
-// kWgrad a [K, M], b [N, M], d [G, K, N].
+// Attributes: form (GroupedForm), scale_mode (ScaleMode). Shapes: kRows a [M, K], b [G, N, K],
+// d [M, N]; kWgrad a [K, M], b [N, M], d [G, K, N]. Scales: kPerTensor a_scale [], b_scale []
+// or [G]; kBlock128x128 (kRows, e4m3) a_scale [M, K/128], b_scale [G, ceil(N/128), K/128];
+// kGroup1x128 (kWgrad, e4m3) a_scale [M/128, K], b_scale [M/128, N].
 #include <string>
 
-#include "../kernels/grouped_gemm_setup.cuh"
-#include "cute/tensor.hpp"
-#include "cutlass/cutlass.h"
-#include "cutlass/epilogue/collective/collective_builder.hpp"
-#include "cutlass/gemm/collective/collective_builder.hpp"
-#include "cutlass/gemm/device/gemm_universal_adapter.h"
-#include "cutlass/gemm/dispatch_policy.hpp"
-#include "cutlass/gemm/group_array_problem_shape.hpp"
-#include "cutlass/gemm/kernel/gemm_universal.hpp"
-#include "launch.h"
+#include "grouped_gemm_cutlass.cuh"
 
 namespace jax_fp8 {
 namespace {
 
-using namespace cute;
-
-// Carves the workspace in order, each piece 16-byte aligned; null once it runs out.
-struct Carve {
-  char* at;
-  char* end;
-  template <class T>
-  T* take(size_t count) {
-    char* p = at;
-    at += (count * sizeof(T) + 15) / 16 * 16;
-    return at <= end ? reinterpret_cast<T*>(p) : nullptr;
-  }
-};
-
-struct GroupedArgs {
-  GroupedForm form;
-  int groups;
-  int64_t rows, n, k;  // kRows: a [rows, k], b [G, n, k]; kWgrad: a [k, rows], b [n, rows]
-  const void *a, *b;
-  const float *a_scale, *b_scale;
-  int b_scales;  // 1 or groups
-  const int32_t* sizes;
-  void* d;
-  char* workspace;
-};
-
-// One CUTLASS grouped kernel for a pair of FP8 operand types and an output type.
-template <class A, class B, class D>
-struct GroupedGemm {
-  using Tile = Shape<_128, _128, _128>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Problem = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
-  static constexpr int kAlignD = 16 / sizeof(D);
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
-      cutlass::layout::RowMajor*, kAlignD, D, cutlass::layout::RowMajor*, kAlignD,
-      cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<D, float>>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, A, cutlass::layout::RowMajor*, 16, B,
-      cutlass::layout::ColumnMajor*, 16, float, Tile, Cluster,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Problem, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-  using Stride = typename Kernel::InternalStrideA;
-  static_assert(std::is_same_v<Stride, typename Kernel::InternalStrideB> &&
-                std::is_same_v<Stride, typename Kernel::InternalStrideD>);
-  using Plan = GroupedPlan<typename Problem::UnderlyingProblemShape, Stride, A, B, D>;
-
-  template <GroupedForm kForm>
-  static std::string launch(const GroupedArgs& g, cudaStream_t stream) {
-    const int G = g.groups;
-    Carve carve{g.workspace, g.workspace + kGroupedPlanBytes * (G + 1)};
-    Plan plan{carve.take<typename Problem::UnderlyingProblemShape>(G), carve.take<const A*>(G),
-              carve.take<const B*>(G), carve.take<D*>(G), carve.take<Stride>(G),
-              carve.take<Stride>(G), carve.take<Stride>(G), carve.take<float>(G),
-              carve.take<const float*>(G), carve.take<GroupFill>(G), carve.take<int64_t>(1)};
-    int64_t* starts = carve.take<int64_t>(G + 1);
-    if (!starts) return "the grouped GEMM's plan does not fit its workspace";
-    D* d = static_cast<D*>(g.d);
-    launch_pdl(grouped_gemm_setup_kernel<kForm, typename Problem::UnderlyingProblemShape, Stride,
-                                         A, B, D>,
-               dim3(1), 256, stream, plan, g.sizes, G, static_cast<const A*>(g.a),
-               static_cast<const B*>(g.b), d, g.a_scale, g.b_scale, g.b_scales, g.rows, g.n, g.k,
-               starts);
-    const int64_t slot = kForm == GroupedForm::kRows ? g.rows * g.n : g.k * g.n;
-    launch_pdl(grouped_gemm_fill_kernel<kForm, D>, dim3(grid_size(slot, 256 * 4, 4)), 256, stream,
-               d, plan.fill, plan.rows_end, G, g.rows, g.n, g.k);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return cudaGetErrorString(e);
-
-    typename Gemm::Arguments args;
-    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
-    args.problem_shape = {G, plan.shape, nullptr};  // the shapes live on the device only
-    args.mainloop = {plan.a, plan.stride_a, plan.b, plan.stride_b};
-    args.epilogue = {{}, nullptr, plan.stride_d, plan.d, plan.stride_d};
-    auto& fusion = args.epilogue.thread;
-    fusion.alpha = 0.0f;
-    fusion.beta = 0.0f;
-    fusion.alpha_ptr_array = plan.alpha_ptr;
-    fusion.dAlpha = {_0{}, _0{}, 1};  // one alpha per group
-    int dev = 0;
-    cudaGetDevice(&dev);
-    args.hw_info.device_id = dev;
-    args.hw_info.sm_count = device_info().sm_count;
-    Gemm gemm;
-    if (gemm.can_implement(args) != cutlass::Status::kSuccess)
-      return "CUTLASS cannot run this grouped GEMM";
-    if (Gemm::get_workspace_size(args) > kGroupedCutlassBytes)
-      return "CUTLASS needs more workspace than jax_fp8 gives a grouped GEMM";
-    char* cutlass_workspace = g.workspace + kGroupedPlanBytes * (G + 1);
-    if (gemm.initialize(args, cutlass_workspace, stream) != cutlass::Status::kSuccess)
-      return "CUTLASS could not initialize the grouped GEMM";
-    if (gemm.run(stream) != cutlass::Status::kSuccess)
-      return "the CUTLASS grouped GEMM failed to launch";
-    return {};
-  }
-
-  static std::string run(const GroupedArgs& g, cudaStream_t stream) {
-    return g.form == GroupedForm::kRows ? launch<GroupedForm::kRows>(g, stream)
-                                        : launch<GroupedForm::kWgrad>(g, stream);
-  }
-};
-
-using E4m3 = cutlass::float_e4m3_t;
-using E5m2 = cutlass::float_e5m2_t;
-using Bf16 = cutlass::bfloat16_t;
-
-// The operand pairs jax_fp8's layers use: e4m3 x e4m3 (forward), e5m2 x e4m3 (HYBRID dgrad),
-// e4m3 x e5m2 (HYBRID wgrad); each into bf16 or f32.
+// The per-tensor operand pairs jax_fp8's layers use: e4m3 x e4m3 (forward), e5m2 x e4m3
+// (HYBRID dgrad), e4m3 x e5m2 (HYBRID wgrad); each into bf16 or f32.
 template <class D>
-std::string run_typed(ffi::DataType a, ffi::DataType b, const GroupedArgs& g,
-                      cudaStream_t stream) {
+std::string run_per_tensor(ffi::DataType a, ffi::DataType b, const GroupedArgs& g,
+                           cudaStream_t stream) {
   if (a == ffi::DataType::F8E4M3FN && b == ffi::DataType::F8E4M3FN)
-    return GroupedGemm<E4m3, E4m3, D>::run(g, stream);
+    return GroupedGemm<E4m3, E4m3, D, PerTensorScaling>::run(g, stream);
   if (a == ffi::DataType::F8E5M2 && b == ffi::DataType::F8E4M3FN)
-    return GroupedGemm<E5m2, E4m3, D>::run(g, stream);
+    return GroupedGemm<E5m2, E4m3, D, PerTensorScaling>::run(g, stream);
   if (a == ffi::DataType::F8E4M3FN && b == ffi::DataType::F8E5M2)
-    return GroupedGemm<E4m3, E5m2, D>::run(g, stream);
+    return GroupedGemm<E4m3, E5m2, D, PerTensorScaling>::run(g, stream);
   return "grouped GEMM operands must be e4m3 x e4m3, e5m2 x e4m3 or e4m3 x e5m2";
+}
+
+// The block scale modes' rules: e4m3 operands, K (rows form) or M (wgrad) a multiple of 128,
+// and the element counts of a_scale and b_scale; an error message, or empty.
+std::string check_block_scales(const GroupedArgs& g, ffi::DataType a, ffi::DataType b,
+                               size_t a_scales, size_t b_scales) {
+  if (a != ffi::DataType::F8E4M3FN || b != ffi::DataType::F8E4M3FN)
+    return "block-scaled grouped GEMMs take e4m3 operands";
+  const int64_t kb = g.k / kBlockTile, nb = (g.n + kBlockTile - 1) / kBlockTile;
+  if (g.mode == ScaleMode::kBlock128x128) {
+    if (g.k % kBlockTile) return "block scales need K a multiple of 128";
+    if (a_scales != size_t(g.rows * kb) || b_scales != size_t(g.groups * nb * kb))
+      return "block scales must be a_scale [M, K/128] and b_scale [G, ceil(N/128), K/128]";
+  } else {
+    if (g.rows % kGroupedBlockRowAlign) return "block scales need M a multiple of 128";
+    const int64_t mb = g.rows / kBlockTile;
+    if (a_scales != size_t(mb * g.k) || b_scales != size_t(mb * g.n))
+      return "block scales must be a_scale [M/128, K] and b_scale [M/128, N]";
+  }
+  return {};
 }
 
 ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
                            F32Buffer a_scale, F32Buffer b_scale,
                            ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> d,
-                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t form) {
+                           ffi::Result<ffi::Buffer<ffi::U8>> workspace, int64_t form,
+                           int64_t scale_mode) {
   if (form != int64_t(GroupedForm::kRows) && form != int64_t(GroupedForm::kWgrad))
     return invalid("form must be 0 (rows) or 1 (wgrad)");
-  const auto ad = a.dimensions(), bd = b.dimensions(), dd = d->dimensions();
   const bool rows_form = form == int64_t(GroupedForm::kRows);
+  const ScaleMode block_mode = rows_form ? ScaleMode::kBlock128x128 : ScaleMode::kGroup1x128;
+  if (scale_mode != int64_t(ScaleMode::kPerTensor) && scale_mode != int64_t(block_mode))
+    return invalid("scale_mode must be per-tensor, or 1 x 128 x 128 x 128 block scales in the "
+                   "rows form and 1 x 128 groups of both operands in wgrad");
+  const auto ad = a.dimensions(), bd = b.dimensions(), dd = d->dimensions();
   if (ad.size() != 2 || bd.size() != (rows_form ? 3u : 2u) || dd.size() != (rows_form ? 2u : 3u))
     return invalid("grouped GEMM operands of the wrong rank");
   GroupedArgs g{};
   g.form = static_cast<GroupedForm>(form);
+  g.mode = static_cast<ScaleMode>(scale_mode);
   g.groups = int(group_sizes.element_count());
   if (g.groups < 1 || g.groups > kMaxGroups) return invalid("group_sizes must have 1..1024 groups");
   if (rows_form) {
@@ -179,9 +83,16 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   }
   if (g.k % kGemmDimMultiple || g.n % kGemmDimMultiple || (!rows_form && g.rows % kGroupedRowAlign))
     return invalid("grouped GEMM dimensions must be multiples of 16");
-  g.b_scales = int(b_scale.element_count());
-  if (a_scale.element_count() != 1 || (g.b_scales != 1 && g.b_scales != g.groups))
-    return invalid("a_scale must be one float32, b_scale one or one per group");
+  if (g.mode == ScaleMode::kPerTensor) {
+    g.b_scales = int(b_scale.element_count());
+    if (a_scale.element_count() != 1 || (g.b_scales != 1 && g.b_scales != g.groups))
+      return invalid("a_scale must be one float32, b_scale one or one per group");
+  } else if (std::string e = check_block_scales(g, a.element_type(), b.element_type(),
+                                                a_scale.element_count(),
+                                                b_scale.element_count());
+             !e.empty()) {
+    return invalid(e);
+  }
   const size_t need = kGroupedPlanBytes * (g.groups + 1) + kGroupedCutlassBytes;
   if (workspace->element_count() < need) return invalid("grouped GEMM workspace too small");
   if (device_info().major != 9) return invalid("jax_fp8's grouped GEMM runs on sm_90 (Hopper)");
@@ -190,13 +101,16 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   g.sizes = group_sizes.typed_data();
   g.d = d->untyped_data();
   g.workspace = reinterpret_cast<char*>(workspace->typed_data());
-  std::string error;
-  if (d->element_type() == ffi::DataType::BF16)
-    error = run_typed<Bf16>(a.element_type(), b.element_type(), g, stream);
-  else if (d->element_type() == ffi::DataType::F32)
-    error = run_typed<float>(a.element_type(), b.element_type(), g, stream);
-  else
+  const ffi::DataType out = d->element_type();
+  if (out != ffi::DataType::BF16 && out != ffi::DataType::F32)
     return invalid("grouped GEMM output must be bfloat16 or float32");
+  std::string error;
+  if (g.mode != ScaleMode::kPerTensor)
+    error = run_grouped_block(out, g, stream);
+  else if (out == ffi::DataType::BF16)
+    error = run_per_tensor<Bf16>(a.element_type(), b.element_type(), g, stream);
+  else
+    error = run_per_tensor<float>(a.element_type(), b.element_type(), g, stream);
   if (!error.empty()) return ffi::Error::Internal(error);
   return last_error();
 }
@@ -205,14 +119,15 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GroupedGemmCudaHandler, GroupedGemmImpl,
                               BindCuda()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<F32Buffer>()
-                                  .Arg<F32Buffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int64_t>("form"),
+                                  .Arg<ffi::AnyBuffer>()         // a
+                                  .Arg<ffi::AnyBuffer>()         // b
+                                  .Arg<F32Buffer>()              // a_scale
+                                  .Arg<F32Buffer>()              // b_scale
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // group_sizes
+                                  .Ret<ffi::AnyBuffer>()         // d
+                                  .Ret<ffi::Buffer<ffi::U8>>()   // workspace
+                                  .Attr<int64_t>("form")
+                                  .Attr<int64_t>("scale_mode"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_fp8

@@ -65,19 +65,33 @@ inline bool pdl_enabled() {
   return device_info().major >= 9 && !(v && v[0] == '0');
 }
 
+// A launch with `smem_bytes` of dynamic shared memory, in clusters of `cluster` blocks along x
+// (no cluster attribute for 1), with PDL where enabled.
 template <typename... KArgs, typename... Args>
-void launch_pdl(void (*kernel)(KArgs...), dim3 blocks, int threads, cudaStream_t stream,
-                Args&&... args) {
+void launch_pdl_cluster(void (*kernel)(KArgs...), dim3 blocks, int threads, int smem_bytes,
+                        int cluster, cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = blocks;
   cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem_bytes;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
   cfg.attrs = attr;
-  cfg.numAttrs = pdl_enabled() ? 1 : 0;
+  if (pdl_enabled()) {
+    attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[cfg.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attr[cfg.numAttrs++].val.clusterDim = {static_cast<unsigned>(cluster), 1, 1};
+  }
   cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+template <typename... KArgs, typename... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 blocks, int threads, cudaStream_t stream,
+                Args&&... args) {
+  launch_pdl_cluster(kernel, blocks, threads, 0, 1, stream, std::forward<Args>(args)...);
 }
 
 inline ffi::Error last_error() {

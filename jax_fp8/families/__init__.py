@@ -17,10 +17,10 @@ aligned)``.
 from __future__ import annotations
 
 from ..recipes import Recipe
-from . import block, mxfp8, nvfp4, per_tensor, per_tensor_grouped
+from . import block, block_grouped, mxfp8, nvfp4, per_tensor, per_tensor_grouped
 
 _FAMILIES = {"per_tensor": per_tensor, "block": block, "mxfp8": mxfp8, "nvfp4": nvfp4}
-_GROUPED = {"per_tensor": per_tensor_grouped}
+_GROUPED = {"per_tensor": per_tensor_grouped, "block": block_grouped}
 
 
 def family(recipe: Recipe):

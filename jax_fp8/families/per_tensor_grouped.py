@@ -43,10 +43,10 @@ from .. import activations
 from .._residuals import op_outputs, packed, read_and_saved
 from ..ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
                                   cast_transpose_delayed)
-from ..ops.grouped_gemm import ROW_ALIGN, group_bounds, grouped_gemm, grouped_gemm_wgrad
+from ..ops.grouped_gemm import ROW_ALIGN, grouped_gemm, grouped_gemm_wgrad
 from ..quantized import Quantized
 from ..state import ScaleRing, stacked
-from ._shared import group_bias, row_groups
+from ._shared import gemm_out, group_bias, group_bias_grad, take_columns, wgrad_layout
 from .per_tensor import (MLP_RING_FMTS, blank_rings, kernel_fp8, rowwise, scaled, shared,
                          transposed, zero_like)
 
@@ -64,39 +64,6 @@ class Static:
   current: bool
   aligned: bool
   activation: str | None = None
-
-
-def gemm_out(dtype) -> jnp.dtype:
-  """The grouped GEMMs' output dtype for a result in ``dtype``: bfloat16 as it is, f32 for
-  float32 and float16 (then rounded once to float16)."""
-  return jnp.dtype(jnp.bfloat16) if dtype == jnp.bfloat16 else jnp.dtype(jnp.float32)
-
-
-def aligned_columns(group_sizes, rows: int) -> tuple[jax.Array, jax.Array]:
-  """A wgrad layout whose groups start at multiples of ``ROW_ALIGN``: (src, padded_sizes).
-  ``src`` int32 [P], P = ``round_up(rows + (ROW_ALIGN - 1) * G, ROW_ALIGN)`` (the most the
-  groups can take once each is rounded up): the column of the transposed copies each padded
-  column takes, or ``rows`` for a pad (a zero column of the copies, which hold ceil16(rows),
-  or past their end, read as zero by ``take_columns``); ``padded_sizes`` int32 [G], each
-  group's size rounded up to ``ROW_ALIGN``. Zero columns add nothing to a group's sum."""
-  start, end = group_bounds(group_sizes, rows)
-  sizes = end - start
-  padded = -(-sizes // ROW_ALIGN) * ROW_ALIGN  # [G]
-  p_end = jnp.cumsum(padded)
-  p_start = p_end - padded
-  n = group_sizes.shape[0]
-  total = -(-(rows + (ROW_ALIGN - 1) * n) // ROW_ALIGN) * ROW_ALIGN
-  col = jnp.arange(total, dtype=jnp.int32)
-  g = jnp.minimum(jnp.searchsorted(p_end, col, side="right"), n - 1)  # [P]
-  offset = col - p_start[g]
-  src = jnp.where(offset < sizes[g], start[g] + offset, rows)
-  return src.astype(jnp.int32), padded.astype(jnp.int32)
-
-
-def take_columns(data_t: jax.Array, src: jax.Array) -> jax.Array:
-  """data_t [C, R'] FP8 with its columns gathered by ``src`` [P]; zero where src is out of
-  range."""
-  return jnp.take(data_t, src, axis=1, mode="fill", fill_value=0)
 
 
 def _kernels_fp8(kernels, ring, s: Static):
@@ -124,20 +91,9 @@ def _dgrad(qg: Quantized, qk: Quantized, group_sizes, dtype) -> jax.Array:
                       out_dtype=gemm_out(dtype)).astype(dtype)  # dgrad [M, K]
 
 
-def _wgrad_layout(group_sizes, rows: int, aligned: bool):
-  """How wgrad reads the transposed copies' columns: (src, sizes). ``src`` None: where they lie
-  (the caller's ``aligned`` promise; no rows; or one group, which starts at column 0), sizes
-  the groups as the forward clipped them at ``rows`` (the copies are wider, ceil16(rows));
-  else ``aligned_columns``' gather and the padded sizes."""
-  if not aligned and rows and group_sizes.shape[0] > 1:
-    return aligned_columns(group_sizes, rows)
-  start, end = group_bounds(group_sizes, rows)
-  return None, end - start
-
-
 def _wgrad(a: Quantized, b: Quantized, layout, dtype) -> jax.Array:
   """wgrad: ``d[g] = a[:, rows of g] @ b[:, rows of g].T`` of the transposed copies a.data_t
-  [K, M16] and b.data_t [N, M16] read in ``layout`` (``_wgrad_layout``): [G, K, N] in
+  [K, M16] and b.data_t [N, M16] read in ``layout`` (``_shared.wgrad_layout``): [G, K, N] in
   ``dtype``."""
   src, sizes = layout
   a_t, b_t = a.data_t, b.data_t
@@ -145,16 +101,6 @@ def _wgrad(a: Quantized, b: Quantized, layout, dtype) -> jax.Array:
     a_t, b_t = take_columns(a_t, src), take_columns(b_t, src)  # [K, P], [N, P]
   return grouped_gemm_wgrad(a_t, b_t, a.scale, b.scale, sizes,
                             out_dtype=gemm_out(dtype)).astype(dtype)  # wgrad [G, K, N]
-
-
-def _group_sums(v, group_sizes, dtype):
-  """The bias gradient: each group's rows of v [M, C] summed in f32 (XLA's segment sum; rows in
-  no group dropped), [G, C] in ``dtype``; None where ``dtype`` is None (no bias)."""
-  if dtype is None:
-    return None
-  groups = group_sizes.shape[0]
-  return jax.ops.segment_sum(v.astype(jnp.float32), row_groups(group_sizes, v.shape[0]),
-                             num_segments=groups + 1)[:groups].astype(dtype)
 
 
 def _blank_rings(recipe, fmts, kernels, groups: int) -> tuple:
@@ -205,10 +151,10 @@ def _grouped_linear_bwd(s: Static, res, g):
   cg = cast_transpose_delayed(g, scaled(saved.grad_ring, g, s.current, s.axis_name),
                               observe=True)  # data [M, N], data_t [N, M16]
   dx = _dgrad(cg.tensor, saved.kernels, group_sizes, x_dtype)  # [M, K]
-  layout = _wgrad_layout(group_sizes, g.shape[0], s.aligned)
+  layout = wgrad_layout(group_sizes, g.shape[0], s.aligned, ROW_ALIGN)
   dk = _wgrad(saved.x, cg.tensor, layout, k_dtype)  # [G, K, N]
   rg = saved.grad_ring if s.current else shared(cg.ring, saved.grad_ring, s.axis_name)
-  return (dx, dk, _group_sums(g, group_sizes, b_dtype), None,
+  return (dx, dk, group_bias_grad(g, group_sizes, b_dtype), None,
           (saved.x_observed, saved.kernels_observed, rg))
 
 
@@ -279,7 +225,7 @@ def _grouped_mlp_bwd(s: Static, res, g):
   y = saved.y
   cg = cast_transpose_delayed(g, scaled(rg_out, g, s.current, s.axis_name),
                               observe=True)  # [M, D], [D, M16]
-  layout = _wgrad_layout(group_sizes, g.shape[0], s.aligned)
+  layout = wgrad_layout(group_sizes, g.shape[0], s.aligned, ROW_ALIGN)
   dh = _dgrad(cg.tensor, saved.k_out, group_sizes, y.dtype)  # [M, F]
   dk_out = _wgrad(saved.h, cg.tensor, layout, k_out_dtype)  # [G, F, D]
   dy = None
@@ -293,8 +239,9 @@ def _grouped_mlp_bwd(s: Static, res, g):
   dk_in = _wgrad(saved.x, cdy.tensor, layout, k_in_dtype)  # [G, K, N]
   rg = grad_rings if s.current else shared((cdy.ring, cg.ring), grad_rings, s.axis_name)
   ox, ok_in, oh, ok_out = observed
-  return (dx, dk_in, dk_out, _group_sums(dy, group_sizes, b_in_dtype),
-          _group_sums(g, group_sizes, b_out_dtype), None, (ox, ok_in, rg[0], oh, ok_out, rg[1]))
+  return (dx, dk_in, dk_out, group_bias_grad(dy, group_sizes, b_in_dtype),
+          group_bias_grad(g, group_sizes, b_out_dtype), None,
+          (ox, ok_in, rg[0], oh, ok_out, rg[1]))
 
 
 _grouped_mlp.defvjp(*packed(_grouped_mlp_fwd, _grouped_mlp_bwd))

@@ -34,7 +34,7 @@ _GROUP_SIZES = tuple(_ffi.CONSTANTS["group_sizes"])
 _MAX_TILE_ROWS = _ffi.CONSTANTS["max_tile_rows"]  # CUDA's limit on gridDim.y
 
 
-def _check_rows(name: str, rows: int) -> None:
+def check_rows(name: str, rows: int) -> None:
   """CUDA's limit on gridDim.y: one row of the kernel's grid per 128 rows."""
   if -(-rows // BLOCK) > _MAX_TILE_ROWS:
     raise ValueError(f"{name} has {rows} rows; at most {_MAX_TILE_ROWS * BLOCK} (one row of the "
@@ -129,7 +129,7 @@ def block_quantize(w: jax.Array, *, fmt: str = "e4m3", eps: float = GROUP_EPS,
     more than 65535 * 128 rows.
   """
   w = sources.plain(w, sources.COL_MULTIPLE, "w").inputs[0]
-  _check_rows("w", w.shape[0])
+  check_rows("w", w.shape[0])
   qdt, eps = fp8_dtype(fmt), checks.group_eps(eps, fmt)
   ue8m0 = checks.boolean(ue8m0, "ue8m0")
 
@@ -261,7 +261,7 @@ def activation_grad_group_cast_transpose(dh: jax.Array, y: jax.Array, *, activat
 def _group_cast_transpose(op, source: sources.Source, fmt, eps, ue8m0) -> Quantized:
   """The group cast-transposes' kernel call on a checked source (``jax_fp8.ops.sources``)."""
   rows, cols = source.shape(*source.inputs)
-  _check_rows("dh" if source.grad else "y" if source.activation else "x", rows)
+  check_rows("dh" if source.grad else "y" if source.activation else "x", rows)
   qdt, eps = fp8_dtype(fmt), checks.group_eps(eps, fmt)
   ue8m0 = checks.boolean(ue8m0, "ue8m0")
 

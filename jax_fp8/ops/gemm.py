@@ -1,8 +1,10 @@
-"""FP8 GEMM (TN layout) with per-tensor or block scales: cuBLASLt on CUDA, XLA's f32 dot on CPU.
+"""FP8 GEMM (TN layout) with per-tensor or block scales: cuBLASLt or, for block scales on sm_90,
+jax_fp8's own kernels on CUDA; XLA's f32 dot on CPU.
 
-FFI handler: ``csrc/ffi/gemm_cuda.cc`` (cuBLASLt calls in ``gemm_lt.cc``; algorithm choice:
-``jax_fp8.ops.gemm_algorithms``); jnp twins: ``jax_fp8.reference.gemm`` and
-``block_gemm``; tests: ``tests/test_gemm.py``.
+FFI handlers: ``csrc/ffi/gemm_cuda.cc`` (cuBLASLt calls in ``gemm_lt.cc``) and
+``csrc/ffi/block_gemm_cuda.cu`` (the kernels: ``csrc/kernels/block_gemm.cuh``); algorithm
+choice: ``jax_fp8.ops.gemm_algorithms``; jnp twins: ``jax_fp8.reference.gemm`` and
+``block_gemm``; tests: ``tests/test_gemm.py``, ``tests/test_block_gemm_kernel.py``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ _WORKSPACE = jax.ShapeDtypeStruct((_ffi.CONSTANTS["gemm_workspace_bytes"],), jnp
 PER_TENSOR = _ffi.CONSTANTS["scale_mode_per_tensor"]
 BLOCK_128X128 = _ffi.CONSTANTS["scale_mode_block"]  # b in 128 x 128 blocks (weights)
 GROUP_1X128 = _ffi.CONSTANTS["scale_mode_group"]  # b in 1 x 128 groups (wgrad)
+# gemm's `algorithm`: the timed choice, cuBLASLt alone, or one of jax_fp8's block-scaled kernels.
+ALGORITHMS = ("auto", "cublaslt") + gemm_algorithms.KERNELS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +40,7 @@ class Problem:
   fp8_out: bool
   has_bias: bool
   fast_accum: bool
+  algorithm: str
 
   def split(self, rest):
     """(out_scale, bias) from the arguments after the four operands (each may be None)."""
@@ -60,7 +65,7 @@ def _scale_mode(a_scale, b_scale, m, n, k) -> int:
   return modes[b_scale.shape]
 
 
-def _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum):
+def _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum, algorithm):
   """The checked arguments (arrays) and the Problem; TypeError / ValueError otherwise."""
   _ffi.check_backend()
   a, b = checks.fp8_array(a, "a"), checks.fp8_array(b, "b")
@@ -114,9 +119,14 @@ def _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum):
   if mode != PER_TENSOR and fast_accum:
     raise ValueError("fast_accum applies to per-tensor scales only: block-scaled GEMMs promote "
                      "to f32 at every 128-element group")
+  algorithm = checks.one_of(algorithm, "algorithm", ALGORITHMS)
+  if algorithm in gemm_algorithms.KERNELS and mode == PER_TENSOR:
+    raise ValueError(f"algorithm {algorithm!r} is a block-scaled kernel; per-tensor scales take "
+                     f"'auto' or 'cublaslt'")
   args = (a, b, a_scale, b_scale) + ((out_scale,) if fp8_out else ()) + (
       (bias,) if bias is not None else ())
-  return args, Problem(m, n, k, mode, out_dtype, fp8_out, bias is not None, fast_accum)
+  return args, Problem(m, n, k, mode, out_dtype, fp8_out, bias is not None, fast_accum,
+                       algorithm)
 
 
 def _finish(p: Problem, d, out_scale, out_dtype):
@@ -125,9 +135,53 @@ def _finish(p: Problem, d, out_scale, out_dtype):
 
 
 def _on_cuda(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
+  """The algorithm ``p.algorithm`` names, or the one timed fastest for the problem: cuBLASLt's
+  (``_cublaslt``) or one of jax_fp8's block-scaled kernels (``_block_kernel``)."""
+  m, n = a.shape[0], b.shape[0]  # this device's piece under a sharded jit
+  # Block-scaled problems are keyed, and cuBLASLt's candidates timed, at M padded to 4 rows.
+  # A kernel named by the caller runs as it is, nothing timed; "auto" and "cublaslt" time
+  # the problem's candidates once (cuBLASLt's choice is installed for the handler to find).
+  rows = m if p.mode == PER_TENSOR else -(-m // 4) * 4
+  kernel = p.algorithm
+  if p.algorithm in ("auto", "cublaslt"):
+    kernel = gemm_algorithms.select((rows, n, a.shape[1], a.dtype.name, b.dtype.name,
+                                     jnp.dtype(out_dtype).name, p.has_bias, p.fast_accum,
+                                     int(p.mode)))
+    if p.algorithm == "cublaslt":
+      kernel = None
+  out = (functools.partial(_block_kernel, kernel) if kernel else _cublaslt)(
+      p, out_dtype, a, b, a_scale, b_scale, *rest)
+  return sharding.vary_like(out, a, b, a_scale, b_scale, *rest)
+
+
+def _block_kernel(kernel: str, p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
+  """jax_fp8's block-scaled kernel ``kernel``, with the scales in the layouts it reads
+  (``block_kernel_call``); a needs no padding (TMA reads rows past M as zeros)."""
+  _, bias = p.split(rest)
+  a_scale_t = jnp.pad(a_scale, ((0, -a.shape[0] % 4), (0, 0))).T
+  if p.mode == BLOCK_128X128:
+    b_scale = jnp.pad(b_scale, ((0, -b_scale.shape[0] % 4), (0, 0)))
+  return block_kernel_call(kernel, p.mode, out_dtype, a, b, a_scale_t, b_scale.T, bias)
+
+
+def block_kernel_call(kernel: str, mode: int, out_dtype, a, b, a_scale_t, b_scale_t, bias=None):
+  """The FFI call of jax_fp8's block-scaled kernel ``kernel`` (one of ``ALGORITHMS[2:]``; CUDA,
+  sm_90) on operands already checked by ``gemm``, the scales in the layouts it reads
+  (``csrc/ffi/block_gemm.h``), each M or N contiguous for TMA's 16-byte rows: a [M, K] and
+  b [N, K] e4m3; a_scale_t [K/128, ceil4(M)]; b_scale_t [K/128, N] (``GROUP_1X128``) or
+  [K/128, ceil4(ceil(N/128))] (``BLOCK_128X128``); bias [N] in ``out_dtype`` (bf16 / f16) or
+  None. Returns d [M, N] in ``out_dtype``."""
+  return jax.ffi.ffi_call("jax_fp8_block_gemm",
+                          jax.ShapeDtypeStruct((a.shape[0], b.shape[0]), out_dtype),
+                          vmap_method="sequential")(
+      a, b, a_scale_t, b_scale_t, bias if bias is not None else jnp.zeros((0,), out_dtype),
+      has_bias=bias is not None, scale_mode=np.int64(mode), kernel=kernel)
+
+
+def _cublaslt(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
   """cuBLASLt, with the operands and scales in the layouts it reads (csrc/ffi/gemm_cuda.cc)."""
   out_scale, bias = p.split(rest)
-  m, n = a.shape[0], b.shape[0]  # this device's piece under a sharded jit
+  m, n = a.shape[0], b.shape[0]
   bias_arg = bias if bias is not None else jnp.zeros((0,), jnp.bfloat16 if p.fp8_out
                                                      else out_dtype)
   # cuBLASLt multiplies by its D scale: the reciprocal, computed as quantize computes it.
@@ -141,8 +195,6 @@ def _on_cuda(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
       b_scale = jnp.pad(b_scale, ((0, 0), (0, -b_scale.shape[1] % 4)))
     else:  # [K/128, N], N contiguous
       b_scale = b_scale.T
-  gemm_algorithms.select((rows, n, a.shape[1], a.dtype.name, b.dtype.name,
-                          jnp.dtype(out_dtype).name, p.has_bias, p.fast_accum, int(p.mode)))
   d, amax_d, _ = jax.ffi.ffi_call(
       "jax_fp8_gemm",
       (jax.ShapeDtypeStruct((rows, n), out_dtype),
@@ -150,8 +202,7 @@ def _on_cuda(p: Problem, out_dtype, a, b, a_scale, b_scale, *rest):
       vmap_method="sequential",
   )(a, b, a_scale, b_scale, bias_arg, d_scale, has_bias=p.has_bias, fast_accum=p.fast_accum,
     scale_mode=np.int64(p.mode))
-  out = (d[:m], amax_d[0]) if p.fp8_out else d[:m]
-  return sharding.vary_like(out, a, b, a_scale, b_scale, *rest)
+  return (d[:m], amax_d[0]) if p.fp8_out else d[:m]
 
 
 def expand_scales(scale: jax.Array, rows: int, cols: int, block_rows: int) -> jax.Array:
@@ -237,8 +288,8 @@ def _rule(p: Problem) -> tuple[str, dict, tuple]:
 
 def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
          bias: jax.Array | None = None, out_dtype=jnp.bfloat16,
-         out_scale: jax.Array | None = None,
-         fast_accum: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+         out_scale: jax.Array | None = None, fast_accum: bool = False,
+         algorithm: str = "auto") -> jax.Array | tuple[jax.Array, jax.Array]:
   """FP8 GEMM in TN layout with f32 accumulation: ``(a_scale * b_scale) * a @ b.T + bias``,
   with per-tensor or block scales, into a 16/32-bit output or into e4m3 with its amax.
 
@@ -246,9 +297,11 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
   timed once per problem while tracing and the choice recorded for later runs:
   ``jax_fp8.ops.gemm_algorithms``; block scales through its VEC128 / BLK128x128 modes, cuBLASLt
   >= 12.9, the DeepSeek-V3 recipe; an e4m3 output through its D scale and amax-D epilogue, as
-  TransformerEngine's FP8-output GEMMs). CPU: XLA's f32 dot on the upcast (for block scales:
-  dequantized) operands, the per-tensor scales applied so that their product cannot underflow
-  (``jax_fp8.formats.apply_scales``).
+  TransformerEngine's FP8-output GEMMs). Block-scaled GEMMs on sm_90 also time jax_fp8's own
+  kernels (persistent, warp-specialized, TMA and wgmma; every 128-element block of K promoted
+  to f32 with its scales: ``csrc/kernels/block_gemm.cuh``) and run one where it is faster.
+  CPU: XLA's f32 dot on the upcast (for block scales: dequantized) operands, the per-tensor
+  scales applied so that their product cannot underflow (``jax_fp8.formats.apply_scales``).
 
   Args:
     a: [M, K] float8_e4m3fn or float8_e5m2.
@@ -268,6 +321,12 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
       cuBLASLt adds it in bf16 before the cast (about 2^-7 relative); the CPU path is exact.
     fast_accum: a bool; let Hopper's FP8 tensor cores accumulate without periodic promotion
       to f32 (cuBLASLt ``FAST_ACCUM``): faster, less accurate for large K. CPU ignores it.
+    algorithm: ``"auto"`` (default): the candidate timed fastest for the problem;
+      ``"cublaslt"``: cuBLASLt's fastest; or, for block scales, one of jax_fp8's kernels by name
+      (``jax_fp8.ops.gemm.ALGORITHMS`` after the first two: ``"sm90_128x<BLOCK_N>_c<C>"``,
+      128 x BLOCK_N output tiles in clusters of C CTAs that share b's tiles; sm_90 only, the
+      handler refuses other GPUs). Every choice keeps within the same accumulation bound. CPU
+      ignores it. Under ``JAX_FP8_GEMM_AUTOTUNE=0``, "auto" is cuBLASLt's first heuristic choice.
   Returns:
     [M, N] in ``out_dtype``; for an e4m3 output the pair ``(d [M, N] e4m3, amax f32 [])``
     where amax is max |d| before the cast, in f32 (on CUDA cuBLASLt's amax-D).
@@ -275,9 +334,10 @@ def gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Array, *,
     TypeError / ValueError at trace time: wrong dtypes, ranks, K mismatch, K or N not a
     multiple of 16, scales of shapes that match no scale mode, block scales with e5m2 operands,
     fast_accum or an e4m3 output, a bias with f32 output or of the wrong shape or dtype,
-    out_scale missing for an e4m3 output or given for another, fast_accum not a bool.
+    out_scale missing for an e4m3 output or given for another, fast_accum not a bool,
+    algorithm not one of ``ALGORITHMS`` or a block-scaled kernel with per-tensor scales.
   """
-  args, p = _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum)
+  args, p = _check(a, b, a_scale, b_scale, bias, out_dtype, out_scale, fast_accum, algorithm)
   if 0 in (p.m, p.n, p.k):  # nothing to multiply: no library call
     out_scale, bias = p.split(args[4:])
     d = jnp.zeros((p.m, p.n), jnp.float32) + (0 if bias is None else bias.astype(jnp.float32))

@@ -11,7 +11,7 @@ them; the result types from ``jax_fp8.quantized`` (the ops' own, so a test compa
 result with the op's field by field); from ``jax_fp8.ops`` only layout constants, none of the
 ops' argument checks: a twin raises only where it cannot compute. One module per family:
 ``per_tensor`` (quantize, the delayed cast-transposes, gemm, linear), ``grouped`` (the
-mixture of experts' ragged GEMMs), ``block`` (DeepSeek-V3 block scaling), ``mx`` (MXFP8,
+mixture of experts' ragged GEMMs, per-tensor or block-scaled, and linears), ``block`` (DeepSeek-V3 block scaling), ``mx`` (MXFP8,
 NVFP4); every twin is importable from here.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from .per_tensor import (activation_cast_transpose, activation_grad_cast_transpose,
                          cast_transpose_delayed, dequantize, gemm, linear, norm_cast_transpose,
                          quantize, quantize_delayed)
-from .grouped import grouped_gemm, grouped_gemm_wgrad, grouped_linear
+from .grouped import block_grouped_linear, grouped_gemm, grouped_gemm_wgrad, grouped_linear
 from .block import (activation_grad_group_cast_transpose, activation_group_cast_transpose,
                     block_gemm, block_linear, block_quantize, expand_scales, group_cast_transpose,
                     group_quantize, group_scale, norm_group_cast_transpose)
@@ -29,7 +29,7 @@ from .mx import (mxfp8_dequantize, mxfp8_gemm, mxfp8_quantize, nvfp4_dequantize,
 
 __all__ = ["activation_cast_transpose", "activation_grad_cast_transpose",
            "activation_grad_group_cast_transpose", "activation_group_cast_transpose", "block_gemm",
-           "block_linear", "block_quantize", "cast_transpose_delayed", "dequantize",
+           "block_grouped_linear", "block_linear", "block_quantize", "cast_transpose_delayed", "dequantize",
            "expand_scales", "gemm", "group_cast_transpose", "group_quantize", "group_scale",
            "grouped_gemm", "grouped_gemm_wgrad", "grouped_linear", "linear", "mxfp8_dequantize",
            "mxfp8_gemm", "mxfp8_quantize", "norm_cast_transpose", "norm_group_cast_transpose",

@@ -1,14 +1,17 @@
 """The grouped (ragged) twins of a mixture of experts: ``grouped_gemm``, ``grouped_gemm_wgrad``
-and ``grouped_linear`` (``jax.lax.ragged_dot``'s groups: consecutive rows, negative sizes
-counting as 0, clipped at M)."""
+(per-tensor or block scales), ``grouped_linear`` and ``block_grouped_linear``
+(``jax.lax.ragged_dot``'s groups: consecutive rows, negative sizes counting as 0, clipped at
+M)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from ..formats import apply_scales
+from ..formats import BLOCK, apply_scales
+from ..ops.grouped_gemm import BLOCK_ROW_ALIGN as GROUPED_BLOCK_ROW_ALIGN
 from ..ops.grouped_gemm import ROW_ALIGN as GROUPED_ROW_ALIGN
+from .block import block_quantize, expand_scales, group_quantize
 from .per_tensor import quantize_delayed
 
 
@@ -24,7 +27,15 @@ def _group_of_rows(group_sizes, rows: int) -> tuple[jax.Array, jax.Array, jax.Ar
 
 def grouped_gemm(a, b, a_scale, b_scale, group_sizes, *, out_dtype=jnp.bfloat16) -> jax.Array:
   """``d[m] = a_scale * b_scale[g] * a[m] @ b[g].T`` for each row m of group g, zero for rows
-  in no group; a [M, K], b [G, N, K], b_scale a scalar or [G]."""
+  in no group; a [M, K], b [G, N, K], b_scale a scalar or [G]. Block scales (a_scale
+  [M, K/128], b_scale [G, ceil(N/128), K/128]): a and each b[g] dequantized first, as
+  ``block_gemm`` does, then the same product with unit scales."""
+  if jnp.ndim(a_scale) == 2:
+    (m, k), n = a.shape, b.shape[1]
+    a = a.astype(jnp.float32) * expand_scales(a_scale, m, k, 1)  # [M, K]
+    b = jax.vmap(lambda bg, s: bg.astype(jnp.float32) * expand_scales(s, n, k, BLOCK))(
+        b, b_scale)  # [G, N, K]
+    a_scale = b_scale = jnp.float32(1)
   onehot, _, _ = _group_of_rows(group_sizes, a.shape[0])
   per_group = jnp.einsum("mk,gnk->mgn", a.astype(jnp.float32), b.astype(jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)  # every row against every group
@@ -36,13 +47,21 @@ def grouped_gemm(a, b, a_scale, b_scale, group_sizes, *, out_dtype=jnp.bfloat16)
 def grouped_gemm_wgrad(a_t, b_t, a_scale, b_scale, group_sizes, *,
                        out_dtype=jnp.float32) -> jax.Array:
   """``d[g] = a_scale * b_scale * sum over rows m of g of a_t[:, m] b_t[:, m]^T``; a_t [K, M],
-  b_t [N, M]; a non-empty group whose first row is not a multiple of 16 is NaN.
+  b_t [N, M]; a non-empty group whose first row is not a multiple of 16 is NaN. Block scales
+  (a_scale [K, M/128], b_scale [N, M/128]): a_t and b_t dequantized first, the same sums with
+  unit scales, and a non-empty group whose first row is not a multiple of 128 NaN.
   """
+  align = GROUPED_ROW_ALIGN
+  if jnp.ndim(a_scale) == 2:
+    a_t = a_t.astype(jnp.float32) * expand_scales(a_scale, *a_t.shape, 1)  # [K, M]
+    b_t = b_t.astype(jnp.float32) * expand_scales(b_scale, *b_t.shape, 1)  # [N, M]
+    a_scale = b_scale = jnp.float32(1)
+    align = GROUPED_BLOCK_ROW_ALIGN
   onehot, start, end = _group_of_rows(group_sizes, a_t.shape[1])
   acc = jnp.einsum("km,nm,mg->gkn", a_t.astype(jnp.float32), b_t.astype(jnp.float32), onehot,
                    precision=jax.lax.Precision.HIGHEST)
   d = apply_scales(acc, a_scale, b_scale)
-  bad = (start % GROUPED_ROW_ALIGN != 0) & (end > start)
+  bad = (start % align != 0) & (end > start)
   return jnp.where(bad[:, None, None], jnp.nan, d).astype(out_dtype)
 
 
@@ -55,7 +74,25 @@ def grouped_linear(x, kernels, group_sizes, bias=None, *, state) -> jax.Array:
   ck = jax.vmap(lambda k, r: quantize_delayed(k, r).tensor)(kernels, state.kernels)  # [G, K, N]
   y = grouped_gemm(cx.data, jnp.swapaxes(ck.data, 1, 2), cx.scale, ck.scale, group_sizes,
                    out_dtype=jnp.float32)  # [M, N]
-  if bias is not None:
-    onehot, _, _ = _group_of_rows(group_sizes, x.shape[0])  # [M, G]
-    y = y + onehot @ bias.astype(jnp.float32)
-  return y.astype(x.dtype)
+  return _plus_group_bias(y, bias, group_sizes).astype(x.dtype)
+
+
+def _plus_group_bias(y, bias, group_sizes) -> jax.Array:
+  """y [M, N] f32 plus each row's group's bias [G, N] in f32 (none for a row in no group)."""
+  if bias is None:
+    return y
+  onehot, _, _ = _group_of_rows(group_sizes, y.shape[0])  # [M, G]
+  return y + onehot @ bias.astype(jnp.float32)
+
+
+def block_grouped_linear(x, kernels, group_sizes, bias=None, *, recipe) -> jax.Array:
+  """The block-scaled grouped linear's forward, unfused: x in 1 x 128 groups along K, each
+  expert kernel in 128 x 128 blocks (E4M3), the block-scaled grouped GEMM in f32, each row's
+  group's bias added (none for a row in no group). ``x [M, K]``, ``kernels [G, K, N]``,
+  ``bias [G, N]``; returns ``[M, N]`` in x's dtype."""
+  kw = {"fmt": "e4m3", "eps": recipe.eps, "ue8m0": recipe.ue8m0}
+  qx = group_quantize(x, **kw)  # [M, K], scale [M, K/128]
+  qk = jax.vmap(lambda k: block_quantize(k, **kw))(kernels)  # [G, K, N], scale [G, K/128, N/128]
+  y = grouped_gemm(qx.data, jnp.swapaxes(qk.data, 1, 2), qx.scale, jnp.swapaxes(qk.scale, 1, 2),
+                   group_sizes, out_dtype=jnp.float32)  # [M, N]
+  return _plus_group_bias(y, bias, group_sizes).astype(x.dtype)

@@ -1,0 +1,400 @@
+// jax_fp8's block-scaled FP8 GEMM for sm_90a (the DeepSeek-V3 recipe):
+//   d[M, N] = sum over K blocks kb of (a[:, kb] . b[:, kb]^T) * a_scale[m, kb] * b_scale[n, kb]
+//             (+ bias[N]),
+// a [M, K] e4m3 in 1 x 128 groups along K, b [N, K] e4m3 in 128 x 128 blocks (fprop, dgrad) or
+// in 1 x 128 groups along K (wgrad), K a multiple of 128, N of 16, any M.
+//
+// The method is DeepSeek-V3's (technical report, section 3.3.2) as DeepGEMM runs it: the FP8
+// tensor cores accumulate each 128-wide K block into registers of their own (about 14 bits of
+// accumulation, so never for longer than one block), and that partial sum is multiplied by the
+// block's scales and added into an f32 main accumulator, so every block's product is promoted
+// exactly once at full f32 precision.
+//
+// One persistent CTA per SM (or per cluster of 2) walks 128 x kBlockN output tiles
+// (BlockGemmTiles), three warpgroups each:
+// - warpgroup 0, one thread: the producer. Per K block it waits for a free stage of the
+//   kStages-deep shared-memory ring (its "empty" mbarrier) and issues four TMA copies onto the
+//   stage's "full" mbarrier: a's 128 x 128 tile, b's kBlockN x 128 tile (with a cluster of 2,
+//   each CTA copies half of b's rows to both CTAs: the two CTAs hold tiles of the same columns),
+//   the 128 a scales of the tile's rows and b's scales of the block (kBlockN column scales, or
+//   the 128 x 128 block scales of the tile's columns).
+// - warpgroups 1 and 2: the consumers, 64 rows of the tile each. Per K block: wait for the
+//   stage, four wgmma m64nNk32 (e4m3 x e4m3 -> f32) into the partial accumulator, wait for them,
+//   promote into the main accumulator, release the stage (one arrival per warp on the empty
+//   mbarrier of each CTA of the cluster, after the warp's reads of the scales). After the last
+//   block: the epilogue adds the bias and stores the tile from registers (pairs of columns,
+//   rows and columns past M and N skipped), then the next tile starts.
+// While one consumer warpgroup promotes on the CUDA cores the other's MMAs keep the tensor
+// cores busy. No atomics and a fixed order of sums: the output is the same bit for bit on every
+// run.
+//
+// Shared memory: kStages stages of [a tile 16 KiB | b tile kBlockN x 128 B | 128 a scales |
+// b scales], the tiles 1024-byte aligned and 128-byte swizzled (TMA's SWIZZLE_128B, which
+// wgmma's descriptors read as K-major 128-byte swizzled rows), then the 2 x kStages mbarriers.
+// Launched by csrc/ffi/block_gemm_launch.cuh (tensor maps, cluster, Programmatic Dependent
+// Launch); device code only.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <utility>
+
+#include "../constants.h"
+#include "block_gemm_params.h"
+#include "cute/arch/cluster_sm90.hpp"
+#include "cute/arch/copy_sm90_desc.hpp"
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/arch/mma_sm90_desc.hpp"
+#include "cute/arch/mma_sm90_gmma.hpp"
+#include "cute/arch/mma_sm90_gmma_ext.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+
+namespace jax_fp8 {
+
+// The wgmma m64nNk32 e4m3 x e4m3 -> f32 instruction (both operands K-major in shared memory)
+// of each instantiated tile width: CuTe's atoms.
+template <int kBlockN>
+struct BlockGemmMma;
+template <>
+struct BlockGemmMma<112> {
+  using Op = cute::SM90::GMMA::MMA_64x112x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
+struct BlockGemmMma<128> {
+  using Op = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
+struct BlockGemmMma<144> {
+  using Op = cute::SM90::GMMA::MMA_64x144x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
+struct BlockGemmMma<160> {
+  using Op = cute::SM90::GMMA::MMA_64x160x32_F32E4M3E4M3_SS_TN<>;
+};
+
+constexpr int block_gemm_gcd(int a, int b) { return b == 0 ? a : block_gemm_gcd(b, a % b); }
+
+// Tile sizes, pipeline depth and the shared-memory layout of one instantiation.
+template <int kBlockN_, bool kColumnScales_>
+struct BlockGemmTraits {
+  static constexpr int kBlockN = kBlockN_;
+  // b's scales: one per column of each K block (1 x 128 groups, wgrad) or one per 128 x 128
+  // block (fprop, dgrad).
+  static constexpr bool kColumnScales = kColumnScales_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockK = kBlockTile;  // one scale block of K per stage
+  static constexpr int kMmaK = 32;            // K of one wgmma on FP8
+  static constexpr int kMathGroups = 2;       // consumer warpgroups, 64 rows each
+  static constexpr int kThreads = 128 * (1 + kMathGroups);
+  // setmaxnreg: the producer gives registers back to the consumers' accumulators (2 x kBlockN
+  // / 2 floats a thread); 128 x 40 + 256 x 232 fits the 64 Ki registers of an SM.
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kMathRegisters = 232;
+  static constexpr int kAccum = kBlockN / 2;  // f32 accumulator registers of a thread (m64nN)
+
+  static constexpr int kABytes = kBlockM * kBlockK;
+  static constexpr int kBBytes = kBlockN * kBlockK;
+  static constexpr int kAScaleBytes = kBlockM * 4;
+  // 128 x 128 block scales: eight f32 from the 16-byte-aligned group of four holding the tile's
+  // first block (a TMA box starts on a 16-byte boundary of the row; the tile's columns lie in
+  // at most two blocks, asserted below, so the second is inside the eight too).
+  static constexpr int kBScaleFloats = kColumnScales ? kBlockN : 8;
+  static constexpr int kBScaleSlot = (kBScaleFloats * 4 + 127) / 128 * 128;  // TMA: 128-byte aligned
+  // Bytes the TMA copies of one stage bring to this CTA (a box counts whole, out-of-bounds
+  // elements included: TMA fills them with zeros).
+  static constexpr uint32_t kTxBytes = kABytes + kBBytes + kAScaleBytes + kBScaleFloats * 4;
+  static constexpr int kStageBytes = kABytes + kBBytes + kAScaleBytes + kBScaleSlot;
+  // sm_90's largest dynamic shared memory per block (227 KiB), less the 1024 bytes that align
+  // the swizzled tiles.
+  static constexpr int kSmemLimit = 232448;
+  static constexpr int kAlign = 1024;
+  static constexpr int kStages = (kSmemLimit - kAlign) / (kStageBytes + 16) < 8
+                                     ? (kSmemLimit - kAlign) / (kStageBytes + 16)
+                                     : 8;
+  static constexpr int kBOffset = kStages * kABytes;
+  static constexpr int kAScaleOffset = kBOffset + kStages * kBBytes;
+  static constexpr int kBScaleOffset = kAScaleOffset + kStages * kAScaleBytes;
+  static constexpr int kBarrierOffset = kBScaleOffset + kStages * kBScaleSlot;
+  static constexpr int kSmemBytes = kAlign + kBarrierOffset + kStages * 16;
+
+  static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 256,
+                "wgmma's N and the 8-row swizzle atoms of b's half tiles");
+  static_assert(kColumnScales || 128 - block_gemm_gcd(kBlockN, 128) + kBlockN <= 256,
+                "a tile's columns must lie in at most two 128 x 128 blocks");
+  static_assert(kStages >= 3, "too few stages to hide the copies");
+  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0 && (kBBytes / 2) % 1024 == 0,
+                "128-byte swizzled tiles (and b's half tiles) start 1024-byte aligned");
+};
+
+struct BlockGemmTile {
+  int m0, n0;  // the tile's first row (of a and d) and column (b's row, d's column)
+};
+
+// The dense tile order of the persistent grid: the tiles of an output [m, n] go in units of
+// `cluster` tiles stacked along M (the CTAs of a cluster take one tile each, of the same
+// columns), unit u to cluster u % clusters. Units run down bands of kBandRows tile rows, then
+// along N, so the clusters running at once share rows of a and columns of b in L2.
+// The kernel walks whatever a scheduler gives: a grouped GEMM's scheduler (tiles of several
+// problems) plugs in as the kernel's Tiles parameter with this interface.
+struct BlockGemmTiles {
+  static constexpr int kBandRows = 16;
+  int n_tiles, cluster, rank, band_units, unit_rows, units, unit, stride, block_n;
+
+  __device__ BlockGemmTiles(const BlockGemmParams& p, int block_n_)
+      : n_tiles((p.n + block_n_ - 1) / block_n_),
+        cluster(p.cluster),
+        rank(static_cast<int>(cute::block_rank_in_cluster())),
+        band_units(kBandRows / p.cluster),
+        unit_rows(((p.m + 127) / 128 + p.cluster - 1) / p.cluster),
+        units(unit_rows * n_tiles),
+        unit(static_cast<int>(blockIdx.x) / p.cluster),
+        stride(static_cast<int>(gridDim.x) / p.cluster),
+        block_n(block_n_) {}
+
+  __device__ bool next(BlockGemmTile& t) {
+    if (unit >= units) return false;
+    const int band = unit / (band_units * n_tiles);
+    const int rows = min(band_units, unit_rows - band * band_units);
+    const int in_band = unit - band * band_units * n_tiles;
+    t.m0 = ((band * band_units + in_band % rows) * cluster + rank) * 128;
+    t.n0 = in_band / rows * block_n;
+    unit += stride;
+    return true;
+  }
+};
+
+// wgmma's shared-memory matrix descriptor of a K-major tile of 128-byte swizzled rows: 8-row
+// groups 1024 bytes apart (the leading offset is unused by swizzled K-major layouts).
+__device__ __forceinline__ uint64_t block_gemm_desc(const void* smem) {
+  cute::GmmaDescriptor d;
+  d.bitfield.start_address_ = static_cast<uint16_t>(cute::cast_smem_ptr_to_uint(smem) >> 4);
+  d.bitfield.leading_byte_offset_ = 1;
+  d.bitfield.stride_byte_offset_ = 1024 >> 4;
+  d.bitfield.base_offset_ = 0;
+  d.bitfield.layout_type_ = static_cast<uint8_t>(cute::SM90::GMMA::LayoutType::B128);
+  return d.desc_;
+}
+
+template <class Op, size_t... I>
+__device__ __forceinline__ void block_gemm_mma(uint64_t a, uint64_t b, float* d,
+                                               cute::SM90::GMMA::ScaleOut scale_d,
+                                               std::index_sequence<I...>) {
+  Op::fma(a, b, d[I]..., scale_d);
+}
+
+__device__ __forceinline__ void store_pair(__nv_bfloat16* d, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ void store_pair(__half* d, float x, float y) {
+  *reinterpret_cast<__half2*>(d) = __floats2half2_rn(x, y);
+}
+__device__ __forceinline__ void store_pair(float* d, float x, float y) {
+  *reinterpret_cast<float2*>(d) = make_float2(x, y);
+}
+__device__ __forceinline__ float2 load_pair(const __nv_bfloat16* b) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(b));
+}
+__device__ __forceinline__ float2 load_pair(const __half* b) {
+  return __half22float2(*reinterpret_cast<const __half2*>(b));
+}
+__device__ __forceinline__ float2 load_pair(const float* b) {
+  return *reinterpret_cast<const float2*>(b);
+}
+
+// The epilogue of one thread: its accumulator holds rows r0 and r0 + 8 of the output and, for
+// each j, the columns c0 + 8 j and c0 + 8 j + 1 (wgmma's m64nN f32 layout); bias added in f32,
+// rounded once to Out. N is a multiple of 16, so a pair is wholly inside or outside.
+template <class Out, int kAccum>
+__device__ __forceinline__ void block_gemm_store(const float (&acc)[kAccum],
+                                                 const BlockGemmParams& p, int r0, int c0) {
+  Out* d = static_cast<Out*>(p.d);
+  const Out* bias = static_cast<const Out*>(p.bias);
+#pragma unroll
+  for (int j = 0; j < kAccum / 4; ++j) {
+    const int c = c0 + 8 * j;
+    if (c >= p.n) continue;
+    const float2 b = bias ? load_pair(bias + c) : make_float2(0.0f, 0.0f);
+    if (r0 < p.m) store_pair(d + int64_t(r0) * p.n + c, acc[4 * j] + b.x, acc[4 * j + 1] + b.y);
+    if (r0 + 8 < p.m)
+      store_pair(d + int64_t(r0 + 8) * p.n + c, acc[4 * j + 2] + b.x, acc[4 * j + 3] + b.y);
+  }
+}
+
+// One K block's partial sums `part` into the main accumulator `acc`: each product times its
+// row's a scale and its column's b scale (one f32 product per scale pair, then one fma).
+// `boundary`: the first column of the tile in the second 128 x 128 block of b (block scales).
+template <class T>
+__device__ __forceinline__ void block_gemm_promote(float (&acc)[T::kAccum],
+                                                   const float (&part)[T::kAccum],
+                                                   const float* a_scale, const float* b_scale,
+                                                   int row, int quad, int boundary) {
+  const float a0 = a_scale[row], a1 = a_scale[row + 8];
+  if constexpr (T::kColumnScales) {
+#pragma unroll
+    for (int j = 0; j < T::kAccum / 4; ++j) {
+      const float2 b = *reinterpret_cast<const float2*>(b_scale + 8 * j + 2 * quad);
+      acc[4 * j] = fmaf(part[4 * j], a0 * b.x, acc[4 * j]);
+      acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * b.y, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * b.x, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * b.y, acc[4 * j + 3]);
+    }
+  } else {
+    const float s00 = a0 * b_scale[0], s10 = a1 * b_scale[0];
+    const float s01 = a0 * b_scale[1], s11 = a1 * b_scale[1];
+#pragma unroll
+    for (int j = 0; j < T::kAccum / 4; ++j) {
+      // A tile of 128 columns or fewer that divides 128 never reaches a second block.
+      const bool second = 128 % T::kBlockN != 0 && 8 * j >= boundary;
+      const float s0 = second ? s01 : s00, s1 = second ? s11 : s10;
+      acc[4 * j] = fmaf(part[4 * j], s0, acc[4 * j]);
+      acc[4 * j + 1] = fmaf(part[4 * j + 1], s0, acc[4 * j + 1]);
+      acc[4 * j + 2] = fmaf(part[4 * j + 2], s1, acc[4 * j + 2]);
+      acc[4 * j + 3] = fmaf(part[4 * j + 3], s1, acc[4 * j + 3]);
+    }
+  }
+}
+
+// Tensor maps (csrc/ffi/block_gemm_launch.cuh): a [M, K] u8 with boxes of 128 x 128, b [N, K]
+// u8 with boxes of kBlockN / cluster rows x 128, both 128-byte swizzled; a_scale [K/128,
+// ceil4(M)] f32 with boxes of 1 x 128; b_scale [K/128, N] (column scales) with boxes of
+// 1 x kBlockN, or [K/128, ceil4(ceil(N / 128))] (block scales) with boxes of 1 x 8 starting at
+// a multiple of 4.
+template <class T, class Tiles>
+__global__ void __launch_bounds__(T::kThreads, 1)
+    sm90_fp8_block_gemm_kernel(const __grid_constant__ CUtensorMap a_map,
+                               const __grid_constant__ CUtensorMap b_map,
+                               const __grid_constant__ CUtensorMap a_scale_map,
+                               const __grid_constant__ CUtensorMap b_scale_map,
+                               const BlockGemmParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Barrier = cutlass::arch::ClusterTransactionBarrier;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + (T::kAlign - cute::cast_smem_ptr_to_uint(smem_raw) % T::kAlign) %
+                                 T::kAlign;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + T::kBarrierOffset);
+  uint64_t* empty = full + T::kStages;
+  const int group = threadIdx.x / 128;
+
+  if (threadIdx.x == 0) {
+    cute::prefetch_tma_descriptor(&a_map);
+    cute::prefetch_tma_descriptor(&b_map);
+    cute::prefetch_tma_descriptor(&a_scale_map);
+    cute::prefetch_tma_descriptor(&b_scale_map);
+    for (int s = 0; s < T::kStages; ++s) {
+      Barrier::init(&full[s], 1);  // the producer's arrival, plus the copies' bytes
+      Barrier::init(&empty[s], T::kMathGroups * 4 * p.cluster);  // every consumer warp of the cluster
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  // Every CTA's barriers exist before the cluster's copies and arrivals reach them.
+  if (p.cluster > 1)
+    cute::cluster_sync();
+  else
+    __syncthreads();
+  cudaGridDependencySynchronize();  // PDL: the upstream grid's outputs are ready from here on
+
+  if (group == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<T::kProducerRegisters>();
+    if (threadIdx.x == 0) {
+      constexpr uint64_t kHint = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+      const int rank = static_cast<int>(cute::block_rank_in_cluster());
+      const int b_rows = T::kBlockN / p.cluster;  // b's rows this CTA copies (to every CTA)
+      Tiles tiles(p, T::kBlockN);
+      int stage = 0;
+      uint32_t phase = 0;
+      for (BlockGemmTile t; tiles.next(t);) {
+        for (int kb = 0; kb < p.k_blocks; ++kb) {
+          Barrier::wait(&empty[stage], phase ^ 1);
+          Barrier::arrive_and_expect_tx(&full[stage], T::kTxBytes);
+          uint8_t* a_tile = smem + stage * T::kABytes;
+          uint8_t* b_tile = smem + T::kBOffset + stage * T::kBBytes;
+          const int k0 = kb * T::kBlockK;
+          cute::SM90_TMA_LOAD_2D::copy(&a_map, &full[stage], kHint, a_tile, k0, t.m0);
+          if (p.cluster == 1) {
+            cute::SM90_TMA_LOAD_2D::copy(&b_map, &full[stage], kHint, b_tile, k0, t.n0);
+          } else {
+            cute::SM90_TMA_LOAD_MULTICAST_2D::copy(
+                &b_map, &full[stage], static_cast<uint16_t>((1 << p.cluster) - 1), kHint,
+                b_tile + rank * b_rows * T::kBlockK, k0, t.n0 + rank * b_rows);
+          }
+          cute::SM90_TMA_LOAD_2D::copy(&a_scale_map, &full[stage], kHint,
+                                       smem + T::kAScaleOffset + stage * T::kAScaleBytes, t.m0,
+                                       kb);
+          cute::SM90_TMA_LOAD_2D::copy(&b_scale_map, &full[stage], kHint,
+                                       smem + T::kBScaleOffset + stage * T::kBScaleSlot,
+                                       T::kColumnScales ? t.n0 : t.n0 / 128 / 4 * 4, kb);
+          if (++stage == T::kStages) stage = 0, phase ^= 1;
+        }
+      }
+      // The other CTA of the cluster arrives on this CTA's empty barriers: stay until every
+      // stage has been released, so that no arrival reaches a CTA that has exited.
+      for (int s = 0; s < T::kStages; ++s) {
+        Barrier::wait(&empty[stage], phase ^ 1);
+        if (++stage == T::kStages) stage = 0, phase ^= 1;
+      }
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<T::kMathRegisters>();
+    using Mma = typename BlockGemmMma<T::kBlockN>::Op;
+    using cute::SM90::GMMA::ScaleOut;
+    const int math = group - 1;
+    const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+    const int row = 64 * math + 16 * warp + lane / 4;  // this thread's rows: row, row + 8
+    float acc[T::kAccum], part[T::kAccum];
+    Tiles tiles(p, T::kBlockN);
+    int stage = 0;
+    uint32_t phase = 0;
+    for (BlockGemmTile t; tiles.next(t);) {
+#pragma unroll
+      for (int i = 0; i < T::kAccum; ++i) acc[i] = 0.0f;
+      const int boundary = 128 - t.n0 % 128;
+      for (int kb = 0; kb < p.k_blocks; ++kb) {
+        Barrier::wait(&full[stage], phase);
+        const uint64_t a_desc = block_gemm_desc(smem + stage * T::kABytes + math * 64 * T::kBlockK);
+        const uint64_t b_desc = block_gemm_desc(smem + T::kBOffset + stage * T::kBBytes);
+#pragma unroll
+        for (int i = 0; i < T::kAccum; ++i) cute::warpgroup_fence_operand(part[i]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int k = 0; k < T::kBlockK / T::kMmaK; ++k) {
+          // the descriptor's address is in 16-byte units: 32 bytes of K further along the rows
+          block_gemm_mma<Mma>(a_desc + 2 * k, b_desc + 2 * k, part,
+                              k == 0 ? ScaleOut::Zero : ScaleOut::One,
+                              std::make_index_sequence<T::kAccum>{});
+        }
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+#pragma unroll
+        for (int i = 0; i < T::kAccum; ++i) cute::warpgroup_fence_operand(part[i]);
+        block_gemm_promote<T>(
+            acc, part,
+            reinterpret_cast<const float*>(smem + T::kAScaleOffset + stage * T::kAScaleBytes),
+            reinterpret_cast<const float*>(smem + T::kBScaleOffset + stage * T::kBScaleSlot) +
+                (T::kColumnScales ? 0 : t.n0 / 128 % 4),
+            row, lane % 4, boundary);
+        // The MMAs are done and this warp's reads of the scales too: free the stage in every
+        // CTA whose producer copies into it.
+        __syncwarp();
+        if (lane == 0 && p.cluster == 1) Barrier::arrive(&empty[stage]);
+        if (lane == 0 && p.cluster > 1)
+          for (int c = 0; c < p.cluster; ++c) Barrier::arrive(&empty[stage], c, 1);
+        if (++stage == T::kStages) stage = 0, phase ^= 1;
+      }
+      const int r0 = t.m0 + row, c0 = t.n0 + 2 * (lane % 4);
+      switch (p.out) {
+        case BlockGemmOut::kBf16: block_gemm_store<__nv_bfloat16>(acc, p, r0, c0); break;
+        case BlockGemmOut::kF16: block_gemm_store<__half>(acc, p, r0, c0); break;
+        case BlockGemmOut::kF32: block_gemm_store<float>(acc, p, r0, c0); break;
+      }
+    }
+  }
+  cudaTriggerProgrammaticLaunchCompletion();
+#endif
+}
+
+}  // namespace jax_fp8
