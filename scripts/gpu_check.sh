@@ -66,8 +66,10 @@ for s in "${steps[@]}"; do
              i=$((i + 1))
            done < "$OUT/shards.txt"
            wait
+           # One file back (the device returns only a few): the shards' logs, one after another.
            for log in "$OUT"/tests-*.log; do
              echo "$(basename $log): $(tail -1 $log)"; grep -E "^(FAILED|ERROR) " $log | head -20
+             { echo "## $(basename $log)"; cat "$log"; } >> "$OUT/tests.log"; rm "$log"
            done ;;
     bench) python3 -m benchmarks.run --out "$OUT/bench.json" ${BENCH_ONLY:+--only $BENCH_ONLY} \
              > "$OUT/bench.log" 2>&1
