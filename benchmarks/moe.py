@@ -67,7 +67,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fp8
-from jax_fp8.ops.grouped_gemm import ROW_ALIGN
+from jax_fp8.formats import ROW_ALIGN
 
 from .common import ceilings, environment
 from .moe_cases import (CASES, CUDNN_RAGGED_DOT, QUICK_CASES, QUICK_TOKENS, TOKENS, Case,

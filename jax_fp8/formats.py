@@ -118,6 +118,10 @@ BLOCK = _ffi.CONSTANTS["block_tile"]  # 128
 GROUP_EPS = 1e-10
 # K and N of every FP8 GEMM: cuBLASLt's FP8 alignment.
 DIM_MULTIPLE = _ffi.CONSTANTS["gemm_dim_multiple"]  # 16
+# The grouped GEMMs' wgrad: each group's rows start at a multiple of ROW_ALIGN, of BLOCK_ROW_ALIGN
+# under block scales (whole 1 x 128 groups along the rows).
+ROW_ALIGN = _ffi.CONSTANTS["grouped_row_align"]  # 16
+BLOCK_ROW_ALIGN = _ffi.CONSTANTS["grouped_block_row_align"]  # 128
 
 
 # MXFP8 (OCP Microscaling Formats v1.0): one E8M0 scale per MX_BLOCK consecutive elements. An

@@ -66,7 +66,7 @@ def grouped_linear(x: jax.Array, kernels: jax.Array, group_sizes: jax.Array,
       expert kernel, stacked); differentiate with respect to it and pass that gradient to
       ``jax_fp8.update_state``. Under the stateless recipes: None.
     aligned: a bool; True promises that every non-empty group starts at a row that is a
-      multiple of the recipe's ``grouped_row_align`` (16, ``grouped_gemm.ROW_ALIGN``; 128 under
+      multiple of the recipe's ``grouped_row_align`` (16, ``formats.ROW_ALIGN``; 128 under
       ``BlockScaling``, ``BLOCK_ROW_ALIGN``, whose 128-row groups along M must not straddle two
       experts), as a token permutation that pads each expert's rows lays them out; the kernel
       gradient of a group that breaks the promise is NaN (a device value: it cannot be checked

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from . import checks
+from .formats import ROW_ALIGN
 from .moe_routing import Routing, permute, unpermute
-from .ops.grouped_gemm import ROW_ALIGN
 
 
 def expert_parallel(x: jax.Array, routing: Routing, num_experts: int, axis_name: str,

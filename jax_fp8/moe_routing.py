@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from . import checks
-from .ops.grouped_gemm import ROW_ALIGN
+from .formats import ROW_ALIGN
 
 
 class Routing(NamedTuple):

@@ -15,9 +15,9 @@ from typing import Literal
 import numpy as np
 
 from . import checks
-from .formats import BLOCK, DIM_MULTIPLE, GROUP_EPS, MX_BLOCK, NVFP4_BLOCK
+from .formats import (BLOCK, BLOCK_ROW_ALIGN, DIM_MULTIPLE, GROUP_EPS, MX_BLOCK, NVFP4_BLOCK,
+                      ROW_ALIGN)
 from .hadamard import rht_signs
-from .ops.grouped_gemm import BLOCK_ROW_ALIGN, ROW_ALIGN
 from .state import HISTORY_LEN, ScaleRing, check_history_len, check_ring_params
 
 LINEAR_GEMMS = ("fprop", "dgrad", "wgrad")  # a linear's three GEMMs

@@ -18,10 +18,10 @@ from test_linear import bias_tol, rel
 import jax_fp8
 from jax_fp8 import activations, reference
 from jax_fp8.families._shared import group_bias
-from jax_fp8.formats import amax
+from jax_fp8.formats import ROW_ALIGN, amax
 from jax_fp8.layer_state import MLP_RINGS
 from jax_fp8.quantized import Quantized
-from jax_fp8.ops.grouped_gemm import ROW_ALIGN, group_bounds
+from jax_fp8.ops.grouped_gemm import group_bounds
 from jax_fp8.state import ScaleRing, current, next_ring
 
 E4M3, E5M2 = roundoff("e4m3"), roundoff("e5m2")

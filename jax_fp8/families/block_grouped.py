@@ -46,8 +46,9 @@ import jax.numpy as jnp
 
 from .. import activations
 from .._residuals import op_outputs, packed, read_and_saved
+from ..formats import BLOCK_ROW_ALIGN
 from ..ops import blockwise
-from ..ops.grouped_gemm import BLOCK_ROW_ALIGN, grouped_gemm, grouped_gemm_wgrad
+from ..ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad
 from ..quantized import Quantized
 from ._shared import aligned_positions, gemm_out, group_bias, group_bias_grad, wgrad_layout
 from .block import transposed

@@ -41,9 +41,10 @@ import jax.numpy as jnp
 
 from .. import activations
 from .._residuals import op_outputs, packed, read_and_saved
+from ..formats import ROW_ALIGN
 from ..ops.cast_transpose import (activation_cast_transpose, activation_grad_cast_transpose,
                                   cast_transpose_delayed)
-from ..ops.grouped_gemm import ROW_ALIGN, grouped_gemm, grouped_gemm_wgrad
+from ..ops.grouped_gemm import grouped_gemm, grouped_gemm_wgrad
 from ..quantized import Quantized
 from ..state import ScaleRing, stacked
 from ._shared import gemm_out, group_bias, group_bias_grad, take_columns, wgrad_layout

@@ -17,12 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _ffi, checks, sharding
-from ..formats import BLOCK, DIM_MULTIPLE, apply_scales
+from ..formats import BLOCK, BLOCK_ROW_ALIGN, DIM_MULTIPLE, ROW_ALIGN, apply_scales
 from .gemm import BLOCK_128X128, GROUP_1X128, PER_TENSOR, expand_scales
 
-ROW_ALIGN = _ffi.CONSTANTS["grouped_row_align"]  # 16: wgrad groups start at multiples of it
-# 128: under block scales, wgrad groups start at multiples of it (whole 1 x 128 groups)
-BLOCK_ROW_ALIGN = _ffi.CONSTANTS["grouped_block_row_align"]
 MAX_GROUPS = _ffi.CONSTANTS["max_groups"]
 _ROWS, _WGRAD = 0, 1  # the handler's `form` attribute (csrc GroupedForm)
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))

@@ -8,9 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..formats import BLOCK, apply_scales
-from ..ops.grouped_gemm import BLOCK_ROW_ALIGN as GROUPED_BLOCK_ROW_ALIGN
-from ..ops.grouped_gemm import ROW_ALIGN as GROUPED_ROW_ALIGN
+from ..formats import BLOCK, BLOCK_ROW_ALIGN, ROW_ALIGN, apply_scales
 from .block import block_quantize, expand_scales, group_quantize
 from .per_tensor import quantize_delayed
 
@@ -51,12 +49,12 @@ def grouped_gemm_wgrad(a_t, b_t, a_scale, b_scale, group_sizes, *,
   (a_scale [K, M/128], b_scale [N, M/128]): a_t and b_t dequantized first, the same sums with
   unit scales, and a non-empty group whose first row is not a multiple of 128 NaN.
   """
-  align = GROUPED_ROW_ALIGN
+  align = ROW_ALIGN
   if jnp.ndim(a_scale) == 2:
     a_t = a_t.astype(jnp.float32) * expand_scales(a_scale, *a_t.shape, 1)  # [K, M]
     b_t = b_t.astype(jnp.float32) * expand_scales(b_scale, *b_t.shape, 1)  # [N, M]
     a_scale = b_scale = jnp.float32(1)
-    align = GROUPED_BLOCK_ROW_ALIGN
+    align = BLOCK_ROW_ALIGN
   onehot, start, end = _group_of_rows(group_sizes, a_t.shape[1])
   acc = jnp.einsum("km,nm,mg->gkn", a_t.astype(jnp.float32), b_t.astype(jnp.float32), onehot,
                    precision=jax.lax.Precision.HIGHEST)
