@@ -287,6 +287,15 @@ def _jitted(fn, static):
   return jax.jit(functools.partial(fn, **dict(static)))
 
 
+def jitted(fn, *args, **kwargs):
+  """``fn(*args, **kwargs)`` on the default device, jitted once per fn and set of non-array
+  keyword arguments as ``reference_on_cpu`` is: one compilation per shape instead of one per
+  jnp call of an eager op."""
+  arrays = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
+  static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
+  return _jitted(fn, static)(*args, **arrays)
+
+
 def reference_on_cpu(fn, *args, **kwargs):
   """``on_cpu(lambda *a: fn(*a, **kwargs), *args)`` with fn jitted once per fn and set of
   non-array keyword arguments (hashable: formats, flags, seeds). Eagerly, every jnp call of a
@@ -294,9 +303,9 @@ def reference_on_cpu(fn, *args, **kwargs):
   program per shape, and runs again at a shape seen before without compiling. Array keyword
   arguments (keys, given amaxes) are passed to the jitted function, not bound into it."""
   arrays = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
-  static = tuple(sorted((k, v) for k, v in kwargs.items() if k not in arrays))
+  static = {k: v for k, v in kwargs.items() if k not in arrays}
   names, n = tuple(arrays), len(args)
-  return on_cpu(lambda *a: _jitted(fn, static)(*a[:n], **dict(zip(names, a[n:]))),
+  return on_cpu(lambda *a: jitted(fn, *a[:n], **dict(zip(names, a[n:])), **static),
                 *args, *arrays.values())
 
 

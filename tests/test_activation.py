@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, on_cpu, poison_allocator, roundoff, summation_error
+from conftest import (bits, on_cpu, poison_allocator, reference_on_cpu, roundoff,
+                      summation_error)
 
 import jax_fp8
 from jax_fp8 import activations, reference
@@ -58,9 +59,7 @@ def test_forward_matches_reference(platform, rng, activation, dtype, shape):
     y = data(rng, (r, 2 * c if gated else c), dtype)
     poison_allocator(r * c)
     got = step(y, ring, activation=activation)
-    want = on_cpu(lambda y, ring: reference.activation_cast_transpose(y, ring,
-                                                                       activation=activation),
-                  y, ring)
+    want = reference_on_cpu(reference.activation_cast_transpose, y, ring, activation=activation)
     assert got.tensor.data.shape == (r, c) and got.dbias is None
     close(got.tensor, want.tensor, "e4m3")
     for u, v in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
@@ -83,8 +82,8 @@ def test_grad_matches_reference(platform, rng, activation, dtype, shape):
     dh = data(rng, (r, c), dtype, 1.0)
     poison_allocator(r * c)
     got = step(dh, y, ring, activation=activation, with_dbias=with_dbias)
-    want = on_cpu(lambda dh, y, ring: reference.activation_grad_cast_transpose(
-        dh, y, ring, activation=activation, with_dbias=with_dbias), dh, y, ring)
+    want = reference_on_cpu(reference.activation_grad_cast_transpose, dh, y, ring,
+                            activation=activation, with_dbias=with_dbias)
     assert got.tensor.data.shape == y.shape
     close(got.tensor, want.tensor, "e5m2")
     for u, v in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, on_cpu, poison_allocator, roundoff
+from conftest import bits, on_cpu, poison_allocator, reference_on_cpu, roundoff
 
 import jax_fp8
 from jax_fp8 import activations, norms, reference
@@ -87,8 +87,8 @@ def test_norm_matches_reference_bytes(platform, rng, norm, dtype, shape):
   op = jax.jit(jax_fp8.norm_group_cast_transpose, static_argnames=("norm", "ue8m0"))
   poison_allocator(c * -(-r // 128) * 128)
   got = op(x, row_stats, gamma, beta, norm=norm, ue8m0=ue8m0)
-  want = on_cpu(lambda *a: reference.norm_group_cast_transpose(*a, norm=norm, ue8m0=ue8m0), x,
-                row_stats, gamma, beta)
+  want = reference_on_cpu(reference.norm_group_cast_transpose, x, row_stats, gamma, beta,
+                          norm=norm, ue8m0=ue8m0)
   assert [g.shape for g in both_directions(got)] == output_shapes(r, c)
   assert_same(got, want)
   assert not bits(got.data_t)[:, r:].any(), "data_t's padding columns must be zero bytes"
@@ -105,8 +105,8 @@ def test_activation_matches_reference(platform, rng, activation, dtype, shape):
   op = jax.jit(jax_fp8.activation_group_cast_transpose, static_argnames=("activation", "fmt"))
   poison_allocator(c * -(-r // 128) * 128)
   got = op(y, activation=activation, fmt=fmt)
-  want = on_cpu(lambda y: reference.activation_group_cast_transpose(y, activation=activation,
-                                                                     fmt=fmt), y)
+  want = reference_on_cpu(reference.activation_group_cast_transpose, y, activation=activation,
+                          fmt=fmt)
   assert [g.shape for g in both_directions(got)] == output_shapes(r, c)
   assert_close(got, want, fmt)
 
@@ -125,8 +125,8 @@ def test_activation_grad_matches_reference(platform, rng, activation, dtype, sha
                static_argnames=("activation", "fmt"))
   poison_allocator(y.shape[1] * -(-r // 128) * 128)
   got = op(dh, y, activation=activation, fmt=fmt)
-  want = on_cpu(lambda dh, y: reference.activation_grad_group_cast_transpose(
-      dh, y, activation=activation, fmt=fmt), dh, y)
+  want = reference_on_cpu(reference.activation_grad_group_cast_transpose, dh, y,
+                          activation=activation, fmt=fmt)
   assert [g.shape for g in both_directions(got)] == output_shapes(r, y.shape[1])
   assert_close(got, want, fmt)
 

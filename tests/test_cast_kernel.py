@@ -163,7 +163,7 @@ def test_flax_cast_kernels(platform, rng, name):
   recipe = RECIPES[name]
   model = _Model(recipe)
   x = jnp.asarray(rng.standard_normal((MICROBATCHES, 16, 128)), jnp.float32)
-  variables = model.init(jax.random.key(0), x[0])
+  variables = jax.jit(model.init)(jax.random.key(0), x[0])
   params, state = variables["params"], variables.get("fp8_state")
   keep_head = {} if state is not None else {"select": lambda path, kernel: "head" not in path}
   cast = jf.cast_kernels(params, state, recipe, **keep_head)

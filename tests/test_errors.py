@@ -240,12 +240,12 @@ def test_grad_names_the_op(op):
                                     jax_fp8.BlockScaling()], ids=lambda r: type(r).__name__)
 def test_second_derivative_says_first_order_only(recipe):
   """jax.hessian differentiates linear's backward pass; the error says that linear gives
-  first derivatives in reverse mode only."""
+  first derivatives in reverse mode only, at trace time (under jit: nothing runs before it)."""
   x, w = jnp.ones((128, 128)), jnp.ones((128, 128))
   state = jax_fp8.LinearState.create() if isinstance(recipe, jax_fp8.DelayedScaling) else None
   f = lambda w: jax_fp8.linear(x, w, state=state, recipe=recipe).astype(jnp.float32).sum()  # noqa: E731
   with pytest.raises(TypeError, match=r"first derivatives in reverse mode \(grad, vjp\) only"):
-    jax.hessian(f)(w)
+    jax.jit(jax.hessian(f))(w)
 
 
 @pytest.mark.parametrize("kwargs,error,message", [

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (HAS_CUDA, assert_same_quantized, block_scaled_data, on_cpu,
-                      poison_allocator)
+from conftest import (HAS_CUDA, assert_same_quantized, block_scaled_data, jitted, on_cpu,
+                      poison_allocator, reference_on_cpu)
 
 import jax_fp8
 from jax_fp8 import _ffi, reference
@@ -89,9 +89,9 @@ SHAPES = [((32, 32), True), ((64, 96), True), ((96, 416), True), ((5, 64), False
 def _check_against_reference(x, directions, fmt):
   rowwise, columnwise = DIRECTIONS[directions]
   poison_allocator(x.size * 2)
-  got = jax_fp8.mxfp8_quantize(x, rowwise=rowwise, columnwise=columnwise, fmt=fmt)
-  want = on_cpu(lambda v: reference.mxfp8_quantize(v, rowwise=rowwise, columnwise=columnwise,
-                                                   fmt=fmt), x)
+  kw = dict(rowwise=rowwise, columnwise=columnwise, fmt=fmt)
+  got = jitted(jax_fp8.mxfp8_quantize, x, **kw)
+  want = reference_on_cpu(reference.mxfp8_quantize, x, **kw)
   assert_same_quantized(got, want)
 
 

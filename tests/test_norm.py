@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_quantized, bits, normwise, on_cpu, poison_allocator, roundoff
+from conftest import (assert_same_quantized, bits, normwise, on_cpu, poison_allocator,
+                      reference_on_cpu, roundoff)
 from flax import nnx
 
 import jax_fp8
@@ -68,8 +69,8 @@ def test_matches_reference_bytes(platform, rng, norm, dtype, shape):
     row_stats = jnp.asarray(on_cpu(lambda x: norms.stats(x, norm, 1e-6), x))  # one copy, both
     poison_allocator(r * c)
     got = step(x, row_stats, gamma, beta, ring, norm=norm)
-    want = on_cpu(lambda *a: reference.norm_cast_transpose(*a, norm=norm), x, row_stats, gamma,
-                  beta, ring)
+    want = reference_on_cpu(reference.norm_cast_transpose, x, row_stats, gamma, beta, ring,
+                            norm=norm)
     assert_same_quantized(got.tensor, want.tensor)  # data, data_t, amax, scale
     assert got.dbias is None
     for u, v in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (E2M1, HAS_CUDA, assert_same_quantized, bits, block_scaled_data, on_cpu,
-                      poison_allocator, summation_error)
+from conftest import (E2M1, HAS_CUDA, assert_same_quantized, bits, block_scaled_data, jitted,
+                      on_cpu, poison_allocator, reference_on_cpu, summation_error)
 
 import jax_fp8
 from jax_fp8 import _ffi, reference
@@ -257,8 +257,8 @@ SHAPES = [(16, 32), (48, 160), (32, 256), (5, 64), (80, 160), (128, 128), (48, 8
 
 def _check_against_reference(x, options):
   poison_allocator(x.size // 2)  # the packed data's bytes
-  got = jax_fp8.nvfp4_quantize(x, **options)
-  want = on_cpu(lambda v: reference.nvfp4_quantize(v, **options), x)
+  got = jitted(jax_fp8.nvfp4_quantize, x, **options)
+  want = reference_on_cpu(reference.nvfp4_quantize, x, **options)
   assert_same_quantized(got, want)
 
 

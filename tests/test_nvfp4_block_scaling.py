@@ -251,7 +251,8 @@ def test_multi_linear_mlp_and_layers(rng):
     h = jax_fp8.activations.apply(h, "swiglu").astype(x.dtype)
     return jax_fp8.linear(h, w_out, recipe=NV, key=jax.random.fold_in(KEY, 1))
 
-  loss = lambda f: jax.grad(lambda *a: jnp.sum(f(*a)**2), argnums=(0, 1, 2))(x, w_in, w_out)  # noqa: E731
+  loss = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a)**2), argnums=(0, 1, 2)))(  # noqa: E731
+      x, w_in, w_out)
   for a, c in zip(loss(lambda x, w_in, w_out: jax_fp8.mlp(x, w_in, w_out, recipe=NV, key=KEY)),
                   loss(composed)):
     np.testing.assert_array_equal(a, c)
@@ -261,8 +262,9 @@ def test_multi_linear_mlp_and_layers(rng):
   assert set(params) == {"params"}
   np.testing.assert_array_equal(layer.apply(params, x), layer.apply(params, x, rngs={
       "stochastic_rounding": KEY}))
-  grad = lambda key: jax.grad(lambda p: jnp.sum(layer.apply(p, x, rngs={  # noqa: E731
-      "stochastic_rounding": key})**2))(params)["params"]["kernel"]
+  grad_of = jax.jit(jax.grad(lambda p, key: jnp.sum(layer.apply(p, x, rngs={
+      "stochastic_rounding": key})**2)))
+  grad = lambda key: grad_of(params, key)["params"]["kernel"]  # noqa: E731
   np.testing.assert_array_equal(grad(KEY), grad(KEY))
   assert not np.array_equal(grad(KEY), grad(jax.random.key(12)))
   with pytest.raises(ValueError, match=r"rngs=\{'stochastic_rounding': key\}"):
