@@ -18,7 +18,7 @@ struct BlockGemmCall {
 };
 
 // dtype -> rank -> attributes -> shape relations -> alignment, as validated first in
-// jax_fp8/ops/gemm.py and jax_fp8/ops/block_gemm.py.
+// jax_fp8/ops/gemm.py.
 inline ffi::Error DecodeBlockGemm(Platform platform, BlockGemmCall& c, ffi::AnyBuffer a,
                                   ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_scale,
                                   ffi::Buffer<ffi::F32> b_scale, ffi::AnyBuffer bias,
