@@ -1,6 +1,7 @@
 """Runs jax_fp8's CUDA kernels for a tool that watches them (`scripts/gpu_check.sh`):
 
-    python scripts/run_kernels.py profile    # each kernel a few times at 8192 x 8192 bf16 (ncu)
+    python scripts/run_kernels.py profile    # each kernel a few times at 8192 x 8192 bf16, the
+                                             # block-scaled GEMM at 8192^3 (ncu)
     python scripts/run_kernels.py coverage   # every variant of our kernels once on small,
                                              # ragged shapes (compute-sanitizer's four tools)
     python scripts/run_kernels.py mxfp8      # coverage's MXFP8 part alone (nvfp4: NVFP4's,
@@ -61,6 +62,15 @@ def profile():
     jax.block_until_ready((quantize(x), delayed(x, ring), cast_t(x, ring), cast_t_dbias(x, ring),
                            group(x), block(x), group_t(x), act(y, ring), act_grad(x, y, ring),
                            layer_norm(x, ring), mxfp8(x), nvfp4(x)))
+  # jax_fp8's block-scaled GEMM at 8192^3 (the 128 x 128 tile, one CTA a cluster), b in
+  # 128 x 128 blocks (fprop, dgrad) and in 1 x 128 groups (wgrad); unit scales.
+  a = x.astype(jnp.float8_e4m3fn)
+  ones = lambda n: jnp.ones((8192 // 128, n), jnp.float32)  # noqa: E731
+  block_gemm = jax.jit(lambda a: (
+      block_kernel_call("sm90_128x128_c1", BLOCK_128X128, jnp.bfloat16, a, a, ones(8192), ones(64)),
+      block_kernel_call("sm90_128x128_c1", GROUP_1X128, jnp.bfloat16, a, a, ones(8192), ones(8192))))
+  for _ in range(3):
+    jax.block_until_ready(block_gemm(a))
 
 
 def coverage():
