@@ -411,7 +411,11 @@ def test_block_equals_twin(platform, rng, case):
               + (0 if name == "db_out" else ACT_ULPS)) * np.asarray(absdot)
              + 2 * roundoff(F32) * np.abs(np.asarray(b)))
     err = np.abs(np.asarray(a) - np.asarray(b))
-    assert np.all(err <= bound), (name, np.max(err / np.maximum(bound, 1e-30)))
+    ratio = err / np.maximum(bound, 1e-30)
+    # On failure: the worst element's index and, for a kernel gradient, each expert's worst.
+    assert np.all(err <= bound), (name, float(ratio.max()),
+                                  np.unravel_index(ratio.argmax(), ratio.shape),
+                                  ratio.reshape(len(ratio), -1).max(1) if ratio.ndim == 3 else "")
 
 
 def test_traced_group_sizes_one_compilation(platform, rng):
