@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import math
+import types
 
 import flax.linen as nn
 import jax
@@ -27,7 +28,9 @@ from .recipes import Recipe
 
 class Converted(nn.Module):
   """A linen model run with its selected dense layers and ragged dots through jax_fp8
-  (``convert``). It shares the model's scope, so the variables keep the model's paths."""
+  (``convert``). It shares the model's scope, so the variables keep the model's paths. Its
+  ``__call__`` runs the model's; the model's other methods run converted by name
+  (``apply(variables, x, method="decode")``, ``init`` alike)."""
 
   module: nn.Module
   recipe: Recipe
@@ -38,6 +41,31 @@ class Converted(nn.Module):
     nn.share_scope(self, self.module)
 
   def __call__(self, *args, **kwargs):
+    return self.call_method("__call__", *args, **kwargs)
+
+  @nn.nowrap
+  def __getattr__(self, name: str):
+    """The model's public method ``name`` run converted (what ``apply(..., method=name)`` looks
+    up). AttributeError for any other name: saying, for a public one, that methods are passed
+    by name (a method passed as a function runs on this wrapper and looks its attributes up
+    here)."""
+    try:
+      return super().__getattr__(name)
+    except AttributeError as e:
+      cls = type(self.__dict__.get("module"))
+      if name.startswith("_"):
+        raise
+      if not callable(getattr(cls, name, None)):
+        raise AttributeError(
+            f"{e} jax_fp8.convert: {cls.__name__} has no method {name!r}; pass the model's "
+            f'methods by name, apply(variables, x, method="decode"), not as functions '
+            f"({cls.__name__}.decode would run on the converted wrapper)") from None
+    return types.MethodType(lambda converted, *a, **k: converted.call_method(name, *a, **k), self)
+
+  def call_method(self, name: str, *args, **kwargs):
+    """The model's method ``name`` (e.g. "__call__", "decode") on ``args`` and ``kwargs``
+    with the selected dense layers and ragged dots through jax_fp8, then the warnings (or,
+    under ``conversion_report``, the report's layers)."""
     if _TRACE.get() is not None:
       raise ValueError("a model that jax_fp8.convert returned runs inside another converted "
                        "model: convert the outer model once, from its original layers")
@@ -49,7 +77,7 @@ class Converted(nn.Module):
                           functools.partial(trace.note, dense=False))
       with (nn.intercept_methods(calls.intercept), nn.intercept_methods(intercept),
             intercepted(calls)):
-        out = self.module(*args, **kwargs)
+        out = getattr(self.module, name)(*args, **kwargs)
     finally:
       _TRACE.reset(token)
     layers = trace.layers(self.recipe)

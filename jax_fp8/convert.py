@@ -118,8 +118,9 @@ def convert(model, recipe: Recipe | None = None, *,
       layers draw their keys from; None otherwise. (A converted linen model draws from the
       "stochastic_rounding" stream given to ``apply``.)
   Returns:
-    linen: a new module (apply it as the original, ``__call__`` only; variables gain
-    "fp8_state" under ``DelayedScaling``). NNX: ``model`` itself, converted in place (or the
+    linen: a new module (apply it as the original: its ``__call__``, and its other methods
+    named in ``apply(..., method="decode")`` / ``init``, run converted; a method passed as a
+    function is an AttributeError; variables gain "fp8_state" under ``DelayedScaling``). NNX: ``model`` itself, converted in place (or the
     replacement of a top-level ``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Einsum``).
   Raises:
     TypeError for a model that is neither, a bound linen module, a bad recipe or patterns that

@@ -167,6 +167,39 @@ def test_filter():
     convert(Net(), RECIPE).apply({"params": v["params"]}, x)
 
 
+def test_linen_methods_by_name():
+  """A converted linen model's other methods run converted by name: ``method="encode"`` then
+  ``"decode"`` give ``__call__``'s output bit for bit, init by a method creates that method's
+  layers' FP8 state alone; a name the model has no method of, or a method passed as a function,
+  is an AttributeError that says to pass methods by name."""
+
+  class Net(nn.Module):
+    def setup(self):
+      self.enc, self.dec = nn.Dense(128), nn.Dense(128)
+
+    def __call__(self, x):
+      return self.decode(self.encode(x))
+
+    def encode(self, x):
+      return self.enc(x)
+
+    def decode(self, h):
+      return self.dec(h)
+
+  model = convert(Net(), RECIPE)
+  x = jax.random.normal(jax.random.key(1), (64, 128))
+  v = model.init(jax.random.key(0), x)
+  h = model.apply(v, x, method="encode")
+  np.testing.assert_array_equal(model.apply(v, h, method="decode"), model.apply(v, x))
+  assert not np.array_equal(h, Net().apply({"params": v["params"]}, x, method="encode"))
+  assert sorted(model.init(jax.random.key(0), x, method="encode")["fp8_state"]) == ["enc"]
+  with pytest.raises(AttributeError, match='"Converted" object has no attribute "nope".*Net '
+                                           "has no method 'nope'; pass the model's methods by"):
+    model.apply(v, x, method="nope")
+  with pytest.raises(AttributeError, match="no method 'dec'; pass the model's methods by name"):
+    model.apply(v, h, method=Net.decode)  # a function: runs on the wrapper, which has no dec
+
+
 def test_bad_arguments():
   cases = [
       (lambda: convert(lambda x: x), TypeError, "model must be a flax.linen.Module or a flax.nnx"),
