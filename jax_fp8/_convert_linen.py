@@ -52,9 +52,9 @@ class Converted(nn.Module):
     try:
       return super().__getattr__(name)
     except AttributeError as e:
-      cls = type(self.__dict__.get("module"))
       if name.startswith("_"):
         raise
+      cls = type(self.__dict__.get("module"))
       if not callable(getattr(cls, name, None)):
         raise AttributeError(
             f"{e} jax_fp8.convert: {cls.__name__} has no method {name!r}; pass the model's "

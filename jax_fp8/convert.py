@@ -120,8 +120,9 @@ def convert(model, recipe: Recipe | None = None, *,
   Returns:
     linen: a new module (apply it as the original: its ``__call__``, and its other methods
     named in ``apply(..., method="decode")`` / ``init``, run converted; a method passed as a
-    function is an AttributeError; variables gain "fp8_state" under ``DelayedScaling``). NNX: ``model`` itself, converted in place (or the
-    replacement of a top-level ``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Einsum``).
+    function is an AttributeError; variables gain "fp8_state" under ``DelayedScaling``).
+    NNX: ``model`` itself, converted in place (or the replacement of a top-level
+    ``nnx.Linear``, ``nnx.LinearGeneral`` or ``nnx.Einsum``).
   Raises:
     TypeError for a model that is neither, a bound linen module, a bad recipe or patterns that
     are not str / None; ValueError for a pattern that does not compile, an NNX model converted

@@ -18,6 +18,7 @@ Inputs are copied from the host: initcheck reports buffers written by XLA's own 
 uninitialized (it did for a slice and for jnp.zeros), never those written by a copy.
 """
 
+import functools
 import itertools
 import sys
 
@@ -66,9 +67,10 @@ def profile():
   # 128 x 128 blocks (fprop, dgrad) and in 1 x 128 groups (wgrad); unit scales.
   a = x.astype(jnp.float8_e4m3fn)
   ones = lambda n: jnp.ones((8192 // 128, n), jnp.float32)  # noqa: E731
+  gemm = functools.partial(block_kernel_call, "sm90_128x128_c1")
   block_gemm = jax.jit(lambda a: (
-      block_kernel_call("sm90_128x128_c1", BLOCK_128X128, jnp.bfloat16, a, a, ones(8192), ones(64)),
-      block_kernel_call("sm90_128x128_c1", GROUP_1X128, jnp.bfloat16, a, a, ones(8192), ones(8192))))
+      gemm(BLOCK_128X128, jnp.bfloat16, a, a, ones(8192), ones(64)),
+      gemm(GROUP_1X128, jnp.bfloat16, a, a, ones(8192), ones(8192))))
   for _ in range(3):
     jax.block_until_ready(block_gemm(a))
 
