@@ -266,8 +266,9 @@ def test_equals_twin(platform, rng, case):
   one amax did at JAX_FP8_TEST_SEED=11), as in the dense MLP's twin. The bias gradients,
   XLA's segment sums of the output gradient and of the activation's gradient (XLA's in both,
   each program fusing it its own way: ``ACT_ULPS``), against the twin's one-hot products:
-  within two orders of an f32 sum. On a GPU every GEMM sums in its own order (the results within the bound of their sums) and the twin
-  quantizes the activation with jax_fp8's own kernels (``act_ops``)."""
+  within two orders of an f32 sum. On a GPU every GEMM sums in its own order (the results
+  within the bound of their sums) and the twin quantizes the activation with jax_fp8's own
+  kernels (``act_ops``)."""
   name, biases, m, sizes, aligned = TWIN_CASES[case]
   recipe, gs, cur = RECIPES[name], jnp.asarray(sizes, jnp.int32), name == "current"
   x, k_in, k_out, b_in, b_out, g = problem(rng, m)
