@@ -164,12 +164,13 @@ def aligned_layout(sizes, m):
   return rows, cols, width, jnp.asarray(padded, jnp.int32)
 
 
-def act_ops(platform):
-  """The twins' activation cast-transposes: the reference's on CPU, where the layer's kernels
-  quantize act(y) and its gradient to the same bytes; on a GPU jax_fp8's own, as the layer's,
-  since the device's expf may differ from XLA's in the last bit and an element then rounds to
-  the neighbouring FP8 value (a per-group scale with it), an error no bound on the GEMMs'
-  sums covers. Each op is held to the reference in its own tests."""
+def cast_ops(platform):
+  """The module whose casts the twins run: the reference's on CPU, where the layer's kernels give
+  its bytes; on a GPU jax_fp8's own, as the layer's. There XLA:GPU evaluating the reference may
+  round an element to the neighbouring FP8 value (an H100 did so for one byte of 49152 in a group
+  cast-transpose's transposed copy, where the kernel and XLA:CPU agree), and the device's expf
+  may differ from XLA's in the last bit (the activations): an error no bound on the GEMMs' sums
+  covers. Each op is held to the reference, run on the CPU, in its own tests."""
   return reference if platform == "cpu" else jax_fp8
 
 
@@ -178,8 +179,8 @@ def grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, rings, cur, layout, ops
   kernels [G, K, 2F] and [G, F, D], biases or None, the output gradient g [M, D]; rings in
   GroupedMlpState's order, the kernels' stacked [G]; cur: CurrentScaling (each ring set to its
   tensor's amax of the step); layout: ``aligned_layout``'s for wgrad, or None (the groups
-  aligned); ops: the module whose activation cast-transposes quantize act(y) and its gradient
-  (``act_ops``). y and dh come from ``jax_fp8.grouped_gemm``, the layer's GEMM. Returns the
+  aligned); ops: the module whose cast-transposes quantize x, the kernels, act(y) and the
+  gradients (``cast_ops``). y and dh come from ``jax_fp8.grouped_gemm``, the layer's GEMM. Returns the
   results (out, dx, dk_in, dk_out, db_in, db_out), the observations, and per GEMM result the
   magnitudes of its products (|a| @ |b| of the dequantized FP8 operands, for the bounds off
   CPU) and its number of terms."""
@@ -187,8 +188,7 @@ def grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, rings, cur, layout, ops
   m, rows = x.shape[0], onehot(gs, x.shape[0])  # [M, G]
 
   def cast(v, ring):
-    return reference.cast_transpose_delayed(v, current(ring, amax(v)) if cur else ring,
-                                            observe=True)
+    return ops.cast_transpose_delayed(v, current(ring, amax(v)) if cur else ring, observe=True)
 
   def with_bias(v, b):
     return v if b is None else v + jnp.matmul(rows, b, precision=HI)
@@ -267,8 +267,8 @@ def test_equals_twin(platform, rng, case):
   XLA's segment sums of the output gradient and of the activation's gradient (XLA's in both,
   each program fusing it its own way: ``ACT_ULPS``), against the twin's one-hot products:
   within two orders of an f32 sum. On a GPU every GEMM sums in its own order (the results
-  within the bound of their sums) and the twin quantizes the activation with jax_fp8's own
-  kernels (``act_ops``)."""
+  within the bound of their sums) and the twin quantizes with jax_fp8's own kernels
+  (``cast_ops``)."""
   name, biases, m, sizes, aligned = TWIN_CASES[case]
   recipe, gs, cur = RECIPES[name], jnp.asarray(sizes, jnp.int32), name == "current"
   x, k_in, k_out, b_in, b_out, g = problem(rng, m)
@@ -286,7 +286,7 @@ def test_equals_twin(platform, rng, case):
   rings = state if state is not None else jax_fp8.GroupedMlpState.create(G)  # blank: current
   layout = None if aligned else aligned_layout(sizes, m)
   want, observed, bounds = jax.jit(lambda *a: grouped_mlp_twin(*a, cur, layout,
-                                                               act_ops(platform)))(
+                                                               cast_ops(platform)))(
       x, k_in, k_out, b_in, b_out, gs, g, tuple(getattr(rings, n) for n in MLP_RINGS))
   names = ("out", "dx", "dk_in", "dk_out", "db_in", "db_out")
   for name, a, b, (absdot, terms) in zip(names, got[:6], want, bounds):
@@ -323,8 +323,8 @@ def block_grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, groups, activatio
   layer's layout whose groups start at multiples of 128 quantizes), each expert kernel in its
   own 128 x 128 blocks. y and dh come from ``jax_fp8.grouped_gemm``, the layer's GEMM, each
   row's group's bias added as the layer adds it. ``groups``: the experts' row slices (static);
-  ops: the module whose activation group cast-transposes quantize act(y) and its gradient
-  (``act_ops``). Returns the results (out, dx, dk_in, dk_out, db_in, db_out) and per result the
+  ops: the module whose group cast-transposes and block quantization quantize x, the kernels,
+  act(y) and the gradients (``cast_ops``). Returns the results (out, dx, dk_in, dk_out, db_in, db_out) and per result the
   magnitudes of its products (|a| @ |b| of the dequantized FP8 operands) and its number of
   terms."""
   kw = {"fmt": "e4m3", "eps": BLOCK.eps, "ue8m0": BLOCK.ue8m0}
@@ -354,12 +354,12 @@ def block_grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, groups, activatio
       absds.append(jnp.matmul(jnp.abs(a), jnp.abs(b).T, precision=HI))
     return jnp.stack(ds), jnp.stack(absds)
 
-  cast = lambda v: reference.group_cast_transpose(v, **kw)  # noqa: E731
+  cast = lambda v: ops.group_cast_transpose(v, **kw)  # noqa: E731
   act = lambda y: ops.activation_group_cast_transpose(  # noqa: E731
       y, activation=activation, **kw)
   act_grad = lambda dh, y: ops.activation_grad_group_cast_transpose(  # noqa: E731
       dh, y, activation=activation, **kw)
-  blocks = jax.vmap(lambda k: reference.block_quantize(k, **kw))
+  blocks = jax.vmap(lambda k: ops.block_quantize(k, **kw))
   qk_in, qk_out = blocks(k_in), blocks(k_out)  # [G, K, N], [G, K/128, N/128]; [G, F, D], ...
   qk_in_t, qk_out_t = (Quantized(data=swap(qk.data), scale=swap(qk.scale))
                        for qk in (qk_in, qk_out))
@@ -403,7 +403,7 @@ def test_block_equals_twin(platform, rng, case):
   got = (out, *jax.jit(vjp)(g))
   groups, _ = rows_of(sizes, m)
   want, bounds = jax.jit(lambda *a: block_grouped_mlp_twin(*a, groups, "swiglu",
-                                                           act_ops(platform)))(
+                                                           cast_ops(platform)))(
       x, k_in, k_out, b_in, b_out, gs, g)
   names = ("out", "dx", "dk_in", "dk_out", "db_in", "db_out")
   for name, a, b, (absdot, terms) in zip(names, got, want, bounds):
