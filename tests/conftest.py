@@ -356,4 +356,4 @@ def block_scaled_data(rng, shape, block: int, decades: float, dtype):
   r, c = shape
   x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-decades, decades, (r, c // block)).repeat(
       block, 1)
-  return jnp.asarray(x, dtype)
+  return to_device(x, dtype)
