@@ -276,6 +276,13 @@ def normwise(*roundoffs: float) -> float:
   not all at the bottom of their binade). 5/4 of it covers the spread over the tests' draws."""
   return 1.25 * float(np.sqrt(sum(u * u for u in roundoffs) / 3))
 
+def to_device(x, dtype=None) -> jax.Array:
+  """NumPy data ``x`` (converted to ``dtype`` by NumPy) as an array on the default device,
+  without compiling: ``jnp.asarray`` of a NumPy array runs a jitted identity (``lax.stage``),
+  and with a dtype a conversion, compiled once per shape and dtype; ``jax.device_put`` none."""
+  return jax.device_put(np.asarray(x, dtype))
+
+
 def on_cpu(fn, *args):
   """Evaluate fn on the CPU (the reference's platform) and return NumPy results."""
   with jax.default_device(jax.devices("cpu")[0]):
@@ -312,7 +319,7 @@ def reference_on_cpu(fn, *args, **kwargs):
 def poison_allocator(nbytes: int):
   """Allocate and free a block filled with 0xFF bytes, so the next allocation of that size is
   likely to reuse poisoned memory: an element a kernel fails to write then shows."""
-  junk = jax.numpy.full((nbytes,), 0xFF, jax.numpy.uint8)
+  junk = jax.device_put(np.full((nbytes,), 0xFF, np.uint8), may_alias=False)  # no compile
   junk.block_until_ready()
   del junk
 
@@ -349,4 +356,4 @@ def block_scaled_data(rng, shape, block: int, decades: float, dtype):
   r, c = shape
   x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-decades, decades, (r, c // block)).repeat(
       block, 1)
-  return jnp.asarray(x, dtype)
+  return to_device(x, dtype)

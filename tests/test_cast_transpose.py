@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_quantized, bits, on_cpu, poison_allocator, summation_error
+from conftest import (assert_same_quantized, bits, on_cpu, poison_allocator, summation_error,
+                      to_device)
 
 import jax_fp8
 from jax_fp8 import reference
@@ -29,7 +30,7 @@ def test_matches_reference(platform, rng, fmt, dtype, shape, with_dbias):
     x = rng.standard_normal(shape).astype(np.float32) * np.exp(rng.uniform(-3, 3))
     if x.size:
       x.flat[rng.integers(x.size)] = 6e4  # saturates e4m3 (and stays finite in float16)
-    x = jnp.asarray(x).astype(dtype)
+    x = to_device(x, dtype)
     poison_allocator(x.size)
     if platform == "cuda":  # the CPU handler's dbias, to compare bit for bit
       cpu_db = on_cpu(lambda x, r: step(x, r, with_dbias=with_dbias).dbias, x, ring)
@@ -75,11 +76,12 @@ def test_parts_match_their_concatenation(platform, rng, dtype, cols, rows):
   ring = jax.tree.map(jnp.asarray, jax_fp8.ScaleRing.create(8, "e5m2"))
   step = jax.jit(lambda xs, r: jax_fp8.cast_transpose_delayed(xs, r, with_dbias=True))
   for _ in range(2):
-    xs = [jnp.asarray(rng.standard_normal((rows, c)) * np.exp(rng.uniform(-3, 3)), dtype)
-          for c in cols]
+    parts = [(rng.standard_normal((rows, c)) * np.exp(rng.uniform(-3, 3))).astype(dtype)
+             for c in cols]
+    xs = [to_device(p) for p in parts]
     poison_allocator(rows * sum(cols))
     got = step(xs, ring)
-    whole = step(jnp.concatenate(xs, axis=1), ring)
+    whole = step(to_device(np.concatenate(parts, axis=1)), ring)
     want = on_cpu(lambda xs, r: reference.cast_transpose_delayed(xs, r, with_dbias=True), xs,
                   ring)
     assert_same_quantized(got.tensor, whole.tensor)
@@ -89,7 +91,7 @@ def test_parts_match_their_concatenation(platform, rng, dtype, cols, rows):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     for g, r in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
       np.testing.assert_array_equal(np.asarray(g), r)
-    xf = np.concatenate([np.asarray(v, np.float64) for v in xs], axis=1)  # dbias: any order
+    xf = np.concatenate(parts, axis=1).astype(np.float64)  # dbias: any order
     bound = summation_error(rows) * np.abs(xf).sum(axis=0)
     assert np.all(np.abs(np.asarray(got.dbias, np.float64) - xf.sum(axis=0)) <= bound)
     ring = got.ring

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ACCUMULATION, on_cpu, poison_allocator, roundoff
+from conftest import ACCUMULATION, on_cpu, poison_allocator, roundoff, to_device
 
 import jax_fp8
 from jax_fp8 import reference
@@ -23,15 +23,14 @@ def accumulation_error(product, a, b, sa, sb, rel=ACCUMULATION):
   """Elementwise bound on the FP8 tensor cores' accumulation error: ``rel`` (ACCUMULATION,
   2^-12, unless told) of the scaled |a| @ |b| that ``product`` (reference.gemm or block_gemm)
   gives, plus 1e-6."""
-  absdot = on_cpu(lambda a, b, sa, sb: product(
-      jnp.abs(a.astype(jnp.float32)).astype(a.dtype), jnp.abs(b.astype(jnp.float32)).astype(
-          b.dtype), sa, sb, out_dtype=jnp.float32), a, b, sa, sb)
+  absdot = on_cpu(lambda *v: product(*v, out_dtype=jnp.float32), np.abs(np.asarray(a)),
+                  np.abs(np.asarray(b)), sa, sb)  # |x| of an FP8 element is exact in NumPy
   return rel * absdot + 1e-6
 
 
 def fp8_operand(rng, shape, fmt):
   x = rng.standard_normal(shape).astype(np.float32) * 4
-  return jnp.asarray(x).astype(jax_fp8.fp8_dtype(fmt))
+  return to_device(x, jax_fp8.fp8_dtype(fmt))
 
 
 @pytest.mark.parametrize("fa,fb", PAIRS)
@@ -43,13 +42,13 @@ def fp8_operand(rng, shape, fmt):
 def test_gemm_matches_f32(platform, rng, fa, fb, out_dtype, with_bias, m, n, k):
   a, b = fp8_operand(rng, (m, k), fa), fp8_operand(rng, (n, k), fb)
   sa, sb = jnp.float32(rng.uniform(0.01, 2)), jnp.float32(rng.uniform(0.01, 2))
-  bias = jnp.asarray(rng.standard_normal(n) * 10, out_dtype) if with_bias else None
+  bias = to_device(rng.standard_normal(n) * 10, out_dtype) if with_bias else None
   got = jax.jit(jax_fp8.gemm, static_argnames="out_dtype")(a, b, sa, sb, bias=bias,
                                                            out_dtype=out_dtype)
   assert got.shape == (m, n) and got.dtype == out_dtype
   want = on_cpu(lambda *v: reference.gemm(*v[:4], bias=v[4] if with_bias else None,
                                           out_dtype=jnp.float32), a, b, sa, sb, bias)
-  got = np.asarray(got.astype(jnp.float32))
+  got = np.asarray(got).astype(np.float32)
   assert np.all(np.isfinite(got))
   # Elementwise: output rounding plus an accumulation error bounded by the sum of |products|;
   # normwise, the norm of that bound.
@@ -106,7 +105,7 @@ def test_tiny_scales_do_not_underflow(platform, out_dtype):
 def test_gemm_nan_propagates(platform, rng):
   a = fp8_operand(rng, (16, 32), "e4m3").at[3, 5].set(jnp.nan)
   b = fp8_operand(rng, (16, 32), "e4m3")
-  d = np.asarray(jax_fp8.gemm(a, b, jnp.float32(1), jnp.float32(1)).astype(jnp.float32))
+  d = np.asarray(jax_fp8.gemm(a, b, jnp.float32(1), jnp.float32(1))).astype(np.float32)
   assert np.all(np.isnan(d[3])) and np.all(np.isfinite(np.delete(d, 3, axis=0)))
 
 
@@ -118,7 +117,7 @@ def test_gemm_nan_propagates(platform, rng):
 def test_gemm_e4m3_out(platform, rng, with_bias, headroom, m, n, k):
   a, b = fp8_operand(rng, (m, k), "e4m3"), fp8_operand(rng, (n, k), "e4m3")
   sa, sb = jnp.float32(rng.uniform(0.01, 2)), jnp.float32(rng.uniform(0.01, 2))
-  bias = jnp.asarray(rng.standard_normal(n) * 10, jnp.bfloat16) if with_bias else None
+  bias = to_device(rng.standard_normal(n) * 10, jnp.bfloat16) if with_bias else None
   want = on_cpu(lambda *v: reference.gemm(*v[:4], bias=v[4], out_dtype=jnp.float32),
                 a, b, sa, sb, bias)
   amax_want = np.max(np.abs(want))
@@ -129,7 +128,7 @@ def test_gemm_e4m3_out(platform, rng, with_bias, headroom, m, n, k):
   q, amax = jax.jit(jax_fp8.gemm, static_argnames="out_dtype")(
       a, b, sa, sb, bias=bias, out_dtype=jnp.float8_e4m3fn, out_scale=out_scale)
   assert q.shape == (m, n) and q.dtype == jnp.float8_e4m3fn and amax.shape == ()
-  got = np.asarray(q.astype(jnp.float32))
+  got = np.asarray(q).astype(np.float32)
   assert np.all(np.isfinite(got))  # saturation, never NaN, and every element written
   acc_err = accumulation_error(reference.gemm, a, b, sa, sb)
   # With a bias, cuBLASLt 13.1's epilogue beside an e4m3 D adds it in bf16 (C's type): its amax
@@ -155,7 +154,7 @@ def test_gemm_e4m3_out_nan(platform, rng):
   b = fp8_operand(rng, (16, 32), "e4m3")
   q, amax = jax_fp8.gemm(a, b, jnp.float32(1), jnp.float32(1), out_dtype=jnp.float8_e4m3fn,
                          out_scale=jnp.float32(0.5))
-  d = np.asarray(q.astype(jnp.float32))
+  d = np.asarray(q).astype(np.float32)
   assert np.all(np.isnan(d[3])) and np.all(np.isfinite(np.delete(d, 3, axis=0)))
   assert np.isnan(float(amax))
 
@@ -227,7 +226,7 @@ def block_scales(rng, shape):
   """Positive f32 scales, half of them powers of two (2^-6..2^2), half not (0.01..2)."""
   pow2 = 2.0 ** rng.integers(-6, 3, size=shape)
   other = rng.uniform(0.01, 2, size=shape)
-  return jnp.asarray(np.where(rng.random(shape) < 0.5, pow2, other), jnp.float32)
+  return to_device(np.where(rng.random(shape) < 0.5, pow2, other), np.float32)
 
 
 def b_scale_shape(mode, n, k):
@@ -239,7 +238,7 @@ def check_block_gemm(got, a, b, sa, sb, bias, out_dtype):
   test_gemm_matches_f32: output rounding plus ACCUMULATION (2^-12) of the scaled |a| @ |b|."""
   want = on_cpu(lambda *v: reference.block_gemm(*v[:4], bias=v[4], out_dtype=jnp.float32),
                 a, b, sa, sb, bias)
-  got = np.asarray(got.astype(jnp.float32))
+  got = np.asarray(got).astype(np.float32)
   assert np.all(np.isfinite(got))
   bound = RTOL[out_dtype] * np.abs(want) + accumulation_error(reference.block_gemm, a, b, sa, sb)
   err = np.linalg.norm(got - want) / np.linalg.norm(want)
@@ -262,7 +261,7 @@ def test_block_gemm_matches_f32(platform, rng, mode, out_dtype, m, n, k):
 def test_block_gemm_bias(platform, rng, m, n, k):
   a, b = fp8_operand(rng, (m, k), "e4m3"), fp8_operand(rng, (n, k), "e4m3")
   sa, sb = block_scales(rng, (m, k // 128)), block_scales(rng, b_scale_shape(1, n, k))
-  bias = jnp.asarray(rng.standard_normal(n) * 10, jnp.bfloat16)
+  bias = to_device(rng.standard_normal(n) * 10, jnp.bfloat16)
   got = jax.jit(jax_fp8.gemm)(a, b, sa, sb, bias=bias)
   assert got.shape == (m, n) and got.dtype == jnp.bfloat16
   check_block_gemm(got, a, b, sa, sb, bias, jnp.bfloat16)
@@ -276,14 +275,14 @@ def test_block_quantized_product(platform, rng):
   m, n, k = 192, 272, 512
   x = rng.standard_normal((m, k)).astype(np.float32)
   x *= 2.0 ** rng.uniform(-8, 8, size=(m, 1))  # tokens of very different magnitudes
-  x = jnp.asarray(x, jnp.bfloat16)
-  w = jnp.asarray(rng.standard_normal((n, k)) * 0.02, jnp.bfloat16)
+  x = to_device(x, jnp.bfloat16)
+  w = to_device(rng.standard_normal((n, k)) * 0.02, jnp.bfloat16)
   want = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
   qx = blockwise.group_quantize(x)
   for qw in (blockwise.block_quantize(w), blockwise.group_quantize(w)):
     for out_dtype in (jnp.float32, jnp.bfloat16):
       y = np.asarray(jax_fp8.gemm(qx.data, qw.data, qx.scale, qw.scale,
-                                  out_dtype=out_dtype).astype(jnp.float32))
+                                  out_dtype=out_dtype)).astype(np.float32)
       tol = 2 * roundoff("e4m3") + roundoff(out_dtype)
       rel = np.linalg.norm(y - want) / np.linalg.norm(want)
       assert rel < tol, rel

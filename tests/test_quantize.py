@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import assert_same_quantized, bits, on_cpu, poison_allocator
+from conftest import assert_same_quantized, bits, on_cpu, poison_allocator, to_device
 
 import jax_fp8
 from jax_fp8 import formats, reference
@@ -24,7 +24,7 @@ def special_values(fmt, dtype):
        1e-40, -1e-40, 2.0**-127]  # f32 subnormals: count as zero everywhere
   if dtype == jnp.float16:  # keep within float16's range
     v = [min(max(x, -6e4), 6e4) if np.isfinite(x) else x for x in v]
-  return jnp.asarray(np.array(v, np.float32)).astype(dtype)
+  return to_device(np.array(v, np.float32), dtype)
 
 
 def check_same(got, want):
@@ -45,16 +45,15 @@ def test_special_values(platform, fmt, dtype):
   fmax = jax_fp8.fp8_max(fmt)
   q = jax_fp8.quantize(jnp.asarray([fmax * 1.04, np.inf, -np.inf, np.nan], jnp.float32),
                        jnp.float32(1.0), fmt).data
-  np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32))[:3], [fmax, fmax, -fmax])
-  assert np.isnan(np.asarray(q.astype(jnp.float32))[3])
+  np.testing.assert_array_equal(np.asarray(q).astype(np.float32)[:3], [fmax, fmax, -fmax])
+  assert np.isnan(np.asarray(q).astype(np.float32)[3])
 
 
 @pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: jnp.dtype(d).name)
 @pytest.mark.parametrize("n", [1, 15, 17, 4096, 1_000_003])
 def test_random_sizes(platform, rng, fmt, dtype, n):
-  x = jnp.asarray(rng.standard_normal(n).astype(np.float32) * rng.uniform(0.1, 300))
-  x = x.astype(dtype)
+  x = to_device(rng.standard_normal(n).astype(np.float32) * rng.uniform(0.1, 300), dtype)
   s = jnp.float32(rng.uniform(0.05, 2.0))
   poison_allocator(n)
   check_same(jax_fp8.quantize(x, s, fmt), on_cpu(lambda x, s: reference.quantize(x, s, fmt), x, s))
@@ -92,8 +91,8 @@ def test_ring_50_steps(platform, rng, algo, fmt, margin, length):
   step = jax.jit(jax_fp8.quantize_delayed)
   for t in range(50):
     mag = float(np.exp(rng.uniform(-6, 6)))
-    x = jnp.asarray(rng.standard_normal(1000 + 371 * (t % 5)).astype(np.float32) * mag,
-                    jnp.bfloat16)
+    x = to_device(rng.standard_normal(1000 + 371 * (t % 5)).astype(np.float32) * mag,
+                  jnp.bfloat16)
     got = step(x, ring)
     want = on_cpu(reference.quantize_delayed, x, ref_ring)
     check_same(got.tensor, want.tensor)  # the scale used too
@@ -124,7 +123,7 @@ def test_ring_first_step_uses_current_amax(platform):
   x = jnp.asarray([0.0, 1e-3, -2e-3], jnp.float32)
   out = jax_fp8.quantize_delayed(x, jax_fp8.ScaleRing.create(4, "e4m3"))
   q, ring = out.tensor.data, out.ring
-  np.testing.assert_allclose(np.asarray(q.astype(jnp.float32))[2], -448.0)
+  np.testing.assert_allclose(np.asarray(q).astype(np.float32)[2], -448.0)
   np.testing.assert_allclose(float(ring.scale), 2e-3 / 448, rtol=1e-6)
   np.testing.assert_allclose(np.asarray(ring.amax_history), [2e-3, 0, 0, 0], rtol=1e-6)
 
@@ -167,7 +166,7 @@ def test_ring_after_all_zero_steps_uses_current_amax(platform, op):
   assert float(ring.steps) == 0
   x = jnp.full((16, 32), 1e-3, jnp.float32).at[3, 5].set(-2e-3)
   q, _, ring = jax.jit(run)(x, ring)
-  np.testing.assert_allclose(np.asarray(q.astype(jnp.float32))[3, 5], -448.0)
+  np.testing.assert_allclose(np.asarray(q).astype(np.float32)[3, 5], -448.0)
   np.testing.assert_allclose(float(ring.scale), 2e-3 / 448, rtol=1e-6)
   assert float(ring.steps) == 1
   np.testing.assert_allclose(np.asarray(ring.amax_history), [2e-3, 0, 0, 0], rtol=1e-6)
