@@ -276,6 +276,7 @@ def normwise(*roundoffs: float) -> float:
   not all at the bottom of their binade). 5/4 of it covers the spread over the tests' draws."""
   return 1.25 * float(np.sqrt(sum(u * u for u in roundoffs) / 3))
 
+
 def to_device(x, dtype=None) -> jax.Array:
   """NumPy data ``x`` (converted to ``dtype`` by NumPy) as an array on the default device,
   without compiling: ``jnp.asarray`` of a NumPy array runs a jitted identity (``lax.stage``),
