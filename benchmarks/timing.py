@@ -94,12 +94,12 @@ def device_time(fn, *args, iters: int = 20, repeats: int = 5, min_seconds: float
   at least ``iters`` iterations and ``min_seconds`` each). n is the first of 1, 2, 4, ...,
   ``max_calls`` whose difference is larger than the spread of either loop's runs (``per_call``).
   On XLA:CPU, whose runtime overlaps chained calls, the one-call loop's time over one run of
-  ``iters`` iterations, compiled once (the CPU figures only exercise the suite).
+  one iteration, compiled once (the CPU figures only exercise the suite).
   ``compiler_options``: XLA options for this case's compilations alone (e.g. a GPU pass to try).
   Raises RuntimeError when no n up to ``max_calls`` resolves the call against the timing
   noise."""
   if jax.default_backend() == "cpu":  # XLA:CPU runs independent thunks concurrently
-    return _loop_time(fn, args, 1, iters, repeats=1, min_seconds=0.0,
+    return _loop_time(fn, args, 1, iters=1, repeats=1, min_seconds=0.0,
                       compiler_options=compiler_options)
   return per_call(lambda calls: _loop_times(fn, args, calls, iters, repeats, min_seconds,
                                             compiler_options), max_calls)
