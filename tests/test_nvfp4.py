@@ -95,8 +95,8 @@ def unit_step_blocks(values, rows):
 
 
 def e2m1_values(t, data="data", scale="scale"):
-  return np.asarray(reference.nvfp4_dequantize(getattr(t, data), getattr(t, scale),
-                                               t.global_scale))
+  return np.asarray(jitted(reference.nvfp4_dequantize, getattr(t, data), getattr(t, scale),
+                           t.global_scale))
 
 
 # (value, probability of rounding its magnitude up): halfway points of each gap, and quarters.
@@ -110,7 +110,8 @@ def test_stochastic_rounding_is_unbiased():
   all of them is 0 to 6 standard deviations."""
   values = [v for v, _ in SR_TARGETS]
   x = unit_step_blocks(values, rows=6144)
-  t = reference.nvfp4_quantize(jnp.asarray(x), stochastic_rounding=True, key=jax.random.key(3))
+  t = reference_on_cpu(reference.nvfp4_quantize, x, stochastic_rounding=True,
+                       key=jax.random.key(3))
   back = e2m1_values(t)
   body = np.arange(x.shape[1]) % 16 != 0
   got, want = back[:, body], x[:, body]
@@ -137,8 +138,8 @@ def test_stochastic_rounding_bits_follow_the_documented_counter():
     back = e2m1_values(t, name, scales)
     for row, col in ((5, 16 + 7), (17, 12), (0, 3), (30, 31)):
       block, i = divmod(col, 16)
-      w = np.concatenate([np.asarray(philox4x32(jnp.array([block, row, direction, j], jnp.uint32),
-                                                words)) for j in (0, 1)])
+      w = np.concatenate([jitted(philox4x32, np.uint32([block, row, direction, j]), words)
+                          for j in (0, 1)])
       bits = (int(w[i // 2]) >> (16 * (i % 2))) & 0xFFFF
       step = np.float32(getattr(t, scales)[row, block].astype(jnp.float32)) * np.float32(
           t.global_scale)  # f32, as the quantizer and nvfp4_dequantize compute it
@@ -152,12 +153,12 @@ def test_stochastic_rounding_bits_follow_the_documented_counter():
 
 
 def test_stochastic_rounding_keys():
-  x = jnp.asarray(unit_step_blocks([0.25, 2.5, 5.0], rows=16))
-  q = lambda k: np.asarray(reference.nvfp4_quantize(  # noqa: E731
-      x, stochastic_rounding=True, key=jax.random.key(k)).data)
+  x = unit_step_blocks([0.25, 2.5, 5.0], rows=16)
+  q = lambda k: reference_on_cpu(reference.nvfp4_quantize, x,  # noqa: E731
+                                 stochastic_rounding=True, key=jax.random.key(k)).data
   np.testing.assert_array_equal(q(1), q(1))
   assert np.any(q(1) != q(2))
-  nearest = np.asarray(reference.nvfp4_quantize(x).data)
+  nearest = reference_on_cpu(reference.nvfp4_quantize, x).data
   assert np.any(q(1) != nearest)
 
 
@@ -257,8 +258,8 @@ SHAPES = [(16, 32), (48, 160), (32, 256), (5, 64), (80, 160), (128, 128), (48, 8
 
 def _check_against_reference(x, options):
   poison_allocator(x.size // 2)  # the packed data's bytes
-  got = jitted(jax_fp8.nvfp4_quantize, x, **options)
-  want = reference_on_cpu(reference.nvfp4_quantize, x, **options)
+  got = jax_fp8.nvfp4_quantize(x, **options)
+  want = on_cpu(lambda v: reference.nvfp4_quantize(v, **options), x)
   assert_same_quantized(got, want)
 
 
@@ -363,9 +364,12 @@ def test_kernels_take_any_number_of_rows(rng):
 
 
 def test_jit_and_vmap(rng):
-  x = jnp.asarray(rng.standard_normal((3, 32, 64)), jnp.bfloat16)
+  """Each slice of the jitted vmap is the twin's quantization of that slice. The slices are
+  test_kernel_input_dtypes' [64, 256] bfloat16 under both_rht_sr: the twin's eager ops compiled
+  there run here again."""
+  x = np.asarray(rng.standard_normal((3, 64, 256)), jnp.bfloat16)
   f = lambda v: jax_fp8.nvfp4_quantize(v, **OPTIONS["both_rht_sr"])  # noqa: E731
-  got = jax.jit(jax.vmap(f))(x)
+  got = jax.tree.map(np.asarray, jax.jit(jax.vmap(f))(x))
   for i in range(3):
     want = on_cpu(lambda v: reference.nvfp4_quantize(v, **OPTIONS["both_rht_sr"]), x[i])
     assert_same_quantized(jax.tree.map(lambda v: v[i], got), want)  # noqa: B023
@@ -414,7 +418,7 @@ def test_gemm_is_exact_to_the_f32_sums(platform, rng):
   qa, qb = jax_fp8.nvfp4_quantize(a), jax_fp8.nvfp4_quantize(b)
   args = (qa.data, qb.data, qa.scale, qb.scale, qa.global_scale,
           qb.global_scale)
-  got = np.asarray(jax_fp8.nvfp4_gemm(*args, out_dtype=jnp.float32), np.float64)
+  got = np.asarray(jitted(jax_fp8.nvfp4_gemm, *args, out_dtype=jnp.float32), np.float64)
   fa, fb = (np.asarray(jax_fp8.nvfp4_dequantize(q.data, q.scale, q.global_scale),
                        np.float64) for q in (qa, qb))
   want = fa @ fb.T
@@ -422,7 +426,7 @@ def test_gemm_is_exact_to_the_f32_sums(platform, rng):
   # scale, times the E2M1 value) and two in the emulation's global scales.
   bound = (2 * summation_error(96) + 6 * 2.0**-24) * (np.abs(fa) @ np.abs(fb).T)
   assert np.all(np.abs(got - want) <= bound)
-  ref = np.asarray(on_cpu(lambda *v: reference.nvfp4_gemm(*v, out_dtype=jnp.float32), *args))
+  ref = reference_on_cpu(reference.nvfp4_gemm, *args, out_dtype=jnp.float32)
   assert np.all(np.abs(got - ref) <= bound)
   with pytest.raises(ValueError, match=r"b_scales float8_e4m3fn \[rows, K/16\], got b uint8"):
     jax_fp8.nvfp4_gemm(*args[:3], qb.scale[:, :2], *args[4:])
