@@ -63,8 +63,10 @@ def onehot(sizes, m):
   return ((row >= start) & (row < end)).astype(jnp.float32)
 
 
+@jax.jit
 def ragged_f32(x, w, b, sizes):
-  """The f32 math: ragged_dot over the clipped groups, each row's group's bias."""
+  """The f32 math: ragged_dot over the clipped groups, each row's group's bias (jitted: one
+  program a shape, where eagerly each operation compiles)."""
   start, end = group_bounds(sizes, x.shape[0])
   y = jax.lax.ragged_dot(x.astype(jnp.float32), w, end - start,
                          precision=jax.lax.Precision.HIGHEST)
@@ -78,6 +80,9 @@ def loss(x, w, b, state, sizes, t, recipe, aligned=False):
 
 def loss_f32(x, w, b, sizes, t):
   return jnp.sum(ragged_f32(x, w, b, sizes) * t)
+
+
+grad_f32 = jax.jit(jax.grad(loss_f32, argnums=(0, 1, 2)))  # the f32 math's dx, dw and db
 
 
 def rows_of(sizes, m):
@@ -131,7 +136,7 @@ def check_forward_and_grads(recipe, data, sizes, aligned, fwd_tol, bwd_tol):
                            argnums=(0, 1, 2, 3)))(x, w, b, state)
   dx, dw, db = (np.asarray(v.astype(jnp.float32)) for v in grads[:3])
   assert grads[0].dtype == dtype and grads[1].dtype == jnp.float32
-  want_dx, want_dw, want_db = on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, w, b, gs, t)
+  want_dx, want_dw, want_db = on_cpu(grad_f32, x, w, b, gs, t)
   assert np.all(dx[end:] == 0)
   for g, rows in enumerate(groups):
     if rows.stop - rows.start >= 5:  # dgrad through each expert's own kernel scale
@@ -156,7 +161,7 @@ def test_no_rows_and_one_expert(rng):
   gs = jnp.asarray([43], jnp.int32)
   dx, dw, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=6)(x, w, b, None, gs,
                                                                             t, recipe)
-  want = on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, w, b, gs, t)
+  want = on_cpu(grad_f32, x, w, b, gs, t)
   assert rel(dx, want[0]) < BWD_TOL and rel(dw, want[1]) < BWD_TOL
   assert rel(db, want[2]) < bias_tol(jnp.float32, 50) and not np.any(np.asarray(dx)[43:])
 
@@ -170,7 +175,7 @@ def test_aligned_groups_clipped_at_m(rng):
   gs = jnp.asarray([20, 5], jnp.int32)
   dx, dw, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=(6, 7))(
       x, w, b, None, gs, t, recipe, True)
-  want = on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, w, b, gs, t)
+  want = on_cpu(grad_f32, x, w, b, gs, t)
   assert np.all(np.asarray(dw[1]) == 0) and np.all(np.asarray(db[1]) == 0)
   assert rel(dw[0], want[1][0]) < BWD_TOL and rel(dx, want[0]) < BWD_TOL
 
@@ -194,10 +199,10 @@ def test_padded_wgrad_equals_an_aligned_layout(platform, rng):
   dxp, dwp, dbp = grad(xp, w, b, state, jnp.asarray(padded, jnp.int32), tp, recipe, True)
   np.testing.assert_array_equal(np.asarray(dx), np.asarray(dxp)[pos])  # the same row sums
   # dbias: XLA's f32 sums of each group's rows, with or without the zero rows between
-  t_sums = on_cpu(lambda t: jax.ops.segment_sum(jnp.abs(t), jnp.repeat(
-      jnp.arange(4), jnp.asarray(sizes), total_repeat_length=m), num_segments=4), t)
+  t_sums = on_cpu(jax.jit(lambda t: jax.ops.segment_sum(jnp.abs(t), jnp.repeat(
+      jnp.arange(4), jnp.asarray(sizes), total_repeat_length=m), num_segments=4)), t)
   assert np.all(np.abs(np.asarray(db) - np.asarray(dbp)) <= 2 * summation_error(mp) * t_sums)
-  absdot = on_cpu(lambda x, t: jnp.einsum("mk,mn->kn", jnp.abs(x), jnp.abs(t)), x, t)
+  absdot = on_cpu(jax.jit(lambda x, t: jnp.einsum("mk,mn->kn", jnp.abs(x), jnp.abs(t))), x, t)
   bound = 2 * summation_error(mp, platform) * (1 + E4M3) * (1 + E5M2) * absdot
   assert np.all(np.abs(np.asarray(dw) - np.asarray(dwp)) <= bound[None])
 
@@ -229,7 +234,7 @@ def test_backward_is_the_quantized_operands_products(platform, rng, name):
     absw = jnp.einsum("mk,mn,mg->gkn", jnp.abs(x8), jnp.abs(t8), rows,
                       precision=hi) * (qx.scale * qt.scale)
     return dx, dw, absx, absw
-  want_dx, want_dw, abs_dx, abs_dw = on_cpu(want, x, w, t, gs)
+  want_dx, want_dw, abs_dx, abs_dw = on_cpu(jax.jit(want), x, w, t, gs)
   assert np.all(np.abs(np.asarray(dx) - want_dx)
                 <= 2 * summation_error(N, platform) * abs_dx + 1e-30)
   assert np.all(np.abs(np.asarray(dw) - want_dw)
@@ -296,7 +301,7 @@ def test_forward_matches_reference_twin(platform, rng):
   gs, state = jnp.asarray(sizes, jnp.int32), state_for(jax_fp8.DelayedScaling())
   y = jax.jit(lambda *a: jax_fp8.grouped_linear(*a[:3], a[3], recipe=jax_fp8.DelayedScaling(),
                                                 state=a[4]))(x, w, gs, b, state)
-  want = on_cpu(lambda *a: reference.grouped_linear(*a[:4], state=a[4]), x, w, gs, b,
+  want = on_cpu(jax.jit(lambda *a: reference.grouped_linear(*a[:4], state=a[4])), x, w, gs, b,
                 state).astype(np.float32)
   absdot = on_cpu(lambda x, w, gs: ragged_f32(jnp.abs(x), jnp.abs(w), jnp.zeros_like(w[:, 0]),
                                               gs), x, w, gs)
@@ -315,7 +320,7 @@ def test_traced_group_sizes_one_compilation(rng):
   for sizes in ([10, 10, 10, 10], [0, 40, 0, 0], [3, 0, 17, 5]):
     gs = jnp.asarray(sizes, jnp.int32)
     got = f(x, w, b, gs)
-    want = on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, w, b, gs, t)
+    want = on_cpu(grad_f32, x, w, b, gs, t)
     assert rel(got[1], want[1]) < BWD_TOL and rel(got[0], want[0]) < BWD_TOL
   assert f._cache_size() == 1
 
@@ -338,11 +343,11 @@ def test_jit_grad_inside_scan(rng):
     return jax.lax.scan(body, 0.0, (x, t, sizes, jax_fp8.share(state, n_mb)))[0]
 
   dw, db, ds = jax.jit(jax.grad(total, argnums=(0, 1, 2)))(w, b, state)
-  want = on_cpu(lambda w, b: jax.grad(lambda w, b: sum(
-      loss_f32(x[i], w, b, sizes[i], t[i]) for i in range(n_mb)), argnums=(0, 1))(w, b), w, b)
+  want = on_cpu(jax.jit(jax.grad(lambda w, b: sum(
+      loss_f32(x[i], w, b, sizes[i], t[i]) for i in range(n_mb)), argnums=(0, 1))), w, b)
   assert rel(dw, want[0]) < BWD_TOL
   assert rel(db, want[1]) < bias_tol(jnp.float32, n_mb * m)
-  assert float(ds.x.amax_history[0]) == float(jnp.max(jnp.abs(x)))  # a max: exact
+  assert float(ds.x.amax_history[0]) == np.max(np.abs(np.asarray(x)))  # a max: exact
   np.testing.assert_array_equal(np.asarray(ds.kernels.steps), np.ones(4))
 
 
@@ -357,11 +362,12 @@ def test_delayed_state_two_steps(rng):
   state = state_for(recipe)
   step = jax.jit(lambda x, w, s: jax_fp8.update_state(
       s, jax.grad(loss, argnums=3)(x, w, b, s, gs, t, recipe)))
+  amax, ring = jax.jit(formats.amax), jax.jit(next_ring)  # one program each, not one an op
   for _ in range(2):
-    amax_g = on_cpu(formats.amax, t)  # dL/dy = t (every row is in a group here)
-    want_x = on_cpu(next_ring, state.x, on_cpu(formats.amax, x))
-    want_g = on_cpu(next_ring, state.grad, amax_g)
-    want_k = on_cpu(jax.vmap(next_ring), state.kernels, on_cpu(jax.vmap(formats.amax), w))
+    amax_g = on_cpu(amax, t)  # dL/dy = t (every row is in a group here)
+    want_x = on_cpu(ring, state.x, on_cpu(amax, x))
+    want_g = on_cpu(ring, state.grad, amax_g)
+    want_k = on_cpu(jax.vmap(ring), state.kernels, on_cpu(jax.vmap(amax), w))
     state = step(x, w, state)
     for got_ring, want_ring in ((state.x, want_x), (state.grad, want_g), (state.kernels, want_k)):
       for got, ref in zip(jax.tree.leaves(got_ring), jax.tree.leaves(want_ring)):
@@ -395,9 +401,9 @@ def test_pmap_two_devices_identical_rings(rng):
   gw, gb, new = jax.pmap(step, axis_name="r", devices=devices)(x, t, sizes, rep)
   for leaf in jax.tree.leaves(new):
     np.testing.assert_array_equal(np.asarray(leaf[0]), np.asarray(leaf[1]))
-  assert float(new.x.amax_history[0, 0]) == float(jnp.max(jnp.abs(x)))  # a max: exact
-  want = on_cpu(lambda w: jax.grad(lambda w: sum(
-      loss_f32(x[i], w, b, sizes[i], t[i]) for i in range(2)) / 2)(w), w)
+  assert float(new.x.amax_history[0, 0]) == np.max(np.abs(np.asarray(x)))  # a max: exact
+  want = on_cpu(jax.jit(jax.grad(lambda w: sum(
+      loss_f32(x[i], w, b, sizes[i], t[i]) for i in range(2)) / 2)), w)
   assert rel(gw[0], want) < BWD_TOL
 
 
@@ -419,7 +425,7 @@ def test_below_min_intensity_is_ragged_dot(rng):
   want = jax.jit(jax.grad(plain, argnums=(0, 1, 2)))(x, w, b)
   for g, wg in zip(got[:3], want):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(wg))
-  nxt = jax_fp8.update_state(state, got[3])
+  nxt = jax.jit(jax_fp8.update_state)(state, got[3])
   assert jax.tree.all(jax.tree.map(lambda a, c: np.array_equal(a, c), nxt, state))
 
 

@@ -44,8 +44,10 @@ def problem(rng, activation, k=64, f=48, d=32, dtype=jnp.float32):
   return x, k_in, k_out, b_in, b_out, t
 
 
+@functools.partial(jax.jit, static_argnums=5)
 def mlp_f32(x, k_in, k_out, b_in, b_out, activation):
-  """The MLP in f32 (full-precision matmuls on every platform: GPUs default to TF32)."""
+  """The MLP in f32 (full-precision matmuls on every platform: GPUs default to TF32); jitted,
+  one program a shape, where eagerly each operation compiles."""
   dot = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST)
   h = activations.apply(dot(x.astype(jnp.float32), k_in) + b_in, activation)
   return dot(h, k_out) + b_out
@@ -64,7 +66,7 @@ def warmed(rng, activation, recipe=jax_fp8.DelayedScaling(), shapes=(64, 48, 32)
   if t is not None:
     x, t_prob = x[0, :t.shape[0]], t
   for _ in range(3):
-    state = jax_fp8.update_state(state, grad(state, t_prob, x, k_in, k_out, b_in, b_out))
+    state = jax.jit(jax_fp8.update_state)(state, grad(state, t_prob, x, k_in, k_out, b_in, b_out))
   return state
 
 
@@ -96,8 +98,8 @@ def test_against_f32_and_unfused(platform, rng, activation, dtype):
   y32 = mlp_f32(x, k_in, k_out, b_in, b_out, activation)
   assert rel(y.astype(jnp.float32), y32) < FWD_TOL + out
   assert rel(y.astype(jnp.float32), y_u.astype(jnp.float32)) < roundoff("e4m3") + 2 * out
-  want = jax.grad(lambda *a: jnp.sum(mlp_f32(*a, activation) * t), argnums=(0, 1, 2, 3, 4))(
-      x, k_in, k_out, b_in, b_out)
+  want = jax.jit(jax.grad(lambda *a: jnp.sum(mlp_f32(*a, activation) * t),
+                         argnums=(0, 1, 2, 3, 4)))(x, k_in, k_out, b_in, b_out)
   for name, got, unf, w in zip(("dx", "dkernel_in", "dkernel_out", "dbias_in", "dbias_out"),
                                g[:5], g_u[:5], want):
     assert got.dtype == (dtype if name == "dx" else jnp.float32), name
@@ -189,6 +191,7 @@ def test_block_scaling_against_f32_and_unfused(platform, rng, activation, dtype,
   block = jax_fp8.BlockScaling()
   norm_kw = {} if norm is None else {"norm": norm, "epsilon": 1e-6}
 
+  @jax.jit
   def normed(x, gamma, beta):
     return x if norm is None else jax_fp8.norms.normalize(x, gamma, beta, **norm_kw)
 
@@ -211,7 +214,7 @@ def test_block_scaling_against_f32_and_unfused(platform, rng, activation, dtype,
   grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=range(7), has_aux=True))  # noqa: E731
   (_, y), g = grad(fused)(*args)
   (_, y_u), g_u = grad(unfused)(*args)
-  want = jax.grad(exact, argnums=range(7))(*args)
+  want = jax.jit(jax.grad(exact, argnums=range(7)))(*args)
   hlo = jax.jit(jax.grad(lambda *a: fused(*a)[0], argnums=range(7))).lower(*args).as_text()
   assert hlo.count("jax_fp8_group_cast_transpose") == 4  # x, act(y); g, dy: one each
   assert hlo.count("norm = 2") == (norm is not None)  # x's, with the norm fused
@@ -235,8 +238,8 @@ def test_below_min_intensity(rng):
   x, k_in, k_out, _, _, _ = problem(rng, "swiglu", k=128, f=128, d=128)
   high = jax_fp8.DelayedScaling(fp8_min_intensity=1e9)
   state = jax_fp8.MlpState.create(high)
-  y, ds = jax.value_and_grad(lambda s: jnp.sum(jax_fp8.mlp(x, k_in, k_out, state=s,
-                                                           recipe=high)))(state)
+  y, ds = jax.jit(jax.value_and_grad(lambda s: jnp.sum(jax_fp8.mlp(x, k_in, k_out, state=s,
+                                                                   recipe=high))))(state)
   # XLA's f32 matmuls at their default precision: TF32 on GPUs (2^-11 a product).
   np.testing.assert_allclose(float(y), float(jnp.sum(mlp_f32(x, k_in, k_out, 0, 0, "swiglu"))),
                              rtol=2.0**-9)
@@ -248,7 +251,7 @@ def test_flax_layer(rng):
   serialization; a train step moves it."""
   x = jnp.asarray(rng.standard_normal((2, 8, 64)), jnp.bfloat16)
   layer = Mlp(48, activation="geglu", out_features=32, dtype=jnp.bfloat16)
-  v = layer.init(jax.random.PRNGKey(0), x)
+  v = jax.jit(layer.init)(jax.random.PRNGKey(0), x)
   p = v["params"]
   assert {k: p[k].shape for k in p} == {"kernel_in": (64, 96), "kernel_out": (48, 32),
                                         "bias_in": (96,), "bias_out": (32,)}
@@ -259,8 +262,8 @@ def test_flax_layer(rng):
                      p["bias_out"].astype(jnp.bfloat16), activation="geglu", state=state)
   assert y.dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
-  grads = jax.grad(lambda v: jnp.sum(layer.apply(v, x).astype(jnp.float32)))(v)
-  moved = jax_fp8.update_state(v["fp8_state"], grads["fp8_state"])
+  grads = jax.jit(jax.grad(lambda v: jnp.sum(layer.apply(v, x).astype(jnp.float32))))(v)
+  moved = jax.jit(jax_fp8.update_state)(v["fp8_state"], grads["fp8_state"])
   assert float(moved["mlp"].hidden.steps) == 1.0
   restored = flax.serialization.from_bytes(v["fp8_state"], flax.serialization.to_bytes(moved))
   for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(moved)):

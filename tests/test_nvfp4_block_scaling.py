@@ -5,11 +5,13 @@ rounded, the wgrad operands through the random Hadamard transform) and the GEMMs
 format's bounds, stochastic rounding unbiased through the backward, keys, the recipe's
 checks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import roundoff, summation_error
+from conftest import jitted, roundoff, summation_error
 from flax import nnx
 from test_linear import problem
 
@@ -32,8 +34,8 @@ def pad16(v):
 def deq(q, direction=""):
   """The f64 values of a twin's quantization (``direction`` "" rowwise, "_t" columnwise)."""
   gs = q.global_scale_t if direction and q.global_scale_t is not None else q.global_scale
-  return np.asarray(reference.nvfp4_dequantize(getattr(q, "data" + direction),
-                                               getattr(q, "scale" + direction), gs), np.float64)
+  return np.asarray(jitted(reference.nvfp4_dequantize, getattr(q, "data" + direction),
+                           getattr(q, "scale" + direction), gs), np.float64)
 
 
 def grad_key(key, i):
@@ -45,6 +47,8 @@ def grad_key(key, i):
 # The twin under jit: one compilation, where eager dispatch compiles each of its operations.
 nvfp4_twin = jax.jit(reference.nvfp4_quantize, static_argnames=(
     "rowwise", "columnwise", "block_2d", "stochastic_rounding", "rht", "rht_seed"))
+# So a vjp (a pytree, as jax.vjp returns it) applied to a cotangent.
+apply_vjp = jax.jit(lambda vjp, t: vjp(t))
 
 
 def twins(x2, w, t2, recipe=NV, key=KEY, index=0):
@@ -81,7 +85,7 @@ def test_gemms_equal_the_twins(platform, rng, lead, recipe):
   x, w, b, t = problem(rng, lead=lead, k=64, n=96)
   f = lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe, key=KEY)  # noqa: E731
   y, vjp = jax.jit(lambda x, w, b: jax.vjp(f, x, w, b))(x, w, b)
-  dx, dw, db = vjp(t)
+  dx, dw, db = apply_vjp(vjp, t)
   x2, t2 = np.asarray(x).reshape(-1, 64), np.asarray(t).reshape(-1, 96)
   qx, qxt, qw, qg = twins(x2, w, t2, recipe)
   m = x2.shape[0]
@@ -121,8 +125,8 @@ def test_gemms_against_f32_within_the_format(platform, rng):
   t = np.asarray(rng.standard_normal((64, 96)), np.float32)
   y, vjp = jax.jit(lambda x, w: jax.vjp(lambda x, w: jax_fp8.linear(x, w, recipe=recipe), x,
                                         w))(x, w)
-  dx, dw = vjp(jnp.asarray(t))
-  hx, ht = (np.asarray(hadamard_transform(jnp.asarray(v), recipe.rht_seed, axis=0)).T
+  dx, dw = apply_vjp(vjp, t)
+  hx, ht = (np.asarray(jitted(hadamard_transform, v, seed=recipe.rht_seed, axis=0)).T
             for v in (x, t))  # [K, M], [N, M]
   cases = ((x, (1, 16), w, (16, 16), y, x.astype(np.float64) @ w),
            (t, (1, 16), w.T, (16, 16), dx, t.astype(np.float64) @ w.T),
@@ -179,7 +183,7 @@ def test_stochastic_rounding_is_unbiased_through_the_backward(rng):
   wq = deq(qw)  # [K, N], the kernel as dgrad reads it
   want_dx, var_dx = g_mean @ wq.T, g_var @ (wq**2).T
   # wgrad: the gradient's transformed copy along M, against x's (both through the transform)
-  gt = np.asarray(hadamard_transform(jnp.asarray(t), NV.rht_seed, axis=0), np.float64).T
+  gt = np.asarray(jitted(hadamard_transform, t, seed=NV.rht_seed, axis=0), np.float64).T
   gt_mean, gt_var = sr_moments(gt, qg.scale_t, qg.global_scale_t)
   xq = deq(qxt, "_t")  # [K, M]
   want_dw, var_dw = xq @ gt_mean.T, (xq**2) @ gt_var.T
@@ -190,17 +194,17 @@ def test_stochastic_rounding_is_unbiased_through_the_backward(rng):
     assert np.max(np.abs(np.asarray(nearest) - want) / sigma) > 6  # the test can tell
 
 
-def test_keys_draw_the_rounding():
+def test_keys_draw_the_rounding(rng):
   """One key gives the same gradients twice; another key other gradients; the forward takes
   no key and needs none."""
-  x = jax.random.normal(jax.random.key(0), (32, 64))
-  w = jax.random.normal(jax.random.key(1), (64, 48)) / 8
+  x = rng.standard_normal((32, 64)).astype(np.float32)
+  w = (rng.standard_normal((64, 48)) / 8).astype(np.float32)
   grad = jax.jit(jax.grad(lambda w, key: jnp.sum(jax_fp8.linear(x, w, recipe=NV, key=key)**2)))
   a, b, c = grad(w, KEY), grad(w, KEY), grad(w, jax.random.key(12))
   np.testing.assert_array_equal(a, b)
   assert not np.array_equal(a, c)
-  np.testing.assert_array_equal(jax_fp8.linear(x, w, recipe=NV),
-                                jax_fp8.linear(x, w, recipe=NV, key=KEY))
+  np.testing.assert_array_equal(jitted(jax_fp8.linear, x, w, recipe=NV),
+                                jitted(jax_fp8.linear, x, w, recipe=NV, key=KEY))
 
 
 def test_each_option_is_taken(rng):
@@ -208,6 +212,8 @@ def test_each_option_is_taken(rng):
   on alone changes the gradients; with all off, wgrad is the GEMM of x's and the gradient's
   plain 1 x 16 quantizations along M."""
   x, w, b, t = problem(rng, lead=(32,), k=64, n=48)
+
+  @functools.partial(jax.jit, static_argnums=0)
   def grads(recipe, key=None):
     return jax.grad(lambda x, w: jnp.sum(jax_fp8.linear(x, w, recipe=recipe, key=key) * t),
                     argnums=(0, 1))(x, w)
@@ -232,14 +238,17 @@ def test_multi_linear_mlp_and_layers(rng):
   rng stream, and a forward needs none."""
   x, w, b, t = problem(rng, lead=(32,), k=64, n=96)
   w2 = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
-  ys, vjp = jax.vjp(lambda w, w2: jax_fp8.multi_linear(x, (w, w2), (b, None), recipe=NV,
-                                                      key=KEY), w, w2)
-  y, vjp1 = jax.vjp(lambda w: jax_fp8.linear(x, w, b, recipe=NV, key=KEY), w)
+  ys, vjp = jax.jit(lambda w, w2: jax.vjp(lambda w, w2: jax_fp8.multi_linear(
+      x, (w, w2), (b, None), recipe=NV, key=KEY), w, w2))(w, w2)
+  y, vjp1 = jax.jit(lambda w: jax.vjp(lambda w: jax_fp8.linear(x, w, b, recipe=NV, key=KEY),
+                                      w))(w)
   np.testing.assert_array_equal(ys[0], y)
-  np.testing.assert_array_equal(ys[1], jax_fp8.linear(x, w2, recipe=NV))
-  np.testing.assert_array_equal(vjp((t, jnp.zeros((32, 32))))[0], vjp1(t)[0])
+  np.testing.assert_array_equal(ys[1], jitted(jax_fp8.linear, x, w2, recipe=NV))
+  np.testing.assert_array_equal(apply_vjp(vjp, (t, jnp.zeros((32, 32))))[0],
+                                apply_vjp(vjp1, t)[0])
   t2 = np.asarray(rng.standard_normal((32, 32)), np.float32)
-  dw2 = vjp((jnp.zeros((32, 96)), jnp.asarray(t2)))[1]  # kernel 1's gradient: the key folded with 1
+  # kernel 1's gradient: the key folded with 1
+  dw2 = apply_vjp(vjp, (jnp.zeros((32, 96)), jnp.asarray(t2)))[1]
   _, qxt, _, qg = twins(np.asarray(x), w2, t2, index=1)
   within_order(dw2, deq(qxt, "_t"), deq(qg, "_t").T)
 
@@ -258,9 +267,10 @@ def test_multi_linear_mlp_and_layers(rng):
     np.testing.assert_array_equal(a, c)
 
   layer = jax_fp8.flax.Dense(96, recipe=NV)
-  params = layer.init(jax.random.key(0), x)
+  params = jax.jit(layer.init)(jax.random.key(0), x)
   assert set(params) == {"params"}
-  np.testing.assert_array_equal(layer.apply(params, x), layer.apply(params, x, rngs={
+  apply = jax.jit(layer.apply)
+  np.testing.assert_array_equal(apply(params, x), apply(params, x, rngs={
       "stochastic_rounding": KEY}))
   grad_of = jax.jit(jax.grad(lambda p, key: jnp.sum(layer.apply(p, x, rngs={
       "stochastic_rounding": key})**2)))
@@ -268,7 +278,7 @@ def test_multi_linear_mlp_and_layers(rng):
   np.testing.assert_array_equal(grad(KEY), grad(KEY))
   assert not np.array_equal(grad(KEY), grad(jax.random.key(12)))
   with pytest.raises(ValueError, match=r"rngs=\{'stochastic_rounding': key\}"):
-    jax.grad(lambda p: jnp.sum(layer.apply(p, x)))(params)
+    jax.jit(jax.grad(lambda p: jnp.sum(layer.apply(p, x))))(params)
 
   lin = jax_fp8.nnx.Linear(64, 96, recipe=NV, rngs=nnx.Rngs(0, stochastic_rounding=3))
   step = nnx.jit(lambda m: nnx.grad(lambda m: jnp.sum(m(x)**2))(m)["kernel"].get_value())
@@ -279,7 +289,7 @@ def test_multi_linear_mlp_and_layers(rng):
   assert not np.array_equal(step(model.layers[0]), step(model.layers[0]))
 
 
-def test_converted_linen_model_draws_from_the_stream():
+def test_converted_linen_model_draws_from_the_stream(rng):
   """A linen model converted under NVFP4BlockScaling takes its keys from the
   "stochastic_rounding" stream given to apply: one key, the same gradients; another, others;
   none, the error that names the stream."""
@@ -291,10 +301,11 @@ def test_converted_linen_model_draws_from_the_stream():
       return nn.Dense(32, name="out")(nn.relu(nn.Dense(64, name="hidden")(x)))
 
   model = convert(Model(), NV)
-  x = jax.random.normal(jax.random.key(0), (16, 32))
-  params = model.init(jax.random.key(1), x)["params"]
-  grad = lambda rngs: jax.grad(lambda p: jnp.sum(  # noqa: E731
-      model.apply({"params": p}, x, rngs=rngs)**2))(params)["hidden"]["kernel"]
+  x = rng.standard_normal((16, 32)).astype(np.float32)
+  params = jax.jit(model.init)(jax.random.key(1), x)["params"]
+  grad_of = jax.jit(lambda p, rngs: jax.grad(lambda p: jnp.sum(
+      model.apply({"params": p}, x, rngs=rngs)**2))(p)["hidden"]["kernel"])
+  grad = lambda rngs: grad_of(params, rngs)  # noqa: E731
   np.testing.assert_array_equal(grad({"stochastic_rounding": KEY}),
                                 grad({"stochastic_rounding": KEY}))
   assert not np.array_equal(grad({"stochastic_rounding": KEY}),
