@@ -180,10 +180,10 @@ def grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, rings, cur, layout, ops
   GroupedMlpState's order, the kernels' stacked [G]; cur: CurrentScaling (each ring set to its
   tensor's amax of the step); layout: ``aligned_layout``'s for wgrad, or None (the groups
   aligned); ops: the module whose cast-transposes quantize x, the kernels, act(y) and the
-  gradients (``cast_ops``). y and dh come from ``jax_fp8.grouped_gemm``, the layer's GEMM. Returns the
-  results (out, dx, dk_in, dk_out, db_in, db_out), the observations, and per GEMM result the
-  magnitudes of its products (|a| @ |b| of the dequantized FP8 operands, for the bounds off
-  CPU) and its number of terms."""
+  gradients (``cast_ops``). y and dh come from ``jax_fp8.grouped_gemm``, the layer's GEMM.
+  Returns the results (out, dx, dk_in, dk_out, db_in, db_out), the observations, and per GEMM
+  result the magnitudes of its products (|a| @ |b| of the dequantized FP8 operands, for the
+  bounds off CPU) and its number of terms."""
   rx, rk_in, rg_in, rh, rk_out, rg_out = rings
   m, rows = x.shape[0], onehot(gs, x.shape[0])  # [M, G]
 
@@ -324,9 +324,9 @@ def block_grouped_mlp_twin(x, k_in, k_out, b_in, b_out, gs, g, groups, activatio
   own 128 x 128 blocks. y and dh come from ``jax_fp8.grouped_gemm``, the layer's GEMM, each
   row's group's bias added as the layer adds it. ``groups``: the experts' row slices (static);
   ops: the module whose group cast-transposes and block quantization quantize x, the kernels,
-  act(y) and the gradients (``cast_ops``). Returns the results (out, dx, dk_in, dk_out, db_in, db_out) and per result the
-  magnitudes of its products (|a| @ |b| of the dequantized FP8 operands) and its number of
-  terms."""
+  act(y) and the gradients (``cast_ops``). Returns the results (out, dx, dk_in, dk_out, db_in,
+  db_out) and per result the magnitudes of its products (|a| @ |b| of the dequantized FP8
+  operands) and its number of terms."""
   kw = {"fmt": "e4m3", "eps": BLOCK.eps, "ue8m0": BLOCK.ue8m0}
   m, rows = x.shape[0], onehot(gs, x.shape[0])
   swap = lambda a: jnp.swapaxes(a, 1, 2)  # noqa: E731
