@@ -35,13 +35,15 @@ FWD_TOL = normwise(E4M3, E4M3)  # 0.064
 BWD_TOL = {"delayed": normwise(E5M2, E4M3), "block": normwise(E4M3, E4M3)}  # 0.101, 0.064
 
 
-def unfused_tol(dtype, quantizations=1):
+def unfused_tol(dtype, quantizations=1, roundings=1):
   """Fused and unfused differ only in quantizing x (normed) from f32 values or from values
-  rounded to ``dtype`` (within u_d of themselves): an e4m3 rounding then changes, by one step
-  (at most 2 u4 of the element), only where that moves the value across a rounding midpoint
+  rounded to ``dtype`` (within u_d of themselves, or ``roundings`` u_d where they come from
+  two computations of that many roundings): an e4m3 rounding then changes, by one step (at
+  most 2 u4 of the element), only where that moves the value across a rounding midpoint
   (spaced 2 u4 of the binade), at most u_d / u4 of the time; RMS at most 2 sqrt(u4 u_d) per
   quantization, independent ones in quadrature."""
-  return float(np.sqrt(quantizations)) * 2 * float(np.sqrt(E4M3 * roundoff(dtype)))
+  u = roundings * roundoff(dtype)
+  return float(np.sqrt(quantizations)) * 2 * float(np.sqrt(E4M3 * u))
 
 
 def rel(a, b):
@@ -267,7 +269,8 @@ def test_multi_linear_and_mlp_match_unfused(platform, rng, norm, layer):
 def test_fused_path_runs_one_cast_transpose_for_x(rng):
   """Fused: x's norm is quantized by the kernel (no normalized copy of x goes in), under
   BlockScaling in its group cast-transpose when differentiated (its forward alone quantizes
-  the norm by XLA: the same bytes); the below-intensity path is the composition itself."""
+  the norm by XLA: on the CPU the same bytes); the below-intensity path is the composition
+  itself."""
   x, kernel, gamma, beta, _ = problem(rng, "layernorm")
   f = lambda x: jax_fp8.linear(x, kernel, state=jax_fp8.LinearState.create(),  # noqa: E731
                                norm="layernorm", gamma=gamma, beta=beta)
@@ -282,8 +285,12 @@ def test_fused_path_runs_one_cast_transpose_for_x(rng):
   assert hlo.count("jax_fp8_group_cast_transpose") == 1 and "norm = 1" in hlo
   want = jax_fp8.linear(norms.normalize(xb, gb, None, norm="rmsnorm", epsilon=1e-6), kb,
                         recipe=block)
-  np.testing.assert_array_equal(fb(xb), want)
-  np.testing.assert_array_equal(jax.vjp(fb, xb)[0], want)
+  if jax.default_backend() == "cpu":
+    np.testing.assert_array_equal(fb(xb), want)
+    np.testing.assert_array_equal(jax.vjp(fb, xb)[0], want)
+  else:  # XLA:GPU's fusions may sum a row's 128 squares in another order: its norm differs
+    tol = unfused_tol(jnp.float32, roundings=128)  # by up to 128 f32 roundings
+    assert rel(fb(xb), want) <= tol and rel(jax.vjp(fb, xb)[0], want) <= tol
   slow = jax_fp8.DelayedScaling(fp8_min_intensity=1e6)
   got = jax_fp8.linear(x, kernel, state=jax_fp8.LinearState.create(slow), recipe=slow,
                        norm="layernorm", gamma=gamma, beta=beta)
