@@ -1,12 +1,14 @@
 """The one mapping of a Flax contraction layer onto jax_fp8's GEMM: linen ``nn.DenseGeneral`` and
 ``nn.Einsum`` (through ``jax_fp8.convert``), NNX ``LinearGeneral`` and ``Einsum``. A contraction
-maps when it contracts trailing axes of the input (C) with axes of the kernel, and its output is
-the input's other axes (B, in their order) followed by the kernel's other axes (F, in any order):
-then ``y = (x [B..., C...] -> [tokens, K]) @ (kernel -> [K, N]) -> [B..., F...]`` with
-K = prod(C), N = prod(F), the kernel transposed to (C in the input's order, F in the output's)
-where its axes lie otherwise (e.g. Gemma's ``BTD,NDH->BTNH``: kernel [N, D, H] -> [D, N, H]).
-Contractions that share an axis among input, kernel and output (batched), sum an axis away, or
-contract leading axes of the input do not map (``plan`` returns the reason)."""
+maps when it contracts trailing axes of the input (C) with axes of the kernel, and its output
+holds the input's other axes (B) and the kernel's other axes (F): then
+``y = (x [B..., C...] -> [tokens, K]) @ (kernel -> [K, N]) -> [B..., F...]`` with K = prod(C),
+N = prod(F), the kernel transposed to (C in the input's order, F in the output's) where its axes
+lie otherwise (e.g. Gemma's ``BTD,NDH->BTNH``: kernel [N, D, H] -> [D, N, H]), and ``y``
+transposed to the output's order where that is not B then F (Gemma's key-value projection
+``BSD,CKDH->CBSKH``: [B, S, C, K, H] -> [C, B, S, K, H]). Contractions that share an axis among
+input, kernel and output (batched), sum an axis away, or contract leading axes of the input do
+not map (the plan functions return the reason)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ class Contraction:
     kernel_perm: the kernel's axes in (C, F) order, or None where they are so already.
     features: the output's trailing shape (F, in the output's order).
     k, n: K = prod(C sizes), N = prod(features).
+    batch: the input's other axes' labels, "..." as one (empty where the layer names none).
+    out_perm: the output's labels as positions in (``batch``, then the features), or None
+      where the output is in that order.
   """
 
   n_contract: int
@@ -42,6 +47,8 @@ class Contraction:
   features: tuple[int, ...]
   k: int
   n: int
+  batch: tuple[str, ...] = ()
+  out_perm: tuple[int, ...] | None = None
 
 
 def _tokens(spec: str) -> list[str]:
@@ -71,15 +78,17 @@ def einsum_plan(einsum_str: str, kernel_shape) -> Contraction | str:
   nb = len(xs) - len(contracted)
   if not contracted or xs[nb:] != contracted:
     return f"{einsum_str!r} does not contract the input's trailing axes"
-  free = os[nb:]
-  if os[:nb] != xs[:nb] or sorted(free) != sorted(a for a in ks if a not in xs) or not free:
-    return (f"{einsum_str!r}: the output is not the input's other axes followed by the "
-            f"kernel's")
+  batch = xs[:nb]
+  free = [a for a in os if a not in batch]
+  if sorted(free) != sorted(a for a in ks if a not in xs) or not free:
+    return f"{einsum_str!r}: the output does not hold the kernel's other axes"
   perm = tuple(ks.index(a) for a in (*contracted, *free))
+  out_perm = tuple((*batch, *free).index(a) for a in os)
   features = tuple(int(kernel_shape[ks.index(a)]) for a in free)
   sizes = tuple(int(kernel_shape[ks.index(a)]) for a in contracted)
   return Contraction(len(contracted), sizes, None if perm == tuple(range(len(ks))) else perm,
-                     features, math.prod(sizes), math.prod(features))
+                     features, math.prod(sizes), math.prod(features), tuple(batch),
+                     None if out_perm == tuple(range(len(os))) else out_perm)
 
 
 def dense_general_plan(axis, in_shape, features, batch_dims=()) -> Contraction | str:
@@ -123,20 +132,39 @@ def gemm_kernel(kernel, plan: Contraction):
 
 def contract(inputs, kernel, bias, plan: Contraction, state, recipe, dtype, amax_axis_name,
              key=None, out_sharding=None):
-  """The layer's output [B..., F...]: the input reshaped to [B..., K], the kernel to [K, N] and
-  the bias (any shape of N elements, flattened in the output's order) to [N], through
-  ``call_layer`` (``jax_fp8.linear`` in the compute dtype), reshaped back, and constrained to
-  ``out_sharding`` (``constrain``). ValueError where the input's trailing axes are not the
-  contracted sizes."""
+  """The layer's output: the input reshaped to [B..., K], the kernel to [K, N] and the bias
+  (any shape of N elements, flattened in the output's order) to [N], through ``call_layer``
+  (``jax_fp8.linear`` in the compute dtype), reshaped to [B..., F...], transposed to the
+  output's order (``plan.out_perm``), and constrained to ``out_sharding`` (``constrain``).
+  ValueError where the input's trailing axes are not the contracted sizes."""
   shape = jnp.shape(inputs)
   lead = shape[:len(shape) - plan.n_contract]
   if len(shape) < plan.n_contract or tuple(shape[len(lead):]) != plan.contracted:
     raise ValueError(f"the layer's inputs must be [..., {', '.join(map(str, plan.contracted))}] "
                      f"(the contracted axes), got shape {tuple(shape)}")
+  if plan.batch and ELLIPSIS not in plan.batch and len(lead) != len(plan.batch):
+    raise ValueError(f"the layer's inputs must have {len(plan.batch) + plan.n_contract} axes "
+                     f"(its einsum names {''.join(plan.batch)} and the contracted ones), got "
+                     f"shape {tuple(shape)}")
   y, = call_layer(jnp.reshape(inputs, (*lead, plan.k)), (gemm_kernel(kernel, plan),),
                   (None if bias is None else jnp.reshape(bias, (plan.n,)),), state, recipe,
                   dtype, amax_axis_name, False, key=key)
-  return constrain(y.reshape(*lead, *plan.features), out_sharding)
+  y = y.reshape(*lead, *plan.features)
+  if plan.out_perm is not None:
+    y = jnp.transpose(y, _output_axes(plan, len(lead)))
+  return constrain(y, out_sharding)
+
+
+def _output_axes(plan: Contraction, n_lead: int) -> list[int]:
+  """The axes of [B..., F...] (``n_lead`` B axes) in the output's order: each label of
+  ``plan.batch`` one axis, "..." those left over, each feature one axis."""
+  groups, axis = [], 0
+  for label in plan.batch:
+    width = n_lead - len(plan.batch) + 1 if label == ELLIPSIS else 1
+    groups.append(list(range(axis, axis + width)))
+    axis += width
+  groups += [[n_lead + i] for i in range(len(plan.features))]
+  return [a for p in plan.out_perm for a in groups[p]]
 
 
 def constrain(y, out_sharding):

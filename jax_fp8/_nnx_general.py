@@ -36,8 +36,8 @@ def _contract(module: nnx.Module, inputs, plan, out_sharding):
   its contraction does not map: ValueError)."""
   name = type(module).__name__
   if isinstance(plan, str):
-    raise ValueError(f"{name}: {plan}, which jax_fp8's GEMM cannot run (it contracts trailing "
-                     f"input axes into trailing output axes)")
+    raise ValueError(f"{name}: {plan}, which jax_fp8's GEMM cannot run (it contracts the "
+                     f"input's trailing axes)")
   state = None if module.fp8_state is None else module.fp8_state.get_value()
   return contract(inputs, module.kernel.get_value(),
                   None if module.bias is None else module.bias.get_value(), plan, state,
@@ -101,10 +101,11 @@ class LinearGeneral(nnx.Module):
 
 class Einsum(nnx.Module):
   """Drop-in for ``flax.nnx.Einsum`` whose matmul runs in FP8, for the einsums that are one GEMM:
-  the input's trailing axes contracted with kernel axes, the output the input's other axes
-  followed by the kernel's others (e.g. "btd,dnh->btnh", Gemma's "BTD,NDH->BTNH" and
-  "BTNH,NHD->BTD", "...d,df->...f"); the kernel is transposed first where its axes lie in
-  another order.
+  the input's trailing axes contracted with kernel axes, the output holding the input's other
+  axes and the kernel's others (e.g. "btd,dnh->btnh", Gemma's "BTD,NDH->BTNH",
+  "BTNH,NHD->BTD" and "BSD,CKDH->CBSKH", "...d,df->...f"); the kernel is transposed first
+  where its axes lie in another order, the output after where its axes are not the input's
+  followed by the kernel's.
 
   Parameters as ``nnx.Einsum``'s: "kernel" of ``kernel_shape``, "bias" of ``bias_shape`` (None:
   no bias; its N elements are added in the output's order of the kernel's free axes, as
@@ -128,8 +129,8 @@ class Einsum(nnx.Module):
     self.bias_shape = None if bias_shape is None else tuple(int(d) for d in bias_shape)
     plan = einsum_plan(einsum_str, self.kernel_shape)
     if isinstance(plan, str):
-      raise ValueError(f"Einsum: {plan}, which jax_fp8's GEMM cannot run (it contracts "
-                       f"trailing input axes into trailing output axes)")
+      raise ValueError(f"Einsum: {plan}, which jax_fp8's GEMM cannot run (it contracts the "
+                       f"input's trailing axes)")
     if self.bias_shape is not None and math.prod(self.bias_shape) != plan.n:
       raise ValueError(f"Einsum.bias_shape {self.bias_shape} must hold the {plan.n} output "
                        f"features of {einsum_str!r}")

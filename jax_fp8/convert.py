@@ -46,9 +46,10 @@ model's own code unchanged. Needs the ``flax`` extra.
   ``conversion_report`` lists them with that reason.
 
 ``DenseGeneral`` / ``LinearGeneral`` and ``Einsum`` run as one GEMM (``_contraction``): the
-input's trailing axes contracted into the kernel's, the output the input's other axes followed by
-the kernel's (the kernel transposed where its axes lie otherwise, e.g. Gemma's
-"BTD,NDH->BTNH"); other contractions (batch dims, a batched or summing einsum, leading axes
+input's trailing axes contracted into the kernel's, the output holding the input's other axes
+and the kernel's (the kernel transposed where its axes lie otherwise, e.g. Gemma's
+"BTD,NDH->BTNH", the output where they are not the input's then the kernel's, e.g. Gemma's
+"BSD,CKDH->CBSKH"); other contractions (batch dims, a batched or summing einsum, leading axes
 contracted, an ``nnx.LinearGeneral`` axis given as a non-negative index) stay as they are
 (``nnx_contraction_plan`` gives an NNX layer's reason).
 

@@ -16,7 +16,7 @@ from .layer_checks import fp8_pays, intensity
 from .recipes import Recipe
 
 # A layer's status. Converted (runs through jax_fp8):
-FP8 = "fp8"                  # FP8 GEMMs at the traced shapes
+FP8 = "fp8"                  # the recipe's GEMMs (FP8, MXFP8 or NVFP4) at the traced shapes
 BELOW = "below_intensity"    # converted, in its input's dtype at the traced M (fp8_min_intensity)
 CONVERTED = "converted"      # converted, not called in the trace (NNX: shapes unknown)
 # Left as it was (the original layer runs, in its own dtype, with no FP8 state):
@@ -161,7 +161,8 @@ class ConversionReport:
                                     for i, (c, w) in enumerate(zip(row, widths))), row[-1]])
     recipe = repr(self.recipe).replace(repr(NEVER_INTENSITY), "NEVER_INTENSITY")
     title = (f"jax_fp8.convert, {recipe}: {len(self.converted)} of {len(self.layers)} "
-             f"dense layers converted, {len(self.fp8)} ran FP8 at the traced shapes")
+             f"dense layers converted, {len(self.fp8)} ran {self.recipe.gemm_format} at the "
+             f"traced shapes")
     notes = (f"(intensity: M*N*K / (M*K + {'G*' * grouped}K*N + M*N) at the traced M; * where M "
              f"is unknown: its bound N*K / (N + K))")
     lines = [title, line(head), *map(line, rows), notes]

@@ -68,6 +68,8 @@ class Recipe:
   Attributes:
     family: the module of ``jax_fp8.families`` that quantizes x, the kernel and the gradient
       and runs the GEMMs under this recipe (its ``custom_vjp``s).
+    gemm_format: the operands' format in words, for reports: "FP8" (per-tensor and block
+      scaling), "MXFP8" or "NVFP4".
     stateful: whether a layer keeps scale rings (a ``LinearState`` and its kin) under it.
     amax_scope: "state" (amaxes max-reduced over ``amax_axis_name`` so the devices' rings stay
       in step), "tensor" (each tensor's amax of this step reduced over the devices that share
@@ -88,6 +90,7 @@ class Recipe:
   """
 
   family: str
+  gemm_format: str = "FP8"
   stateful: bool = False
   amax_scope: str
   dim_multiple: int
@@ -290,6 +293,7 @@ class MXFP8BlockScaling(Recipe):
   """
 
   family = "mxfp8"
+  gemm_format = "MXFP8"
   amax_scope = "local"
   dim_multiple = MX_BLOCK
   dim_reason = ("whole MXFP8 blocks of x and the kernel along K, of the gradient and the "
@@ -342,6 +346,7 @@ class NVFP4BlockScaling(Recipe):
   """
 
   family = "nvfp4"
+  gemm_format = "NVFP4"
   amax_scope = "tensor"
   dim_multiple = NVFP4_BLOCK
   dim_reason = ("whole NVFP4 blocks of x and the kernel along K, of the gradient and the "

@@ -112,28 +112,29 @@ def test_nnx_attention(rng):
   assert len(rings) == 4 * 3 and all(float(r.steps) == 1.0 for r in rings)
 
 
-def _gemm_twin(x, kernel, bias, perm, n_contract, features, recipe, state, key):
+def _gemm_twin(x, kernel, bias, perm, n_contract, features, recipe, state, key, out_perm=None):
   """The layer's output computed by jax_fp8.linear on the reshaped operands: the oracle."""
   lead = x.shape[:x.ndim - n_contract]
   k2 = (kernel if perm is None else jnp.transpose(kernel, perm)).reshape(-1, int(np.prod(features)))
   y = jax_fp8.linear(x.reshape(*lead, -1), k2, None if bias is None else bias.reshape(-1),
-                     state=state, recipe=recipe, key=key)
-  return y.reshape(*lead, *features)
+                     state=state, recipe=recipe, key=key).reshape(*lead, *features)
+  return y if out_perm is None else jnp.transpose(y, out_perm)
 
 
-# (layer, input shape, kernel perm or None, contracted axes, output features)
+# (layer, input shape, kernel perm or None, contracted axes, output features, output perm)
 NNX_LAYERS = {
     "linear_general_in": (lambda r: jax_fp8.nnx.LinearGeneral(D, (HEADS, HEAD_DIM), recipe=r,
                                                                rngs=nnx.Rngs(1)),
-                          (2, LEN, D), None, 1, (HEADS, HEAD_DIM)),
+                          (2, LEN, D), None, 1, (HEADS, HEAD_DIM), None),
     "linear_general_out": (lambda r: jax_fp8.nnx.LinearGeneral(
         (HEADS, HEAD_DIM), D, axis=(-2, -1), recipe=r, rngs=nnx.Rngs(1)),
-        (2, LEN, HEADS, HEAD_DIM), None, 2, (D,)),
-    # Gemma's query projection: the kernel's contracted axis in the middle.
+        (2, LEN, HEADS, HEAD_DIM), None, 2, (D,), None),
+    # Gemma's key-value projection: the kernel's contracted axis in the middle, its leading
+    # axis (key or value) leading the output.
     "einsum_permuted": (lambda r: jax_fp8.nnx.Einsum(
-        "BTD,NDH->BTNH", (HEADS, D, HEAD_DIM), (HEADS, HEAD_DIM), recipe=r,
+        "BSD,CKDH->CBSKH", (2, HEADS, D, HEAD_DIM), (2, HEADS, HEAD_DIM), recipe=r,
         bias_init=nnx.initializers.normal(), rngs=nnx.Rngs(1)),
-        (2, LEN, D), (1, 0, 2), 1, (HEADS, HEAD_DIM)),
+        (2, LEN, D), (2, 0, 1, 3), 1, (2, HEADS, HEAD_DIM), (2, 0, 1, 3, 4)),
 }
 
 
@@ -143,19 +144,21 @@ def test_contraction_layers_are_linear(rng, recipe):
   jax_fp8.linear on the reshaped (and, for a permuted kernel, transposed) operands, bit for
   bit, in its output and in the gradients of its input, kernel and bias (and rings)."""
   key = jax.random.key(7)  # the stream's first draw is fold_in(key, 0)
-  for name, (make, shape, perm, n_contract, features) in NNX_LAYERS.items():
+  for name, (make, shape, perm, n_contract, features, out_perm) in NNX_LAYERS.items():
     layer = make(recipe)
     if recipe.draws_key:
       layer.rngs = nnx.RngStream(key, tag="stochastic_rounding")
     x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    g = jnp.asarray(rng.standard_normal((*shape[:len(shape) - n_contract], *features)),
-                    jnp.float32)
+    out_shape = (*shape[:len(shape) - n_contract], *features)
+    g = jnp.asarray(rng.standard_normal(
+        out_shape if out_perm is None else [out_shape[a] for a in out_perm]), jnp.float32)
     bias = None if layer.bias is None else layer.bias.get_value()
     state = None if layer.fp8_state is None else layer.fp8_state.get_value()
 
     def twin(x, kernel, bias, state):
       return jnp.sum(g * _gemm_twin(x, kernel, bias, perm, n_contract, features, recipe, state,
-                                    jax.random.fold_in(key, 0) if recipe.draws_key else None))
+                                    jax.random.fold_in(key, 0) if recipe.draws_key else None,
+                                    out_perm))
 
     want = jax.value_and_grad(twin, argnums=(0, 1, 2, 3))(x, layer.kernel.get_value(), bias,
                                                           state)
@@ -198,6 +201,27 @@ def test_contraction_layers_are_linear(rng, recipe):
   want = jax.value_and_grad(linen_twin, argnums=(0, 1))(v["params"], x)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# (einsum, kernel shape, input shape): einsums whose outputs put the axes in other orders.
+OUTPUT_ORDERS = [("BSD,CKDH->CBSKH", (2, HEADS, D, HEAD_DIM), (2, LEN, D)),
+                 ("btd,dk->tbk", (D, 16), (2, LEN, D)),
+                 ("...d,cdf->c...f", (2, D, 16), (2, 3, LEN, D)),
+                 ("bi,ij->jb", (D, 32), (LEN, D))]
+
+
+def test_einsum_output_orders(rng):
+  """An einsum whose output is not the input's other axes then the kernel's (a kernel axis
+  leading, batch axes swapped, "..." inside) computes the einsum: held to jnp.einsum below
+  fp8_min_intensity (the GEMM's operands unquantized), so only the axes' order is tested."""
+  recipe = jax_fp8.DelayedScaling(fp8_min_intensity=1e9)
+  for spec, kernel_shape, shape in OUTPUT_ORDERS:
+    layer = jax_fp8.nnx.Einsum(spec, kernel_shape, recipe=recipe, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    want = jnp.einsum(spec, x, layer.kernel.get_value(), precision="highest")
+    np.testing.assert_allclose(nnx_apply(layer, x), want, rtol=1e-5, atol=1e-5, err_msg=spec)
+  with pytest.raises(ValueError, match="inputs must have 3 axes.*BS and the contracted"):
+    jax_fp8.nnx.Einsum(*OUTPUT_ORDERS[0][:2], rngs=nnx.Rngs(0))(jnp.ones((2, 2, LEN, D)))
 
 
 class EinsumMlp(nnx.Module):

@@ -37,16 +37,15 @@ def statuses(report):
 # --- the report -------------------------------------------------------------------------------
 
 class Mixed(nn.Module):
-  """One layer of every kind: FP8, below the threshold at this M, never paying, unaligned, an
-  nn.Einsum that is no GEMM of x's trailing axes (its output leads with the kernel's axis), a
-  head."""
+  """One layer of every kind: FP8, below the threshold at this M, never paying, unaligned, a
+  batched nn.Einsum (no GEMM: an axis in input, kernel and output), a head."""
 
   @nn.compact
   def __call__(self, x, h):  # x [M, 1024], h [8, 256]
     y = nn.Dense(1024, name="big")(x)
     z = nn.Dense(16, name="tiny")(nn.Dense(256, name="up")(h)[:, :16])
     z = nn.Dense(24, name="odd")(z)
-    e = nn.Einsum((24, 32), "bi,ij->jb", name="mix")(z)
+    e = nn.Einsum((8, 24, 32), "bi,bij->bj", name="mix")(z)
     return y, nn.Dense(VOCAB, name="lm_head")(e)
 
 
@@ -76,6 +75,10 @@ def test_report_linen():
   report = conversion_report(convert(Mixed(), RECIPE, include="^(big|up)$"), x, h)
   assert statuses(report)["tiny"] == "not_included"
   assert "include='^(big|up)$'" in report["tiny"].detail
+  # The status is "fp8" under every recipe; the title names the GEMMs' format.
+  nvfp4 = jax_fp8.NVFP4BlockScaling(fp8_min_intensity=100)
+  report = conversion_report(convert(Mixed(), nvfp4), x, h)
+  assert report["big"].status == "fp8" and "1 ran NVFP4 at the traced shapes" in str(report)
 
 
 class NNXMixed(nnx.Module):
