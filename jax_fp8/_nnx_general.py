@@ -36,8 +36,8 @@ def _contract(module: nnx.Module, inputs, plan, out_sharding):
   its contraction does not map: ValueError)."""
   name = type(module).__name__
   if isinstance(plan, str):
-    raise ValueError(f"{name}: {plan}, which jax_fp8's GEMM cannot run (it contracts the "
-                     f"input's trailing axes)")
+    raise ValueError(f"{name}: {plan}, which jax_fp8's GEMM cannot run (it runs contractions "
+                     f"of the input's trailing axes with the kernel's)")
   state = None if module.fp8_state is None else module.fp8_state.get_value()
   return contract(inputs, module.kernel.get_value(),
                   None if module.bias is None else module.bias.get_value(), plan, state,
@@ -129,8 +129,8 @@ class Einsum(nnx.Module):
     self.bias_shape = None if bias_shape is None else tuple(int(d) for d in bias_shape)
     plan = einsum_plan(einsum_str, self.kernel_shape)
     if isinstance(plan, str):
-      raise ValueError(f"Einsum: {plan}, which jax_fp8's GEMM cannot run (it contracts the "
-                       f"input's trailing axes)")
+      raise ValueError(f"Einsum: {plan}, which jax_fp8's GEMM cannot run (it runs "
+                       f"contractions of the input's trailing axes with the kernel's)")
     if self.bias_shape is not None and math.prod(self.bias_shape) != plan.n:
       raise ValueError(f"Einsum.bias_shape {self.bias_shape} must hold the {plan.n} output "
                        f"features of {einsum_str!r}")

@@ -299,7 +299,7 @@ def test_nnx_unmapped_layers_are_left():
   for name, layer in cases.items():
     assert reasons[name] in nnx_contraction_plan(layer), name
     assert convert(layer, jax_fp8.DelayedScaling()) is layer, name
-  with pytest.raises(ValueError, match="batched contraction.*trailing input axes"):
+  with pytest.raises(ValueError, match="batched contraction.*contractions of the input's trailing axes"):
     jax_fp8.nnx.Einsum("btd,tdk->btk", (LEN, D, D), rngs=rngs)
   with pytest.raises(ValueError, match="not the input's trailing axes"):
     jax_fp8.nnx.LinearGeneral(D, D, axis=0, rngs=rngs)(jnp.ones((D, 4)))
