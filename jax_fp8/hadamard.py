@@ -34,8 +34,14 @@ def rht_signs(seed: int, name: str = "the Hadamard transform's seed") -> np.ndar
     raise TypeError(f"{name} must be an int in [0, 2^64), got {type(seed).__name__} {seed!r}")
   if not 0 <= seed < 2**64:
     raise ValueError(f"{name} must be an int in [0, 2^64), got {seed!r}")
-  seed = int(seed)
-  with jax.ensure_compile_time_eval():  # constants, also when called under a trace
+  return _signs(int(seed)).copy()
+
+
+@functools.lru_cache(maxsize=None)
+def _signs(seed: int) -> np.ndarray:
+  """``rht_signs`` of a checked seed, computed once a process: Philox's rounds run as eager
+  jnp operations (constants, also when called under a trace), each dispatched on its own."""
+  with jax.ensure_compile_time_eval():
     word = np.uint32(philox4x32(jnp.zeros(4, jnp.uint32),
                                 jnp.array([seed & 0xFFFFFFFF, seed >> 32], jnp.uint32))[0])
   return np.where((word >> np.arange(RHT_SIZE, dtype=np.uint32)) & 1, -1.0, 1.0).astype(np.float32)
