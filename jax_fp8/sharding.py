@@ -95,10 +95,14 @@ def call(op: str, impl, plan, rule: str, *args, reduction_factors=(), **factor_s
   """``impl(*args)`` partitioned by ``plan(mesh, arg_shapes) -> (lower, arg_shardings,
   result_shardings)``, ``lower`` running on the local pieces; ``impl`` itself inside
   shard_map. ``rule``: the Shardy rule for propagation (``factor_sizes`` for its compound
-  factors). Differentiating it raises a TypeError naming the op ``jax_fp8.<op>``."""
+  factors). Differentiating it raises a TypeError naming the op ``jax_fp8.<op>``. Called
+  eagerly on values of one device, it is ``impl(*args)``: nothing to partition, and JAX
+  caches impl's operations per shape, where a fresh wrapper would compile at every call."""
   if varying_axes(*args) or manual_axes():
     return _not_differentiable(op, impl)(*args)
   _check_auto_axes(args)
+  if _eager_on_one_device(args):
+    return impl(*args)
   rule, factor_sizes = _one_group_plain(rule, args, jax.eval_shape(impl, *args), factor_sizes)
 
   def partition(mesh, arg_shapes, result_shape):
@@ -121,6 +125,17 @@ def call(op: str, impl, plan, rule: str, *args, reduction_factors=(), **factor_s
     outs = jax.vmap(impl, in_axes=[0 if b else None for b in in_batched])(*a)
     return outs, jax.tree.map(lambda _: True, outs)
   return _not_differentiable(op, batched)(*args)
+
+
+def _eager_on_one_device(args) -> bool:
+  """Whether ``args`` are values, none a tracer, none spread over several devices."""
+  for v in jax.tree.leaves(args):
+    if isinstance(v, jax.core.Tracer):
+      return False
+    sharding = getattr(v, "sharding", None)
+    if sharding is not None and len(sharding.device_set) > 1:
+      return False
+  return True
 
 
 def _on_mesh(mesh, shapes):
