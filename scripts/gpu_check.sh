@@ -6,8 +6,9 @@
 # script lists them; sanitize runs compute-sanitizer's memcheck, racecheck, initcheck
 # and synccheck over every variant of our kernels; step-profile traces the block train step
 # with the JAX profiler; profile runs Nsight Compute over our kernels). Optional environment:
-# TESTS_K (pytest -k expression, default "not cpu"), TEST_SHARDS (tests: that many pytest
-# processes over disjoint files, default 4), TESTS_TIMEOUT (seconds each, default 1800),
+# TESTS_K (pytest -k expression, default "not cpu"), TEST_WORKERS (tests: that many pytest-xdist
+# workers, default 8), TESTS_TIMEOUT (seconds, default 1800), XDIST_WHEELS (pytest-xdist's and
+# execnet's wheels, installed where the machine has no pytest-xdist and no internet),
 # CUTLASS_WHEEL (the nvidia-cutlass wheel, installed before the build where the machine has
 # none and no internet to fetch it), BENCH_ONLY (benchmark case groups, see
 # python -m benchmarks.run --help), PROFILE_RECIPES (step-profile's recipes, default "delayed
@@ -48,6 +49,9 @@ if [ "${SKIP_BUILD:-0}" != 1 ]; then
     || { tail -40 "$OUT/build.log"; exit 1; }
   echo "build $(( $(date +%s) - t0 )) s"
 fi
+python3 -c "import xdist" 2>/dev/null \
+  || python3 -m pip install -q --no-deps ${XDIST_WHEELS:-pytest-xdist execnet} > "$OUT/xdist.log" 2>&1 \
+  || { tail -5 "$OUT/xdist.log"; exit 1; }
 python3 -c "import jax_fp8; print('cuda targets:', jax_fp8.cuda_available())" || exit 1
 # A GPU machine whose CUDA extension did not build or load would skip every CUDA case: stop.
 python3 -m pytest tests/test_cuda_build.py -q -p no:cacheprovider > "$OUT/cuda_build.log" 2>&1 \
@@ -55,22 +59,14 @@ python3 -m pytest tests/test_cuda_build.py -q -p no:cacheprovider > "$OUT/cuda_b
 for s in "${steps[@]}"; do
   t0=$(date +%s)
   case $s in
-    # The CPU-parametrized cases run in CI; here the CUDA ones and those on the default device.
-    # TEST_SHARDS processes share the GPU (no preallocation), the files dealt out by size.
-    tests) python3 scripts/test_shards.py ${TEST_SHARDS:-4} > "$OUT/shards.txt"
-           i=0
-           while read -r files; do
-             XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT ${TESTS_TIMEOUT:-1800} \
-               python3 -m pytest $files -q -p no:cacheprovider -rfE --tb=short \
-               -k "${TESTS_K:-not cpu}" > "$OUT/tests-$i.log" 2>&1 &
-             i=$((i + 1))
-           done < "$OUT/shards.txt"
-           wait
-           # One file back (the device returns only a few): the shards' logs, one after another.
-           for log in "$OUT"/tests-*.log; do
-             echo "$(basename $log): $(tail -1 $log)"; grep -E "^(FAILED|ERROR) " $log | head -20
-             { echo "## $(basename $log)"; cat "$log"; } >> "$OUT/tests.log"; rm "$log"
-           done ;;
+    # The CPU-parametrized cases run in CI; here the CUDA ones and those on the default device,
+    # in TEST_WORKERS pytest-xdist workers that share the GPU (no preallocation) and steal
+    # each other's queued tests, so no one slow file sets the wall time.
+    tests) XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT ${TESTS_TIMEOUT:-1800} \
+             python3 -m pytest tests -q -p no:cacheprovider -rfE --tb=short -n ${TEST_WORKERS:-8} \
+             --dist worksteal --durations 25 -k "${TESTS_K:-not cpu}" > "$OUT/tests.log" 2>&1
+           echo "tests exit $?: $(grep -E "(passed|failed)" "$OUT/tests.log" | tail -1)"
+           grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -20 ;;
     bench) python3 -m benchmarks.run --out "$OUT/bench.json" ${BENCH_ONLY:+--only $BENCH_ONLY} \
              > "$OUT/bench.log" 2>&1
            tail -25 "$OUT/bench.log" ;;
