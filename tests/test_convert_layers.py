@@ -213,12 +213,13 @@ OUTPUT_ORDERS = [("BSD,CKDH->CBSKH", (2, HEADS, D, HEAD_DIM), (2, LEN, D)),
 def test_einsum_output_orders(rng):
   """An einsum whose output is not the input's other axes then the kernel's (a kernel axis
   leading, batch axes swapped, "..." inside) computes the einsum: held to jnp.einsum below
-  fp8_min_intensity (the GEMM's operands unquantized), so only the axes' order is tested."""
+  fp8_min_intensity (the GEMM's operands unquantized, at XLA's default precision, as the
+  layer's: TF32 on a GPU), so only the axes' order is tested."""
   recipe = jax_fp8.DelayedScaling(fp8_min_intensity=1e9)
   for spec, kernel_shape, shape in OUTPUT_ORDERS:
     layer = jax_fp8.nnx.Einsum(spec, kernel_shape, recipe=recipe, rngs=nnx.Rngs(0))
     x = jnp.asarray(rng.standard_normal(shape), jnp.float32)
-    want = jnp.einsum(spec, x, layer.kernel.get_value(), precision="highest")
+    want = jnp.einsum(spec, x, layer.kernel.get_value())
     np.testing.assert_allclose(nnx_apply(layer, x), want, rtol=1e-5, atol=1e-5, err_msg=spec)
   with pytest.raises(ValueError, match="inputs must have 3 axes.*BS and the contracted"):
     jax_fp8.nnx.Einsum(*OUTPUT_ORDERS[0][:2], rngs=nnx.Rngs(0))(jnp.ones((2, 2, LEN, D)))
