@@ -84,7 +84,8 @@ date), ``config``, ``steps``, ``windows`` and a list ``rows``, one per variant, 
 ``temp_bytes``, ``peak_bytes`` (arguments, outputs and temporaries the compiled step plans,
 donated buffers counted once), ``loss`` (after the timed steps), ``TFLOPs`` (``step_flops``
 over the step time), ``speedup_vs_bf16`` and ``speedup_vs_flax_fp8`` (None without that peer),
-and with ``--profile`` ``profile`` (``benchmarks.profiling.summarize``'s rows). A MoE run has
+and with ``--profile`` ``profile`` (``benchmarks.profiling.summarize``'s rows); a variant
+that ran out of the device's memory has ``error`` (XLA's message) and no figures. A MoE run has
 no ``speedup_vs_flax_fp8`` but ``speedup_vs_fastest_peer`` (the results' ``fastest_peer``), and
 its capacity peers' rows ``dropped_first`` / ``dropped_last``: the assignments (token,
 expert) past their expert's slots in a forward pass of the step's batch at the first step's

@@ -63,6 +63,8 @@ def measure(step, carried: tuple, inputs: tuple, tokens: int, steps: int, window
   return row
 
 
+# How XLA's message begins when a step's buffers do not fit the device's memory.
+OUT_OF_MEMORY = "RESOURCE_EXHAUSTED"
 FASTEST = "fastest_peer"  # the peer name that stands for the fastest of a run's peers
 
 
@@ -92,12 +94,15 @@ def print_rows(rows: list[dict], title: str, peers: tuple[str, ...]) -> None:
   kind of work and their largest events."""
   print(f"\n{title}")
   w = _width(r["variant"] for r in rows)
-  flops = all("TFLOPs" in r for r in rows)
+  flops = all("TFLOPs" in r for r in rows if "error" not in r)
   cols = {p: max(14, len(p) + 5) for p in peers}  # "vs <peer>" and two spaces
   print(f"{'variant':<{w}}{'step ms':>9}" + (f"{'TFLOP/s':>9}" if flops else "")
         + "".join(f"{'vs ' + p:>{cols[p]}}" for p in peers) + f"{'compile s':>11}{'temp GiB':>10}")
   fmt = lambda v: f"{v:.3f}x" if v is not None else "-"
   for r in rows:
+    if "error" in r:
+      print(f"{r['variant']:<{w}}{r['error']}")
+      continue
     print(f"{r['variant']:<{w}}{r['step_ms']:9.1f}" + (f"{r['TFLOPs']:9.3g}" if flops else "")
           + "".join(f"{fmt(r[f'speedup_vs_{p}']):>{cols[p]}}" for p in peers)
           + f"{r['compile_s']:11.1f}{r['temp_bytes'] / 2**30:10.2f}")
@@ -136,7 +141,10 @@ def run(p, args, measure_variant, setting: dict, out: str, peers: tuple[str, ...
   (``env``, the ``setting`` that all rows share, ``steps``, ``windows``, ``rows``), written
   after each row (a cut run keeps its rows); then the speedups over ``peers`` (and with
   ``fastest_of``, over the fastest of those: ``add_speedups``, its name the results'
-  ``fastest_peer``), the table, and the results written again (to ``--out``, default
+  ``fastest_peer``), the table, and the results written again. A variant that runs out of the
+  device's memory gets a row with ``error`` (XLA's message) and no figures, and the run goes
+  on (XLA's dense rewrite of BF16 ``ragged_dot`` did not fit an H100 at the MoE step's
+  default size) (to ``--out``, default
   ``benchmarks/results/<gpu>-<out>.json``) and returned."""
   for flag in ("steps", "windows", "profile_steps"):
     if getattr(args, flag) < 1:
@@ -151,13 +159,19 @@ def run(p, args, measure_variant, setting: dict, out: str, peers: tuple[str, ...
   name = f"{env['device'].replace(' ', '_')}-{out}"
   w = _width(args.variants)
   for variant in args.variants:
-    rows.append({"variant": variant, **measure_variant(
-        variant, args.profile_steps if variant in profiled else 0)})
+    try:
+      rows.append({"variant": variant, **measure_variant(
+          variant, args.profile_steps if variant in profiled else 0)})
+    except jax.errors.JaxRuntimeError as e:  # the device's memory: the run goes on without it
+      if not str(e).startswith(OUT_OF_MEMORY):
+        raise
+      rows.append({"variant": variant, "error": str(e).splitlines()[0]})
     write_results(results, args.out, name)
     r = rows[-1]
-    print(f"{variant:<{w}}{r['step_ms']:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  compile "
+    print(f"{variant:<{w}}" + (f"{r['error']}" if "error" in r else
+          f"{r['step_ms']:9.1f} ms  {r['tokens_per_s']:10.0f} tok/s  compile "
           f"{r['compile_s']:6.1f} s  temp {r['temp_bytes'] / 2**30:6.2f} GiB  loss "
-          f"{r['loss']:.4f}", flush=True)
+          f"{r['loss']:.4f}"), flush=True)
   fastest = add_speedups(rows, peers, fastest_of)
   if fastest_of:
     results[FASTEST] = fastest

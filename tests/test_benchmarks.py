@@ -1,6 +1,7 @@
 """The benchmark suite's quick mode runs end to end and writes every case (so the suite does
 not rot between runs on a GPU)."""
 
+import argparse
 import dataclasses
 import functools
 import json
@@ -16,7 +17,7 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 from benchmarks import (data_parallel, demo_step, inference, model_step, moe,  # noqa: E402
-                        moe_layer, profiling, run, timing)
+                        moe_layer, profiling, run, timing, train_step)
 from jax_fp8.demo.model import Transformer  # noqa: E402
 
 
@@ -60,6 +61,33 @@ def test_per_call_takes_more_calls_until_resolved():
   assert asked == [1, 2, 3, 5, 9]
   with pytest.raises(RuntimeError, match=r"33 calls per iteration .* not slower than one"):
     timing.per_call(lambda calls: [10e-6 + 1e-9 * calls, 12e-6, 8e-6])
+
+
+def test_train_step_run_goes_on_past_a_variant_out_of_memory(tmp_path, capsys):
+  """A variant whose step runs out of the device's memory gets a row with XLA's message and no
+  figures; the others are timed and compared with the peers that ran; any other error
+  propagates."""
+  p = argparse.ArgumentParser()
+  train_step.add_arguments(p, {"bf16": {}, "fp8": {}, "big": {}}, ["big", "bf16", "fp8"],
+                           steps=1, profile_steps=1, out="fake")
+  args = p.parse_args(["--out", str(tmp_path / "fake.json")])
+  oom = "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 32.84GiB"
+
+  def measure(variant, profile_steps):
+    if variant == "big":
+      raise jax.errors.JaxRuntimeError(oom + "\nmore of XLA's message")
+    ms = {"bf16": 2.0, "fp8": 1.0}[variant]
+    return {"step_ms": ms, "tokens_per_s": 1.0, "compile_s": 0.0, "temp_bytes": 0, "loss": 1.0}
+
+  res = train_step.run(p, args, measure, {}, "fake", peers=("bf16", "big"))
+  assert [r["variant"] for r in res["rows"]] == ["big", "bf16", "fp8"]
+  assert res["rows"][0]["error"] == oom and "step_ms" not in res["rows"][0]
+  assert res["rows"][2]["speedup_vs_bf16"] == 2.0 and res["rows"][2]["speedup_vs_big"] is None
+  assert json.loads((tmp_path / "fake.json").read_text())["rows"][0]["error"] == oom
+  assert capsys.readouterr().out.count(oom) == 2  # its line as it ran, and in the table
+  with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+    train_step.run(p, args, lambda v, _: (_ for _ in ()).throw(
+        jax.errors.JaxRuntimeError("INTERNAL: a failed kernel")), {}, "fake", peers=())
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "nvfp4"])
