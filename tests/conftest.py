@@ -6,9 +6,11 @@ draws the same data; set it to explore others (``JAX_FP8_TEST_SEED=7 pytest test
 test mixes the base seed with its own name, so tests do not all see the same data."""
 
 import atexit
+import collections
 import dataclasses
 import functools
 import hashlib
+import itertools
 import os
 import re
 import shutil
@@ -239,6 +241,40 @@ def rng(request):
 # (|a| @ |b|): Hopper's FP8 tensor cores accumulate with about 14 bits (DeepSeek-V3 technical
 # report, section 3.3.2), good to 2^-12; f32 on the CPU gives K * 2^-24, below that to K = 4096.
 ACCUMULATION = 2.0**-12
+
+
+def _case_id(value) -> str:
+  """A parameter's part of a test id: a shape as 16x32, a dtype by name."""
+  if isinstance(value, tuple):
+    return "x".join(map(str, value))
+  return jnp.dtype(value).name if isinstance(value, type) else str(value)
+
+
+def covering_cases(full: dict[str, list], varied: dict[str, list]) -> list:
+  """``pytest.param``s over the factors of ``full`` (their whole product) and of ``varied``
+  (values chosen per case) in which every pair of values of any two factors occurs: a covering
+  array of strength 2 (pairwise testing), far fewer cases than the whole product. Each case of
+  the product takes the ``varied`` values that meet the most pairs not met yet (then the least
+  met ones); cases are added while a pair is left. Argument order: ``full``'s names, then
+  ``varied``'s; ids join the values (shapes as 16x32, dtypes by name)."""
+  levels = [*full.values(), *varied.values()]
+  pairs = lambda case: [(a, case[a], b, case[b])  # noqa: E731
+                        for a in range(len(case)) for b in range(a + 1, len(case))]
+  every = list(itertools.product(*map(range, map(len, levels))))
+  seen, cases = collections.Counter(), []
+
+  def best(candidates):
+    return max(candidates, key=lambda c: (sum(seen[p] == 0 for p in pairs(c)),
+                                          -sum(seen[p] for p in pairs(c))))
+  for head in itertools.product(*map(range, map(len, full.values()))):
+    cases.append(best(c for c in every if c[:len(head)] == head))
+    seen.update(pairs(cases[-1]))
+  while left := {p for c in every for p in pairs(c)} - set(seen):
+    cases.append(best(c for c in every if set(pairs(c)) & left))
+    seen.update(pairs(cases[-1]))
+  return [pytest.param(*(levels[k][i] for k, i in enumerate(case)),
+                       id="-".join(_case_id(levels[k][i]) for k, i in enumerate(case)))
+          for case in cases]
 
 
 def default_devices(n: int) -> list:

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, on_cpu, poison_allocator, reference_on_cpu, roundoff
+from conftest import (bits, covering_cases, on_cpu, poison_allocator, reference_on_cpu,
+                      roundoff)
 
 import jax_fp8
 from jax_fp8 import activations, norms, reference
@@ -28,11 +29,8 @@ DTYPE_IDS = lambda d: jnp.dtype(d).name  # noqa: E731
 # three column groups; 8 x 8 tiles.
 SHAPES = [(1, 128), (129, 384), (1000, 1024)]
 SHAPE_IDS = lambda s: "x".join(map(str, s))  # noqa: E731
-# (activation, dtype, shape) cases in which every pair of the three occurs: the shape cycles
-# with the activation's and the dtype's indices (a Latin square), 12 cases for the 36 triples.
-ACTIVATION_CASES = [pytest.param(a, d, s, id=f"{a}-{DTYPE_IDS(d)}-{SHAPE_IDS(s)}")
-                    for i, a in enumerate(ACTS) for j, d in enumerate(DTYPES)
-                    for s in [SHAPES[(i + j) % len(SHAPES)]]]
+# Every activation with every dtype, the shape varied so that every pair of the three occurs.
+ACTIVATION_CASES = covering_cases({"activation": ACTS, "dtype": DTYPES}, {"shape": SHAPES})
 SUBNORMAL_STEP = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}  # the smallest step, times the scale
 F32_ULPS = 2.0**-12  # of the amax: where the platforms' f32 activations may differ
 SCALE_RTOL = 2.0**-16

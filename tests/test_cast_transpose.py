@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (assert_same_quantized, bits, on_cpu, poison_allocator, summation_error,
-                      to_device)
+from conftest import (assert_same_quantized, bits, covering_cases, on_cpu, poison_allocator,
+                      summation_error, to_device)
 
 import jax_fp8
 from jax_fp8 import reference
@@ -15,13 +15,10 @@ from jax_fp8 import reference
 # (2100, 2096): 33 x 33 = 1089 tiles, more than the persistent grid's 8 blocks on each of an
 # H200's 132 SMs, so blocks walk several tiles.
 SHAPES = [(1, 16), (15, 32), (17, 48), (64, 64), (100, 208), (1000, 1040), (2100, 2096), (0, 16)]
-DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-# Every shape with every input dtype; the format and dbias vary with their indices so that every
-# pair of the four factors occurs (a covering array: 24 cases for the 96 combinations).
-CASES = [pytest.param(shape, dtype, fmt, dbias, id=f"{'x'.join(map(str, shape))}-"
-                      f"{jnp.dtype(dtype).name}-{fmt}-{'dbias' if dbias else 'plain'}")
-         for i, shape in enumerate(SHAPES) for j, dtype in enumerate(DTYPES)
-         for fmt, dbias in [(("e4m3", "e5m2")[(i + j) % 2], (j + i // 2) % 2 == 1)]]
+# Every shape with every input dtype; the format and dbias vary so that every pair of the four
+# factors occurs (24 cases for the 96 combinations).
+CASES = covering_cases({"shape": SHAPES, "dtype": [jnp.float32, jnp.bfloat16, jnp.float16]},
+                       {"fmt": ["e4m3", "e5m2"], "with_dbias": [False, True]})
 
 
 @pytest.mark.parametrize("shape,dtype,fmt,with_dbias", CASES)

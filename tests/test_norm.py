@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (assert_same_quantized, bits, normwise, on_cpu, poison_allocator,
-                      reference_on_cpu, roundoff)
+from conftest import (assert_same_quantized, bits, covering_cases, normwise, on_cpu,
+                      poison_allocator, reference_on_cpu, roundoff)
 from flax import nnx
 
 import jax_fp8
@@ -57,10 +57,12 @@ def params(rng, norm, k, dtype=jnp.float32):
   return gamma, beta
 
 
-@pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+# Every shape with every input dtype, the norm varied so that it meets every shape and dtype.
+BYTES_CASES = covering_cases({"shape": SHAPES, "dtype": [jnp.float32, jnp.bfloat16, jnp.float16]},
+                             {"norm": NORMS})
+
+
+@pytest.mark.parametrize("shape,dtype,norm", BYTES_CASES)
 def test_matches_reference_bytes(platform, rng, norm, dtype, shape):
   r, c = shape
   gamma, beta = params(rng, norm, c, dtype)
