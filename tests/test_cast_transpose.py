@@ -66,10 +66,9 @@ def test_bad_inputs():
 PART_COLS = [(16, 16), (48, 16, 80), (64, 64, 64), (16, 112, 32, 48)]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("cols", PART_COLS, ids=lambda c: "+".join(map(str, c)))
-@pytest.mark.parametrize("rows", [1, 100, 2100])
+@pytest.mark.parametrize("rows,cols,dtype", covering_cases(
+    {"rows": [1, 100, 2100], "cols": PART_COLS}, {"dtype": [jnp.float32, jnp.bfloat16,
+                                                           jnp.float16]}))
 def test_parts_match_their_concatenation(platform, rng, dtype, cols, rows):
   """x in parts gives the bytes of their concatenation's cast-transpose, dbias and ring
   included, on the fresh step and a delayed one; both match the reference."""

@@ -13,7 +13,7 @@ import optax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import roundoff
+from conftest import covering_cases, roundoff
 
 import jax_fp8
 import jax_fp8.nnx
@@ -176,9 +176,8 @@ def test_numerical_gradient(platform, rng):
     assert rel(g, numeric) < BWD_TOL, name
 
 
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("norm", [None, "layernorm"])
+@pytest.mark.parametrize("activation,norm,dtype", covering_cases(
+    {"activation": ACTS, "norm": [None, "layernorm"]}, {"dtype": [jnp.float32, jnp.bfloat16]}))
 def test_block_scaling_against_f32_and_unfused(platform, rng, activation, dtype, norm):
   """BlockScaling: the activation, its gradient (and the norm, here LayerNorm with gamma and
   beta) fused into the group cast-transposes, with biases. Against the composition norm,
