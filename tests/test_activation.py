@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import bits, on_cpu, poison_allocator, roundoff, summation_error, to_device
+from conftest import (bits, covering_cases, on_cpu, poison_allocator, roundoff, summation_error,
+                      to_device)
 
 import jax_fp8
 from jax_fp8 import activations, reference
@@ -19,6 +20,9 @@ from jax_fp8 import activations, reference
 ACTS = ["silu", "gelu", "swiglu", "geglu"]
 # Output shapes [R, C]; 1040 columns make 17 column tiles, 1000 rows 16 row tiles.
 SHAPES = [(1, 16), (17, 48), (100, 208), (1000, 1040)]
+# Every activation at every shape, the input dtype varied so that every pair of the three occurs.
+CASES = covering_cases({"activation": ACTS, "shape": SHAPES},
+                       {"dtype": [jnp.float32, jnp.bfloat16, jnp.float16]})
 SUBNORMAL_STEP = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}  # the smallest step, times the scale
 F32_ULPS = 2.0**-12  # of the amax: where the platforms' f32 activations may differ (see above)
 AMAX_RTOL = 2.0**-16  # amax, and the scale and ring taken from it
@@ -45,10 +49,7 @@ def data(rng, shape, dtype, scale=3.0):
   return to_device(rng.standard_normal(shape) * scale, dtype)
 
 
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("activation,shape,dtype", CASES)
 def test_forward_matches_reference(platform, rng, activation, dtype, shape):
   gated = activations.ACTIVATIONS[activation][1]
   r, c = shape
@@ -67,10 +68,7 @@ def test_forward_matches_reference(platform, rng, activation, dtype, shape):
     ring = want.ring
 
 
-@pytest.mark.parametrize("activation", ACTS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
-                         ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("activation,shape,dtype", CASES)
 def test_grad_matches_reference(platform, rng, activation, dtype, shape):
   gated = activations.ACTIVATIONS[activation][1]
   r, c = shape

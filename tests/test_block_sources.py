@@ -24,11 +24,9 @@ from jax_fp8 import activations, norms, reference
 NORMS = ["rmsnorm", "layernorm"]
 ACTS = ["silu", "gelu", "swiglu", "geglu"]
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
-DTYPE_IDS = lambda d: jnp.dtype(d).name  # noqa: E731
 # What is quantized, [R, C]: one row; rows past a multiple of 128 (qt's zero padding) and
 # three column groups; 8 x 8 tiles.
 SHAPES = [(1, 128), (129, 384), (1000, 1024)]
-SHAPE_IDS = lambda s: "x".join(map(str, s))  # noqa: E731
 # Every activation with every dtype, the shape varied so that every pair of the three occurs.
 ACTIVATION_CASES = covering_cases({"activation": ACTS, "dtype": DTYPES}, {"shape": SHAPES})
 SUBNORMAL_STEP = {"e4m3": 2.0**-9, "e5m2": 2.0**-16}  # the smallest step, times the scale
@@ -77,9 +75,8 @@ def output_shapes(r, c):
   return [(r, c), (r, c // 128), (c, r128), (c, r128 // 128)]
 
 
-@pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("shape,dtype,norm", covering_cases({"shape": SHAPES, "dtype": DTYPES},
+                                                          {"norm": NORMS}))
 def test_norm_matches_reference_bytes(platform, rng, norm, dtype, shape):
   r, c = shape
   x = jnp.asarray(rng.standard_normal(shape) * 3 + 1, dtype)

@@ -187,9 +187,8 @@ LINEAR_RECIPES = {
 }
 
 
-@pytest.mark.parametrize("norm", NORMS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("recipe", list(LINEAR_RECIPES))
+@pytest.mark.parametrize("recipe,norm,dtype", covering_cases(
+    {"recipe": list(LINEAR_RECIPES), "norm": NORMS}, {"dtype": [jnp.float32, jnp.bfloat16]}))
 def test_linear_matches_unfused_and_f32(platform, rng, norm, dtype, recipe):
   """The norm fused into x's cast-transpose (per-tensor) or group cast-transpose (block)."""
   layer, state, k, n = LINEAR_RECIPES[recipe]
