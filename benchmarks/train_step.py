@@ -141,11 +141,11 @@ def run(p, args, measure_variant, setting: dict, out: str, peers: tuple[str, ...
   (``env``, the ``setting`` that all rows share, ``steps``, ``windows``, ``rows``), written
   after each row (a cut run keeps its rows); then the speedups over ``peers`` (and with
   ``fastest_of``, over the fastest of those: ``add_speedups``, its name the results'
-  ``fastest_peer``), the table, and the results written again. A variant that runs out of the
+  ``fastest_peer``), the table, and the results written again (to ``--out``, default
+  ``benchmarks/results/<gpu>-<out>.json``) and returned. A variant that runs out of the
   device's memory gets a row with ``error`` (XLA's message) and no figures, and the run goes
   on (XLA's dense rewrite of BF16 ``ragged_dot`` did not fit an H100 at the MoE step's
-  default size) (to ``--out``, default
-  ``benchmarks/results/<gpu>-<out>.json``) and returned."""
+  default size)."""
   for flag in ("steps", "windows", "profile_steps"):
     if getattr(args, flag) < 1:
       p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
