@@ -7,8 +7,9 @@
 # and synccheck over every variant of our kernels; step-profile traces the block train step
 # with the JAX profiler; profile runs Nsight Compute over our kernels). Optional environment:
 # TESTS_K (pytest -k expression, default "not cpu"), TEST_WORKERS (tests: that many pytest-xdist
-# workers, default 8; BENCH_TEST_WORKERS for test_benchmarks.py, default 3), TESTS_TIMEOUT
-# (seconds per pass, default 1800), XDIST_WHEELS (pytest-xdist's and
+# workers, default 8; BENCH_TEST_WORKERS for test_benchmarks.py, default 3), TESTS_PASSES (default
+# "rest benchmarks": the two passes, or one of them), TESTS_TIMEOUT (seconds per pass, default
+# 1800), XDIST_WHEELS (pytest-xdist's and
 # execnet's wheels, installed where the machine has no pytest-xdist and no internet),
 # CUTLASS_WHEEL (the nvidia-cutlass wheel, installed before the build where the machine has
 # none and no internet to fetch it), BENCH_ONLY (benchmark case groups, see
@@ -27,6 +28,10 @@ known=" tests bench sanitize graphs demo demo-block demo-step demo-moe convergen
   || { echo "usage: bash scripts/gpu_check.sh STEP... (steps:$known)" >&2; exit 2; }
 for s in "${steps[@]}"; do
   [[ $known == *" $s "* ]] || { echo "unknown step '$s' (steps:$known)" >&2; exit 2; }
+done
+for p in ${TESTS_PASSES:-}; do
+  [[ $p == rest || $p == benchmarks ]] \
+    || { echo "unknown TESTS_PASSES entry '$p' (rest, benchmarks)" >&2; exit 2; }
 done
 {
   date -u
@@ -65,7 +70,7 @@ for s in "${steps[@]}"; do
     # each other's queued tests, so no one slow file sets the wall time. test_benchmarks.py
     # runs after the rest, in BENCH_TEST_WORKERS workers: its scripts time kernels on the
     # device, and beside 8 busy processes a 2 us kernel did not stand out of the timing noise.
-    tests) for pass in rest benchmarks; do
+    tests) for pass in ${TESTS_PASSES:-rest benchmarks}; do
              if [ $pass = rest ]; then files="tests --ignore tests/test_benchmarks.py"
                workers=${TEST_WORKERS:-8}
              else files=tests/test_benchmarks.py; workers=${BENCH_TEST_WORKERS:-3}; fi
