@@ -135,7 +135,7 @@ def test_default_on_cpu_warns_and_creates_no_state():
   assert type(layer) is nnx.Linear
   # Forcing FP8 as the warning says converts them.
   with warnings.catch_warnings():
-    warnings.simplefilter("error")
+    warnings.simplefilter("error", ConversionWarning)
     assert sorted(convert(Small(), RECIPE).init(jax.random.key(0), x)["fp8_state"]) == [
         "Dense_0", "Dense_1"]
 
@@ -156,7 +156,8 @@ def test_below_intensity_warns_at_apply_not_init():
 
   model = convert(Wide(), THRESHOLD)
   with warnings.catch_warnings():
-    warnings.simplefilter("error")  # init's shapes may be placeholders: no warning there
+    # init's shapes may be placeholders: no warning there
+    warnings.simplefilter("error", ConversionWarning)
     v = model.init(jax.random.key(0), jnp.ones((2, 256)))
   with pytest.warns(ConversionWarning, match="1 converted ones fall below it at these shapes"):
     model.apply(v, jnp.ones((2, 256)))
@@ -252,7 +253,8 @@ def test_head_names():
 def test_output_layer_head_excluded_and_reported():
   x = jnp.ones((4, 32))
   with warnings.catch_warnings():
-    warnings.simplefilter("error")  # the head is not converted: no last-projection warning
+    # the head is not converted: no last-projection warning
+    warnings.simplefilter("error", ConversionWarning)
     v = convert(Small(), RECIPE).init(jax.random.key(0), x)
   assert "output_layer" not in v["fp8_state"]
   report = conversion_report(convert(Small(), RECIPE), x)
@@ -272,7 +274,7 @@ def test_last_projection_converted_warns():
   report = conversion_report(convert(Unnamed(), RECIPE), jnp.ones((4, 32)))
   assert "the last projection, 'to_vocab', is converted" in str(report)
   with warnings.catch_warnings():
-    warnings.simplefilter("error")
+    warnings.simplefilter("error", ConversionWarning)
     convert(Unnamed(), RECIPE, exclude="to_vocab").init(jax.random.key(0), jnp.ones((4, 32)))
 
 
@@ -302,7 +304,7 @@ def test_tied_embedding_has_no_output_projection():
   output projection: no warning, and the report names none."""
   tokens = jnp.zeros((2, LEN), jnp.int32)
   with warnings.catch_warnings():
-    warnings.simplefilter("error")
+    warnings.simplefilter("error", ConversionWarning)
     convert(TiedLM(), RECIPE).init(jax.random.key(0), tokens)
   report = conversion_report(convert(TiedLM(), RECIPE), tokens)
   assert report.last is None and [r.path for r in report.fp8] == ["up", "down"]
