@@ -33,26 +33,20 @@ import jax_fp8  # noqa: E402
 
 HAS_CUDA = jax_fp8.cuda_available()
 
-# Without a GPU (CI), every compiled program is kept in a compilation cache for this run: one
-# folder, made by the first test process (pytest-xdist's controller, or pytest alone), that its
-# workers and the processes they start inherit through the environment. A program compiled again
-# (the workers split each file's tests, so they meet the same twins at the same shapes; each
-# benchmark main() builds its train step anew, its child processes once more) is read back. A
-# read that meets an entry another process is still writing fails with JAX's warning and
-# compiles anew. Nothing carries between runs; GPU runs, and a JAX_COMPILATION_CACHE_DIR of the
-# user's, are left as they are.
+# Without a GPU (CI), compiled programs of over half a second are kept in a compilation cache
+# for this run: a folder of each test process (pytest-xdist's workers have one each) that the
+# processes it starts inherit. A demo or benchmark model compiled again by a later test (each
+# main() builds its train step anew; a benchmark's child processes compile it once more) is
+# read back instead. Nothing carries between runs; GPU runs, and a JAX_COMPILATION_CACHE_DIR
+# of the user's, are left as they are.
 if not HAS_CUDA and ("JAX_COMPILATION_CACHE_DIR" not in os.environ
                      or "JAX_FP8_TESTS_CACHE" in os.environ):
-  if "JAX_FP8_TESTS_CACHE" not in os.environ:  # the first process: it makes and removes the folder
-    os.environ.update(JAX_FP8_TESTS_CACHE=str(os.getpid()),
-                      JAX_COMPILATION_CACHE_DIR=tempfile.mkdtemp(prefix="jax_fp8_tests_"),
-                      JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-  _CACHE_DIR = os.environ["JAX_COMPILATION_CACHE_DIR"]
-  _CACHE_OWNER = os.environ["JAX_FP8_TESTS_CACHE"] == str(os.getpid())
-  if _CACHE_OWNER:
-    atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  _CACHE_DIR = tempfile.mkdtemp(prefix="jax_fp8_tests_")  # removed in pytest_unconfigure
+  atexit.register(shutil.rmtree, _CACHE_DIR, ignore_errors=True)
+  os.environ.update(JAX_FP8_TESTS_CACHE="1", JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
+                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
   jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def _base_seed() -> int:
@@ -190,7 +184,7 @@ def pytest_configure(config):
 
 
 def pytest_unconfigure(config):
-  if globals().get("_CACHE_OWNER"):
+  if "_CACHE_DIR" in globals():
     shutil.rmtree(_CACHE_DIR, ignore_errors=True)
 
 
