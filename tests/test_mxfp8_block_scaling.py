@@ -2,6 +2,8 @@
 blocks along its contraction dimension, each direction quantized from the tensor itself) and
 the GEMMs emulated (mxfp8_gemm), against the jnp twins and f32; the layers; recipe checks."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +23,7 @@ MX = jax_fp8.MXFP8BlockScaling()
 TOL = 2 * roundoff("e4m3")
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))  # one compilation, not op by op
 def ref_gemm(a, b, contract_a, contract_b):
   """a contracted with b over the given axes, each quantized along them by the jnp twin."""
   qa = reference.mxfp8_quantize(jnp.moveaxis(a, contract_a, -1))
@@ -49,8 +52,11 @@ def test_gemms_equal_the_twins(platform, rng, lead):
   with zero rows to whole blocks for wgrad), up to the order of the f32 sums."""
   x, w, b, t = problem(rng, lead=lead, k=64, n=96)
   f = lambda x, w, b: jax_fp8.linear(x, w, b, recipe=MX)  # noqa: E731
-  y, vjp = jax.jit(lambda x, w, b: jax.vjp(f, x, w, b))(x, w, b)
-  dx, dw, db = vjp(t)
+
+  def fwd_bwd(x, w, b, t):  # one compilation, not the backward op by op
+    y, vjp = jax.vjp(f, x, w, b)
+    return y, vjp(t)
+  y, (dx, dw, db) = jax.jit(fwd_bwd)(x, w, b, t)
   x2, t2 = np.asarray(x).reshape(-1, 64), np.asarray(t).reshape(-1, 96)
   within_order(np.asarray(y).reshape(-1, 96), ref_gemm(x2, w, 1, 0) + b, x2, np.asarray(w))
   within_order(np.asarray(dx).reshape(-1, 64), ref_gemm(t2, w, 1, 1), t2, np.asarray(w).T)
