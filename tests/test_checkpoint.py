@@ -51,6 +51,13 @@ def data(rng):
   return x, jnp.tanh(x[:, :16])
 
 
+def nnx_step(model, x):
+  """One step's FP8 state update of an NNX model (its gradient in one jit, not op by op)."""
+  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2),
+                           argnums=nnx.DiffState(0, (nnx.Param, jax_fp8.nnx.Fp8State))))(model)
+  jax_fp8.nnx.update_fp8_state(model, grads)
+
+
 def assert_same(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
@@ -177,9 +184,7 @@ def test_a_failed_save_leaves_nothing(rng, tmp_path, monkeypatch):
 def test_nnx_state(rng, tmp_path):
   x, _ = data(rng)
   model = jax_fp8.nnx.Linear(32, 16, recipe=RECIPE, rngs=nnx.Rngs(0))
-  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2),  # one compilation, not op by op
-                           argnums=nnx.DiffState(0, (nnx.Param, jax_fp8.nnx.Fp8State))))(model)
-  jax_fp8.nnx.update_fp8_state(model, grads)
+  nnx_step(model, x)
   state = nnx.state(model)
   checkpoint.save(tmp_path / "ckpt", state, RECIPE)
   fresh = jax_fp8.nnx.Linear(32, 16, recipe=RECIPE, rngs=nnx.Rngs(1))
@@ -194,9 +199,7 @@ def test_stacked_expert_rings(rng, tmp_path):
   recipe of another history length is still refused."""
   x = jnp.asarray(rng.standard_normal((24, 32)), jnp.float32)
   model = jax_fp8.nnx.MoeMlp(32, 4, 2, 16, recipe=RECIPE, rngs=nnx.Rngs(0))
-  grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(x) ** 2),  # one compilation, not op by op
-                           argnums=nnx.DiffState(0, (nnx.Param, jax_fp8.nnx.Fp8State))))(model)
-  jax_fp8.nnx.update_fp8_state(model, grads)
+  nnx_step(model, x)
   nnx.pop(model, nnx.Intermediate)  # the load-balancing loss the calls sowed
   state = nnx.state(model)
   checkpoint.save(tmp_path / "ckpt", state, RECIPE)
