@@ -4,11 +4,13 @@ reference's bytes and scales, and the rings advance as the reference's. Seeded f
 conftest) and the test's name, with no example database: the same examples every run, so CI is
 repeatable; another base seed, or a larger max_examples, searches further."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import PLATFORMS, assert_same_quantized, reference_on_cpu, seed_for
+from conftest import PLATFORMS, assert_same_quantized, reference_on_cpu, seed_for, to_device
 from hypothesis import HealthCheck, given, seed, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -21,6 +23,24 @@ SCALES = st.floats(min_value=float(np.float32(1e-30)), max_value=float(np.float3
 
 def arrays(shape):
   return hnp.arrays(np.float32, shape, elements=FLOATS)
+
+
+@functools.cache
+def _astype(dtype):
+  return jax.jit(lambda x: x.astype(dtype))
+
+
+def as_dtype(x, dtype):
+  """NumPy ``x`` converted to ``dtype`` by XLA, as ``jnp.asarray(x).astype(dtype)`` converts it
+  (NaN payloads included), as NumPy: the elements padded to a power-of-two count (at least
+  256), so that one program per count and dtype serves the examples' many shapes, where an
+  eager conversion compiles at each new shape."""
+  if np.dtype(dtype) == x.dtype:
+    return x
+  flat = np.ravel(x)
+  n = max(256, 1 << max(flat.size - 1, 0).bit_length())
+  out = np.asarray(_astype(dtype)(np.pad(flat, (0, n - flat.size))))
+  return out[:flat.size].reshape(x.shape)
 
 
 def fuzz(max_examples: int):
@@ -41,7 +61,7 @@ def fuzz(max_examples: int):
        dtype=st.sampled_from([jnp.float32, jnp.bfloat16, jnp.float16]))
 def test_quantize_any_input(platform_name, x, scale, fmt, dtype):
   with jax.default_device(jax.devices(platform_name)[0]):
-    xj = jnp.asarray(x).astype(dtype)
+    xj = to_device(as_dtype(x, dtype))
     got = jax_fp8.quantize(xj, jnp.float32(scale), fmt)
   assert_same_quantized(got, reference_on_cpu(reference.quantize, xj, jnp.float32(scale),
                                               fmt=fmt))
@@ -56,7 +76,7 @@ def test_cast_transpose_ring_any_input(platform_name, data, rows, cols16, margin
   ring = jax_fp8.ScaleRing.create(4, "e4m3", margin, algo)
   ref_ring = ring
   for _ in range(steps):
-    x = jnp.asarray(data.draw(arrays((rows, 16 * cols16))))
+    x = to_device(data.draw(arrays((rows, 16 * cols16))))
     with jax.default_device(jax.devices(platform_name)[0]):
       got = jax_fp8.cast_transpose_delayed(x, ring)
     want = reference_on_cpu(reference.cast_transpose_delayed, x, ref_ring)
@@ -76,14 +96,14 @@ def test_cast_transpose_of_parts_any_input(platform_name, data, rows, cols16, dt
   reference's bytes, amax, scale and ring, as its concatenation's."""
   ring = ref_ring = jax_fp8.ScaleRing.create(4, "e5m2")
   for _ in range(steps):
-    xs = [jnp.asarray(data.draw(arrays((rows, 16 * c)))).astype(dtype) for c in cols16]
+    xs = [to_device(as_dtype(data.draw(arrays((rows, 16 * c))), dtype)) for c in cols16]
     with jax.default_device(jax.devices(platform_name)[0]):
       got = jax_fp8.cast_transpose_delayed(xs, ring)
     want = reference_on_cpu(reference.cast_transpose_delayed, xs, ref_ring)
     assert_same_quantized(got.tensor, want.tensor)
     for g, w in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
       np.testing.assert_array_equal(np.asarray(g), w)
-    ring, ref_ring = got.ring, jax.tree.map(jnp.asarray, want.ring)
+    ring, ref_ring = got.ring, jax.tree.map(to_device, want.ring)
 
 
 @pytest.mark.parametrize("platform_name", PLATFORMS)
@@ -96,9 +116,9 @@ def test_norm_cast_transpose_any_input(platform_name, data, rows, cols16, norm, 
   cols, per_row = 16 * cols16, 2 if norm == "layernorm" else 1
   ring = ref_ring = jax_fp8.ScaleRing.create(4, "e4m3")
   for _ in range(steps):
-    args = tuple(jnp.asarray(data.draw(arrays(shape))) for shape in
+    args = tuple(to_device(data.draw(arrays(shape))) for shape in
                  ((rows, cols), (rows, per_row), (cols,)))
-    beta = jnp.asarray(data.draw(arrays((cols,)))) if norm == "layernorm" else None
+    beta = to_device(data.draw(arrays((cols,)))) if norm == "layernorm" else None
     with jax.default_device(jax.devices(platform_name)[0]):
       got = jax_fp8.norm_cast_transpose(*args, beta, ring, norm=norm)
     want = reference_on_cpu(reference.norm_cast_transpose, *args, beta, ref_ring, norm=norm)
@@ -116,7 +136,7 @@ def test_norm_cast_transpose_any_input(platform_name, data, rows, cols16, norm, 
        eps=st.sampled_from([1e-10, 1e-3, 1.0]))
 def test_group_quantize_any_input(platform_name, data, rows, groups, group_size, fmt, ue8m0,
                                   layout, eps):
-  x = jnp.asarray(data.draw(arrays((rows, groups * group_size))))
+  x = to_device(data.draw(arrays((rows, groups * group_size))))
   kw = dict(group_size=group_size, fmt=fmt, eps=eps, ue8m0=ue8m0, scale_layout=layout)
   with jax.default_device(jax.devices(platform_name)[0]):
     got = jax_fp8.group_quantize(x, **kw)
@@ -130,10 +150,10 @@ def test_group_quantize_any_input(platform_name, data, rows, groups, group_size,
 def test_block_ops_any_input(platform_name, data, rows, cols, ue8m0, transpose):
   """block_quantize (C a multiple of 16) or group_cast_transpose (C a multiple of 128)."""
   if transpose:
-    x = jnp.asarray(data.draw(arrays((rows, 128 * cols))))
+    x = to_device(data.draw(arrays((rows, 128 * cols))))
     op, ref = jax_fp8.group_cast_transpose, reference.group_cast_transpose
   else:
-    x = jnp.asarray(data.draw(arrays((rows, 16 * data.draw(st.integers(1, 20))))))
+    x = to_device(data.draw(arrays((rows, 16 * data.draw(st.integers(1, 20))))))
     op, ref = jax_fp8.block_quantize, reference.block_quantize
   with jax.default_device(jax.devices(platform_name)[0]):
     got = op(x, ue8m0=ue8m0)
@@ -148,9 +168,9 @@ def test_norm_group_cast_transpose_any_input(platform_name, data, rows, cols, no
   """The norm in 1 x 128 / 128 x 1 groups, from every f32 as test_norm_cast_transpose_any_input
   draws them: the group scales and bytes the reference's."""
   cols, per_row = 128 * cols, 2 if norm == "layernorm" else 1
-  args = tuple(jnp.asarray(data.draw(arrays(shape))) for shape in
+  args = tuple(to_device(data.draw(arrays(shape))) for shape in
                ((rows, cols), (rows, per_row), (cols,)))
-  beta = jnp.asarray(data.draw(arrays((cols,)))) if norm == "layernorm" else None
+  beta = to_device(data.draw(arrays((cols,)))) if norm == "layernorm" else None
   with jax.default_device(jax.devices(platform_name)[0]):
     got = jax_fp8.norm_group_cast_transpose(*args, beta, norm=norm, ue8m0=ue8m0)
   assert_same_quantized(got, reference_on_cpu(reference.norm_group_cast_transpose, *args, beta,
