@@ -4,13 +4,13 @@ policy with its values stated, dequantization error within the format's half-ulp
 errors, and PDL on / off giving the same bits."""
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import PLATFORMS, bits, on_cpu, poison_allocator, roundoff
+from conftest import (PLATFORMS, bits, jitted, on_cpu, poison_allocator, reference_on_cpu,
+                      roundoff, to_device)
 
 import jax_fp8
 from jax_fp8 import formats, reference
@@ -50,7 +50,8 @@ def rand_rows(rng, shape, dtype, zero_group=None):
     flat[rng.integers(flat.size, size=max(1, flat.size // 100))] = np.float32(1e-40)
   if zero_group is not None:
     x.reshape(-1, shape[-1])[0, :zero_group] = 0.0
-  return jnp.asarray(x).astype(dtype)
+  # NumPy's conversion (ml_dtypes') gives XLA's bits on these values (no NaN); no compilation
+  return to_device(x, dtype)
 
 
 def assert_same(got, want):
@@ -72,12 +73,14 @@ def assert_same(got, want):
 
 
 def ref(fn, x, **kw):
-  """The reference op on the CPU, jitted (one compile per shape instead of one per primitive)."""
-  return on_cpu(jax.jit(functools.partial(fn, **kw)), x)
+  """The reference op on the CPU, jitted (one compile per shape instead of one per primitive;
+  conftest.reference_on_cpu, which keeps the jitted function for the next call)."""
+  return reference_on_cpu(fn, x, **kw)
 
 
 def to_f32(a):
-  return np.asarray(jnp.asarray(a).astype(jnp.float32))
+  """FP8 values as f32, exactly, by NumPy (ml_dtypes): no eager conversion to compile."""
+  return np.asarray(a).astype(np.float32)
 
 
 # ------------------------------------------------------------------------------------------
@@ -165,15 +168,17 @@ def test_group_cast_transpose_matches_reference(platform, rng, fmt, dtype):
 def test_group_cast_transpose_padding_is_zero_even_next_to_nan(platform):
   """qt's padding columns are zero bytes even when the column's last group holds a NaN (whose
   scale is NaN, so quantizing the padding would give NaN)."""
-  x = jnp.ones((200, 128), jnp.float32).at[150, 7].set(jnp.nan)
+  x = np.ones((200, 128), np.float32)
+  x[150, 7] = np.nan
+  x = to_device(x)
   poison_allocator(256 * 128)
   got = jax_fp8.group_cast_transpose(x)
   qt = bits(got.data_t)
   assert np.isnan(np.asarray(got.scale_t)[7, 1])
   assert np.all(qt[:, 200:] == 0)
   assert np.all(qt[7, 128:200] == 0x7F)  # the NaN group itself: NaN bytes
-  ref = on_cpu(reference.group_cast_transpose, x)
-  np.testing.assert_array_equal(qt, bits(ref.data_t))
+  want = reference_on_cpu(reference.group_cast_transpose, x)
+  np.testing.assert_array_equal(qt, bits(want.data_t))
 
 
 def test_block_quantize_transpose_is_block_quantize_of_transpose(platform, rng):
@@ -221,7 +226,7 @@ def test_edge_policy(platform, fmt):
   x[3] = np.linspace(-1, 1, 256) * 3e-11
   # row 4: amax exactly eps (-eps): scale eps / fmt_max, -eps -> -fmt_max
   x[4, 5], x[4, 250] = np.float32(EPS), -np.float32(EPS)
-  got = blockwise.group_quantize(jnp.asarray(x), fmt=fmt)
+  got = blockwise.group_quantize(to_device(x), fmt=fmt)
   q8, s = bits(got.data), np.asarray(got.scale)
   qf = to_f32(got.data)
   assert s.dtype == np.float32 and s.shape == (5, 2)
@@ -244,7 +249,7 @@ def test_edge_policy(platform, fmt):
   assert qf[4, 5] == fmax and qf[4, 250] == -fmax
 
   # ue8m0 keeps NaN and inf, rounds the eps scale up to a power of two.
-  su = np.asarray(blockwise.group_quantize(jnp.asarray(x), fmt=fmt, ue8m0=True).scale)
+  su = np.asarray(blockwise.group_quantize(to_device(x), fmt=fmt, ue8m0=True).scale)
   assert np.isnan(su[1, 0]) and su[1, 1] == np.inf
   assert su[0, 0] == np.float32(2.0 ** np.ceil(np.log2(np.float64(zero_s))))
 
@@ -256,7 +261,7 @@ def test_edge_policy(platform, fmt):
   w[200, 3] = -np.inf
   w[128:, 128:] = 0.5
   w[255, 255] = 1e-40
-  blocks = blockwise.block_quantize(jnp.asarray(w), fmt=fmt)
+  blocks = blockwise.block_quantize(to_device(w), fmt=fmt)
   qb, sb = blocks.data, np.asarray(blocks.scale)
   assert sb[0, 0] == zero_s and not np.any(bits(qb)[:128, :128])
   assert np.isnan(sb[0, 1]) and np.all(bits(qb)[:128, 128:] == 0x7F)
@@ -267,7 +272,7 @@ def test_edge_policy(platform, fmt):
   xt = np.zeros((130, 128), np.float32)  # row 0 zero, column 1 NaN, column 2 inf (tile 1)
   xt[1:, 3] = 1.0
   xt[4, 1], xt[129, 2] = np.nan, np.inf
-  both = blockwise.group_cast_transpose(jnp.asarray(xt), fmt=fmt)
+  both = blockwise.group_cast_transpose(to_device(xt), fmt=fmt)
   sr, qt, st = np.asarray(both.scale), both.data_t, np.asarray(both.scale_t)
   assert sr[0, 0] == zero_s and np.isnan(sr[4, 0]) and sr[129, 0] == np.inf
   assert st[0, 0] == zero_s and st[0, 1] == zero_s and not np.any(bits(qt)[0])
@@ -287,7 +292,7 @@ def test_edge_policy_other_dtypes(platform, dtype):
   x[1, :128] = 1.0
   x[1, 3] = np.nan
   x[1, 130] = np.inf
-  got = blockwise.group_quantize(jnp.asarray(x).astype(dtype), group_size=32)
+  got = blockwise.group_quantize(to_device(x, dtype), group_size=32)  # NaN kept by NumPy
   q, s, qf = got.data, np.asarray(got.scale), to_f32(got.data)
   zero_s = eps_scale("e4m3")
   np.testing.assert_array_equal(s[0, :4], zero_s)
@@ -338,17 +343,22 @@ def check_roundtrip(x, deq, scales_full, fmt):
   return err
 
 
+# reference.expand_scales jitted: one program per shape, where eagerly each operation compiles.
+expand_scales = jax.jit(reference.expand_scales, static_argnums=(1, 2, 3))
+
+
 @pytest.mark.parametrize("fmt", FMTS)
 def test_dequantize_roundtrip(platform, rng, fmt):
   for dtype in DTYPES:
     for ue8m0 in (False, True):
       x = rand_rows(rng, (300, 512), dtype)
       xf = ref(formats.as_f32, x)  # the values the kernels see (f32 subnormals -> 0)
+      # the ops and expand_scales jitted (conftest.jitted): eagerly each compiles piecewise
       for gs in (128, 32):
-        got = blockwise.group_quantize(x, group_size=gs, fmt=fmt, ue8m0=ue8m0)
+        got = jitted(blockwise.group_quantize, x, group_size=gs, fmt=fmt, ue8m0=ue8m0)
         q, s = got.data, got.scale
         if gs == 128:
-          full = np.asarray(reference.expand_scales(s, 300, 512, 1))
+          full = np.asarray(expand_scales(s, 300, 512, 1))
         else:
           full = np.repeat(np.asarray(s), gs, axis=-1)
         deq = to_f32(q) * full
@@ -363,11 +373,12 @@ def test_dequantize_roundtrip(platform, rng, fmt):
         if not ue8m0:  # the group amax maps to fmt_max (unless floored at eps)
           np.testing.assert_array_equal(qmax[amax >= np.float32(EPS)], fmax)
         assert np.all(qmax <= fmax) and np.all(qmax[amax >= np.float32(EPS)] >= fmax / 2)
-      blocks = blockwise.block_quantize(x[:, :400], fmt=fmt, ue8m0=ue8m0)
-      full = np.asarray(reference.expand_scales(blocks.scale, 300, 400, 128))
+      blocks = jitted(blockwise.block_quantize, to_device(np.asarray(x)[:, :400]), fmt=fmt,
+                      ue8m0=ue8m0)
+      full = np.asarray(expand_scales(blocks.scale, 300, 400, 128))
       check_roundtrip(xf[:, :400], to_f32(blocks.data) * full, full, fmt)
-      both = blockwise.group_cast_transpose(x, fmt=fmt, ue8m0=ue8m0)
-      full = np.asarray(reference.expand_scales(both.scale_t, 512, 384, 1))
+      both = jitted(blockwise.group_cast_transpose, x, fmt=fmt, ue8m0=ue8m0)
+      full = np.asarray(expand_scales(both.scale_t, 512, 384, 1))
       deq_t = to_f32(both.data_t) * full
       check_roundtrip(xf.T, deq_t[:, :300], full[:, :300], fmt)
       assert not np.any(deq_t[:, 300:])
@@ -468,7 +479,7 @@ def test_sharded_jit_bit_identical(rng, spec):
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
   mesh = Mesh(np.array(jax.devices("cpu")[:8]).reshape(2, 2, 2), ("d", "m", "d2"))
   rows = 384 if spec != ("d", "d2") else 200  # 200: rows not in whole 128-row blocks
-  x = jnp.asarray(rng.standard_normal((rows, 512)) * 3, jnp.bfloat16)
+  x = to_device(rng.standard_normal((rows, 512)) * 3, jnp.bfloat16)  # NumPy's rounding, XLA's
   xs = jax.device_put(x, NamedSharding(mesh, P(*spec)))
   ops = {
       "row": lambda x: blockwise.group_quantize(x, group_size=64),
