@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (assert_same_quantized, bits, covering_cases, normwise, on_cpu,
-                      poison_allocator, reference_on_cpu, roundoff)
+from conftest import (assert_same_quantized, bits, covering_cases, jitted, normwise,
+                      poison_allocator, reference_on_cpu, roundoff, to_device)
 from flax import nnx
 
 import jax_fp8
@@ -52,9 +52,15 @@ def rel(a, b):
 
 
 def params(rng, norm, k, dtype=jnp.float32):
-  gamma = jnp.asarray(1 + 0.5 * rng.standard_normal(k), dtype)
-  beta = jnp.asarray(0.5 * rng.standard_normal(k), dtype) if norm == "layernorm" else None
+  gamma = to_device(1 + 0.5 * rng.standard_normal(k), dtype)
+  beta = to_device(0.5 * rng.standard_normal(k), dtype) if norm == "layernorm" else None
   return gamma, beta
+
+
+def stats(x, norm, epsilon=1e-6):
+  """norms.stats jitted (conftest.jitted): one program per shape, where eagerly each of its
+  operations compiles."""
+  return jitted(norms.stats, x, norm=norm, epsilon=epsilon)
 
 
 # Every shape with every input dtype, the norm varied so that it meets every shape and dtype.
@@ -69,8 +75,8 @@ def test_matches_reference_bytes(platform, rng, norm, dtype, shape):
   ring = jax_fp8.ScaleRing.create(8, "e4m3")
   step = jax.jit(jax_fp8.norm_cast_transpose, static_argnames="norm")
   for _ in range(2):  # the fresh step (scale from the norm's own amax), then a delayed one
-    x = jnp.asarray(rng.standard_normal((r, c)) * 3 + 1, dtype)
-    row_stats = jnp.asarray(on_cpu(lambda x: norms.stats(x, norm, 1e-6), x))  # one copy, both
+    x = to_device(rng.standard_normal((r, c)) * 3 + 1, dtype)
+    row_stats = to_device(reference_on_cpu(norms.stats, x, norm=norm, epsilon=1e-6))  # both
     poison_allocator(r * c)
     got = step(x, row_stats, gamma, beta, ring, norm=norm)
     want = reference_on_cpu(reference.norm_cast_transpose, x, row_stats, gamma, beta, ring,
@@ -85,9 +91,9 @@ def test_matches_reference_bytes(platform, rng, norm, dtype, shape):
 def test_apply_rounds_as_the_kernels(rng):
   """norms.apply (the reference's values) rounds LayerNorm's product before adding beta, also
   under jit, where XLA would otherwise fuse them into one multiply-add (the CPU has one)."""
-  x = jnp.asarray(rng.standard_normal((64, 256)) * 3, jnp.float32)
+  x = to_device(rng.standard_normal((64, 256)) * 3, np.float32)
   gamma, beta = params(rng, "layernorm", 256)
-  st = norms.stats(x, "layernorm", 1e-6)
+  st = stats(x, "layernorm")
   apart = np.float32(np.asarray(x) - np.asarray(st[:, :1])) * np.float32(
       np.asarray(st[:, 1:]) * np.asarray(gamma))
   want = np.float32(apart + np.asarray(beta))  # NumPy rounds each operation
@@ -98,30 +104,40 @@ def test_apply_rounds_as_the_kernels(rng):
 def test_normalize_matches_flax(rng):
   """jax_fp8.norms.normalize against flax.linen's RMSNorm and LayerNorm (f32 rounding apart:
   Flax multiplies rsigma into x before gamma)."""
-  x = jnp.asarray(rng.standard_normal((8, 128)) * 2 + 0.5, jnp.float32)
+  x = to_device(rng.standard_normal((8, 128)) * 2 + 0.5, np.float32)
   for norm, layer in (("rmsnorm", nn.RMSNorm(epsilon=1e-5)),
                       ("layernorm", nn.LayerNorm(epsilon=1e-5))):
-    v = layer.init(jax.random.key(0), x)
-    p = jax.tree.map(lambda a: a + jnp.linspace(0.5, 1.5, a.shape[0]), v)["params"]
-    want = layer.apply({"params": p}, x)
-    got = norms.normalize(x, p["scale"], p.get("bias"), norm=norm, epsilon=1e-5)
+    # each step jitted: one program each, where eagerly every operation compiles
+    v = jax.jit(layer.init)(jax.random.key(0), x)
+    p = jax.jit(lambda v: jax.tree.map(lambda a: a + jnp.linspace(0.5, 1.5, a.shape[0]), v))(
+        v)["params"]
+    want = jax.jit(layer.apply)({"params": p}, x)
+    got = jitted(norms.normalize, x, p["scale"], p.get("bias"), norm=norm, epsilon=1e-5)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_nan_stays_visible(platform):
-  x = jnp.ones((16, 64), jnp.float32).at[3, 5].set(jnp.nan)
+  x = np.ones((16, 64), np.float32)
+  x[3, 5] = np.nan
+  x = to_device(x)
   for norm in NORMS:
-    gamma, beta = jnp.ones(64), (jnp.zeros(64) if norm == "layernorm" else None)
-    out = jax_fp8.norm_cast_transpose(x, norms.stats(x, norm, 1e-6), gamma, beta,
+    gamma = to_device(np.ones(64, np.float32))
+    beta = to_device(np.zeros(64, np.float32)) if norm == "layernorm" else None
+    out = jax_fp8.norm_cast_transpose(x, stats(x, norm), gamma, beta,
                                       jax_fp8.ScaleRing.create(4), norm=norm)
     assert np.isnan(float(out.tensor.amax))
     assert bits(out.tensor.data)[3, 5] == 0x7F and bits(out.tensor.data_t)[5, 3] == 0x7F
 
 
+def ones(shape, dtype=np.float32):
+  """jnp.ones(shape, dtype) put from NumPy: no eager broadcast to compile."""
+  return to_device(np.ones(shape, dtype))
+
+
 def test_bad_inputs():
   ring = jax_fp8.ScaleRing.create(4)
-  x, g = jnp.ones((4, 32)), jnp.ones(32)
-  st = norms.stats(x, "rmsnorm", 1e-6)
+  x, g = ones((4, 32)), ones(32)
+  st = stats(x, "rmsnorm")
   with pytest.raises(ValueError, match="norm must be one of"):
     jax_fp8.norm_cast_transpose(x, st, g, None, ring, norm="batchnorm")
   with pytest.raises(TypeError, match="beta must be None under 'rmsnorm'"):
@@ -129,15 +145,15 @@ def test_bad_inputs():
   with pytest.raises(TypeError, match=r"beta must be a \[K\] array under 'layernorm'"):
     jax_fp8.norm_cast_transpose(x, st, g, None, ring, norm="layernorm")
   with pytest.raises(ValueError, match=r"gamma must be \[32\]"):
-    jax_fp8.norm_cast_transpose(x, st, jnp.ones(16), None, ring, norm="rmsnorm")
+    jax_fp8.norm_cast_transpose(x, st, ones(16), None, ring, norm="rmsnorm")
   with pytest.raises(TypeError, match="gamma must be float32"):
-    jax_fp8.norm_cast_transpose(x, st, jnp.ones(32, jnp.int32), None, ring, norm="rmsnorm")
+    jax_fp8.norm_cast_transpose(x, st, ones(32, np.int32), None, ring, norm="rmsnorm")
   with pytest.raises(ValueError, match=r"row_stats must be \[4, 2\]"):
     jax_fp8.norm_cast_transpose(x, st, g, g, ring, norm="layernorm")
   with pytest.raises(ValueError, match="positive multiple of 16"):
-    jax_fp8.norm_cast_transpose(jnp.ones((4, 24)), st, jnp.ones(24), None, ring, norm="rmsnorm")
+    jax_fp8.norm_cast_transpose(ones((4, 24)), st, ones(24), None, ring, norm="rmsnorm")
   state = jax_fp8.LinearState.create()
-  k = jnp.ones((32, 16))
+  k = ones((32, 16))
   with pytest.raises(ValueError, match="epsilon must be a finite float > 0"):
     jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=0.0)
   with pytest.raises(TypeError, match=r"norm='rmsnorm' needs gamma, its \[K\] scale, got None"):
@@ -145,8 +161,8 @@ def test_bad_inputs():
   with pytest.raises(TypeError, match="gamma and beta are a norm's parameters"):
     jax_fp8.linear(x, k, state=state, gamma=g)
   with pytest.raises(ValueError, match=r"gamma must be \[32\]"):
-    jax_fp8.mlp(x, jnp.ones((32, 32)), jnp.ones((16, 32)), state=jax_fp8.MlpState.create(),
-                norm="rmsnorm", gamma=jnp.ones(16))
+    jax_fp8.mlp(x, ones((32, 32)), ones((16, 32)), state=jax_fp8.MlpState.create(),
+                norm="rmsnorm", gamma=ones(16))
   with pytest.raises(ValueError, match="Dense.norm must be one of"):
     jax_fp8.flax.Dense(16, norm="rms").init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="Mlp.norm_epsilon must be a finite float > 0"):
@@ -154,10 +170,10 @@ def test_bad_inputs():
 
 
 def problem(rng, norm, k=64, n=48, dtype=jnp.float32):
-  x = jnp.asarray(rng.standard_normal((3, 20, k)) * 2 + 0.3, dtype)
-  kernel = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), jnp.float32)
+  x = to_device(rng.standard_normal((3, 20, k)) * 2 + 0.3, dtype)
+  kernel = to_device(rng.standard_normal((k, n)) / np.sqrt(k), np.float32)
   gamma, beta = params(rng, norm, k)
-  t = jnp.asarray(rng.standard_normal((3, 20, n)), jnp.float32)
+  t = to_device(rng.standard_normal((3, 20, n)), np.float32)
   return x, kernel, gamma, beta, t
 
 
@@ -248,7 +264,7 @@ def test_multi_linear_and_mlp_match_unfused(platform, rng, norm, layer):
   f, state, width, quantizations = LAYERS[layer]
   x, kernel, gamma, beta, _ = problem(rng, norm)
   fused, unfused = fused_and_unfused(f, state, norm)
-  t = jnp.asarray(rng.standard_normal((3, 20, width)), jnp.float32)
+  t = to_device(rng.standard_normal((3, 20, width)), np.float32)
   got = output_and_grads(fused, t, x, kernel, gamma, beta)
   ref = output_and_grads(unfused, t, x, kernel, gamma, beta)
   # x is f32: the same values quantized, so on the CPU the same bits, except dgamma's XLA
@@ -279,7 +295,7 @@ def test_fused_path_runs_one_cast_transpose_for_x(rng):
   assert hlo.count("jax_fp8_cast_transpose_ring") == 2  # x (normed) and the kernel
   assert "norm = 2" in hlo
   block = jax_fp8.BlockScaling()
-  xb = jnp.asarray(rng.standard_normal((2, 128, 128)), jnp.float32)
+  xb = to_device(rng.standard_normal((2, 128, 128)), np.float32)
   kb, gb = kernel.repeat(2, 0).repeat(8, 1)[:128, :128], jnp.linspace(0.5, 1.5, 128)
   fb = lambda x: jax_fp8.linear(x, kb, recipe=block, norm="rmsnorm", gamma=gb)  # noqa: E731
   hlo = jax.jit(lambda x: jax.vjp(fb, x)[0]).lower(xb).as_text()
@@ -302,7 +318,7 @@ def test_fused_path_runs_one_cast_transpose_for_x(rng):
 def test_flax_and_nnx_layers(rng):
   """The linen and NNX layers with a norm: "gamma" (and LayerNorm's "beta") parameters, the
   output of the function they wrap, gradients for the norm's parameters."""
-  x = jnp.asarray(rng.standard_normal((2, 16, 64)), jnp.float32)
+  x = to_device(rng.standard_normal((2, 16, 64)), np.float32)
   for norm in NORMS:
     layer = jax_fp8.flax.Mlp(32, activation="swiglu", norm=norm, norm_epsilon=1e-5)
     v = layer.init(jax.random.key(0), x)
@@ -338,9 +354,9 @@ def test_gradients_at_zero(rng):
   """Exact zeros in x, gamma and beta get their gradients (the layers initialize beta to
   zeros): against the norm written in plain jnp, with no subnormal flush."""
   x, kernel, _, _, t = problem(rng, "layernorm")
-  x = x.at[..., 0].set(0.0)
-  gamma = jnp.ones(64).at[1].set(0.0)
-  beta = jnp.zeros(64).at[2].set(0.5)
+  x, gamma, beta = np.array(x), np.ones(64, np.float32), np.zeros(64, np.float32)
+  x[..., 0], gamma[1], beta[2] = 0.0, 0.0, 0.5  # in NumPy: no eager scatter to compile
+  x, gamma, beta = to_device(x), to_device(gamma), to_device(beta)
 
   def plain(x, kernel, gamma, beta):
     mu = jnp.mean(x, -1, keepdims=True)
@@ -363,9 +379,9 @@ def test_norm_reads_x_in_its_own_dtype(rng):
   """With dtype=bfloat16 the GEMMs compute in bf16, and the norm reads an f32 x before any
   rounding: where a row's mean dwarfs its spread, rounding x to bf16 first (spacing 0.5 at
   100) would lose the spread."""
-  x = jnp.asarray(rng.standard_normal((64, 64)) + 100.0, jnp.float32)
-  kernel = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
-  gamma, beta = jnp.ones(64), jnp.zeros(64)
+  x = to_device(rng.standard_normal((64, 64)) + 100.0, np.float32)
+  kernel = to_device(rng.standard_normal((64, 32)) / 8, np.float32)
+  gamma, beta = ones(64), to_device(np.zeros(64, np.float32))
   exact = norms.normalize(x, gamma, beta, norm="layernorm", epsilon=1e-6) @ kernel
   # FP8: x and kernel in e4m3, the output in bf16; below the intensity XLA's bf16 GEMM: x,
   # kernel and output each rounded to bf16.
@@ -401,8 +417,8 @@ def test_norm_reads_x_in_its_own_dtype(rng):
 
 
 def test_epsilon_and_statistics_types():
-  x, g = jnp.ones((4, 32)), jnp.ones(32)
-  k, state = jnp.ones((32, 16)), jax_fp8.LinearState.create()
+  x, g = ones((4, 32)), ones(32)
+  k, state = ones((32, 16)), jax_fp8.LinearState.create()
   y = jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=np.float32(1e-5))
   assert y.shape == (4, 16)
   with pytest.raises(TypeError, match="epsilon must be a float > 0, got str"):
@@ -419,7 +435,7 @@ def test_epsilon_and_statistics_types():
   with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16, got int32"):
     jax_fp8.norms.stats(x.astype(jnp.int32), "rmsnorm", 1e-6)
   with pytest.raises(TypeError, match="row_stats must be float32"):
-    jax_fp8.norm_cast_transpose(x, jnp.ones((4, 1), jnp.bfloat16), g, None,
+    jax_fp8.norm_cast_transpose(x, ones((4, 1), jnp.bfloat16), g, None,
                                 jax_fp8.ScaleRing.create(4), norm="rmsnorm")
 
 
