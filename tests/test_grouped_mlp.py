@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import normwise, reference_on_cpu, roundoff, summation_error
+from conftest import normwise, reference_on_cpu, roundoff, summation_error, to_device
 from test_backward_twins import ACT_ULPS, tree_equal
 from test_grouped_linear import onehot, rows_of
 from test_linear import bias_tol, rel
@@ -50,14 +50,15 @@ BLOCK, BLOCK_DIMS = RECIPES["block"], {"k": 128, "f": 128, "d": 128}
 
 def problem(rng, m, activation="swiglu", dtype=F32, k=K, f=F, d=D):
   n = 2 * f if activations.ACTIVATIONS[activation][1] else f
-  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
-  k_in = jnp.asarray(rng.standard_normal((G, k, n)) * np.asarray(MAGNITUDES_IN)[:, None, None]
-                     / np.sqrt(k), F32)
-  k_out = jnp.asarray(rng.standard_normal((G, f, d)) * np.asarray(MAGNITUDES_OUT)[:, None, None]
-                      / np.sqrt(f), F32)
-  b_in = jnp.asarray(rng.standard_normal((G, n)) * 0.1, F32)
-  b_out = jnp.asarray(rng.standard_normal((G, d)) * 0.1, F32)
-  t = jnp.asarray(rng.standard_normal((m, d)), F32)
+  # put from NumPy (jnp.asarray's conversion, without its compiled copy per shape)
+  x = to_device(rng.standard_normal((m, k)), dtype)
+  k_in = to_device(rng.standard_normal((G, k, n)) * np.asarray(MAGNITUDES_IN)[:, None, None]
+                   / np.sqrt(k), F32)
+  k_out = to_device(rng.standard_normal((G, f, d)) * np.asarray(MAGNITUDES_OUT)[:, None, None]
+                    / np.sqrt(f), F32)
+  b_in = to_device(rng.standard_normal((G, n)) * 0.1, F32)
+  b_out = to_device(rng.standard_normal((G, d)) * 0.1, F32)
+  t = to_device(rng.standard_normal((m, d)), F32)
   return x, k_in, k_out, b_in, b_out, t
 
 
@@ -86,6 +87,11 @@ def loss_f32(x, k_in, k_out, b_in, b_out, sizes, t, activation="swiglu"):
   return jnp.sum(mlp_f32(x, k_in, k_out, b_in, b_out, sizes, activation) * t)
 
 
+# One function each, so that reference_on_cpu keeps its program for the next call at a shape.
+GRAD_F32 = jax.grad(loss_f32, argnums=(0, 1, 2, 3, 4))
+GRAD_F32_X_KERNELS = jax.grad(loss_f32, argnums=(0, 1, 2))
+
+
 def state_for(recipe):
   return jax_fp8.GroupedMlpState.create(G, recipe) if recipe.stateful else None
 
@@ -106,7 +112,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_forward_and_grads(platform, rng, case):
   m, sizes, aligned, act, name, dtype, biases = CASES[case]
-  recipe, gs = RECIPES[name], jnp.asarray(sizes, jnp.int32)
+  recipe, gs = RECIPES[name], to_device(sizes, np.int32)
   block = recipe is BLOCK
   x, k_in, k_out, b_in, b_out, t = problem(rng, m, act, dtype, **(BLOCK_DIMS if block else {}))
   fwd_tol, bwd_tol = FWD_TOL, FWD_TOL if block else BWD_TOL
@@ -121,11 +127,10 @@ def test_forward_and_grads(platform, rng, case):
   (_, y), grads = jax.jit(jax.value_and_grad(layer, argnums=(0, 1, 2, 3, 4), has_aux=True))(
       x, k_in, k_out, b_in, b_out, state_for(recipe))
   assert y.shape == (m, d) and y.dtype == dtype
-  bi, bo = (b_in, b_out) if biases else (jnp.zeros((G, k_in.shape[2]), F32),
-                                         jnp.zeros((G, d), F32))
+  bi, bo = (b_in, b_out) if biases else (to_device(np.zeros((G, k_in.shape[2]), F32)),
+                                         to_device(np.zeros((G, d), F32)))
   want = reference_on_cpu(mlp_f32, x, k_in, k_out, bi, bo, gs, activation=act)
-  want_grads = reference_on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2, 3, 4)), x, k_in, k_out,
-                                bi, bo, gs, t, activation=act)
+  want_grads = reference_on_cpu(GRAD_F32, x, k_in, k_out, bi, bo, gs, t, activation=act)
   # y's rounding to the compute dtype before the activation, and the output's
   out = 2 * roundoff(dtype)
   groups, end = rows_of(sizes, m)
@@ -270,12 +275,12 @@ def test_equals_twin(platform, rng, case):
   within the bound of their sums) and the twin quantizes with jax_fp8's own kernels
   (``cast_ops``)."""
   name, biases, m, sizes, aligned = TWIN_CASES[case]
-  recipe, gs, cur = RECIPES[name], jnp.asarray(sizes, jnp.int32), name == "current"
+  recipe, gs, cur = RECIPES[name], to_device(sizes, np.int32), name == "current"
   x, k_in, k_out, b_in, b_out, g = problem(rng, m)
   if not biases:
     b_in, b_out = None, None
   # x's amax half this step's (x saturates), the kernels' around their own
-  state = None if cur else warm_state(jnp.asarray(np.concatenate(
+  state = None if cur else warm_state(to_device(np.concatenate(
       [[1.5], rng.uniform(0.3, 2.0, G), [0.1, 1.0], rng.uniform(0.3, 2.0, G), [1.5]]), F32))
 
   def layer(x, k_in, k_out, b_in, b_out, state):
@@ -392,7 +397,7 @@ def test_block_equals_twin(platform, rng, case):
   another block or another expert, a 128-row group straddling two experts, or an activation
   quantized from other rows shows here."""
   biases, m, sizes, aligned = BLOCK_TWIN_CASES[case]
-  gs = jnp.asarray(sizes, jnp.int32)
+  gs = to_device(sizes, np.int32)
   x, k_in, k_out, b_in, b_out, g = problem(rng, m, **BLOCK_DIMS)
   if not biases:
     b_in, b_out = None, None
@@ -430,10 +435,9 @@ def test_traced_group_sizes_one_compilation(platform, rng):
   f = jax.jit(jax.grad(lambda x, k_in, k_out, gs: loss(x, k_in, k_out, b_in, b_out, None, gs,
                                                        t, recipe), argnums=(0, 1, 2)))
   for sizes in ([10, 10, 10, 10], [0, 40, 0, 0], [3, 0, 17, 5]):
-    gs = jnp.asarray(sizes, jnp.int32)
+    gs = to_device(sizes, np.int32)
     got = f(x, k_in, k_out, gs)
-    want = reference_on_cpu(jax.grad(loss_f32, argnums=(0, 1, 2)), x, k_in, k_out, b_in, b_out,
-                            gs, t)
+    want = reference_on_cpu(GRAD_F32_X_KERNELS, x, k_in, k_out, b_in, b_out, gs, t)
     for a, b in zip(got, want):
       assert rel(a, b) < BWD_TOL
   assert f._cache_size() == 1
@@ -445,7 +449,7 @@ def test_below_min_intensity_is_the_composition(rng):
   and no ring moves."""
   m, sizes = 24, [10, 0, 9, 5]
   x, k_in, k_out, b_in, b_out, t = problem(rng, m, "swiglu", jnp.bfloat16)
-  gs = jnp.asarray(sizes, jnp.int32)
+  gs = to_device(sizes, np.int32)
   recipe = jax_fp8.DelayedScaling(fp8_min_intensity=1e6)
   state = state_for(recipe)
   got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)), static_argnums=8)(
@@ -465,38 +469,41 @@ def test_below_min_intensity_is_the_composition(rng):
 
 
 def _bad_cases():
-  x, k_in, k_out = jnp.zeros((32, K)), jnp.zeros((G, K, 2 * F)), jnp.zeros((G, F, D))
-  gs, b_in, b_out = jnp.full((G,), 8, jnp.int32), jnp.zeros((G, 2 * F)), jnp.zeros((G, D))
+  """Built at collection: zeros (and sizes of 8) put from NumPy, each array of the shape and
+  dtype a slice or conversion of the valid ones would have, with no eager JAX operation."""
+  def z(*shape, dtype=F32, fill=0):
+    return to_device(np.full(shape, fill, dtype))
+  x, k_in, k_out = z(32, K), z(G, K, 2 * F), z(G, F, D)
+  gs, b_in, b_out = z(G, dtype=np.int32, fill=8), z(G, 2 * F), z(G, D)
   ok = (x, k_in, k_out, gs, b_in, b_out)
   return [
-      ("x rank", (x[None],) + ok[1:], {}, ValueError, "x must be \\[M, K\\]"),
-      ("x int", (x.astype(jnp.int32),) + ok[1:], {}, TypeError,
+      ("x rank", (z(1, 32, K),) + ok[1:], {}, ValueError, "x must be \\[M, K\\]"),
+      ("x int", (z(32, K, dtype=np.int32),) + ok[1:], {}, TypeError,
        "x must be float32, bfloat16 or float16, got int32"),
-      ("kernel_in K", (x, k_in[:, :16]) + ok[2:], {}, ValueError,
+      ("kernel_in K", (x, z(G, 16, 2 * F)) + ok[2:], {}, ValueError,
        "kernel_in must be \\[G, K, N\\] with x's K=32, got shape \\[4, 16, 64\\]"),
-      ("kernel_out int", (x, k_in, k_out.astype(jnp.int32)) + ok[3:], {}, TypeError,
+      ("kernel_out int", (x, k_in, z(G, F, D, dtype=np.int32)) + ok[3:], {}, TypeError,
        "kernel_out must be float32, bfloat16 or float16"),
-      ("kernel_out G", (x, k_in, k_out[:3]) + ok[3:], {}, ValueError,
+      ("kernel_out G", (x, k_in, z(3, F, D)) + ok[3:], {}, ValueError,
        "kernel_out must be \\[G, F, D\\] with kernel_in's G=4, got shape \\[3, 32, 48\\]"),
-      ("gated N", (x, k_in[..., :48]) + ok[2:], {}, ValueError,
+      ("gated N", (x, z(G, K, 48)) + ok[2:], {}, ValueError,
        "N = 2F \\(gate and up side by side\\) under 'swiglu'"),
       ("plain N", ok, {"activation": "gelu"}, ValueError, "N = F under 'gelu'"),
       ("activation", ok, {"activation": "relu"}, ValueError, "activation must be one of"),
-      ("sizes float", (x, k_in, k_out, gs.astype(F32), b_in, b_out), {}, TypeError,
+      ("sizes float", (x, k_in, k_out, z(G, fill=8), b_in, b_out), {}, TypeError,
        "group_sizes must be int32 \\[G\\], got float32\\[4\\]"),
-      ("sizes G", (x, k_in, k_out, gs[:3], b_in, b_out), {}, ValueError,
+      ("sizes G", (x, k_in, k_out, z(3, dtype=np.int32, fill=8), b_in, b_out), {}, ValueError,
        "group_sizes \\[G\\] and kernel_in \\[G, K, N\\] must share G, got group_sizes \\[3\\]"),
-      ("bias_in", ok[:4] + (b_in[0], b_out), {}, ValueError,
+      ("bias_in", ok[:4] + (z(2 * F), b_out), {}, ValueError,
        "bias_in must be \\[G, N\\] = \\[4, 64\\], got \\[64\\]"),
-      ("bias_out", ok[:5] + (b_out[:, :16],), {}, ValueError,
+      ("bias_out", ok[:5] + (z(G, 16),), {}, ValueError,
        "bias_out must be \\[G, D\\] = \\[4, 48\\], got \\[4, 16\\]"),
-      ("F not 16", (x, k_in[..., :48], k_out[:, :24]) + ok[3:4], {}, ValueError,
+      ("F not 16", (x, z(G, K, 48), z(G, 24, D)) + ok[3:4], {}, ValueError,
        "multiples of 16 .*F=24"),
       ("block F", ok, {"recipe": BLOCK, "state": None}, ValueError,
        "BlockScaling needs K and N multiples of 128 .*got K=32, F=32, D=48"),
-      ("block state", (jnp.zeros((32, 128)), jnp.zeros((G, 128, 256)), jnp.zeros((G, 128, 128)),
-                       gs), {"recipe": BLOCK}, ValueError,
-       "BlockScaling is stateless: pass state=None"),
+      ("block state", (z(32, 128), z(G, 128, 256), z(G, 128, 128), gs), {"recipe": BLOCK},
+       ValueError, "BlockScaling is stateless: pass state=None"),
       ("mxfp8 recipe", ok, {"recipe": jax_fp8.MXFP8BlockScaling(), "state": None}, TypeError,
        "grouped_mlp takes a DelayedScaling, a CurrentScaling or a BlockScaling .*got "
        "MXFP8BlockScaling: no grouped FP8 GEMM takes its scales"),
