@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import normwise, on_cpu, roundoff, summation_error
+from conftest import normwise, on_cpu, roundoff, summation_error, to_device
 from test_linear import BWD_TOL, E4M3, E5M2, FWD_TOL, bias_tol, rel
 
 import jax_fp8
@@ -43,11 +43,11 @@ BLOCK_CASES = {
 
 
 def problem(rng, m, dtype=jnp.float32, groups=4, k=K, n=N):
-  x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+  x = to_device(rng.standard_normal((m, k)), dtype)
   scale = np.asarray(MAGNITUDES[:groups])[:, None, None] / np.sqrt(k)
-  w = jnp.asarray(rng.standard_normal((groups, k, n)) * scale, jnp.float32)
-  b = jnp.asarray(rng.standard_normal((groups, n)), jnp.float32)
-  t = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+  w = to_device(rng.standard_normal((groups, k, n)) * scale, jnp.float32)
+  b = to_device(rng.standard_normal((groups, n)), jnp.float32)
+  t = to_device(rng.standard_normal((m, n)), jnp.float32)
   return x, w, b, t
 
 
@@ -86,7 +86,7 @@ grad_f32 = jax.jit(jax.grad(loss_f32, argnums=(0, 1, 2)))  # the f32 math's dx, 
 
 
 def rows_of(sizes, m):
-  start, end = (np.asarray(v) for v in group_bounds(jnp.asarray(sizes, jnp.int32), m))
+  start, end = (np.asarray(v) for v in group_bounds(to_device(sizes, np.int32), m))
   return [slice(s, e) for s, e in zip(start, end)], int(end[-1])
 
 
@@ -117,7 +117,7 @@ def check_forward_and_grads(recipe, data, sizes, aligned, fwd_tol, bwd_tol):
   for an expert with no rows, the bias gradient through the output's rounding."""
   x, w, b, t = data
   (m, _), n, dtype = x.shape, w.shape[2], x.dtype
-  gs = jnp.asarray(sizes, jnp.int32)
+  gs = to_device(sizes, np.int32)
   state = state_for(recipe)
   forward = jax.jit(lambda x, w, b, s: jax_fp8.grouped_linear(
       x, w, gs, b, recipe=recipe, state=s, aligned=aligned))
@@ -158,7 +158,7 @@ def test_no_rows_and_one_expert(rng):
       x[:0], w, jnp.zeros((1,), jnp.int32), b, recipe=recipe)), argnums=(0, 1)))
   val, (dw0, db0) = empty(w, b)
   assert float(val) == 0 and not np.any(np.asarray(dw0)) and not np.any(np.asarray(db0))
-  gs = jnp.asarray([43], jnp.int32)
+  gs = to_device([43], np.int32)
   dx, dw, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=6)(x, w, b, None, gs,
                                                                             t, recipe)
   want = on_cpu(grad_f32, x, w, b, gs, t)
@@ -172,7 +172,7 @@ def test_aligned_groups_clipped_at_m(rng):
   starting at row 20, which the transposed copies' 32 columns would hold)."""
   recipe = jax_fp8.CurrentScaling()
   x, w, b, t = problem(rng, 20, groups=2)
-  gs = jnp.asarray([20, 5], jnp.int32)
+  gs = to_device([20, 5], np.int32)
   dx, dw, db = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=(6, 7))(
       x, w, b, None, gs, t, recipe, True)
   want = on_cpu(grad_f32, x, w, b, gs, t)
@@ -187,7 +187,7 @@ def test_padded_wgrad_equals_an_aligned_layout(platform, rng):
   m, sizes = 45, [20, 0, 3, 22]
   x, w, b, t = problem(rng, m)
   recipe = jax_fp8.DelayedScaling()
-  gs = jnp.asarray(sizes, jnp.int32)
+  gs = to_device(sizes, np.int32)
   padded = [-(-s // 16) * 16 for s in sizes]
   pos = np.concatenate([np.arange(s) + sum(padded[:i]) for i, s in enumerate(sizes)])
   mp = sum(padded)
@@ -196,7 +196,7 @@ def test_padded_wgrad_equals_an_aligned_layout(platform, rng):
   grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=(6, 7))
   state = state_for(recipe)
   dx, dw, db = grad(x, w, b, state, gs, t, recipe, False)
-  dxp, dwp, dbp = grad(xp, w, b, state, jnp.asarray(padded, jnp.int32), tp, recipe, True)
+  dxp, dwp, dbp = grad(xp, w, b, state, to_device(padded, np.int32), tp, recipe, True)
   np.testing.assert_array_equal(np.asarray(dx), np.asarray(dxp)[pos])  # the same row sums
   # dbias: XLA's f32 sums of each group's rows, with or without the zero rows between
   t_sums = on_cpu(jax.jit(lambda t: jax.ops.segment_sum(jnp.abs(t), jnp.repeat(
@@ -216,7 +216,7 @@ def test_backward_is_the_quantized_operands_products(platform, rng, name):
   under current scaling the scales are those of the tensors' own amaxes.)"""
   m, sizes = 50, [20, 0, 25, 5]
   x, w, b, t = problem(rng, m)
-  recipe, gs = RECIPES[name], jnp.asarray(sizes, jnp.int32)
+  recipe, gs = RECIPES[name], to_device(sizes, np.int32)
   dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)), static_argnums=6)(x, w, b, state_for(recipe),
                                                                       gs, t, recipe)
 
@@ -252,7 +252,7 @@ def test_block_backward_is_the_quantized_operands_products(platform, rng, case):
   expert, or a 128-row group straddling two experts, shows here."""
   m, sizes, aligned = BLOCK_CASES[case]
   x, w, b, t = problem(rng, m, k=128, n=128)
-  gs = jnp.asarray(sizes, jnp.int32)
+  gs = to_device(sizes, np.int32)
   y, vjp = jax.jit(lambda x, w: jax.vjp(lambda x, w: jax_fp8.grouped_linear(
       x, w, gs, b, recipe=BLOCK, aligned=aligned), x, w))(x, w)
   dx, dw = jax.jit(vjp)(t)
@@ -298,7 +298,7 @@ def test_forward_matches_reference_twin(platform, rng):
   results' rounding to x's dtype differ (as test_linear's forward)."""
   m, sizes = 50, [20, 0, 25, 5]
   x, w, b, _ = problem(rng, m, jnp.bfloat16)
-  gs, state = jnp.asarray(sizes, jnp.int32), state_for(jax_fp8.DelayedScaling())
+  gs, state = to_device(sizes, np.int32), state_for(jax_fp8.DelayedScaling())
   y = jax.jit(lambda *a: jax_fp8.grouped_linear(*a[:3], a[3], recipe=jax_fp8.DelayedScaling(),
                                                 state=a[4]))(x, w, gs, b, state)
   want = on_cpu(jax.jit(lambda *a: reference.grouped_linear(*a[:4], state=a[4])), x, w, gs, b,
@@ -318,7 +318,7 @@ def test_traced_group_sizes_one_compilation(rng):
   f = jax.jit(jax.grad(lambda x, w, b, gs: loss(x, w, b, None, gs, t, recipe),
                        argnums=(0, 1, 2)))
   for sizes in ([10, 10, 10, 10], [0, 40, 0, 0], [3, 0, 17, 5]):
-    gs = jnp.asarray(sizes, jnp.int32)
+    gs = to_device(sizes, np.int32)
     got = f(x, w, b, gs)
     want = on_cpu(grad_f32, x, w, b, gs, t)
     assert rel(got[1], want[1]) < BWD_TOL and rel(got[0], want[0]) < BWD_TOL
@@ -332,7 +332,7 @@ def test_jit_grad_inside_scan(rng):
   x, w, b, t = problem(rng, n_mb * m)
   x = x.reshape(n_mb, m, K) * jnp.asarray([1.0, 4.0, 2.0])[:, None, None]
   t = t.reshape(n_mb, m, N)
-  sizes = jnp.asarray([[8, 8, 8, 8], [0, 32, 0, 0], [5, 11, 0, 16]], jnp.int32)
+  sizes = to_device([[8, 8, 8, 8], [0, 32, 0, 0], [5, 11, 0, 16]], np.int32)
   recipe = jax_fp8.DelayedScaling()
   state = state_for(recipe)
 
@@ -357,7 +357,7 @@ def test_delayed_state_two_steps(rng):
   step."""
   m, sizes = 50, [20, 0, 25, 5]
   x, w, b, t = problem(rng, m)
-  gs = jnp.asarray(sizes, jnp.int32)
+  gs = to_device(sizes, np.int32)
   recipe = jax_fp8.DelayedScaling()
   state = state_for(recipe)
   step = jax.jit(lambda x, w, s: jax_fp8.update_state(
@@ -387,7 +387,7 @@ def test_pmap_two_devices_identical_rings(rng):
   x, w, b, t = problem(rng, 2 * m)
   x = x.reshape(2, m, K) * jnp.asarray([1.0, 3.0])[:, None, None]  # replicas see other amaxes
   t = t.reshape(2, m, N)
-  sizes = jnp.asarray([[10, 0, 22, 0], [0, 16, 5, 11]], jnp.int32)
+  sizes = to_device([[10, 0, 22, 0], [0, 16, 5, 11]], np.int32)
   recipe = jax_fp8.DelayedScaling()
   state = state_for(recipe)
 
@@ -412,7 +412,7 @@ def test_below_min_intensity_is_ragged_dot(rng):
   and no ring moves."""
   m, sizes = 24, [10, 0, 9, 5]
   x, w, b, t = problem(rng, m, jnp.bfloat16)
-  gs = jnp.asarray(sizes, jnp.int32)
+  gs = to_device(sizes, np.int32)
   recipe = jax_fp8.DelayedScaling(fp8_min_intensity=1e6)
   state = state_for(recipe)
   got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)), static_argnums=6)(x, w, b, state, gs, t,
@@ -430,36 +430,40 @@ def test_below_min_intensity_is_ragged_dot(rng):
 
 
 def _bad_cases():
-  x, w = jnp.zeros((32, K)), jnp.zeros((4, K, N))
-  gs, b = jnp.asarray([8, 8, 8, 8], jnp.int32), jnp.zeros((4, N))
+  """Built at collection: zeros (and sizes of 8) put from NumPy, each array of the shape and
+  dtype a slice or conversion of the valid ones would have, with no eager JAX operation."""
+  def z(*shape, dtype=np.float32, fill=0):
+    return to_device(np.full(shape, fill, dtype))
+  x, w = z(32, K), z(4, K, N)
+  gs, b = z(4, dtype=np.int32, fill=8), z(4, N)
   delayed, current = jax_fp8.DelayedScaling(), jax_fp8.CurrentScaling()
   state = jax_fp8.GroupedLinearState.create(4, delayed)
   per_recipe = ("grouped_linear takes a DelayedScaling, a CurrentScaling or a BlockScaling "
                 ".*got {}: no grouped FP8 GEMM takes its scales").format
   return [
-      ("x rank", (x[None], w, gs, b), {"state": state}, ValueError, "x must be \\[M, K\\]"),
-      ("x int", (x.astype(jnp.int32), w, gs, b), {"state": state}, TypeError,
+      ("x rank", (z(1, 32, K), w, gs, b), {"state": state}, ValueError, "x must be \\[M, K\\]"),
+      ("x int", (z(32, K, dtype=np.int32), w, gs, b), {"state": state}, TypeError,
        "x must be float32, bfloat16 or float16"),
-      ("kernels rank", (x, w[0], gs, b), {"state": state}, ValueError,
+      ("kernels rank", (x, z(K, N), gs, b), {"state": state}, ValueError,
        "kernels must be \\[G, K, N\\] with x's K=32"),
-      ("K mismatch", (x, w[:, :16], gs, b), {"state": state}, ValueError,
+      ("K mismatch", (x, z(4, 16, N), gs, b), {"state": state}, ValueError,
        "kernels must be \\[G, K, N\\] with x's K=32, got shape \\[4, 16, 48\\]"),
-      ("sizes float", (x, w, gs.astype(jnp.float32), b), {"state": state}, TypeError,
+      ("sizes float", (x, w, z(4, fill=8), b), {"state": state}, TypeError,
        "group_sizes must be int32 \\[G\\], got float32"),
-      ("sizes rank", (x, w, gs[None], b), {"state": state}, TypeError,
+      ("sizes rank", (x, w, z(1, 4, dtype=np.int32, fill=8), b), {"state": state}, TypeError,
        "group_sizes must be int32 \\[G\\]"),
-      ("G mismatch", (x, w, gs[:3], b), {"state": state}, ValueError,
+      ("G mismatch", (x, w, z(3, dtype=np.int32, fill=8), b), {"state": state}, ValueError,
        "group_sizes \\[G\\] and kernels \\[G, K, N\\] must share G, got group_sizes \\[3\\]"),
-      ("bias shape", (x, w, gs, b[0]), {"state": state}, ValueError,
+      ("bias shape", (x, w, gs, z(N)), {"state": state}, ValueError,
        "bias must be \\[G, N\\] = \\[4, 48\\], got \\[48\\]"),
-      ("N not 16", (x, w[..., :40], gs, None), {"state": state}, ValueError,
+      ("N not 16", (x, z(4, K, 40), gs, None), {"state": state}, ValueError,
        "multiples of 16 .*N=40"),
       ("block K", (x, w, gs, b), {"recipe": jax_fp8.BlockScaling()}, ValueError,
        "BlockScaling needs K and N multiples of 128 .*got K=32, N=48"),
-      ("block state", (jnp.zeros((32, 128)), jnp.zeros((4, 128, 128)), gs, None),
+      ("block state", (z(32, 128), z(4, 128, 128), gs, None),
        {"recipe": jax_fp8.BlockScaling(), "state": state}, ValueError,
        "BlockScaling is stateless: pass state=None"),
-      ("block amax axis", (jnp.zeros((32, 128)), jnp.zeros((4, 128, 128)), gs, None),
+      ("block amax axis", (z(32, 128), z(4, 128, 128), gs, None),
        {"recipe": jax_fp8.BlockScaling(), "amax_axis_name": "batch"}, ValueError,
        "BlockScaling reduces no amax"),
       ("mxfp8 recipe", (x, w, gs, b), {"recipe": jax_fp8.MXFP8BlockScaling()}, TypeError,
