@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import on_cpu
+from conftest import on_cpu, to_device
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 from test_grouped_mlp import BWD_TOL, FWD_TOL  # the experts' grouped MLP's bounds
@@ -34,10 +34,10 @@ def rel(a, b):
 
 
 def problem(rng, tokens=T, experts=E, d=D, h=H):
-  x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.float32)
-  router = jnp.asarray(rng.standard_normal((d, experts)), jnp.float32)
-  w_in = jnp.asarray(rng.standard_normal((experts, d, 2 * h)) / np.sqrt(d), jnp.float32)
-  w_out = jnp.asarray(rng.standard_normal((experts, h, d)) / np.sqrt(h), jnp.float32)
+  x = to_device(rng.standard_normal((tokens, d)), np.float32)
+  router = to_device(rng.standard_normal((d, experts)), np.float32)
+  w_in = to_device(rng.standard_normal((experts, d, 2 * h)) / np.sqrt(d), np.float32)
+  w_out = to_device(rng.standard_normal((experts, h, d)) / np.sqrt(h), np.float32)
   return x, router, w_in, w_out
 
 
@@ -60,7 +60,7 @@ def test_values_and_gradients_match_f32(rng, recipe):
   d, h, bwd_tol = DIMS[recipe]
   recipe = RECIPES[recipe]
   x, router, w_in, w_out = problem(rng, d=d, h=h)
-  ct = jnp.asarray(rng.standard_normal((T, d)), jnp.float32)
+  ct = to_device(rng.standard_normal((T, d)), np.float32)
   state = MoeState.create(E, recipe) if recipe.stateful else None
 
   def loss(x, router, w_in, w_out):
@@ -101,7 +101,7 @@ def test_delayed_state_moves_over_steps(rng):
 
 
 def test_linen_layer(rng):
-  x = jnp.asarray(rng.standard_normal((2, 20, D)), jnp.float32)
+  x = to_device(rng.standard_normal((2, 20, D)), np.float32)
   layer = jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H)
   variables = jax.jit(layer.init)(jax.random.key(0), x)
   assert variables["params"]["w_in"].shape == (E, D, 2 * H)
@@ -124,7 +124,7 @@ def test_linen_layer(rng):
 
 def test_nnx_layer_train_step(rng):
   model = jnx.MoeMlp(D, E, K, H, recipe=jax_fp8.DelayedScaling(), rngs=nnx.Rngs(0))
-  x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+  x = to_device(rng.standard_normal((T, D)), np.float32)
   diff = nnx.DiffState(0, (nnx.Param, jnx.Fp8State))
 
   @nnx.jit
@@ -148,7 +148,7 @@ def test_expert_parallel_layer_equals_one_device(rng):
   recipe = jax_fp8.CurrentScaling()
   layer = jfl.MoeMlp(num_experts=8, top_k=K, hidden_features=H, recipe=recipe,
                      expert_axis="e")
-  x = jnp.asarray(rng.standard_normal((4 * T, D)), jnp.float32)
+  x = to_device(rng.standard_normal((4 * T, D)), np.float32)
   specs = {"router": P(), "w_in": P("e"), "w_out": P("e")}
   init = jax.jit(jax.shard_map(lambda x: layer.init(jax.random.key(0), x)["params"], mesh=mesh,
                                in_specs=P("e"), out_specs=specs, check_vma=False))
@@ -175,7 +175,7 @@ def test_expert_parallel_keeps_each_experts_scale(rng):
   recipe = jax_fp8.CurrentScaling()
   x, router, w_in, w_out = problem(rng, tokens=4 * T, experts=8)
   small = np.repeat([1e-5, 1.0, 1.0, 1.0], 2)[:, None, None]  # device 0's experts 0 and 1
-  w_in = w_in * small
+  w_in = to_device(np.asarray(w_in) * small.astype(np.float32))  # f32 products, as XLA's
 
   def local(x, router, w_in, w_out):
     return moe_mlp(x, router, w_in, w_out, top_k=1, recipe=recipe, expert_axis="e")[0]
@@ -183,7 +183,8 @@ def test_expert_parallel_keeps_each_experts_scale(rng):
                               out_specs=P("e")))
   y = np.asarray(run(x, router, w_in, w_out))
   y32 = np.asarray(moe_f32(x, router, w_in, w_out, top_k=1)[0])
-  routing = mr.top_k_routing(jnp.dot(x, router, precision=jax.lax.Precision.HIGHEST), 1)
+  routing = jax.jit(lambda x, router: mr.top_k_routing(  # as moe_f32 routes, jitted
+      jnp.dot(x, router, precision=jax.lax.Precision.HIGHEST), 1))(x, router)
   rows = np.isin(np.asarray(routing.experts[:, 0]), [0, 1])
   assert rows.sum() > 0
   assert rel(y[rows], y32[rows]) <= FWD_TOL, rel(y[rows], y32[rows])
@@ -215,7 +216,7 @@ def test_data_parallel_delayed_scaling(rng):
 
 @pytest.mark.parametrize("layer", ["linen", "nnx"])
 def test_shared_expert_keeps_the_compute_dtype(rng, layer):
-  x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+  x = to_device(rng.standard_normal((T, D)), jnp.bfloat16)
   if layer == "linen":
     m = jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, shared_hidden_features=32)
     variables = jax.jit(m.init)(jax.random.key(0), x)
@@ -235,11 +236,16 @@ def test_no_tokens():
   assert y.shape == (0, D) and float(aux) == 0.0
 
 
+def zeros(*shape):
+  """f32 zeros put from NumPy: no eager broadcast compiled at collection."""
+  return to_device(np.zeros(shape, np.float32))
+
+
 @pytest.mark.parametrize("change,error,match", [
-    (dict(router=jnp.zeros((D + 1, E))), ValueError, "router_kernel must be \\[D, E\\]"),
-    (dict(w_in=jnp.zeros((E, D, 2 * H + 1))), ValueError, "F must be 2 H"),
-    (dict(w_out=jnp.zeros((E, H, D + 16))), ValueError, "w_out must be \\[E, H, D\\]"),
-    (dict(w_in=jnp.zeros((E + 1, D, 2 * H)), w_out=jnp.zeros((E + 1, H, D))), ValueError,
+    (dict(router=zeros(D + 1, E)), ValueError, "router_kernel must be \\[D, E\\]"),
+    (dict(w_in=zeros(E, D, 2 * H + 1)), ValueError, "F must be 2 H"),
+    (dict(w_out=zeros(E, H, D + 16)), ValueError, "w_out must be \\[E, H, D\\]"),
+    (dict(w_in=zeros(E + 1, D, 2 * H), w_out=zeros(E + 1, H, D)), ValueError,
      "must hold the router's 4 experts"),
     (dict(activation="relu"), ValueError, "activation"),
     (dict(state=None), TypeError, "state must be a jax_fp8.moe.MoeState"),
@@ -249,7 +255,7 @@ def test_no_tokens():
     (dict(recipe=jax_fp8.BlockScaling(), state=None), ValueError,
      "multiples of 128, got D=32, H=48"),
     (dict(top_k=E + 1), ValueError, "top_k"),
-    (dict(w_in=jnp.zeros((E, D, 2 * 24)), w_out=jnp.zeros((E, 24, D))), ValueError,
+    (dict(w_in=zeros(E, D, 2 * 24), w_out=zeros(E, 24, D)), ValueError,
      "multiples of 16, got D=32, H=24"),
     (dict(capacity=8), ValueError, "capacity applies with expert_axis"),
 ])
