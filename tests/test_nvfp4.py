@@ -4,6 +4,8 @@ Hadamard transform, and jax_fp8.nvfp4_quantize's CUDA kernel and CPU handler, by
 against it. The rounding rule and the transform alone: test_stochastic_rounding.py,
 test_hadamard.py."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,21 +21,41 @@ from jax_fp8.ops import nvfp4 as nvfp4_ops
 from jax_fp8.philox import philox4x32
 
 
+@functools.cache
+def _twin(static):
+  """The twin jitted with these static options, compiled without LLVM's optimizations
+  (xla_backend_optimization_level 0): the same HLO, so the same IEEE results (XLA's CPU
+  backend does no fast math), in about half the compilation time, which is most of these
+  tests' time (the Hadamard transform's fused butterfly above all)."""
+  return jax.jit(functools.partial(reference.nvfp4_quantize, **dict(static)),
+                 compiler_options={"xla_backend_optimization_level": 0})
+
+
+def twin_on_cpu(x, options):
+  """``reference_on_cpu(reference.nvfp4_quantize, x, **options)`` with _twin. The twin's first
+  step (as_f32) converts x to f32, exactly: given x in f32 it compiles one program for every
+  input dtype."""
+  arrays = {k: v for k, v in options.items() if isinstance(v, jax.Array)}
+  static = tuple(sorted((k, v) for k, v in options.items() if k not in arrays))
+  return on_cpu(lambda x, arrays: _twin(static)(x, **arrays), np.asarray(x, np.float32), arrays)
+
+
 @pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "2d"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
                          ids=lambda d: jnp.dtype(d).name)
 def test_round_trip_within_the_format_bound(rng, dtype, block_2d):
   # Blocks of magnitudes within 10^+-1 of each other: their E4M3 scales are normal numbers.
   x = block_scaled_data(rng, (64, 128), NVFP4_BLOCK, 1, dtype)
-  t = reference.nvfp4_quantize(x, rowwise=True, columnwise=True, block_2d=block_2d)
-  assert t.data.shape == (64, 64) and t.data.dtype == jnp.uint8
+  t = reference_on_cpu(reference.nvfp4_quantize, x, rowwise=True, columnwise=True,
+                       block_2d=block_2d)
+  assert t.data.shape == (64, 64) and t.data.dtype == np.uint8
   assert t.scale.shape == (64, 8) and t.scale.dtype == jnp.float8_e4m3fn
   assert t.data_t.shape == (128, 32) and t.scale_t.shape == (128, 4)
   amax = np.float32(np.max(np.abs(np.asarray(x, np.float32))))
   assert float(t.global_scale) == amax * np.float32(1 / 2688)  # one f32 rounding
   ref = np.asarray(x, np.float64)
-  rows = reference.nvfp4_dequantize(t.data, t.scale, t.global_scale)
-  cols = reference.nvfp4_dequantize(t.data_t, t.scale_t, t.global_scale)
+  rows = e2m1_values(t)
+  cols = e2m1_values(t, "data_t", "scale_t")
   for back, want, scales in ((rows, ref, t.scale), (cols, ref.T, t.scale_t)):
     step = np.repeat(np.asarray(scales, np.float64), NVFP4_BLOCK, 1) * float(t.global_scale)
     # E2M1's gap is 0.5 below 2, 1 up to 4 and 2 up to 6, so rounding moves x by at most
@@ -50,7 +72,7 @@ def test_packing_and_rounding():
   code."""
   row = np.zeros(16, np.float32)
   row[:8] = [6.0, 0.5, -1.5, 3.0, 0.25, 0.75, 5.0, -2.5]
-  t = reference.nvfp4_quantize(jnp.asarray(row[None]))
+  t = reference_on_cpu(reference.nvfp4_quantize, row[None])
   # amax 6: global scale 6 / 2688 = 1/448, block scale e4m3(6 / 6 * 448) = 448: step 1.
   assert float(t.scale[0, 0].astype(jnp.float32)) == 448.0
   codes = [E2M1.index(6.0), E2M1.index(0.5), 8 | E2M1.index(1.5), E2M1.index(3.0),
@@ -61,21 +83,20 @@ def test_packing_and_rounding():
 
 
 def test_special_tensors():
-  zeros = reference.nvfp4_quantize(jnp.zeros((1, 32)))
+  zeros = reference_on_cpu(reference.nvfp4_quantize, np.zeros((1, 32), np.float32))
   assert float(zeros.global_scale) == 1.0
   assert np.all(np.asarray(zeros.scale, np.float32) == 0) and not np.any(zeros.data)
   x = np.ones((2, 32), np.float32)
   x[1, 20] = np.nan
-  t = reference.nvfp4_quantize(jnp.asarray(x))
+  t = reference_on_cpu(reference.nvfp4_quantize, x)
   assert np.isnan(float(t.global_scale))  # a NaN anywhere stays visible
-  assert np.all(np.isnan(np.asarray(reference.nvfp4_dequantize(t.data, t.scale,
-                                                               t.global_scale))))
-  assert np.isnan(float(nvfp4_global_scale(jnp.float32(jnp.inf))))
+  assert np.all(np.isnan(e2m1_values(t)))
+  assert np.isnan(float(jitted(nvfp4_global_scale, np.float32(np.inf))))
   # A tensor whose amax / 2688 is below FLT_MIN: the global scale clamps there, so the block
   # scales' encoding factor stays finite and zero blocks keep scale 0.
   tiny = np.zeros((1, 32), np.float32)
   tiny[0, :16] = 1e-37
-  t = reference.nvfp4_quantize(jnp.asarray(tiny))
+  t = reference_on_cpu(reference.nvfp4_quantize, tiny)
   assert float(t.global_scale) == np.finfo(np.float32).tiny
   scales = np.asarray(t.scale, np.float32)
   assert scales[0, 0] > 0 and scales[0, 1] == 0 and np.all(np.isfinite(scales))
@@ -131,9 +152,9 @@ def test_stochastic_rounding_bits_follow_the_documented_counter():
   direction, j)): recomputed here by hand for one element in each direction."""
   x = unit_step_blocks([0.25, -2.5, 5.0, -1.75], rows=32)  # [32, 64]
   key = jax.random.key(11)
-  t = reference.nvfp4_quantize(jnp.asarray(x), columnwise=True, stochastic_rounding=True,
-                               key=key)
-  words = jax.random.key_data(key)
+  t = reference_on_cpu(reference.nvfp4_quantize, x, columnwise=True, stochastic_rounding=True,
+                       key=key)
+  words = np.asarray(jax.random.key_data(key))
   for name, xs, scales, direction in (("data", x, "scale", 0), ("data_t", x.T, "scale_t", 1)):
     back = e2m1_values(t, name, scales)
     for row, col in ((5, 16 + 7), (17, 12), (0, 3), (30, 31)):
@@ -141,7 +162,7 @@ def test_stochastic_rounding_bits_follow_the_documented_counter():
       w = np.concatenate([jitted(philox4x32, np.uint32([block, row, direction, j]), words)
                           for j in (0, 1)])
       bits = (int(w[i // 2]) >> (16 * (i % 2))) & 0xFFFF
-      step = np.float32(getattr(t, scales)[row, block].astype(jnp.float32)) * np.float32(
+      step = np.float32(getattr(t, scales)[row, block].astype(np.float32)) * np.float32(
           t.global_scale)  # f32, as the quantizer and nvfp4_dequantize compute it
       y = np.float32(xs[row, col]) / step
       lo = max(c for c in E2M1 if c <= abs(y))
@@ -165,7 +186,8 @@ def test_stochastic_rounding_keys():
 def test_stochastic_rounding_keeps_nan_visible():
   x = np.ones((1, 32), np.float32)
   x[0, 3] = np.nan
-  t = reference.nvfp4_quantize(jnp.asarray(x), stochastic_rounding=True, key=jax.random.key(0))
+  t = reference_on_cpu(reference.nvfp4_quantize, x, stochastic_rounding=True,
+                       key=jax.random.key(0))
   assert np.isnan(float(t.global_scale)) and np.all(np.isnan(e2m1_values(t)))
 
 
@@ -174,15 +196,15 @@ def test_hadamard_transform_of_the_columnwise_copy(rng):
   by the matrix's transpose, is x.T within the format's bound carried through the orthogonal
   matrix (each 16-element group's error norm is kept)."""
   x = block_scaled_data(rng, (64, 128), NVFP4_BLOCK, 1, jnp.float32)
-  plain = reference.nvfp4_quantize(x, columnwise=True)
-  t = reference.nvfp4_quantize(x, columnwise=True, rht=True, rht_seed=5)
+  plain = twin_on_cpu(x, dict(columnwise=True))
+  t = twin_on_cpu(x, dict(columnwise=True, rht=True, rht_seed=5))
   np.testing.assert_array_equal(t.data, plain.data)
   m = np.asarray(hadamard_transform(jnp.eye(16), 5), np.float64)  # its matrix
   xt = np.asarray(x, np.float64).T
   transformed = np.asarray(hadamard_transform(jnp.asarray(x).T, 5), np.float64)
   want_gs = np.float32(np.max(np.abs(transformed))) * np.float32(1 / 2688)
   assert float(t.global_scale_t) == float(want_gs)
-  back = np.asarray(reference.nvfp4_dequantize(t.data_t, t.scale_t, t.global_scale_t),
+  back = np.asarray(jitted(reference.nvfp4_dequantize, t.data_t, t.scale_t, t.global_scale_t),
                     np.float64)
   step = np.repeat(np.asarray(t.scale_t, np.float64), 16, 1) * float(t.global_scale_t)
   bound = np.maximum(step / 4, np.abs(transformed) / 4) * (1 + 2.0**-20)
@@ -196,13 +218,13 @@ def test_hadamard_transform_of_the_columnwise_copy(rng):
 def test_global_amax_sets_the_global_scales(rng):
   x = block_scaled_data(rng, (32, 64), NVFP4_BLOCK, 1, jnp.float32)
   own = float(np.max(np.abs(np.asarray(x))))
-  same = reference.nvfp4_quantize(x, global_amax=jnp.float32(own))
-  assert_same_quantized(same, reference.nvfp4_quantize(x))
+  same = twin_on_cpu(x, dict(global_amax=jnp.float32(own)))
+  assert_same_quantized(same, twin_on_cpu(x, {}))
   # the op takes a Python number as an f32 amax
   assert float(jax_fp8.nvfp4_quantize(x, global_amax=own).global_scale) == float(
       same.global_scale)
-  t = reference.nvfp4_quantize(x, columnwise=True, rht=True, global_amax=jnp.float32(2 * own),
-                               global_amax_t=jnp.float32(3 * own))
+  t = twin_on_cpu(x, dict(columnwise=True, rht=True, global_amax=jnp.float32(2 * own),
+                         global_amax_t=jnp.float32(3 * own)))
   assert float(t.global_scale) == np.float32(2 * own) * np.float32(1 / 2688)
   assert float(t.global_scale_t) == np.float32(3 * own) * np.float32(1 / 2688)
 
@@ -260,8 +282,7 @@ SHAPES = [(16, 80), (80, 160), (48, 240), (128, 128), (5, 64)]
 def _check_against_reference(x, options):
   poison_allocator(x.size // 2)  # the packed data's bytes
   got = jax_fp8.nvfp4_quantize(x, **options)
-  want = reference_on_cpu(reference.nvfp4_quantize, x, **options)
-  assert_same_quantized(got, want)
+  assert_same_quantized(got, twin_on_cpu(x, options))
 
 
 @pytest.mark.parametrize("option", OPTIONS)
@@ -366,44 +387,45 @@ def test_kernels_take_any_number_of_rows(rng):
 
 def test_jit_and_vmap(rng):
   """Each slice of the jitted vmap is the twin's quantization of that slice. The slices are
-  test_kernel_input_dtypes' [64, 256] bfloat16 under both_rht_sr: the twin compiled there runs
-  here again."""
+  test_kernel_input_dtypes' [64, 256] bfloat16 under both_rht_sr (twin_on_cpu): the twin
+  compiled there runs here again."""
   x = np.asarray(rng.standard_normal((3, 64, 256)), jnp.bfloat16)
   f = lambda v: jax_fp8.nvfp4_quantize(v, **OPTIONS["both_rht_sr"])  # noqa: E731
   got = jax.tree.map(np.asarray, jax.jit(jax.vmap(f))(x))
   for i in range(3):
-    want = reference_on_cpu(reference.nvfp4_quantize, x[i], **OPTIONS["both_rht_sr"])
+    want = twin_on_cpu(x[i], OPTIONS["both_rht_sr"])
     assert_same_quantized(jax.tree.map(lambda v: v[i], got), want)  # noqa: B023
 
 
 @pytest.mark.parametrize("shape", [(0, 32), (3, 0, 64)], ids=str)
 def test_empty_tensors(platform, shape):
   """No rows (or an empty batch dimension): quantize and dequantize give empty arrays."""
-  x = jnp.zeros(shape, jnp.float32)
-  t = jax_fp8.nvfp4_quantize(x[0] if len(shape) == 3 else x)
-  back = jax_fp8.nvfp4_dequantize(t.data, t.scale, t.global_scale)
+  x = np.zeros(shape, np.float32)  # each op jitted: one program, not one an operation
+  t = jitted(jax_fp8.nvfp4_quantize, x[0] if len(shape) == 3 else x)
+  back = jitted(jax_fp8.nvfp4_dequantize, t.data, t.scale, t.global_scale)
   assert back.shape == (0, shape[-1])
-  data = jnp.zeros((*shape[:-1], shape[-1] // 2), jnp.uint8)
-  scales = jnp.zeros((*shape[:-1], shape[-1] // NVFP4_BLOCK), jnp.float8_e4m3fn)
-  assert jax_fp8.nvfp4_dequantize(data, scales, jnp.float32(1)).shape == shape
+  data = np.zeros((*shape[:-1], shape[-1] // 2), np.uint8)
+  scales = np.zeros((*shape[:-1], shape[-1] // NVFP4_BLOCK), jnp.float8_e4m3fn)
+  assert jitted(jax_fp8.nvfp4_dequantize, data, scales, np.float32(1)).shape == shape
 
 
 def test_dequantize_round_trip(rng):
-  x = block_scaled_data(rng, (32, 64), NVFP4_BLOCK, 1, jnp.float32)
-  t = jax_fp8.nvfp4_quantize(x, columnwise=True)
+  x = np.asarray(block_scaled_data(rng, (32, 64), NVFP4_BLOCK, 1, jnp.float32))
+  t = jitted(jax_fp8.nvfp4_quantize, x, columnwise=True)  # jitted: one program each
   for data, scales, ref in ((t.data, t.scale, x), (t.data_t, t.scale_t, x.T)):
-    back = np.asarray(jax_fp8.nvfp4_dequantize(data, scales, t.global_scale), np.float64)
+    back = np.asarray(jitted(jax_fp8.nvfp4_dequantize, data, scales, t.global_scale),
+                      np.float64)
     step = np.repeat(np.asarray(scales, np.float64), NVFP4_BLOCK, 1) * float(t.global_scale)
     ref = np.asarray(ref, np.float64)  # the bound of test_round_trip_within_the_format_bound
     assert np.all(np.abs(back - ref) <= np.maximum(step / 4, np.abs(ref) / 4) * (1 + 2.0**-20))
   # A power-of-two global scale: every value is an E2M1 value (2 significant bits) times an
   # E4M3 scale (4) times 2^k, which bfloat16 (8) holds exactly.
-  t = jax_fp8.nvfp4_quantize(x, global_amax=jnp.float32(2688 * 2.0**-3))
+  t = jitted(jax_fp8.nvfp4_quantize, x, global_amax=np.asarray(2688 * 2.0**-3, np.float32))
   assert float(t.global_scale) == 2.0**-3
   np.testing.assert_array_equal(
-      np.asarray(jax_fp8.nvfp4_dequantize(t.data, t.scale, t.global_scale,
-                                          jnp.bfloat16), np.float32),
-      np.asarray(jax_fp8.nvfp4_dequantize(t.data, t.scale, t.global_scale)))
+      np.asarray(jitted(jax_fp8.nvfp4_dequantize, t.data, t.scale, t.global_scale,
+                        dtype=jnp.bfloat16), np.float32),
+      np.asarray(jitted(jax_fp8.nvfp4_dequantize, t.data, t.scale, t.global_scale)))
 
 
 X = jnp.ones((32, 64), jnp.float32)
@@ -416,11 +438,11 @@ def test_gemm_is_exact_to_the_f32_sums(platform, rng):
   a = np.asarray(rng.standard_normal((48, 96)) * np.exp(rng.uniform(-20, 20, (48, 96))),
                  np.float32)
   b = np.asarray(rng.standard_normal((40, 96)), np.float32)
-  qa, qb = jax_fp8.nvfp4_quantize(a), jax_fp8.nvfp4_quantize(b)
+  qa, qb = jitted(jax_fp8.nvfp4_quantize, a), jitted(jax_fp8.nvfp4_quantize, b)
   args = (qa.data, qb.data, qa.scale, qb.scale, qa.global_scale,
           qb.global_scale)
   got = np.asarray(jitted(jax_fp8.nvfp4_gemm, *args, out_dtype=jnp.float32), np.float64)
-  fa, fb = (np.asarray(jax_fp8.nvfp4_dequantize(q.data, q.scale, q.global_scale),
+  fa, fb = (np.asarray(jitted(jax_fp8.nvfp4_dequantize, q.data, q.scale, q.global_scale),
                        np.float64) for q in (qa, qb))
   want = fa @ fb.T
   # f32 sums in two orders; two roundings in each dequantized f32 value (scale times global
@@ -474,4 +496,5 @@ def test_bad_input(call, error, message):
 
 def test_not_differentiable():
   with pytest.raises(TypeError, match="jax_fp8.nvfp4_quantize is not differentiable"):
-    jax.grad(lambda x: jax_fp8.nvfp4_quantize(x).scale.astype(jnp.float32).sum())(X)
+    # under jit: the error comes while tracing, where eagerly the grad's operations compile
+    jax.jit(jax.grad(lambda x: jax_fp8.nvfp4_quantize(x).scale.astype(jnp.float32).sum()))(X)
