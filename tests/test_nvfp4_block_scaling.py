@@ -44,11 +44,12 @@ def grad_key(key, i):
   return jax.random.key_data(jax.random.fold_in(key, i))
 
 
-# The twin under jit: one compilation, where eager dispatch compiles each of its operations.
+# The twin under jit: one compilation, where eager dispatch compiles each of its operations;
+# without LLVM's optimizations (xla_backend_optimization_level 0): the same HLO, so the same
+# IEEE results (XLA's CPU backend does no fast math), in about half the compilation time.
 nvfp4_twin = jax.jit(reference.nvfp4_quantize, static_argnames=(
-    "rowwise", "columnwise", "block_2d", "stochastic_rounding", "rht", "rht_seed"))
-# So a vjp (a pytree, as jax.vjp returns it) applied to a cotangent.
-apply_vjp = jax.jit(lambda vjp, t: vjp(t))
+    "rowwise", "columnwise", "block_2d", "stochastic_rounding", "rht", "rht_seed"),
+    compiler_options={"xla_backend_optimization_level": 0})
 
 
 def twins(x2, w, t2, recipe=NV, key=KEY, index=0):
@@ -84,8 +85,11 @@ def test_gemms_equal_the_twins(platform, rng, lead, recipe):
   M padded with zero rows to whole blocks), up to the order of the f32 sums."""
   x, w, b, t = problem(rng, lead=lead, k=64, n=96)
   f = lambda x, w, b: jax_fp8.linear(x, w, b, recipe=recipe, key=KEY)  # noqa: E731
-  y, vjp = jax.jit(lambda x, w, b: jax.vjp(f, x, w, b))(x, w, b)
-  dx, dw, db = apply_vjp(vjp, t)
+
+  def fwd_bwd(x, w, b, t):  # one compilation, not the forward and the backward apart
+    y, vjp = jax.vjp(f, x, w, b)
+    return y, vjp(t)
+  y, (dx, dw, db) = jax.jit(fwd_bwd)(x, w, b, t)
   x2, t2 = np.asarray(x).reshape(-1, 64), np.asarray(t).reshape(-1, 96)
   qx, qxt, qw, qg = twins(x2, w, t2, recipe)
   m = x2.shape[0]
@@ -123,9 +127,11 @@ def test_gemms_against_f32_within_the_format(platform, rng):
   x = np.asarray(rng.standard_normal((64, 64)), np.float32)
   w = np.asarray(rng.standard_normal((64, 96)) / 8, np.float32)
   t = np.asarray(rng.standard_normal((64, 96)), np.float32)
-  y, vjp = jax.jit(lambda x, w: jax.vjp(lambda x, w: jax_fp8.linear(x, w, recipe=recipe), x,
-                                        w))(x, w)
-  dx, dw = apply_vjp(vjp, t)
+
+  def fwd_bwd(x, w, t):  # one compilation, not the forward and the backward apart
+    y, vjp = jax.vjp(lambda x, w: jax_fp8.linear(x, w, recipe=recipe), x, w)
+    return y, vjp(t)
+  y, (dx, dw) = jax.jit(fwd_bwd)(x, w, t)
   hx, ht = (np.asarray(jitted(hadamard_transform, v, seed=recipe.rht_seed, axis=0)).T
             for v in (x, t))  # [K, M], [N, M]
   cases = ((x, (1, 16), w, (16, 16), y, x.astype(np.float64) @ w),
@@ -238,17 +244,26 @@ def test_multi_linear_mlp_and_layers(rng):
   rng stream, and a forward needs none."""
   x, w, b, t = problem(rng, lead=(32,), k=64, n=96)
   w2 = jnp.asarray(rng.standard_normal((64, 32)) / 8, jnp.float32)
-  ys, vjp = jax.jit(lambda w, w2: jax.vjp(lambda w, w2: jax_fp8.multi_linear(
-      x, (w, w2), (b, None), recipe=NV, key=KEY), w, w2))(w, w2)
-  y, vjp1 = jax.jit(lambda w: jax.vjp(lambda w: jax_fp8.linear(x, w, b, recipe=NV, key=KEY),
-                                      w))(w)
+  t2 = np.asarray(rng.standard_normal((32, 32)), np.float32)
+
+  # Each forward with its backward (two cotangents for multi_linear's, given as arguments) in
+  # one compilation, not apart.
+  def multi(w, w2, cotangents):
+    ys, vjp = jax.vjp(lambda w, w2: jax_fp8.multi_linear(x, (w, w2), (b, None), recipe=NV,
+                                                         key=KEY), w, w2)
+    return ys, [vjp(c) for c in cotangents]
+
+  def single(w, t):
+    y, vjp = jax.vjp(lambda w: jax_fp8.linear(x, w, b, recipe=NV, key=KEY), w)
+    return y, vjp(t)
+  zeros = lambda n: np.zeros((32, n), np.float32)  # noqa: E731
+  ys, (d_first, d_second) = jax.jit(multi)(w, w2, [(t, zeros(32)), (zeros(96), t2)])
+  y, d_single = jax.jit(single)(w, t)
   np.testing.assert_array_equal(ys[0], y)
   np.testing.assert_array_equal(ys[1], jitted(jax_fp8.linear, x, w2, recipe=NV))
-  np.testing.assert_array_equal(apply_vjp(vjp, (t, jnp.zeros((32, 32))))[0],
-                                apply_vjp(vjp1, t)[0])
-  t2 = np.asarray(rng.standard_normal((32, 32)), np.float32)
+  np.testing.assert_array_equal(d_first[0], d_single[0])
   # kernel 1's gradient: the key folded with 1
-  dw2 = apply_vjp(vjp, (jnp.zeros((32, 96)), jnp.asarray(t2)))[1]
+  dw2 = d_second[1]
   _, qxt, _, qg = twins(np.asarray(x), w2, t2, index=1)
   within_order(dw2, deq(qxt, "_t"), deq(qg, "_t").T)
 
