@@ -325,6 +325,13 @@ def on_cpu(fn, *args):
     return jax.tree.map(np.asarray, fn(*jax.device_put(args, jax.devices("cpu")[0])))
 
 
+# XLA's compile options for a jnp twin that the kernels are compared with bit for bit: LLVM's
+# optimizations off. The HLO is the same and compiles in about half the time (the Hadamard
+# transform's fused butterfly above all); a twin whose results this changed would fail its
+# comparison, not pass it. (The code under test is compiled as users compile it.)
+TWIN_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
 @functools.cache
 def _jitted(fn, static):
   return jax.jit(functools.partial(fn, **dict(static)))

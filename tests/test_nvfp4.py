@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (E2M1, HAS_CUDA, assert_same_quantized, bits, block_scaled_data, jitted,
-                      on_cpu, poison_allocator, reference_on_cpu, summation_error)
+from conftest import (E2M1, HAS_CUDA, TWIN_COMPILER_OPTIONS, assert_same_quantized, bits,
+                      block_scaled_data, jitted, on_cpu, poison_allocator, reference_on_cpu,
+                      summation_error)
 
 import jax_fp8
 from jax_fp8 import _ffi, reference
@@ -23,12 +24,9 @@ from jax_fp8.philox import philox4x32
 
 @functools.cache
 def _twin(static):
-  """The twin jitted with these static options, compiled without LLVM's optimizations
-  (xla_backend_optimization_level 0): the same HLO, so the same IEEE results (XLA's CPU
-  backend does no fast math), in about half the compilation time, which is most of these
-  tests' time (the Hadamard transform's fused butterfly above all)."""
+  """The twin jitted with these static options and ``TWIN_COMPILER_OPTIONS``."""
   return jax.jit(functools.partial(reference.nvfp4_quantize, **dict(static)),
-                 compiler_options={"xla_backend_optimization_level": 0})
+                 compiler_options=TWIN_COMPILER_OPTIONS)
 
 
 def twin_on_cpu(x, options):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import jitted, roundoff, summation_error
+from conftest import TWIN_COMPILER_OPTIONS, jitted, roundoff, summation_error
 from flax import nnx
 from test_linear import problem
 
@@ -44,12 +44,11 @@ def grad_key(key, i):
   return jax.random.key_data(jax.random.fold_in(key, i))
 
 
-# The twin under jit: one compilation, where eager dispatch compiles each of its operations;
-# without LLVM's optimizations (xla_backend_optimization_level 0): the same HLO, so the same
-# IEEE results (XLA's CPU backend does no fast math), in about half the compilation time.
+# The twin under jit (one compilation, where eager dispatch compiles each of its operations),
+# with TWIN_COMPILER_OPTIONS.
 nvfp4_twin = jax.jit(reference.nvfp4_quantize, static_argnames=(
     "rowwise", "columnwise", "block_2d", "stochastic_rounding", "rht", "rht_seed"),
-    compiler_options={"xla_backend_optimization_level": 0})
+    compiler_options=TWIN_COMPILER_OPTIONS)
 
 
 def twins(x2, w, t2, recipe=NV, key=KEY, index=0):
