@@ -8,8 +8,8 @@
 # with the JAX profiler; profile runs Nsight Compute over our kernels). Optional environment:
 # TESTS_K (pytest -k expression, default "not cpu"), TEST_WORKERS (tests: that many pytest-xdist
 # workers, default 8; BENCH_TEST_WORKERS for test_benchmarks.py, default 3), TESTS_PASSES (default
-# "rest benchmarks": the two passes, or one of them), TESTS_TIMEOUT (seconds per pass, default
-# 1800), XDIST_WHEELS (pytest-xdist's and
+# "rest benchmarks": the two passes, or one of them), TESTS_FILES (the rest pass's test files,
+# default all), TESTS_TIMEOUT (seconds per pass, default 1800), XDIST_WHEELS (pytest-xdist's and
 # execnet's wheels, installed where the machine has no pytest-xdist and no internet),
 # CUTLASS_WHEEL (the nvidia-cutlass wheel, installed before the build where the machine has
 # none and no internet to fetch it), BENCH_ONLY (benchmark case groups, see
@@ -71,7 +71,8 @@ for s in "${steps[@]}"; do
     # runs after the rest, in BENCH_TEST_WORKERS workers: its scripts time kernels on the
     # device, and beside 8 busy processes a 2 us kernel did not stand out of the timing noise.
     tests) for pass in ${TESTS_PASSES:-rest benchmarks}; do
-             if [ $pass = rest ]; then files="tests --ignore tests/test_benchmarks.py"
+             if [ $pass = rest ]; then
+               files="${TESTS_FILES:-tests} --ignore tests/test_benchmarks.py"
                workers=${TEST_WORKERS:-8}
              else files=tests/test_benchmarks.py; workers=${BENCH_TEST_WORKERS:-3}; fi
              XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -s INT ${TESTS_TIMEOUT:-1800} \
