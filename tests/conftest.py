@@ -333,8 +333,9 @@ TWIN_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 @functools.cache
-def _jitted(fn, static):
-  return jax.jit(functools.partial(fn, **dict(static)))
+def _jitted(fn, static, options=None):
+  return jax.jit(functools.partial(fn, **dict(static)),
+                 compiler_options=None if options is None else dict(options))
 
 
 def jitted(fn, *args, **kwargs):
@@ -350,13 +351,14 @@ def reference_on_cpu(fn, *args, **kwargs):
   """``on_cpu(lambda *a: fn(*a, **kwargs), *args)`` with fn jitted once per fn and set of
   non-array keyword arguments (hashable: formats, flags, seeds). Eagerly, every jnp call of a
   reference twin compiles on its own at each new shape; jitted, the twin compiles into one
-  program per shape, and runs again at a shape seen before without compiling. Array keyword
-  arguments (keys, given amaxes) are passed to the jitted function, not bound into it."""
+  program per shape, and runs again at a shape seen before without compiling, with
+  ``TWIN_COMPILER_OPTIONS``. Array keyword arguments (keys, given amaxes) are passed to the
+  jitted function, not bound into it."""
   arrays = {k: v for k, v in kwargs.items() if isinstance(v, (jax.Array, np.ndarray))}
   static = {k: v for k, v in kwargs.items() if k not in arrays}
   names, n = tuple(arrays), len(args)
-  return on_cpu(lambda *a: jitted(fn, *a[:n], **dict(zip(names, a[n:])), **static),
-                *args, *arrays.values())
+  twin = _jitted(fn, tuple(sorted(static.items())), tuple(TWIN_COMPILER_OPTIONS.items()))
+  return on_cpu(lambda *a: twin(*a[:n], **dict(zip(names, a[n:]))), *args, *arrays.values())
 
 
 def poison_allocator(nbytes: int):

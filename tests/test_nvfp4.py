@@ -4,15 +4,12 @@ Hadamard transform, and jax_fp8.nvfp4_quantize's CUDA kernel and CPU handler, by
 against it. The rounding rule and the transform alone: test_stochastic_rounding.py,
 test_hadamard.py."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (E2M1, HAS_CUDA, TWIN_COMPILER_OPTIONS, assert_same_quantized, bits,
-                      block_scaled_data, jitted, on_cpu, poison_allocator, reference_on_cpu,
-                      summation_error)
+from conftest import (E2M1, HAS_CUDA, assert_same_quantized, bits, block_scaled_data, jitted,
+                      on_cpu, poison_allocator, reference_on_cpu, summation_error)
 
 import jax_fp8
 from jax_fp8 import _ffi, reference
@@ -22,20 +19,10 @@ from jax_fp8.ops import nvfp4 as nvfp4_ops
 from jax_fp8.philox import philox4x32
 
 
-@functools.cache
-def _twin(static):
-  """The twin jitted with these static options and ``TWIN_COMPILER_OPTIONS``."""
-  return jax.jit(functools.partial(reference.nvfp4_quantize, **dict(static)),
-                 compiler_options=TWIN_COMPILER_OPTIONS)
-
-
 def twin_on_cpu(x, options):
-  """``reference_on_cpu(reference.nvfp4_quantize, x, **options)`` with _twin. The twin's first
-  step (as_f32) converts x to f32, exactly: given x in f32 it compiles one program for every
-  input dtype."""
-  arrays = {k: v for k, v in options.items() if isinstance(v, jax.Array)}
-  static = tuple(sorted((k, v) for k, v in options.items() if k not in arrays))
-  return on_cpu(lambda x, arrays: _twin(static)(x, **arrays), np.asarray(x, np.float32), arrays)
+  """``reference_on_cpu(reference.nvfp4_quantize, x, **options)`` given x in f32: the twin's
+  first step (as_f32) converts x to f32, exactly, so one program serves every input dtype."""
+  return reference_on_cpu(reference.nvfp4_quantize, np.asarray(x, np.float32), **options)
 
 
 @pytest.mark.parametrize("block_2d", [False, True], ids=["1d", "2d"])
