@@ -319,16 +319,24 @@ def to_device(x, dtype=None) -> jax.Array:
   return jax.device_put(np.asarray(x, dtype))
 
 
+def filled(*shape, fill=0, dtype=np.float32) -> jax.Array:
+  """An array of ``shape`` holding ``fill``, put from NumPy (``to_device``): no eager
+  broadcast compiled, e.g. for the bad-input cases built at collection."""
+  return to_device(np.full(shape, fill, dtype))
+
+
 def on_cpu(fn, *args):
   """Evaluate fn on the CPU (the reference's platform) and return NumPy results."""
   with jax.default_device(jax.devices("cpu")[0]):
     return jax.tree.map(np.asarray, fn(*jax.device_put(args, jax.devices("cpu")[0])))
 
 
-# XLA's compile options for a jnp twin that the kernels are compared with bit for bit: LLVM's
-# optimizations off. The HLO is the same and compiles in about half the time (the Hadamard
-# transform's fused butterfly above all); a twin whose results this changed would fail its
-# comparison, not pass it. (The code under test is compiled as users compile it.)
+# XLA:CPU's compile options for the jnp twins (reference_on_cpu): LLVM's optimizations off. The
+# HLO is the same and compiles in about half the time (the Hadamard transform's fused butterfly
+# above all); only LLVM's code generation changes (no FMA contraction: each operation rounds as
+# written). A twin compared bit for bit whose results this changed would fail its comparison,
+# not pass it; the f32 twins compared within a bound are within it either way. The code under
+# test is compiled as users compile it.
 TWIN_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 

@@ -32,7 +32,7 @@ def _astype(dtype):
 
 def as_dtype(x, dtype):
   """NumPy ``x`` converted to ``dtype`` by XLA, as ``jnp.asarray(x).astype(dtype)`` converts it
-  (NaN payloads included), as NumPy: the elements padded to a power-of-two count (at least
+  (NaN payloads included), returned as a NumPy array: the elements padded to a power-of-two count (at least
   256), so that one program per count and dtype serves the examples' many shapes, where an
   eager conversion compiles at each new shape."""
   if np.dtype(dtype) == x.dtype:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import normwise, on_cpu, roundoff, summation_error, to_device
+from conftest import filled, normwise, on_cpu, roundoff, summation_error, to_device
 from test_linear import BWD_TOL, E4M3, E5M2, FWD_TOL, bias_tol, rel
 
 import jax_fp8
@@ -432,38 +432,37 @@ def test_below_min_intensity_is_ragged_dot(rng):
 def _bad_cases():
   """Built at collection: zeros (and sizes of 8) put from NumPy, each array of the shape and
   dtype a slice or conversion of the valid ones would have, with no eager JAX operation."""
-  def z(*shape, dtype=np.float32, fill=0):
-    return to_device(np.full(shape, fill, dtype))
-  x, w = z(32, K), z(4, K, N)
-  gs, b = z(4, dtype=np.int32, fill=8), z(4, N)
+  x, w = filled(32, K), filled(4, K, N)
+  gs, b = filled(4, dtype=np.int32, fill=8), filled(4, N)
   delayed, current = jax_fp8.DelayedScaling(), jax_fp8.CurrentScaling()
   state = jax_fp8.GroupedLinearState.create(4, delayed)
   per_recipe = ("grouped_linear takes a DelayedScaling, a CurrentScaling or a BlockScaling "
                 ".*got {}: no grouped FP8 GEMM takes its scales").format
   return [
-      ("x rank", (z(1, 32, K), w, gs, b), {"state": state}, ValueError, "x must be \\[M, K\\]"),
-      ("x int", (z(32, K, dtype=np.int32), w, gs, b), {"state": state}, TypeError,
+      ("x rank", (filled(1, 32, K), w, gs, b), {"state": state}, ValueError,
+       "x must be \\[M, K\\]"),
+      ("x int", (filled(32, K, dtype=np.int32), w, gs, b), {"state": state}, TypeError,
        "x must be float32, bfloat16 or float16"),
-      ("kernels rank", (x, z(K, N), gs, b), {"state": state}, ValueError,
+      ("kernels rank", (x, filled(K, N), gs, b), {"state": state}, ValueError,
        "kernels must be \\[G, K, N\\] with x's K=32"),
-      ("K mismatch", (x, z(4, 16, N), gs, b), {"state": state}, ValueError,
+      ("K mismatch", (x, filled(4, 16, N), gs, b), {"state": state}, ValueError,
        "kernels must be \\[G, K, N\\] with x's K=32, got shape \\[4, 16, 48\\]"),
-      ("sizes float", (x, w, z(4, fill=8), b), {"state": state}, TypeError,
+      ("sizes float", (x, w, filled(4, fill=8), b), {"state": state}, TypeError,
        "group_sizes must be int32 \\[G\\], got float32"),
-      ("sizes rank", (x, w, z(1, 4, dtype=np.int32, fill=8), b), {"state": state}, TypeError,
+      ("sizes rank", (x, w, filled(1, 4, dtype=np.int32, fill=8), b), {"state": state}, TypeError,
        "group_sizes must be int32 \\[G\\]"),
-      ("G mismatch", (x, w, z(3, dtype=np.int32, fill=8), b), {"state": state}, ValueError,
+      ("G mismatch", (x, w, filled(3, dtype=np.int32, fill=8), b), {"state": state}, ValueError,
        "group_sizes \\[G\\] and kernels \\[G, K, N\\] must share G, got group_sizes \\[3\\]"),
-      ("bias shape", (x, w, gs, z(N)), {"state": state}, ValueError,
+      ("bias shape", (x, w, gs, filled(N)), {"state": state}, ValueError,
        "bias must be \\[G, N\\] = \\[4, 48\\], got \\[48\\]"),
-      ("N not 16", (x, z(4, K, 40), gs, None), {"state": state}, ValueError,
+      ("N not 16", (x, filled(4, K, 40), gs, None), {"state": state}, ValueError,
        "multiples of 16 .*N=40"),
       ("block K", (x, w, gs, b), {"recipe": jax_fp8.BlockScaling()}, ValueError,
        "BlockScaling needs K and N multiples of 128 .*got K=32, N=48"),
-      ("block state", (z(32, 128), z(4, 128, 128), gs, None),
+      ("block state", (filled(32, 128), filled(4, 128, 128), gs, None),
        {"recipe": jax_fp8.BlockScaling(), "state": state}, ValueError,
        "BlockScaling is stateless: pass state=None"),
-      ("block amax axis", (z(32, 128), z(4, 128, 128), gs, None),
+      ("block amax axis", (filled(32, 128), filled(4, 128, 128), gs, None),
        {"recipe": jax_fp8.BlockScaling(), "amax_axis_name": "batch"}, ValueError,
        "BlockScaling reduces no amax"),
       ("mxfp8 recipe", (x, w, gs, b), {"recipe": jax_fp8.MXFP8BlockScaling()}, TypeError,

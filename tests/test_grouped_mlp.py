@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import normwise, reference_on_cpu, roundoff, summation_error, to_device
+from conftest import filled, normwise, reference_on_cpu, roundoff, summation_error, to_device
 from test_backward_twins import ACT_ULPS, tree_equal
 from test_grouped_linear import onehot, rows_of
 from test_linear import bias_tol, rel
@@ -471,39 +471,37 @@ def test_below_min_intensity_is_the_composition(rng):
 def _bad_cases():
   """Built at collection: zeros (and sizes of 8) put from NumPy, each array of the shape and
   dtype a slice or conversion of the valid ones would have, with no eager JAX operation."""
-  def z(*shape, dtype=F32, fill=0):
-    return to_device(np.full(shape, fill, dtype))
-  x, k_in, k_out = z(32, K), z(G, K, 2 * F), z(G, F, D)
-  gs, b_in, b_out = z(G, dtype=np.int32, fill=8), z(G, 2 * F), z(G, D)
+  x, k_in, k_out = filled(32, K), filled(G, K, 2 * F), filled(G, F, D)
+  gs, b_in, b_out = filled(G, dtype=np.int32, fill=8), filled(G, 2 * F), filled(G, D)
   ok = (x, k_in, k_out, gs, b_in, b_out)
   return [
-      ("x rank", (z(1, 32, K),) + ok[1:], {}, ValueError, "x must be \\[M, K\\]"),
-      ("x int", (z(32, K, dtype=np.int32),) + ok[1:], {}, TypeError,
+      ("x rank", (filled(1, 32, K),) + ok[1:], {}, ValueError, "x must be \\[M, K\\]"),
+      ("x int", (filled(32, K, dtype=np.int32),) + ok[1:], {}, TypeError,
        "x must be float32, bfloat16 or float16, got int32"),
-      ("kernel_in K", (x, z(G, 16, 2 * F)) + ok[2:], {}, ValueError,
+      ("kernel_in K", (x, filled(G, 16, 2 * F)) + ok[2:], {}, ValueError,
        "kernel_in must be \\[G, K, N\\] with x's K=32, got shape \\[4, 16, 64\\]"),
-      ("kernel_out int", (x, k_in, z(G, F, D, dtype=np.int32)) + ok[3:], {}, TypeError,
+      ("kernel_out int", (x, k_in, filled(G, F, D, dtype=np.int32)) + ok[3:], {}, TypeError,
        "kernel_out must be float32, bfloat16 or float16"),
-      ("kernel_out G", (x, k_in, z(3, F, D)) + ok[3:], {}, ValueError,
+      ("kernel_out G", (x, k_in, filled(3, F, D)) + ok[3:], {}, ValueError,
        "kernel_out must be \\[G, F, D\\] with kernel_in's G=4, got shape \\[3, 32, 48\\]"),
-      ("gated N", (x, z(G, K, 48)) + ok[2:], {}, ValueError,
+      ("gated N", (x, filled(G, K, 48)) + ok[2:], {}, ValueError,
        "N = 2F \\(gate and up side by side\\) under 'swiglu'"),
       ("plain N", ok, {"activation": "gelu"}, ValueError, "N = F under 'gelu'"),
       ("activation", ok, {"activation": "relu"}, ValueError, "activation must be one of"),
-      ("sizes float", (x, k_in, k_out, z(G, fill=8), b_in, b_out), {}, TypeError,
+      ("sizes float", (x, k_in, k_out, filled(G, fill=8), b_in, b_out), {}, TypeError,
        "group_sizes must be int32 \\[G\\], got float32\\[4\\]"),
-      ("sizes G", (x, k_in, k_out, z(3, dtype=np.int32, fill=8), b_in, b_out), {}, ValueError,
+      ("sizes G", (x, k_in, k_out, filled(3, dtype=np.int32, fill=8), b_in, b_out), {}, ValueError,
        "group_sizes \\[G\\] and kernel_in \\[G, K, N\\] must share G, got group_sizes \\[3\\]"),
-      ("bias_in", ok[:4] + (z(2 * F), b_out), {}, ValueError,
+      ("bias_in", ok[:4] + (filled(2 * F), b_out), {}, ValueError,
        "bias_in must be \\[G, N\\] = \\[4, 64\\], got \\[64\\]"),
-      ("bias_out", ok[:5] + (z(G, 16),), {}, ValueError,
+      ("bias_out", ok[:5] + (filled(G, 16),), {}, ValueError,
        "bias_out must be \\[G, D\\] = \\[4, 48\\], got \\[4, 16\\]"),
-      ("F not 16", (x, z(G, K, 48), z(G, 24, D)) + ok[3:4], {}, ValueError,
+      ("F not 16", (x, filled(G, K, 48), filled(G, 24, D)) + ok[3:4], {}, ValueError,
        "multiples of 16 .*F=24"),
       ("block F", ok, {"recipe": BLOCK, "state": None}, ValueError,
        "BlockScaling needs K and N multiples of 128 .*got K=32, F=32, D=48"),
-      ("block state", (z(32, 128), z(G, 128, 256), z(G, 128, 128), gs), {"recipe": BLOCK},
-       ValueError, "BlockScaling is stateless: pass state=None"),
+      ("block state", (filled(32, 128), filled(G, 128, 256), filled(G, 128, 128), gs),
+       {"recipe": BLOCK}, ValueError, "BlockScaling is stateless: pass state=None"),
       ("mxfp8 recipe", ok, {"recipe": jax_fp8.MXFP8BlockScaling(), "state": None}, TypeError,
        "grouped_mlp takes a DelayedScaling, a CurrentScaling or a BlockScaling .*got "
        "MXFP8BlockScaling: no grouped FP8 GEMM takes its scales"),

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import on_cpu, to_device
+from conftest import filled, on_cpu, to_device
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec as P
 from test_grouped_mlp import BWD_TOL, FWD_TOL  # the experts' grouped MLP's bounds
@@ -236,16 +236,11 @@ def test_no_tokens():
   assert y.shape == (0, D) and float(aux) == 0.0
 
 
-def zeros(*shape):
-  """f32 zeros put from NumPy: no eager broadcast compiled at collection."""
-  return to_device(np.zeros(shape, np.float32))
-
-
 @pytest.mark.parametrize("change,error,match", [
-    (dict(router=zeros(D + 1, E)), ValueError, "router_kernel must be \\[D, E\\]"),
-    (dict(w_in=zeros(E, D, 2 * H + 1)), ValueError, "F must be 2 H"),
-    (dict(w_out=zeros(E, H, D + 16)), ValueError, "w_out must be \\[E, H, D\\]"),
-    (dict(w_in=zeros(E + 1, D, 2 * H), w_out=zeros(E + 1, H, D)), ValueError,
+    (dict(router=filled(D + 1, E)), ValueError, "router_kernel must be \\[D, E\\]"),
+    (dict(w_in=filled(E, D, 2 * H + 1)), ValueError, "F must be 2 H"),
+    (dict(w_out=filled(E, H, D + 16)), ValueError, "w_out must be \\[E, H, D\\]"),
+    (dict(w_in=filled(E + 1, D, 2 * H), w_out=filled(E + 1, H, D)), ValueError,
      "must hold the router's 4 experts"),
     (dict(activation="relu"), ValueError, "activation"),
     (dict(state=None), TypeError, "state must be a jax_fp8.moe.MoeState"),
@@ -255,7 +250,7 @@ def zeros(*shape):
     (dict(recipe=jax_fp8.BlockScaling(), state=None), ValueError,
      "multiples of 128, got D=32, H=48"),
     (dict(top_k=E + 1), ValueError, "top_k"),
-    (dict(w_in=zeros(E, D, 2 * 24), w_out=zeros(E, 24, D)), ValueError,
+    (dict(w_in=filled(E, D, 2 * 24), w_out=filled(E, 24, D)), ValueError,
      "multiples of 16, got D=32, H=24"),
     (dict(capacity=8), ValueError, "capacity applies with expert_axis"),
 ])

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (assert_same_quantized, bits, covering_cases, jitted, normwise,
+from conftest import (assert_same_quantized, bits, covering_cases, filled, jitted, normwise, on_cpu,
                       poison_allocator, reference_on_cpu, roundoff, to_device)
 from flax import nnx
 
@@ -76,7 +76,8 @@ def test_matches_reference_bytes(platform, rng, norm, dtype, shape):
   step = jax.jit(jax_fp8.norm_cast_transpose, static_argnames="norm")
   for _ in range(2):  # the fresh step (scale from the norm's own amax), then a delayed one
     x = to_device(rng.standard_normal((r, c)) * 3 + 1, dtype)
-    row_stats = to_device(reference_on_cpu(norms.stats, x, norm=norm, epsilon=1e-6))  # both
+    row_stats = to_device(on_cpu(lambda x: jitted(norms.stats, x, norm=norm, epsilon=1e-6),
+                                 x))  # one copy, for both
     poison_allocator(r * c)
     got = step(x, row_stats, gamma, beta, ring, norm=norm)
     want = reference_on_cpu(reference.norm_cast_transpose, x, row_stats, gamma, beta, ring,
@@ -121,22 +122,17 @@ def test_nan_stays_visible(platform):
   x[3, 5] = np.nan
   x = to_device(x)
   for norm in NORMS:
-    gamma = to_device(np.ones(64, np.float32))
-    beta = to_device(np.zeros(64, np.float32)) if norm == "layernorm" else None
+    gamma = filled(64, fill=1)
+    beta = filled(64) if norm == "layernorm" else None
     out = jax_fp8.norm_cast_transpose(x, stats(x, norm), gamma, beta,
                                       jax_fp8.ScaleRing.create(4), norm=norm)
     assert np.isnan(float(out.tensor.amax))
     assert bits(out.tensor.data)[3, 5] == 0x7F and bits(out.tensor.data_t)[5, 3] == 0x7F
 
 
-def ones(shape, dtype=np.float32):
-  """jnp.ones(shape, dtype) put from NumPy: no eager broadcast to compile."""
-  return to_device(np.ones(shape, dtype))
-
-
 def test_bad_inputs():
   ring = jax_fp8.ScaleRing.create(4)
-  x, g = ones((4, 32)), ones(32)
+  x, g = filled(4, 32, fill=1), filled(32, fill=1)
   st = stats(x, "rmsnorm")
   with pytest.raises(ValueError, match="norm must be one of"):
     jax_fp8.norm_cast_transpose(x, st, g, None, ring, norm="batchnorm")
@@ -145,15 +141,17 @@ def test_bad_inputs():
   with pytest.raises(TypeError, match=r"beta must be a \[K\] array under 'layernorm'"):
     jax_fp8.norm_cast_transpose(x, st, g, None, ring, norm="layernorm")
   with pytest.raises(ValueError, match=r"gamma must be \[32\]"):
-    jax_fp8.norm_cast_transpose(x, st, ones(16), None, ring, norm="rmsnorm")
+    jax_fp8.norm_cast_transpose(x, st, filled(16, fill=1), None, ring, norm="rmsnorm")
   with pytest.raises(TypeError, match="gamma must be float32"):
-    jax_fp8.norm_cast_transpose(x, st, ones(32, np.int32), None, ring, norm="rmsnorm")
+    jax_fp8.norm_cast_transpose(x, st, filled(32, fill=1, dtype=np.int32), None, ring,
+                                norm="rmsnorm")
   with pytest.raises(ValueError, match=r"row_stats must be \[4, 2\]"):
     jax_fp8.norm_cast_transpose(x, st, g, g, ring, norm="layernorm")
   with pytest.raises(ValueError, match="positive multiple of 16"):
-    jax_fp8.norm_cast_transpose(ones((4, 24)), st, ones(24), None, ring, norm="rmsnorm")
+    jax_fp8.norm_cast_transpose(filled(4, 24, fill=1), st, filled(24, fill=1), None, ring,
+                                norm="rmsnorm")
   state = jax_fp8.LinearState.create()
-  k = ones((32, 16))
+  k = filled(32, 16, fill=1)
   with pytest.raises(ValueError, match="epsilon must be a finite float > 0"):
     jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=0.0)
   with pytest.raises(TypeError, match=r"norm='rmsnorm' needs gamma, its \[K\] scale, got None"):
@@ -161,8 +159,8 @@ def test_bad_inputs():
   with pytest.raises(TypeError, match="gamma and beta are a norm's parameters"):
     jax_fp8.linear(x, k, state=state, gamma=g)
   with pytest.raises(ValueError, match=r"gamma must be \[32\]"):
-    jax_fp8.mlp(x, ones((32, 32)), ones((16, 32)), state=jax_fp8.MlpState.create(),
-                norm="rmsnorm", gamma=ones(16))
+    jax_fp8.mlp(x, filled(32, 32, fill=1), filled(16, 32, fill=1), state=jax_fp8.MlpState.create(),
+                norm="rmsnorm", gamma=filled(16, fill=1))
   with pytest.raises(ValueError, match="Dense.norm must be one of"):
     jax_fp8.flax.Dense(16, norm="rms").init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="Mlp.norm_epsilon must be a finite float > 0"):
@@ -381,7 +379,7 @@ def test_norm_reads_x_in_its_own_dtype(rng):
   100) would lose the spread."""
   x = to_device(rng.standard_normal((64, 64)) + 100.0, np.float32)
   kernel = to_device(rng.standard_normal((64, 32)) / 8, np.float32)
-  gamma, beta = ones(64), to_device(np.zeros(64, np.float32))
+  gamma, beta = filled(64, fill=1), filled(64)
   exact = norms.normalize(x, gamma, beta, norm="layernorm", epsilon=1e-6) @ kernel
   # FP8: x and kernel in e4m3, the output in bf16; below the intensity XLA's bf16 GEMM: x,
   # kernel and output each rounded to bf16.
@@ -417,8 +415,8 @@ def test_norm_reads_x_in_its_own_dtype(rng):
 
 
 def test_epsilon_and_statistics_types():
-  x, g = ones((4, 32)), ones(32)
-  k, state = ones((32, 16)), jax_fp8.LinearState.create()
+  x, g = filled(4, 32, fill=1), filled(32, fill=1)
+  k, state = filled(32, 16, fill=1), jax_fp8.LinearState.create()
   y = jax_fp8.linear(x, k, state=state, norm="rmsnorm", gamma=g, epsilon=np.float32(1e-5))
   assert y.shape == (4, 16)
   with pytest.raises(TypeError, match="epsilon must be a float > 0, got str"):
@@ -435,7 +433,7 @@ def test_epsilon_and_statistics_types():
   with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16, got int32"):
     jax_fp8.norms.stats(x.astype(jnp.int32), "rmsnorm", 1e-6)
   with pytest.raises(TypeError, match="row_stats must be float32"):
-    jax_fp8.norm_cast_transpose(x, ones((4, 1), jnp.bfloat16), g, None,
+    jax_fp8.norm_cast_transpose(x, filled(4, 1, fill=1, dtype=jnp.bfloat16), g, None,
                                 jax_fp8.ScaleRing.create(4), norm="rmsnorm")
 
 
