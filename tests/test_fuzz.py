@@ -4,13 +4,12 @@ reference's bytes and scales, and the rings advance as the reference's. Seeded f
 conftest) and the test's name, with no example database: the same examples every run, so CI is
 repeatable; another base seed, or a larger max_examples, searches further."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import PLATFORMS, assert_same_quantized, reference_on_cpu, seed_for, to_device
+from conftest import (PLATFORMS, assert_same_quantized, jitted, reference_on_cpu, seed_for,
+                      to_device)
 from hypothesis import HealthCheck, given, seed, settings, strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -25,21 +24,17 @@ def arrays(shape):
   return hnp.arrays(np.float32, shape, elements=FLOATS)
 
 
-@functools.cache
-def _astype(dtype):
-  return jax.jit(lambda x: x.astype(dtype))
-
-
 def as_dtype(x, dtype):
   """NumPy ``x`` converted to ``dtype`` by XLA, as ``jnp.asarray(x).astype(dtype)`` converts it
-  (NaN payloads included), returned as a NumPy array: the elements padded to a power-of-two count (at least
-  256), so that one program per count and dtype serves the examples' many shapes, where an
-  eager conversion compiles at each new shape."""
+  (NaN payloads included), returned as a NumPy array. The elements are padded to a power-of-two
+  count (at least 256), so that one program per count and dtype (conftest.jitted) serves the
+  examples' many shapes, where an eager conversion compiles at each new shape."""
   if np.dtype(dtype) == x.dtype:
     return x
   flat = np.ravel(x)
   n = max(256, 1 << max(flat.size - 1, 0).bit_length())
-  out = np.asarray(_astype(dtype)(np.pad(flat, (0, n - flat.size))))
+  out = np.asarray(jitted(jax.lax.convert_element_type, np.pad(flat, (0, n - flat.size)),
+                          new_dtype=np.dtype(dtype)))
   return out[:flat.size].reshape(x.shape)
 
 

@@ -127,8 +127,7 @@ def test_forward_and_grads(platform, rng, case):
   (_, y), grads = jax.jit(jax.value_and_grad(layer, argnums=(0, 1, 2, 3, 4), has_aux=True))(
       x, k_in, k_out, b_in, b_out, state_for(recipe))
   assert y.shape == (m, d) and y.dtype == dtype
-  bi, bo = (b_in, b_out) if biases else (to_device(np.zeros((G, k_in.shape[2]), F32)),
-                                         to_device(np.zeros((G, d), F32)))
+  bi, bo = (b_in, b_out) if biases else (filled(G, k_in.shape[2]), filled(G, d))
   want = reference_on_cpu(mlp_f32, x, k_in, k_out, bi, bo, gs, activation=act)
   want_grads = reference_on_cpu(GRAD_F32, x, k_in, k_out, bi, bo, gs, t, activation=act)
   # y's rounding to the compute dtype before the activation, and the output's
