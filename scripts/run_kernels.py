@@ -6,7 +6,8 @@
                                              # ragged shapes (compute-sanitizer's four tools)
     python scripts/run_kernels.py mxfp8      # coverage's MXFP8 part alone (nvfp4: NVFP4's,
                                              # block: the group cast-transpose's sources,
-                                             # parts: the cast-transpose of x in parts)
+                                             # parts: the cast-transpose of x in parts,
+                                             # stacked: the cast-transpose under vmap)
     python scripts/run_kernels.py gemm       # our cuBLASLt calls, every scale mode (memcheck)
     python scripts/run_kernels.py grouped    # the grouped GEMMs: setup, fill and CUTLASS kernels
     python scripts/run_kernels.py grouped_block  # the same with block scales (CUTLASS's
@@ -121,6 +122,7 @@ def coverage():
                              jax_fp8.block_quantize(normal((shape[0], 144), dtype), fmt=fmt),
                              jax_fp8.group_cast_transpose(x, fmt=fmt)))
   parts()
+  stacked()
   block()
   mxfp8()
   nvfp4()
@@ -141,6 +143,28 @@ def parts():
           c = jax_fp8.cast_transpose_delayed(xs, ring, with_dbias=dbias)
           jax.block_until_ready(c)
           ring = c.ring
+
+
+def stacked():
+  """The cast-transpose under vmap (one call, the kernels run item by item on views of the
+  stacks, csrc/ffi/items.h): a stack of 3 expert kernels with their own rings, ragged tiles,
+  the fresh step and a delayed one; a shared x with stacked rings; a gated activation's
+  gradient (its y viewed too) with dbias."""
+  rng = np.random.default_rng(5)
+  ring = jax_fp8.ScaleRing(*jax.device_put((np.zeros((3, 5), np.float32), np.ones(3, np.float32),
+                                            np.zeros(3, np.float32))), "e4m3")
+  cast = jax.jit(jax.vmap(functools.partial(jax_fp8.cast_transpose_delayed, observe=False)))
+  shared_x = jax.jit(jax.vmap(jax_fp8.cast_transpose_delayed, in_axes=(None, 0)))
+  act_grad = jax.jit(jax.vmap(lambda dh, y, r: jax_fp8.activation_grad_cast_transpose(
+      dh, y, r, activation="swiglu", with_dbias=True)))
+  for dtype in DTYPES:
+    host = (rng.standard_normal((3, 100, 208)) * 3).astype(dtype)
+    x, x0 = jax.device_put(host), jax.device_put(host[0])
+    r = ring
+    for _ in range(2):
+      r = cast(x, r).ring
+    y = jax.device_put((rng.standard_normal((3, 100, 416)) * 3).astype(dtype))
+    jax.block_until_ready((shared_x(x0, r), act_grad(x, y, r)))
 
 
 def block():
@@ -306,6 +330,6 @@ def nvfp4():
 
 
 if __name__ == "__main__":
-  {"profile": profile, "coverage": coverage, "parts": parts, "block": block, "mxfp8": mxfp8,
-   "nvfp4": nvfp4, "gemm": gemm, "grouped": grouped, "grouped_block": grouped_block,
+  {"profile": profile, "coverage": coverage, "parts": parts, "stacked": stacked, "block": block,
+   "mxfp8": mxfp8, "nvfp4": nvfp4, "gemm": gemm, "grouped": grouped, "grouped_block": grouped_block,
    "block_gemm": block_gemm}[sys.argv[1]]()

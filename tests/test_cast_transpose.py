@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import (assert_same_quantized, bits, covering_cases, on_cpu, poison_allocator,
-                      summation_error, to_device)
+from conftest import (assert_same_quantized, bits, covering_cases, filled, on_cpu,
+                      poison_allocator, summation_error, to_device)
 
 import jax_fp8
 from jax_fp8 import reference
@@ -130,3 +130,66 @@ def test_a_list_of_rows_is_one_array():
   np.testing.assert_array_equal(
       bits(reference.cast_transpose_delayed(rows.tolist(), ring).tensor.data),
       bits(want.tensor.data))
+
+
+# The cast-transpose's sources under vmap, each over a stack of 3 slices: its arguments
+# (fn's, before the ring) and what fn quantizes. Every kind of buffer the handler views is
+# batched in one: x itself with dbias, x in parts (the remaining arguments), the gradient
+# through an activation (y), a norm (its row statistics and gamma).
+VMAP_SOURCES = {
+    "x": (lambda x, r: jax_fp8.cast_transpose_delayed(x, r, with_dbias=True, observe=True),
+          [(40, 48)]),
+    "parts": (lambda a, b, r: jax_fp8.cast_transpose_delayed([a, b], r), [(40, 16), (40, 32)]),
+    "swiglu_grad": (lambda dh, y, r: jax_fp8.activation_grad_cast_transpose(
+        dh, y, r, activation="swiglu", with_dbias=True), [(40, 32), (40, 64)]),
+    "rmsnorm": (lambda x, stats, gamma, r: jax_fp8.norm_cast_transpose(
+        x, stats, gamma, None, r, norm="rmsnorm"), [(40, 48), (40, 1), (48,)]),
+}
+
+
+@pytest.mark.parametrize("source,batched", [("x", "all"), ("x", "x"), ("x", "ring"),
+                                            ("parts", "all"), ("swiglu_grad", "x"),
+                                            ("rmsnorm", "all")])
+def test_vmap_is_the_op_on_each_slice(platform, rng, source, batched):
+  """jax.vmap (one call for the stack, csrc/ffi/items.h): each slice's outputs, ring and dbias
+  are the op's on that slice with its own amax, bit for bit; an argument vmap does not batch
+  (the inputs, or the ring) is read by every slice. The slices' magnitudes differ by 2^6, and
+  the ring is past its first step, so a scale or ring taken from the wrong slice shows."""
+  fn, shapes = VMAP_SOURCES[source]
+  stack = 3
+  ins = [to_device(rng.standard_normal((stack,) + s).astype(np.float32)
+                   * np.exp2(6.0 * np.arange(stack)).reshape((stack,) + (1,) * len(s)))
+         for s in shapes]
+  if source == "rmsnorm":  # positive row statistics
+    ins[1] = jnp.abs(ins[1])
+  ring = jax_fp8.cast_transpose_delayed(filled(16, 16, fill=3.0),
+                                        jax_fp8.ScaleRing.create(4, "e5m2")).ring
+  rings = jax.tree.map(lambda v: jnp.stack([v * (i + 1) for i in range(stack)]), ring)
+  ins_axis = None if batched == "ring" else 0
+  ring_axis = None if batched == "x" else 0
+  args = [x[0] if ins_axis is None else x for x in ins] + [ring if ring_axis is None else rings]
+  poison_allocator(sum(x.size for x in ins) * stack)
+  got = jax.jit(jax.vmap(fn, in_axes=(ins_axis,) * len(ins) + (ring_axis,)))(*args)
+  one = jax.jit(fn)
+  for i in range(stack):
+    at = lambda v, axis: v if axis is None else jax.tree.map(lambda a: a[i], v)
+    want = one(*[at(x, ins_axis) for x in args[:-1]], at(args[-1], ring_axis))
+    assert_same_quantized(at(got.tensor, 0), want.tensor)
+    for g, w in zip(jax.tree.leaves((got.ring, got.dbias)), jax.tree.leaves((want.ring,
+                                                                              want.dbias))):
+      np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(w))
+
+
+def test_nested_vmap_is_the_op_on_each_slice(platform, rng):
+  """Two vmaps (two leading batch dimensions, the ring batched by the outer one only): one
+  kernel call, no loop, and each slice is the op on that slice."""
+  x = to_device(rng.standard_normal((2, 3, 20, 16)).astype(np.float32) * 10.0)
+  rings = jax.tree.map(lambda v: jnp.stack([v, v]), jax_fp8.ScaleRing.create(4))
+  fn = jax.jit(jax.vmap(jax.vmap(jax_fp8.cast_transpose_delayed, in_axes=(0, None))))
+  hlo = fn.lower(x, rings).as_text()
+  assert hlo.count("jax_fp8_cast_transpose_ring") == 1 and "while" not in hlo
+  got = fn(x, rings)
+  one = jax.jit(jax_fp8.cast_transpose_delayed)
+  for i, j in np.ndindex(2, 3):
+    want = one(x[i, j], jax.tree.map(lambda v: v[i], rings))
+    assert_same_quantized(jax.tree.map(lambda a: a[i, j], got.tensor), want.tensor)

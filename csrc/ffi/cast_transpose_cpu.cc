@@ -4,6 +4,7 @@
 
 #include "cast_transpose_args.h"
 #include "cpu_io.h"
+#include "items.h"
 
 namespace jax_fp8 {
 namespace {
@@ -54,7 +55,8 @@ ffi::Error CastTransposeRingImpl(const CastTransposeArgs& a) {
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CastTransposeRingCpuHandler,
-                              DecodeThen(DecodeCastTransposeRing, CastTransposeRingImpl),
+                              each_item<2>(DecodeThen(DecodeCastTransposeRing,
+                                                      CastTransposeRingImpl)),
                               BindCastTransposeRing(ffi::Ffi::Bind()));
 
 }  // namespace jax_fp8

@@ -4,6 +4,7 @@
 
 #include "../kernels/cast_transpose.cuh"
 #include "cast_transpose_args.h"
+#include "items.h"
 #include "launch.h"
 #include "sources_cuda.h"
 
@@ -51,7 +52,8 @@ ffi::Error CastTransposeRingImpl(cudaStream_t stream, const CastTransposeArgs& a
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CastTransposeRingCudaHandler,
-                              DecodeThen(DecodeCastTransposeRing, CastTransposeRingImpl),
+                              each_item<2>(DecodeThen(DecodeCastTransposeRing,
+                                                      CastTransposeRingImpl)),
                               BindCastTransposeRing(BindCuda()),
                               {ffi::Traits::kCmdBufferCompatible});
 

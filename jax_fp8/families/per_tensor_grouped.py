@@ -68,9 +68,9 @@ class Static:
 
 
 def _kernels_fp8(kernels, ring, s: Static):
-  """Each expert kernel [K, N] cast-transposed with its own ring (a loop over the experts of the
-  per-tensor cast-transpose): tensor data [G, K, N], data_t [G, N, K], scale [G]; the stacked
-  ring's observation."""
+  """Each expert kernel [K, N] cast-transposed with its own ring (the per-tensor cast-transpose
+  under vmap: one call writing the stacks in place): tensor data [G, K, N], data_t [G, N, K],
+  scale [G]; the stacked ring's observation."""
   return jax.vmap(lambda k, r: kernel_fp8(k, None, r, s.current, s.axis_name))(kernels, ring)
 
 

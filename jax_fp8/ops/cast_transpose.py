@@ -56,6 +56,10 @@ def cast_transpose_delayed(x, ring: ScaleRing, *, with_dbias: bool = False,
     of different dtypes or row counts, none or more than 4 of them, ring not a valid
     ScaleRing, with_dbias or observe not a bool.
 
+  Under ``jax.vmap`` (this op and the three below) each slice is quantized on its own, with its
+  own amax and ring (e.g. a stack of expert kernels [G, K, N] with a stacked ring), all in one
+  call that writes the stacked outputs in place.
+
   Method: TransformerEngine's cast-transpose (both FP8 layouts a linear's GEMMs read, from one
   read of x), with ``quantize_delayed``'s delayed scaling.
   """
@@ -177,7 +181,7 @@ def _cast_transpose(op, source: sources.Source, ring, with_dbias, observe) -> De
         + _ring.kernel_results(leaves[0].shape[0])
         + (jax.ShapeDtypeStruct((partial_rows, dbias_cols), jnp.float32),  # dbias partials
            jax.ShapeDtypeStruct((dbias_cols,), jnp.float32), _ring.SCRATCH),
-        vmap_method="sequential",
+        vmap_method="expand_dims",  # one call for a batch (csrc/ffi/items.h)
     )(*source.kernel_args(*ins), *leaves, *source.more_parts(*ins),
       **_ring.kernel_attrs(ring, observe),
       with_dbias=with_dbias, **source.attrs())
