@@ -21,9 +21,7 @@ struct IsBuffer : std::false_type {};
 template <>
 struct IsBuffer<ffi::AnyBuffer> : std::true_type {};
 template <ffi::DataType dtype, size_t rank>
-struct IsBuffer<ffi::Buffer<dtype, rank>> : std::true_type {
-  static_assert(rank == ffi::internal::kDynamicRank, "a batched buffer has a dynamic rank");
-};
+struct IsBuffer<ffi::Buffer<dtype, rank>> : std::true_type {};
 
 template <typename T>
 struct IsResult : std::false_type {};
