@@ -169,10 +169,14 @@ def test_flax_cast_kernels(platform, rng, name):
   variables = jax.jit(model.init)(jax.random.key(0), x[0])
   params, state = variables["params"], variables.get("fp8_state")
   keep_head = {} if state is not None else {"select": lambda path, kernel: "head" not in path}
-  cast = jf.cast_kernels(params, state, recipe, **keep_head)
+
+  def cast_of(params, state):  # traced (jax.eval_shape): the casts' structure, none compiled
+    cast = jf.cast_kernels(params, state, recipe, **keep_head)
+    assert cast["head"]["kernel"] is params["head"]["kernel"]
+    return cast
+  cast = jax.eval_shape(cast_of, params, state)
   assert isinstance(cast["layers"]["Mlp_0"]["kernel_in"], jax_fp8.CastKernel)
   assert cast["layers"]["Mlp_0"]["kernel_in"].q.shape == (2, 128, 256)
-  assert cast["head"]["kernel"] is params["head"]["kernel"]
 
   def loss(params, state, cast):
     used = jf.cast_kernels(params, state, recipe, **keep_head) if cast else params
@@ -196,7 +200,7 @@ def test_flax_cast_kernels_errors(rng):
   recipe = RECIPES["delayed"]
   model = _Model(recipe)
   x = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)  # one program, not one per op
   params, state = variables["params"], variables["fp8_state"]
   with pytest.raises(ValueError, match="no kernel of params found its ring in fp8_state"):
     jf.cast_kernels(params, {"fp8_state": state}, recipe)
@@ -205,7 +209,7 @@ def test_flax_cast_kernels_errors(rng):
   with pytest.raises(ValueError, match=r"head/kernel: [A-Za-z]*Scaling needs K and N multiples of 16"):
     jf.cast_kernels(params, None, RECIPES["current"])
   layer = jf.Dense(128, use_bias=False, recipe=recipe)
-  small = layer.init(jax.random.key(0), x[:, :64])
+  small = jax.jit(layer.init)(jax.random.key(0), x[:, :64])
   ck = jax_fp8.cast_kernel(jnp.ones((128, 128)), small["fp8_state"]["linear"].kernel)
   with pytest.raises(ValueError, match=r"Dense's kernel is a CastKernel of a \[128, 128\] "
                                        r"kernel; the layer's is \[64, 128\]"):
