@@ -192,5 +192,6 @@ def test_model_variants_name_parameters_alike():
     fp8, bf16 = (init_variables(Transformer(Config(128, 2, 2, 32, linear=linear, **fields)), 0)
                  for linear in ("fp8", baseline))
     assert jax.tree.structure(fp8[0]) == jax.tree.structure(bf16[0])
-    assert all(jax.tree.leaves(jax.tree.map(lambda a, b: bool((a == b).all()), fp8[0], bf16[0])))
+    # compared on the host: an eager == and .all() compile a program per leaf shape
+    assert all(jax.tree.leaves(jax.tree.map(np.array_equal, fp8[0], bf16[0])))
     assert "fp8_state" in fp8[1] and bf16[1] == {}
