@@ -10,14 +10,26 @@ import collections
 import dataclasses
 import functools
 import hashlib
+import importlib.metadata
 import itertools
 import os
+import pkgutil
 import re
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+# XLA:CPU's LLVM optimizations off (xla_backend_optimization_level=0) where JAX has no CUDA
+# plugin (CI): the HLO, XLA's own passes and the FFI handlers are the same, only LLVM's code
+# generation for XLA's CPU kernels changes (no FMA contraction, less vectorization: each
+# operation rounds as written), and the suite takes about two thirds of the time (compilation
+# is most of it). Where JAX can reach a GPU, every program compiles as users compile it; a
+# setting of the user's own in XLA_FLAGS is kept.
+_CPU_ONLY = not (any(m.name.startswith("jax_cuda") for m in pkgutil.iter_modules()) or any(
+    "cuda" in e.name for e in importlib.metadata.entry_points(group="jax_plugins")))
+_FLAGS = os.environ.get("XLA_FLAGS", "")
+os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8" + (
+    " --xla_backend_optimization_level=0"
+    if _CPU_ONLY and "xla_backend_optimization_level" not in _FLAGS else "")).strip()
 # pytest-xdist's workers share the GPU: each takes memory as it needs it, not 75% up front.
 if "PYTEST_XDIST_WORKER" in os.environ:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -331,12 +343,11 @@ def on_cpu(fn, *args):
     return jax.tree.map(np.asarray, fn(*jax.device_put(args, jax.devices("cpu")[0])))
 
 
-# XLA:CPU's compile options for the jnp twins (reference_on_cpu): LLVM's optimizations off. The
-# HLO is the same and compiles in about half the time (the Hadamard transform's fused butterfly
-# above all); only LLVM's code generation changes (no FMA contraction: each operation rounds as
-# written). A twin compared bit for bit whose results this changed would fail its comparison,
-# not pass it; the f32 twins compared within a bound are within it either way. The code under
-# test is compiled as users compile it.
+# XLA:CPU's compile options for the jnp twins (reference_on_cpu), also where the rest of the
+# suite compiles as users do (a GPU machine): LLVM's optimizations off, as above. The HLO is
+# the same and compiles in about half the time (the Hadamard transform's fused butterfly above
+# all). A twin compared bit for bit whose results this changed would fail its comparison, not
+# pass it; the f32 twins compared within a bound are within it either way.
 TWIN_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
