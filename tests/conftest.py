@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib.metadata
+import importlib.util
 import itertools
 import os
 import pkgutil
@@ -18,18 +19,34 @@ import re
 import shutil
 import tempfile
 
+
+def _cuda_plugin() -> bool:
+  """Whether JAX would find a CUDA plugin: a jax_cuda* module, an entry point in the
+  jax_plugins group, or a module in the jax_plugins namespace package (JAX's three ways)."""
+  spec = importlib.util.find_spec("jax_plugins")
+  namespaced = pkgutil.iter_modules(spec.submodule_search_locations) if spec else ()
+  return (any(m.name.startswith("jax_cuda") for m in pkgutil.iter_modules())
+          or any("cuda" in e.name for e in importlib.metadata.entry_points(group="jax_plugins"))
+          or any("cuda" in m.name for m in namespaced))
+
+
 # XLA:CPU's LLVM optimizations off (xla_backend_optimization_level=0) where JAX has no CUDA
 # plugin (CI): the HLO, XLA's own passes and the FFI handlers are the same, only LLVM's code
 # generation for XLA's CPU kernels changes (no FMA contraction, less vectorization: each
 # operation rounds as written), and the suite takes about two thirds of the time (compilation
 # is most of it). Where JAX can reach a GPU, every program compiles as users compile it; a
-# setting of the user's own in XLA_FLAGS is kept.
-_CPU_ONLY = not (any(m.name.startswith("jax_cuda") for m in pkgutil.iter_modules()) or any(
-    "cuda" in e.name for e in importlib.metadata.entry_points(group="jax_plugins")))
+# setting of the user's own in XLA_FLAGS is kept: XLA_FLAGS=--xla_backend_optimization_level=2
+# runs the CPU suite as users compile (every bit-for-bit comparison with a twin then also checks
+# that LLVM's optimizations change no bit, which this setting leaves unchecked).
 _FLAGS = os.environ.get("XLA_FLAGS", "")
+_UNOPTIMIZED = "--xla_backend_optimization_level=0"
 os.environ["XLA_FLAGS"] = (_FLAGS + " --xla_force_host_platform_device_count=8" + (
-    " --xla_backend_optimization_level=0"
-    if _CPU_ONLY and "xla_backend_optimization_level" not in _FLAGS else "")).strip()
+    " " + _UNOPTIMIZED
+    if "xla_backend_optimization_level" not in _FLAGS and not _cuda_plugin() else "")).strip()
+# Whether XLA's CPU kernels compile without LLVM's optimizations in this run (a test whose
+# programs round differently then says so).
+LLVM_UNOPTIMIZED = _UNOPTIMIZED in os.environ["XLA_FLAGS"]
+
 # pytest-xdist's workers share the GPU: each takes memory as it needs it, not 75% up front.
 if "PYTEST_XDIST_WORKER" in os.environ:
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

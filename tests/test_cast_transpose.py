@@ -168,8 +168,9 @@ def test_vmap_is_the_op_on_each_slice(platform, rng, source, batched):
   ins_axis = None if batched == "ring" else 0
   ring_axis = None if batched == "x" else 0
   args = [x[0] if ins_axis is None else x for x in ins] + [ring if ring_axis is None else rings]
-  poison_allocator(sum(x.size for x in ins) * stack)
-  got = jax.jit(jax.vmap(fn, in_axes=(ins_axis,) * len(ins) + (ring_axis,)))(*args)
+  batched = jax.jit(jax.vmap(fn, in_axes=(ins_axis,) * len(ins) + (ring_axis,)))
+  poison_allocator(jax.eval_shape(batched, *args).tensor.data.size)  # q's bytes
+  got = batched(*args)
   one = jax.jit(fn)
   for i in range(stack):
     at = lambda v, axis: v if axis is None else jax.tree.map(lambda a: a[i], v)
@@ -181,10 +182,12 @@ def test_vmap_is_the_op_on_each_slice(platform, rng, source, batched):
 
 
 def test_nested_vmap_is_the_op_on_each_slice(platform, rng):
-  """Two vmaps (two leading batch dimensions, the ring batched by the outer one only): one
-  kernel call, no loop, and each slice is the op on that slice."""
+  """Two vmaps (two leading batch dimensions, the ring batched by the outer one only, its two
+  rings past their first step and different): one kernel call, no loop, and each slice is the
+  op on that slice, its ring included."""
   x = to_device(rng.standard_normal((2, 3, 20, 16)).astype(np.float32) * 10.0)
-  rings = jax.tree.map(lambda v: jnp.stack([v, v]), jax_fp8.ScaleRing.create(4))
+  ring = jax_fp8.cast_transpose_delayed(filled(16, 16, fill=3.0), jax_fp8.ScaleRing.create(4)).ring
+  rings = jax.tree.map(lambda v: jnp.stack([v, 4 * v]), ring)
   fn = jax.jit(jax.vmap(jax.vmap(jax_fp8.cast_transpose_delayed, in_axes=(0, None))))
   hlo = fn.lower(x, rings).as_text()
   assert hlo.count("jax_fp8_cast_transpose_ring") == 1 and "while" not in hlo
@@ -193,3 +196,5 @@ def test_nested_vmap_is_the_op_on_each_slice(platform, rng):
   for i, j in np.ndindex(2, 3):
     want = one(x[i, j], jax.tree.map(lambda v: v[i], rings))
     assert_same_quantized(jax.tree.map(lambda a: a[i, j], got.tensor), want.tensor)
+    for g, w in zip(jax.tree.leaves(got.ring), jax.tree.leaves(want.ring)):
+      np.testing.assert_array_equal(np.asarray(g[i, j]), np.asarray(w))

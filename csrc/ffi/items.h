@@ -59,8 +59,11 @@ class ItemViews {
       v.types.push_back(XLA_FFI_ArgType_BUFFER);
       v.args.push_back(const_cast<XLA_FFI_Buffer*>(View(*more.get<ffi::AnyBuffer>(i))));
     }
-    v.list = XLA_FFI_Args{XLA_FFI_Args_STRUCT_SIZE, nullptr, int64_t(v.args.size()),
-                          v.types.data(), v.args.data()};
+    v.list = XLA_FFI_Args{};  // fields by name: the C API's order is not relied on
+    v.list.struct_size = XLA_FFI_Args_STRUCT_SIZE;
+    v.list.size = int64_t(v.args.size());
+    v.list.types = v.types.data();
+    v.list.args = v.args.data();
     return ffi::RemainingArgs(&v.list, 0);
   }
   template <typename T>
@@ -84,9 +87,13 @@ class ItemViews {
     for (size_t k = 0; k < lead; ++k) offset = offset * dims[k] + (dims[k] == 1 ? 0 : index_[k]);
     auto* data = static_cast<char*>(b.untyped_data()) +
                  offset * item_elems * int64_t(ffi::ByteWidth(b.element_type()));
-    return &views_.emplace_back(XLA_FFI_Buffer{
-        XLA_FFI_Buffer_STRUCT_SIZE, nullptr, static_cast<XLA_FFI_DataType>(b.element_type()),
-        data, int64_t(dims.size() - lead), const_cast<int64_t*>(dims.begin() + lead)});
+    XLA_FFI_Buffer& view = views_.emplace_back();  // value-initialized, fields by name
+    view.struct_size = XLA_FFI_Buffer_STRUCT_SIZE;
+    view.dtype = static_cast<XLA_FFI_DataType>(b.element_type());
+    view.data = data;
+    view.rank = int64_t(dims.size() - lead);
+    view.dims = const_cast<int64_t*>(dims.begin() + lead);
+    return &view;
   }
 
   const Batch& batch_;
