@@ -28,18 +28,12 @@ JF8_HD uint8_t e8m0_rceil(float amax, Fp8Format f) {
 }
 
 // The top scale RCEIL gives a finite amax, 2^(128 - emax) (byte e8m0_top: e4m3 247, e5m2 240;
-// blocks with amax above 1.75 * 2^127), would dequantize an element rounded to 2^emax to 2^128,
-// an f32 infinity. A block of that scale saturates its elements at the largest FP8 value below
-// 2^emax (e4m3 240, e5m2 28672) rather than at fmt_max, as the MX spec saturates values beyond
-// the element format's range: e8m0_saturate clamps x to that value times 2^k (exact) before x
-// is scaled, so every finite input stays finite once dequantized.
+// blocks with amax above 1.75 * 2^127): its blocks' elements saturate below 2^emax times the
+// scale (numerics.h top_scale_saturate) before they are scaled; other blocks are left alone.
 JF8_HD uint8_t e8m0_top(Fp8Format f) { return f == Fp8Format::kE4M3 ? 247 : 240; }
 
 JF8_HD float e8m0_saturate(float x, uint8_t s, Fp8Format f) {
-  if (s != e8m0_top(f)) return x;
-  // 240 * 2^120 = 1.875 * 2^127 and 28672 * 2^113 = 1.75 * 2^127
-  const float limit = bits_float(f == Fp8Format::kE4M3 ? 0x7F700000u : 0x7F600000u);
-  return x > limit ? limit : x < -limit ? -limit : x;
+  return s == e8m0_top(f) ? top_scale_saturate(x, f) : x;
 }
 
 // 2^-k of scale byte s = k + 127: the exact factor that quantizes an element (x * 2^-k, then

@@ -173,6 +173,20 @@ JF8_HD float group_scale(float amax, float eps, Fp8Format f, bool ue8m0) {
   return bits_float((b + 0x007FFFFFu) & 0xFF800000u);
 }
 
+// The top power-of-two scale a finite amax gets, 2^(128 - emax) (e4m3 2^120, e5m2 2^113: MXFP8's
+// E8M0 byte mx.h e8m0_top, block scaling's ue8m0 group_scale of an amax above 1.75 * 2^127),
+// would dequantize an element rounded up to 2^emax to 2^128, an f32 infinity. Its elements
+// saturate at the largest FP8 value below 2^emax times that scale (e4m3 240 * 2^120 = 1.875 *
+// 2^127, e5m2 28672 * 2^113 = 1.75 * 2^127), as the MX spec saturates values beyond the element
+// format's range, so every finite input stays finite once dequantized. Only a finite element
+// beyond the limit changes, and such an element puts every group holding it at the top scale:
+// applied to every element of power-of-two-scaled groups, the rule needs no look at the scale.
+// NaN and infinities are kept (their groups' scales are NaN or infinite).
+JF8_HD float top_scale_saturate(float x, Fp8Format f) {
+  const float limit = bits_float(f == Fp8Format::kE4M3 ? 0x7F700000u : 0x7F600000u);
+  return (x > limit && x <= FLT_MAX) ? limit : (x < -limit && x >= -FLT_MAX) ? -limit : x;
+}
+
 // Where the scale of group g of row r lands in a group quantize's scales (csrc/constants.h
 // ScaleLayoutId): scales[r * row_stride + g * group_stride], in a grid of padded_rows rows.
 struct ScaleLayout {

@@ -154,14 +154,24 @@ def e8m0_top(fmt: str) -> int:
   return 128 - int(np.log2(fp8_max(fmt) / 1.75)) + E8M0_BIAS
 
 
-def e8m0_saturate(x: jax.Array, scale: jax.Array, fmt: str) -> jax.Array:
-  """``x`` (f32) with the elements of blocks of the top scale (``e8m0_top``; ``scale``: E8M0
-  bytes broadcasting against ``x``) clamped to +-(the largest FP8 value below 2**emax) * 2**k,
-  so that none rounds to 2**emax, which would dequantize to 2**128 (inf): e4m3 240 * 2**120,
-  e5m2 28672 * 2**113. Other blocks, NaN included, unchanged. As csrc/mx.h e8m0_saturate."""
+def top_scale_saturate(x: jax.Array, fmt: str) -> jax.Array:
+  """``x`` (f32) with its finite elements clamped to +-(the largest FP8 value below 2**emax) *
+  2**(128 - emax), e4m3 240 * 2**120, e5m2 28672 * 2**113: the saturation of the top
+  power-of-two scale a finite amax gets, 2**(128 - emax), under which an element rounded up to
+  2**emax would dequantize to 2**128 (inf). Only an element beyond the limit changes, and it
+  puts every group holding it at the top scale, so the rule applies to every element of a
+  power-of-two-scaled group (MXFP8, ue8m0 block scaling) unconditionally. NaN and infinities
+  kept. As csrc/numerics.h top_scale_saturate."""
   limit = np.float32(240.0 * 2.0**120 if fp8_dtype(fmt) == jnp.float8_e4m3fn
                      else 28672.0 * 2.0**113)
-  return jnp.where(scale == e8m0_top(fmt), jnp.clip(x, -limit, limit), x)
+  return jnp.where(jnp.isfinite(x), jnp.clip(x, -limit, limit), x)
+
+
+def e8m0_saturate(x: jax.Array, scale: jax.Array, fmt: str) -> jax.Array:
+  """``top_scale_saturate`` of the elements of blocks of the top scale (``e8m0_top``; ``scale``:
+  E8M0 bytes broadcasting against ``x``), other blocks unchanged. As csrc/mx.h
+  e8m0_saturate."""
+  return jnp.where(scale == e8m0_top(fmt), top_scale_saturate(x, fmt), x)
 
 
 def e8m0_apply(values: jax.Array, scale: jax.Array) -> jax.Array:

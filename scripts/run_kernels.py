@@ -119,7 +119,8 @@ def coverage():
         jax.block_until_ready(jax_fp8.group_quantize(x, group_size=group_size, fmt=fmt,
                                                      scale_layout=layout, ue8m0=ue8m0))
       jax.block_until_ready((jax_fp8.block_quantize(x, fmt=fmt),
-                             jax_fp8.block_quantize(normal((shape[0], 144), dtype), fmt=fmt),
+                             jax_fp8.block_quantize(normal((shape[0], 144), dtype), fmt=fmt,
+                                                    ue8m0=True),
                              jax_fp8.group_cast_transpose(x, fmt=fmt)))
   parts()
   stacked()

@@ -324,6 +324,34 @@ def test_ue8m0_scales_are_powers_of_two(platform, rng, fmt):
     np.testing.assert_array_equal(su[plain == su], plain[plain == su])
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+def test_ue8m0_finite_inputs_stay_finite(platform, rng, fmt):
+  """Groups and blocks whose amax lies above 1.75 * 2^127 get the top ue8m0 scale 2^(128 -
+  emax), where an element rounding to 2^emax would dequantize to inf: their elements saturate at
+  the largest FP8 value below 2^emax (e4m3 240, e5m2 28672; formats.top_scale_saturate), bit
+  for bit as the reference, in every op and direction. Elements up to the largest f32, either
+  sign; the other groups as before."""
+  big = np.finfo(np.float32).max
+  x = np.asarray(rng.standard_normal((256, 256)), np.float32)
+  x[0:128, 0:128] = rng.uniform(0.9 * big, big, (128, 128)) * rng.choice([-1, 1], (128, 128))
+  x[0, 0:4], x[1, 0:4] = [big, -big, 3.3e38, -3.3e38], 1.76 * 2.0**127
+  x = to_device(x)
+  top = {"e4m3": (2.0**120, 240.0), "e5m2": (2.0**113, 28672.0)}[fmt]
+  ops = {"group_quantize": dict(group_size=128), "block_quantize": {},
+         "group_cast_transpose": {}}
+  for name, kw in ops.items():
+    poison_allocator(x.size)
+    got = jitted(getattr(blockwise, name), x, fmt=fmt, ue8m0=True, **kw)
+    assert_same(got, reference_on_cpu(getattr(reference, name), x, fmt=fmt, ue8m0=True, **kw))
+    pairs = [(got.data, got.scale)] + [(got.data_t, got.scale_t)] * (got.data_t is not None)
+    for data, scale in pairs:  # data_t: x transposed, its top groups at the same corner
+      full = np.asarray(expand_scales(scale, *data.shape, 128 if name == "block_quantize" else 1))
+      d = to_f32(data) * full
+      assert np.all(np.isfinite(d)), name
+      assert full[0, 0] == top[0] and d[0, 0] == top[1] * top[0], name
+      assert np.all(full[128:, 128:] < top[0]), name
+
+
 # ------------------------------------------------------------------------------------------
 # Dequantization round trip.
 

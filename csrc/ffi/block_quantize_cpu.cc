@@ -25,7 +25,8 @@ struct Values {
     return group_scale(amax, a.eps, a.fmt, a.ue8m0);
   }
   uint8_t quantized(int64_t r, int64_t c, float inv) const {
-    return float_to_fp8(at(r, c) * inv, a.fmt);
+    const float v = a.ue8m0 ? top_scale_saturate(at(r, c), a.fmt) : at(r, c);
+    return float_to_fp8(v * inv, a.fmt);
   }
 };
 

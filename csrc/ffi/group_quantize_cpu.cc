@@ -15,8 +15,10 @@ ffi::Error GroupQuantizeImpl(const GroupQuantizeArgs& a) {
       const float s =
           group_scale(amax_region(a.x, a.x_type, cols, r, r + 1, c0, c1), a.eps, a.fmt, a.ue8m0);
       const float inv = 1.0f / s;
-      for (int64_t c = c0; c < c1; ++c)
-        a.q[r * cols + c] = float_to_fp8(load_f32(a.x, a.x_type, r * cols + c) * inv, a.fmt);
+      for (int64_t c = c0; c < c1; ++c) {
+        const float v = load_f32(a.x, a.x_type, r * cols + c);
+        a.q[r * cols + c] = float_to_fp8((a.ue8m0 ? top_scale_saturate(v, a.fmt) : v) * inv, a.fmt);
+      }
       a.scales[r * sl.row_stride + g * sl.group_stride] = s;
     }
   }

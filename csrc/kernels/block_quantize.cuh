@@ -10,7 +10,7 @@
 //    [R128/128, C] (C contiguous). What is quantized comes from a source (sources.cuh): x, an
 //    activation of x, the gradient through one (two outputs side by side, [R, 2C], under a
 //    gated activation), or a norm of x, so none of them costs a pass of its own.
-// Scales: numerics.h group_scale. Launched with PDL; device code only; launched by
+// Scales: numerics.h group_scale (UE8M0: top_scale_saturate). Launched with PDL; device code only; launched by
 // csrc/ffi/block_quantize_cuda.cu.
 #pragma once
 
@@ -127,6 +127,12 @@ __global__ void __launch_bounds__(kBlockThreads)
     }
     __syncthreads();
   }
+
+  if (ue8m0)  // after the amaxes: the top scale's elements saturate (numerics.h)
+#pragma unroll
+    for (int p = 0; p < kBlockPasses; ++p)
+#pragma unroll
+      for (int k = 0; k < kElemsPerThread; ++k) f[p][k] = top_scale_saturate(f[p][k], fmt);
 
   // Row-major q.
 #pragma unroll

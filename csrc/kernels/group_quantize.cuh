@@ -21,7 +21,12 @@ struct F32GroupScale {
   }
   // = 1.0f / scale, correctly rounded, as on the CPU
   __device__ float factor(float scale) const { return __frcp_rn(scale); }
-  __device__ void saturate(float (&)[kElemsPerThread], float, Fp8Format) const {}
+  // UE8M0 scales: the top scale's elements saturate (numerics.h top_scale_saturate).
+  __device__ void saturate(float (&f)[kElemsPerThread], float, Fp8Format fmt) const {
+    if (!ue8m0) return;
+#pragma unroll
+    for (int k = 0; k < kElemsPerThread; ++k) f[k] = top_scale_saturate(f[k], fmt);
+  }
 };
 
 struct E8M0GroupScale {

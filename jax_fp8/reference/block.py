@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import activations, norms
-from ..formats import BLOCK, GROUP_EPS, amax, as_f32, fp8_max
+from ..formats import BLOCK, GROUP_EPS, amax, as_f32, fp8_max, top_scale_saturate
 from ..quantized import Quantized
 from .per_tensor import cast, gemm
 
@@ -27,6 +27,11 @@ def group_scale(amax_: jax.Array, eps: float, fmt: str, ue8m0: bool) -> jax.Arra
   return jnp.where(jnp.isfinite(s), up, s)
 
 
+def _saturated(x, fmt: str, ue8m0: bool) -> jax.Array:
+  """x in f32, under ue8m0 scales with the top scale's saturation (``top_scale_saturate``)."""
+  return top_scale_saturate(as_f32(x), fmt) if ue8m0 else as_f32(x)
+
+
 def group_quantize(x, *, group_size=BLOCK, fmt="e4m3", eps=GROUP_EPS, ue8m0=False,
                    scale_layout="row") -> Quantized:
   """Per-token-group quantization: groups of ``group_size`` along the last axis.
@@ -35,7 +40,7 @@ def group_quantize(x, *, group_size=BLOCK, fmt="e4m3", eps=GROUP_EPS, ue8m0=Fals
   *lead, k = x.shape
   g = x.reshape(*lead, k // group_size, group_size)
   s = group_scale(amax(g, axis=-1), eps, fmt, ue8m0)  # [..., K/g]
-  q = cast(as_f32(g) * (1.0 / s)[..., None], fmt).reshape(x.shape)
+  q = cast(_saturated(g, fmt, ue8m0) * (1.0 / s)[..., None], fmt).reshape(x.shape)
   if scale_layout == "row":
     return Quantized(data=q, scale=s)
   st = s.reshape(-1, k // group_size).T  # [K/g, M]
@@ -57,7 +62,8 @@ def block_quantize(w, *, fmt="e4m3", eps=GROUP_EPS, ue8m0=False) -> Quantized:
   r, c = w.shape
   t = _tiles(w)
   s = group_scale(amax(t, axis=(1, 3)), eps, fmt, ue8m0)  # [R/128, C/128]
-  q = cast(t * (1.0 / s)[:, None, :, None], fmt).reshape(t.shape[0] * BLOCK, -1)[:r, :c]
+  q = cast(_saturated(t, fmt, ue8m0) * (1.0 / s)[:, None, :, None], fmt)
+  q = q.reshape(t.shape[0] * BLOCK, -1)[:r, :c]
   return Quantized(data=q, scale=s)
 
 
