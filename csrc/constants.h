@@ -106,10 +106,11 @@ struct BlockGemmKernel {
 constexpr BlockGemmKernel kBlockGemmKernels[] = {
     {"sm90_128x112_c1", 112, 1}, {"sm90_128x112_c2", 112, 2}, {"sm90_128x128_c1", 128, 1},
     {"sm90_128x128_c2", 128, 2}, {"sm90_128x144_c1", 144, 1}, {"sm90_128x144_c2", 144, 2},
-    {"sm90_128x160_c1", 160, 1}, {"sm90_128x160_c2", 160, 2}};
+    {"sm90_128x160_c1", 160, 1}, {"sm90_128x160_c2", 160, 2}, {"sm90_128x192_c1", 192, 1},
+    {"sm90_128x192_c2", 192, 2}, {"sm90_128x256_c1", 256, 1}, {"sm90_128x256_c2", 256, 2}};
 constexpr int kNumBlockGemmKernels = sizeof(kBlockGemmKernels) / sizeof(kBlockGemmKernels[0]);
 // Part of the identity of a kind of device (csrc/ffi/gemm_lt.h device_identity): raised when
 // the candidates change, so that recorded choices made without them are timed again.
-constexpr int kBlockGemmRevision = 1;
+constexpr int kBlockGemmRevision = 2;
 
 }  // namespace jax_fp8

@@ -13,7 +13,8 @@ namespace jax_fp8 {
 
 // The tile widths instantiated (block_gemm_n<N>.cu); every kernel of the table uses one.
 constexpr bool instantiated(int block_n) {
-  return block_n == 112 || block_n == 128 || block_n == 144 || block_n == 160;
+  return block_n == 112 || block_n == 128 || block_n == 144 || block_n == 160 || block_n == 192 ||
+         block_n == 256;
 }
 constexpr bool all_instantiated() {
   for (const BlockGemmKernel& k : kBlockGemmKernels)
@@ -36,6 +37,10 @@ std::string run_block_gemm(const BlockGemmArgs& g, int kernel, cudaStream_t stre
                              : launch_block_gemm<144, false>(g, k.cluster, stream);
     case 160: return columns ? launch_block_gemm<160, true>(g, k.cluster, stream)
                              : launch_block_gemm<160, false>(g, k.cluster, stream);
+    case 192: return columns ? launch_block_gemm<192, true>(g, k.cluster, stream)
+                             : launch_block_gemm<192, false>(g, k.cluster, stream);
+    case 256: return columns ? launch_block_gemm<256, true>(g, k.cluster, stream)
+                             : launch_block_gemm<256, false>(g, k.cluster, stream);
     default: return "no instantiation of the block-scaled GEMM for " + std::string(k.name);
   }
 }

@@ -20,7 +20,8 @@
 //   the 128 x 128 block scales of the tile's columns).
 // - warpgroups 1 and 2: the consumers, 64 rows of the tile each. Per K block: wait for the
 //   stage, four wgmma m64nNk32 (e4m3 x e4m3 -> f32) into the partial accumulator, wait for them,
-//   promote into the main accumulator, release the stage (one arrival per warp on the empty
+//   promote into the main accumulator (tiles wider than 160 columns: the same for each half of
+//   the columns in turn, so that both accumulators fit a thread's registers), release the stage (one arrival per warp on the empty
 //   mbarrier of each CTA of the cluster, after the warp's reads of the scales). After the last
 //   block: the epilogue adds the bias and stores the tile from registers (pairs of columns,
 //   rows and columns past M and N skipped), then the next tile starts.
@@ -41,6 +42,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "../constants.h"
@@ -57,9 +59,13 @@
 namespace jax_fp8 {
 
 // The wgmma m64nNk32 e4m3 x e4m3 -> f32 instruction (both operands K-major in shared memory)
-// of each instantiated tile width: CuTe's atoms.
-template <int kBlockN>
+// of each instantiated MMA width: CuTe's atoms.
+template <int kMmaN>
 struct BlockGemmMma;
+template <>
+struct BlockGemmMma<96> {
+  using Op = cute::SM90::GMMA::MMA_64x96x32_F32E4M3E4M3_SS_TN<>;
+};
 template <>
 struct BlockGemmMma<112> {
   using Op = cute::SM90::GMMA::MMA_64x112x32_F32E4M3E4M3_SS_TN<>;
@@ -95,7 +101,13 @@ struct BlockGemmTraits {
   // / 2 floats a thread); 128 x 40 + 256 x 232 fits the 64 Ki registers of an SM.
   static constexpr int kProducerRegisters = 40;
   static constexpr int kMathRegisters = 232;
-  static constexpr int kAccum = kBlockN / 2;  // f32 accumulator registers of a thread (m64nN)
+  static constexpr int kAccum = kBlockN / 2;  // f32 main accumulator registers of a thread
+  // Tiles wider than 160 columns run their MMAs in two halves of the columns, one after the
+  // other, each into a partial accumulator of half the width: a thread's main and partial
+  // accumulators (kAccum + kPart floats) stay within its kMathRegisters.
+  static constexpr int kSplits = kBlockN > 160 ? 2 : 1;
+  static constexpr int kMmaN = kBlockN / kSplits;
+  static constexpr int kPart = kMmaN / 2;  // f32 partial accumulator registers (m64nN)
 
   static constexpr int kABytes = kBlockM * kBlockK;
   static constexpr int kBBytes = kBlockN * kBlockK;
@@ -122,7 +134,7 @@ struct BlockGemmTraits {
   static constexpr int kBarrierOffset = kBScaleOffset + kStages * kBScaleSlot;
   static constexpr int kSmemBytes = kAlign + kBarrierOffset + kStages * 16;
 
-  static_assert(kBlockN % 16 == 0 && kBlockN >= 16 && kBlockN <= 256,
+  static_assert(kBlockN % (16 * kSplits) == 0 && kBlockN >= 16 && kBlockN <= 256,
                 "wgmma's N and the 8-row swizzle atoms of b's half tiles");
   static_assert(kColumnScales || 128 - block_gemm_gcd(kBlockN, 128) + kBlockN <= 256,
                 "a tile's columns must lie in at most two 128 x 128 blocks");
@@ -225,36 +237,40 @@ __device__ __forceinline__ void block_gemm_store(const float (&acc)[kAccum],
   }
 }
 
-// One K block's partial sums `part` into the main accumulator `acc`: each product times its
-// row's a scale and its column's b scale (one f32 product per scale pair, then one fma).
-// `boundary`: the first column of the tile in the second 128 x 128 block of b (block scales).
-template <class T>
+// One K block's partial sums `part` of the tile's columns [kFirst, kFirst + kMmaN) into the
+// main accumulator `acc`: each product times its row's a scale and its column's b scale (one f32
+// product per scale pair, then one fma). `boundary`: the first column of the tile in the second
+// 128 x 128 block of b (block scales).
+template <class T, int kFirst>
 __device__ __forceinline__ void block_gemm_promote(float (&acc)[T::kAccum],
-                                                   const float (&part)[T::kAccum],
+                                                   const float (&part)[T::kPart],
                                                    const float* a_scale, const float* b_scale,
                                                    int row, int quad, int boundary) {
+  constexpr int kAt = kFirst / 2;  // acc's register of the first column (m64nN: 8 columns, 4)
   const float a0 = a_scale[row], a1 = a_scale[row + 8];
   if constexpr (T::kColumnScales) {
 #pragma unroll
-    for (int j = 0; j < T::kAccum / 4; ++j) {
-      const float2 b = *reinterpret_cast<const float2*>(b_scale + 8 * j + 2 * quad);
-      acc[4 * j] = fmaf(part[4 * j], a0 * b.x, acc[4 * j]);
-      acc[4 * j + 1] = fmaf(part[4 * j + 1], a0 * b.y, acc[4 * j + 1]);
-      acc[4 * j + 2] = fmaf(part[4 * j + 2], a1 * b.x, acc[4 * j + 2]);
-      acc[4 * j + 3] = fmaf(part[4 * j + 3], a1 * b.y, acc[4 * j + 3]);
+    for (int j = 0; j < T::kPart / 4; ++j) {
+      const float2 b = *reinterpret_cast<const float2*>(b_scale + kFirst + 8 * j + 2 * quad);
+      float* d = acc + kAt + 4 * j;
+      d[0] = fmaf(part[4 * j], a0 * b.x, d[0]);
+      d[1] = fmaf(part[4 * j + 1], a0 * b.y, d[1]);
+      d[2] = fmaf(part[4 * j + 2], a1 * b.x, d[2]);
+      d[3] = fmaf(part[4 * j + 3], a1 * b.y, d[3]);
     }
   } else {
     const float s00 = a0 * b_scale[0], s10 = a1 * b_scale[0];
     const float s01 = a0 * b_scale[1], s11 = a1 * b_scale[1];
 #pragma unroll
-    for (int j = 0; j < T::kAccum / 4; ++j) {
+    for (int j = 0; j < T::kPart / 4; ++j) {
       // A tile of 128 columns or fewer that divides 128 never reaches a second block.
-      const bool second = 128 % T::kBlockN != 0 && 8 * j >= boundary;
+      const bool second = 128 % T::kBlockN != 0 && kFirst + 8 * j >= boundary;
       const float s0 = second ? s01 : s00, s1 = second ? s11 : s10;
-      acc[4 * j] = fmaf(part[4 * j], s0, acc[4 * j]);
-      acc[4 * j + 1] = fmaf(part[4 * j + 1], s0, acc[4 * j + 1]);
-      acc[4 * j + 2] = fmaf(part[4 * j + 2], s1, acc[4 * j + 2]);
-      acc[4 * j + 3] = fmaf(part[4 * j + 3], s1, acc[4 * j + 3]);
+      float* d = acc + kAt + 4 * j;
+      d[0] = fmaf(part[4 * j], s0, d[0]);
+      d[1] = fmaf(part[4 * j + 1], s0, d[1]);
+      d[2] = fmaf(part[4 * j + 2], s1, d[2]);
+      d[3] = fmaf(part[4 * j + 3], s1, d[3]);
     }
   }
 }
@@ -340,12 +356,12 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kMathRegisters>();
-    using Mma = typename BlockGemmMma<T::kBlockN>::Op;
+    using Mma = typename BlockGemmMma<T::kMmaN>::Op;
     using cute::SM90::GMMA::ScaleOut;
     const int math = group - 1;
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int row = 64 * math + 16 * warp + lane / 4;  // this thread's rows: row, row + 8
-    float acc[T::kAccum], part[T::kAccum];
+    float acc[T::kAccum], part[T::kPart];
     Tiles tiles(p, T::kBlockN);
     int stage = 0;
     uint32_t phase = 0;
@@ -356,27 +372,34 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       for (int kb = 0; kb < p.k_blocks; ++kb) {
         Barrier::wait(&full[stage], phase);
         const uint64_t a_desc = block_gemm_desc(smem + stage * T::kABytes + math * 64 * T::kBlockK);
-        const uint64_t b_desc = block_gemm_desc(smem + T::kBOffset + stage * T::kBBytes);
-#pragma unroll
-        for (int i = 0; i < T::kAccum; ++i) cute::warpgroup_fence_operand(part[i]);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int k = 0; k < T::kBlockK / T::kMmaK; ++k) {
-          // the descriptor's address is in 16-byte units: 32 bytes of K further along the rows
-          block_gemm_mma<Mma>(a_desc + 2 * k, b_desc + 2 * k, part,
-                              k == 0 ? ScaleOut::Zero : ScaleOut::One,
-                              std::make_index_sequence<T::kAccum>{});
-        }
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-#pragma unroll
-        for (int i = 0; i < T::kAccum; ++i) cute::warpgroup_fence_operand(part[i]);
-        block_gemm_promote<T>(
-            acc, part,
-            reinterpret_cast<const float*>(smem + T::kAScaleOffset + stage * T::kAScaleBytes),
+        const float* a_scale =
+            reinterpret_cast<const float*>(smem + T::kAScaleOffset + stage * T::kAScaleBytes);
+        const float* b_scale =
             reinterpret_cast<const float*>(smem + T::kBScaleOffset + stage * T::kBScaleSlot) +
-                (T::kColumnScales ? 0 : t.n0 / 128 % 4),
-            row, lane % 4, boundary);
+            (T::kColumnScales ? 0 : t.n0 / 128 % 4);
+        // Per half of the columns (or the whole tile): its MMAs, then its promotion.
+        auto columns = [&](auto split) {
+          constexpr int kFirst = decltype(split)::value * T::kMmaN;
+          const uint64_t b_desc =
+              block_gemm_desc(smem + T::kBOffset + stage * T::kBBytes + kFirst * T::kBlockK);
+#pragma unroll
+          for (int i = 0; i < T::kPart; ++i) cute::warpgroup_fence_operand(part[i]);
+          cute::warpgroup_arrive();
+#pragma unroll
+          for (int k = 0; k < T::kBlockK / T::kMmaK; ++k) {
+            // the descriptor's address is in 16-byte units: 32 bytes of K further along the rows
+            block_gemm_mma<Mma>(a_desc + 2 * k, b_desc + 2 * k, part,
+                                k == 0 ? ScaleOut::Zero : ScaleOut::One,
+                                std::make_index_sequence<T::kPart>{});
+          }
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+#pragma unroll
+          for (int i = 0; i < T::kPart; ++i) cute::warpgroup_fence_operand(part[i]);
+          block_gemm_promote<T, kFirst>(acc, part, a_scale, b_scale, row, lane % 4, boundary);
+        };
+        columns(std::integral_constant<int, 0>{});
+        if constexpr (T::kSplits == 2) columns(std::integral_constant<int, 1>{});
         // The MMAs are done and this warp's reads of the scales too: free the stage in every
         // CTA whose producer copies into it.
         __syncwarp();

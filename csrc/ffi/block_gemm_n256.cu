@@ -1,0 +1,10 @@
+// The block-scaled GEMM kernel with 128 x 256 tiles, b in 128 x 128 blocks and in 1 x 128 groups
+// (one file per tile width, so the instantiations compile in parallel).
+#include "block_gemm_launch.cuh"
+
+namespace jax_fp8 {
+
+template std::string launch_block_gemm<256, false>(const BlockGemmArgs&, int, cudaStream_t);
+template std::string launch_block_gemm<256, true>(const BlockGemmArgs&, int, cudaStream_t);
+
+}  // namespace jax_fp8
