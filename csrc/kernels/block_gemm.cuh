@@ -97,8 +97,8 @@ struct BlockGemmTraits {
   static constexpr int kMmaK = 32;            // K of one wgmma on FP8
   static constexpr int kMathGroups = 2;       // consumer warpgroups, 64 rows each
   static constexpr int kThreads = 128 * (1 + kMathGroups);
-  // setmaxnreg: the producer gives registers back to the consumers' accumulators (2 x kBlockN
-  // / 2 floats a thread); 128 x 40 + 256 x 232 fits the 64 Ki registers of an SM.
+  // setmaxnreg: the producer gives registers back to the consumers' accumulators (kAccum +
+  // kPart floats a thread); 128 x 40 + 256 x 232 fits the 64 Ki registers of an SM.
   static constexpr int kProducerRegisters = 40;
   static constexpr int kMathRegisters = 232;
   static constexpr int kAccum = kBlockN / 2;  // f32 main accumulator registers of a thread
