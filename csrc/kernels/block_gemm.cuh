@@ -21,10 +21,11 @@
 // - warpgroups 1 and 2: the consumers, 64 rows of the tile each. Per K block: wait for the
 //   stage, four wgmma m64nNk32 (e4m3 x e4m3 -> f32) into the partial accumulator, wait for them,
 //   promote into the main accumulator (tiles wider than 160 columns: the same for each half of
-//   the columns in turn, so that both accumulators fit a thread's registers), release the stage (one arrival per warp on the empty
-//   mbarrier of each CTA of the cluster, after the warp's reads of the scales). After the last
-//   block: the epilogue adds the bias and stores the tile from registers (pairs of columns,
-//   rows and columns past M and N skipped), then the next tile starts.
+//   the columns in turn, so that both accumulators fit a thread's registers), release the stage
+//   (one arrival per warp on the empty mbarrier of each CTA of the cluster, after the warp's
+//   reads of the scales). After the last block: the epilogue adds the bias and stores the tile
+//   from registers (pairs of columns, rows and columns past M and N skipped), then the next
+//   tile starts.
 // While one consumer warpgroup promotes on the CUDA cores the other's MMAs keep the tensor
 // cores busy. No atomics and a fixed order of sums: the output is the same bit for bit on every
 // run.

@@ -10,8 +10,8 @@
 //    [R128/128, C] (C contiguous). What is quantized comes from a source (sources.cuh): x, an
 //    activation of x, the gradient through one (two outputs side by side, [R, 2C], under a
 //    gated activation), or a norm of x, so none of them costs a pass of its own.
-// Scales: numerics.h group_scale (UE8M0: top_scale_saturate). Launched with PDL; device code only; launched by
-// csrc/ffi/block_quantize_cuda.cu.
+// Scales: numerics.h group_scale (UE8M0: top_scale_saturate). Launched with PDL; device code
+// only; launched by csrc/ffi/block_quantize_cuda.cu.
 #pragma once
 
 #include "sources.cuh"

@@ -6,9 +6,9 @@ Scales are f32, one per group of 128 (or ``group_size``) consecutive elements al
 (UE8M0), and ``q = saturate(rne(x * (1 / scale)))``; under UE8M0 the top scale's elements
 saturate below 2**emax (``formats.top_scale_saturate``), so no finite input dequantizes to inf.
 (vLLM and SGLang divide by fmt_max instead; the two differ by one ulp in about half of the
-non-UE8M0 scales.) A group holding NaN
-or inf gets a NaN / inf scale, so it dequantizes to NaN rather than to silent finite values. Source: DeepSeek-V3 technical
-report (arXiv 2412.19437), section 3.3; the per-token-group kernels of vLLM and SGLang.
+non-UE8M0 scales.) A group holding NaN or inf gets a NaN / inf scale, so it dequantizes to NaN
+rather than to silent finite values. Source: DeepSeek-V3 technical report (arXiv 2412.19437),
+section 3.3; the per-token-group kernels of vLLM and SGLang.
 
 The group cast-transpose can also quantize a norm of x, an MLP's activation or the gradient
 through it on the way (``norm_group_cast_transpose`` and the activation ones; the sources of
