@@ -15,9 +15,11 @@ from .formats import FLOAT_DTYPES, FP8_DTYPES, fp8_max
 
 def describe(v) -> str:
   """How an error message names the value a caller gave: type and value (its repr on one
-  line), or dtype and shape."""
-  return f"{type(v).__name__} {' '.join(repr(v).split())}" if not hasattr(v, "dtype") else (
-      f"{v.dtype}{list(np.shape(v))}")
+  line, cut to 80 characters: a state's would spell out its arrays), or dtype and shape."""
+  if hasattr(v, "dtype"):
+    return f"{v.dtype}{list(np.shape(v))}"
+  text = " ".join(repr(v).split())
+  return f"{type(v).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
 
 
 def array(v, name: str) -> jax.Array:

@@ -23,6 +23,7 @@ from .cast_kernel import CastKernel
 from .layer_state import (MLP_RINGS, GroupedLinearState, GroupedMlpState, LinearState, MlpState,
                           MultiLinearState)
 from .moe import MoeState, expert_init, local_experts, moe_mlp
+from .ops.grouped_gemm import MAX_GROUPS
 from .recipes import DelayedScaling, Recipe, check_recipe
 from .state import ScaleRing
 
@@ -276,7 +277,7 @@ class MoeMlp(nn.Module):
   "intermediates" collection (``apply(..., mutable=["intermediates"])`` returns it).
 
   Attributes:
-    num_experts: E.
+    num_experts: E, 1 to 1024 (the grouped GEMM's most groups).
     top_k: experts per token.
     hidden_features: each expert's H, a multiple of the recipe's ``dim_multiple`` (16, 128
       under ``BlockScaling``).
@@ -294,7 +295,9 @@ class MoeMlp(nn.Module):
     dtype: the compute dtype (None: the input's); param_dtype: the parameters'.
     kernel_init, router_init: initializers.
 
-  Input ``[..., D]``; output ``[..., D]`` in the compute dtype.
+  Input ``[..., D]``; output ``[..., D]`` in the compute dtype. Raises TypeError / ValueError
+  naming the attribute (``MoeMlp.num_experts`` ...); with ``expert_axis``, TypeError under a
+  stateful recipe and ValueError where no enclosing shard_map binds the axis.
   """
 
   num_experts: int
@@ -315,13 +318,13 @@ class MoeMlp(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
     check_recipe(self.recipe)
-    e = checks.integer(self.num_experts, "MoeMlp.num_experts", lo=1)
+    e = checks.integer(self.num_experts, "MoeMlp.num_experts", lo=1, hi=MAX_GROUPS)
     h = checks.integer(self.hidden_features, "MoeMlp.hidden_features", lo=1)
     _, gated = activations.check(self.activation, "MoeMlp.activation")
     if jnp.ndim(inputs) < 1:
       raise ValueError("MoeMlp inputs must be [..., D], got a scalar")
     d = jnp.shape(inputs)[-1]
-    local = local_experts(e, self.expert_axis, "MoeMlp")
+    local = local_experts(e, self.expert_axis, self.recipe, "MoeMlp")
     router = self.param("router", self.router_init, (d, e), self.param_dtype)
     init = expert_init(self.kernel_init, e, self.expert_axis)
     w_in = self.param("w_in", init, (local, d, 2 * h if gated else h), self.param_dtype)

@@ -42,9 +42,28 @@ class MoeState:
     return cls(GroupedMlpState.create(num_experts, recipe))
 
 
-def local_experts(num_experts: int, expert_axis: str | None, owner: str) -> int:
+def check_expert_axis(expert_axis, recipe, owner: str) -> None:
+  """``expert_axis`` None, or the name (str) of an axis bound here (the call runs inside the
+  shard_map over it) under a stateless recipe; TypeError / ValueError otherwise."""
+  if expert_axis is None:
+    return
+  if not isinstance(expert_axis, str):
+    raise TypeError(f"{owner}'s expert_axis must be None or a mesh axis name (str), got "
+                    f"{checks.describe(expert_axis)}")
+  if recipe.stateful:
+    raise TypeError(f"{owner} with expert_axis takes a stateless recipe (CurrentScaling, "
+                    f"BlockScaling), got {type(recipe).__name__}")
+  try:
+    jax.lax.axis_size(expert_axis)
+  except NameError:
+    raise ValueError(f"{owner}'s expert_axis names the axis {expert_axis!r}, which is not bound "
+                     f"here: call inside the shard_map over it (or pass None)") from None
+
+
+def local_experts(num_experts: int, expert_axis: str | None, recipe, owner: str) -> int:
   """The experts one device holds: all, or ``num_experts / n`` over an ``expert_axis`` of n
-  devices (bound: the call runs inside shard_map); ValueError where n does not divide E."""
+  devices; ``check_expert_axis``'s errors, and ValueError where n does not divide E."""
+  check_expert_axis(expert_axis, recipe, owner)
   if expert_axis is None:
     return num_experts
   n = jax.lax.axis_size(expert_axis)
@@ -157,10 +176,8 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
                      f"experts' hidden size H to be multiples of {m}, got D={d}, H={hidden}")
   normalize_weights = checks.boolean(normalize_weights, "normalize_weights")
   axis = amax_axis_name
+  check_expert_axis(expert_axis, recipe, "moe_mlp")
   if expert_axis is not None:
-    if recipe.stateful:
-      raise TypeError(f"moe_mlp with expert_axis takes a stateless recipe (CurrentScaling, "
-                      f"BlockScaling), got {type(recipe).__name__}")
     axis = () if amax_axis_name is None else amax_axis_name
     if expert_axis in ((axis,) if isinstance(axis, str) else tuple(axis)):
       raise ValueError(f"amax_axis_name must not name the expert axis {expert_axis!r}: each "

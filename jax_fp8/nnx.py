@@ -34,6 +34,7 @@ from ._nnx_general import Einsum, LinearGeneral
 from .layer_checks import check_split
 from .layer_state import MlpState
 from .moe import MoeState, expert_init, local_experts, moe_mlp
+from .ops.grouped_gemm import MAX_GROUPS
 from .recipes import DelayedScaling, Recipe, check_recipe
 from .state import update_state
 
@@ -230,12 +231,12 @@ class MoeMlp(nnx.Module):
                router_init: Callable = nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
     check_recipe(recipe)
     d = checks.integer(in_features, "MoeMlp.in_features", lo=1)
-    e = checks.integer(num_experts, "MoeMlp.num_experts", lo=1)
+    e = checks.integer(num_experts, "MoeMlp.num_experts", lo=1, hi=MAX_GROUPS)
     h = checks.integer(hidden_features, "MoeMlp.hidden_features", lo=1)
     _, gated = activations.check(activation, "MoeMlp.activation")
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"MoeMlp.rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
-    local = local_experts(e, expert_axis, "MoeMlp")
+    local = local_experts(e, expert_axis, recipe, "MoeMlp")
     self.in_features, self.num_experts, self.top_k = d, e, top_k
     self.activation, self.normalize_weights, self.recipe = activation, normalize_weights, recipe
     self.amax_axis_name, self.expert_axis = amax_axis_name, expert_axis

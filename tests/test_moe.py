@@ -258,6 +258,14 @@ def test_no_tokens():
     (dict(w_in=filled(E, D, 2 * 24), w_out=filled(E, 24, D)), ValueError,
      "multiples of 16, got D=32, H=24"),
     (dict(capacity=8), ValueError, "capacity applies with expert_axis"),
+    (dict(expert_axis=3, recipe=jax_fp8.CurrentScaling(), state=None), TypeError,
+     "moe_mlp's expert_axis must be None or a mesh axis name \\(str\\), got int 3"),
+    (dict(expert_axis="e"), TypeError, "moe_mlp with expert_axis takes a stateless recipe"),
+    (dict(expert_axis="e", recipe=jax_fp8.CurrentScaling(), state=None), ValueError,
+     "moe_mlp's expert_axis names the axis 'e', which is not bound here"),
+    # a state's repr would spell out its arrays: the message cuts it
+    (dict(state=jax_fp8.GroupedMlpState.create(E, jax_fp8.DelayedScaling())), TypeError,
+     "state must be a jax_fp8.moe.MoeState .* got GroupedMlpState .{,90}$"),
 ])
 def test_bad_input(rng, change, error, match):
   x, router, w_in, w_out = problem(rng)
@@ -274,6 +282,27 @@ def test_layers_check_the_recipe_first():
         jax.random.key(0), jnp.zeros((4, D)))
   with pytest.raises(TypeError, match="recipe"):
     jnx.MoeMlp(D, E, K, H, recipe="delayed", rngs=nnx.Rngs(0))
+
+
+def test_layers_check_expert_axis_and_num_experts():
+  """Outside the shard_map over expert_axis, under any recipe, init names the unbound axis (and
+  under DelayedScaling the recipe first); more experts than the grouped GEMM takes name the
+  attribute."""
+  x = jnp.zeros((4, D))
+  for recipe, error, match in ((jax_fp8.CurrentScaling(), ValueError,
+                                "MoeMlp's expert_axis names the axis 'e', which is not bound"),
+                               (jax_fp8.DelayedScaling(), TypeError,
+                                "MoeMlp with expert_axis takes a stateless recipe")):
+    with pytest.raises(error, match=match):
+      jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, recipe=recipe,
+                 expert_axis="e").init(jax.random.key(0), x)
+    with pytest.raises(error, match=match):
+      jnx.MoeMlp(D, E, K, H, recipe=recipe, expert_axis="e", rngs=nnx.Rngs(0))
+  match = r"MoeMlp.num_experts must be an int in \[1, 1024\], got 2000"
+  with pytest.raises(ValueError, match=match):
+    jfl.MoeMlp(num_experts=2000, top_k=K, hidden_features=H).init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match=match):
+    jnx.MoeMlp(D, 2000, K, H, rngs=nnx.Rngs(0))
 
 
 def test_expert_axis_refuses_delayed_scaling():
