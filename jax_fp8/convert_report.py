@@ -141,7 +141,7 @@ class ConversionReport:
     for r in self.layers:
       if r.path == path:
         return r
-    raise KeyError(f"no dense layer at {path!r}; the report has {[r.path for r in self.layers]}")
+    raise KeyError(f"no layer at {path!r}; the report has {[r.path for r in self.layers]}")
 
   def select(self, path: str, kernel=None) -> bool:
     """Whether ``path`` (a parameter's path, e.g. "block_0/Dense_0/kernel", as
@@ -161,7 +161,7 @@ class ConversionReport:
                                     for i, (c, w) in enumerate(zip(row, widths))), row[-1]])
     recipe = repr(self.recipe).replace(repr(NEVER_INTENSITY), "NEVER_INTENSITY")
     title = (f"jax_fp8.convert, {recipe}: {len(self.converted)} of {len(self.layers)} "
-             f"dense layers converted, {len(self.fp8)} ran {self.recipe.gemm_format} at the "
+             f"layers converted, {len(self.fp8)} ran {self.recipe.gemm_format} at the "
              f"traced shapes")
     notes = (f"(intensity: M*N*K / (M*K + {'G*' * grouped}K*N + M*N) at the traced M; * where M "
              f"is unknown: its bound N*K / (N + K))")
@@ -182,7 +182,7 @@ def warn_fallback(layers, recipe: Recipe, note: str = "", stacklevel: int = 3,
   below = [r for r in layers if r.status == BELOW and below]
   if not never and not below:
     return
-  dense = len(layers)
+  total = len(layers)
   parts = []
   if never:
     why = ("this device runs no FP8" if recipe.fp8_min_intensity == NEVER_INTENSITY else
@@ -193,7 +193,7 @@ def warn_fallback(layers, recipe: Recipe, note: str = "", stacklevel: int = 3,
     parts.append(f"{len(below)} converted ones fall below it at these shapes (M rows), so their "
                  f"FP8 state is unused here")
   warnings.warn(
-      f"jax_fp8.convert: {len(never) + len(below)} of {dense} dense layers run in higher "
+      f"jax_fp8.convert: {len(never) + len(below)} of {total} layers run in higher "
       f"precision, not FP8, under fp8_min_intensity={threshold(recipe)}: "
       f"{'; '.join(parts)}.{(' ' + note) if note else ''} To force FP8 pass a recipe with "
       f"fp8_min_intensity=0, e.g. convert(model, jax_fp8.DelayedScaling()); "
@@ -223,7 +223,7 @@ def warn_unaligned(layers, recipe: Recipe, stacklevel: int = 3) -> None:
   if not unaligned or any(r.converted for r in layers):
     return
   warnings.warn(
-      f"jax_fp8.convert: none of the {len(layers)} dense layers was converted; "
+      f"jax_fp8.convert: none of the {len(layers)} layers was converted; "
       f"{len(unaligned)} of them for their sizes: {recipe.dim_rule} (e.g. "
       f"{unaligned[0].path!r}: K={unaligned[0].k}, N={unaligned[0].n}). A recipe of smaller "
       f"blocks (DelayedScaling: multiples of 16) may take them; "

@@ -159,7 +159,7 @@ def test_moe_converts_in_one_line(rng, name):
     assert (r.layer, r.k, r.n, r.m, r.groups, r.status) == ("lax.ragged_dot", k, n, m, E, "fp8")
   assert [r.path for r in report.left] == ["moe/router", "head"]
   assert str(report).splitlines()[1].split()[:6] == ["path", "layer", "K", "N", "M", "G"]
-  assert "2 of 4 dense layers converted, 2 ran FP8" in str(report)
+  assert "2 of 4 layers converted, 2 ran FP8" in str(report)
   assert jax.lax.ragged_dot is XLA_RAGGED_DOT  # restored
 
 
@@ -202,7 +202,7 @@ def test_filter_and_sizes(rng):
     assert conversion_report(model, x)[f"moe/{left}"].status == (
         "excluded" if exclude else "not_included")
   unaligned = convert(Model(hidden=40), recipe)  # H = 40: K, N not multiples of 16
-  with pytest.warns(ConversionWarning, match="none of the 4 dense layers was converted"):
+  with pytest.warns(ConversionWarning, match="none of the 4 layers was converted"):
     assert "fp8_state" not in jax.eval_shape(unaligned.init, jax.random.key(0), x)
   report = conversion_report(unaligned, x)
   assert {report[f"moe/ragged_dot_{i}"].status for i in range(2)} == {"unaligned"}
@@ -310,7 +310,7 @@ def test_recipes_that_leave_them(rng):
       (jax_fp8.MXFP8BlockScaling(), "unsupported",
        "grouped_linear takes a DelayedScaling, a CurrentScaling or a BlockScaling")):
     model = convert(Model(), recipe)
-    with pytest.warns(ConversionWarning, match="none of the 4 dense layers"):
+    with pytest.warns(ConversionWarning, match="none of the 4 layers"):
       v, y, want = init_and_apply(model, Model(), x)
     assert "fp8_state" not in v
     np.testing.assert_array_equal(np.asarray(y), np.asarray(want))

@@ -64,7 +64,7 @@ def test_report_linen():
   assert "multiples of 16" in report["odd"].detail
   assert "at any M" in report["tiny"].detail
   text = str(report)
-  assert "2 of 6 dense layers converted, 1 ran FP8" in text
+  assert "2 of 6 layers converted, 1 ran FP8" in text
   assert re.search(r"big\s+nn\.Dense\s+1024\s+1024\s+512\s+256\s+fp8", text)
   assert re.search(r"tiny\s+nn\.Dense\s+16\s+16\s+8\s+4\s+never_pays", text)
   assert re.search(r"mix\s+nn\.Einsum\s+-\s+-\s+-\s+-\s+unsupported", text)
@@ -97,7 +97,7 @@ class NNXMixed(nnx.Module):
 
 
 def test_report_nnx():
-  with pytest.warns(ConversionWarning, match="1 of 7 dense layers.*1 never reach it"):
+  with pytest.warns(ConversionWarning, match="1 of 7 layers.*1 never reach it"):
     model = convert(NNXMixed(nnx.Rngs(0)), THRESHOLD)
   report = conversion_report(model, jax.ShapeDtypeStruct((512, 1024), jnp.float32),
                              jnp.ones((8, 256)))
@@ -123,14 +123,14 @@ def test_default_on_cpu_warns_and_creates_no_state():
   assert jax.default_backend() == "cpu"
   assert jc.default_recipe() == jax_fp8.DelayedScaling(fp8_min_intensity=jc.NEVER_INTENSITY)
   x = jnp.ones((4, 32))
-  with pytest.warns(ConversionWarning, match=r"2 of 3 dense layers run in higher precision.*"
+  with pytest.warns(ConversionWarning, match=r"2 of 3 layers run in higher precision.*"
                     r"convert's default on cpu.*To force FP8 pass a recipe with "
                     r"fp8_min_intensity=0"):
     v = convert(Small()).init(jax.random.key(0), x)
   assert "fp8_state" not in v  # nothing converted: no dead rings
   np.testing.assert_array_equal(convert(Small()).apply(v, x), Small().apply(v, x))
   # NNX: told at convert.
-  with pytest.warns(ConversionWarning, match="1 of 1 dense layers.*convert's default on cpu"):
+  with pytest.warns(ConversionWarning, match="1 of 1 layers.*convert's default on cpu"):
     layer = convert(nnx.Linear(32, 32, rngs=nnx.Rngs(0)))
   assert type(layer) is nnx.Linear
   # Forcing FP8 as the warning says converts them.
@@ -315,12 +315,12 @@ def test_tied_embedding_has_no_output_projection():
 
 def test_nothing_converted_for_sizes_warns():
   """A recipe whose K / N rule no layer meets converts nothing: a warning says so."""
-  with pytest.warns(ConversionWarning, match=r"none of the 2 dense layers was converted; 2 of "
+  with pytest.warns(ConversionWarning, match=r"none of the 2 layers was converted; 2 of "
                                              r"them for their sizes: BlockScaling needs K and N "
                                              r"multiples of 128"):
     convert(TiedLM(), jax_fp8.BlockScaling()).init(
         jax.random.key(0), jnp.zeros((2, LEN), jnp.int32))
-  with pytest.warns(ConversionWarning, match="none of the 2 dense layers was converted"):
+  with pytest.warns(ConversionWarning, match="none of the 2 layers was converted"):
     convert(NNXTiedLM(nnx.Rngs(0)), jax_fp8.BlockScaling())
 
 
