@@ -9,7 +9,10 @@ sorted digests of its leaves (dtype, shape and bytes each), so a result that is 
 tuple become a named type, a dict a dataclass) but holds the same arrays keeps its fingerprint;
 ``field`` reads a result in any of those forms.
 Inputs come from fixed seeds; only public names are used, so the script runs on the old tree
-and the new one alike.
+and the new one alike. Record both on one machine: XLA:CPU compiles for the host's processor, and
+on another one d3ded52's own cases under a norm or MXFP8 hashed differently (65 of 188 on an AMD
+EPYC with AVX2 against the first recording). The file names its host (``cpu``), and a comparison
+across hosts says so.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -440,12 +444,27 @@ def all_cases():
   return cases
 
 
+def host_cpu() -> str:
+  """The processor's model name and widest vector extension (Linux's /proc/cpuinfo), or the
+  platform's name where there is none."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      info = {k.strip(): v.strip() for k, v in (
+          line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)}
+    flags = info["flags"].split()
+    widest = next((v for v in ("avx512f", "avx2", "avx", "sse4_2") if v in flags), "")
+    return f"{info['model name']} ({widest})"
+  except (OSError, KeyError):
+    return platform.processor() or platform.machine()
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--out", help="write the fingerprints to this JSON file")
   parser.add_argument("--compare", help="compare with the fingerprints in this JSON file")
   parser.add_argument("-k", default="", help="only the cases whose name contains this")
   args = parser.parse_args(argv)
+  cpu = host_cpu()
   results = {}
   for name, fn in all_cases().items():
     if args.k in name:
@@ -453,11 +472,16 @@ def main(argv=None) -> int:
       print(f"{results[name][:16]}  {name}", flush=True)
   if args.out:
     with open(args.out, "w") as f:
-      json.dump({"jax": jax.__version__, "fingerprints": results}, f, indent=1, sort_keys=True)
+      json.dump({"jax": jax.__version__, "cpu": cpu, "fingerprints": results}, f, indent=1,
+                sort_keys=True)
       f.write("\n")
   if args.compare:
     with open(args.compare) as f:
-      before = json.load(f)["fingerprints"]
+      recorded = json.load(f)
+    before = recorded["fingerprints"]
+    if recorded.get("cpu") != cpu:
+      print(f"recorded on {recorded.get('cpu', 'an unnamed host')!r}, compared on {cpu!r}: cases "
+            "may differ by the host alone; record both trees on this machine")
     differ = sorted(n for n in results if n in before and before[n] != results[n])
     missing = sorted(n for n in before if n not in results and args.k in n)
     print(f"{len(results) - len(differ)} of {len(results)} cases identical; differ: "
