@@ -235,13 +235,19 @@ def axis_names(amax_axis_name) -> set:
     raise TypeError(f"amax_axis_name must be None, an axis name (str) or a tuple of them, got "
                     f"{amax_axis_name!r}")
   for a in names:
-    try:
-      jax.lax.axis_size(a)
-    except NameError:
+    if not axis_bound(a):
       raise ValueError(f"amax_axis_name names the axis {a!r}, which is not bound here: name an "
-                       f"axis of the enclosing pmap or shard_map (or pass None outside them)"
-                       ) from None
+                       f"axis of the enclosing pmap or shard_map (or pass None outside them)")
   return set(names)
+
+
+def axis_bound(name: str) -> bool:
+  """Whether an enclosing pmap or shard_map binds the axis ``name`` here."""
+  try:
+    jax.lax.axis_size(name)
+  except NameError:
+    return False
+  return True
 
 
 def amax_axes(x, kernel, bias, state, amax_axis_name):

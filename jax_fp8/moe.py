@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from . import activations, checks
 from .grouped_mlp import grouped_mlp
-from .layer_checks import check_grouped_recipe, float_array
+from .layer_checks import axis_bound, check_grouped_recipe, float_array
 from .layer_state import GroupedMlpState
 from .moe_parallel import expert_parallel
 from .moe_routing import load_balancing_loss, permute, top_k_routing, unpermute
@@ -53,11 +53,9 @@ def check_expert_axis(expert_axis, recipe, owner: str) -> None:
   if recipe.stateful:
     raise TypeError(f"{owner} with expert_axis takes a stateless recipe (CurrentScaling, "
                     f"BlockScaling), got {type(recipe).__name__}")
-  try:
-    jax.lax.axis_size(expert_axis)
-  except NameError:
+  if not axis_bound(expert_axis):
     raise ValueError(f"{owner}'s expert_axis names the axis {expert_axis!r}, which is not bound "
-                     f"here: call inside the shard_map over it (or pass None)") from None
+                     f"here: call inside the shard_map over it (or pass None)")
 
 
 def local_experts(num_experts: int, expert_axis: str | None, recipe, owner: str) -> int:
