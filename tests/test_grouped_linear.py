@@ -325,6 +325,23 @@ def test_traced_group_sizes_one_compilation(rng):
   assert f._cache_size() == 1
 
 
+def test_vmap_is_each_item(platform, rng):
+  """Under jax.vmap (x batched with the kernels and sizes shared, or the sizes batched too),
+  the values and the gradients of x and the kernels are each item's own call, bit for bit."""
+  m, items = 40, 2
+  x, w, b, t = problem(rng, items * m)
+  x, t = x.reshape(items, m, K), t.reshape(items, m, N)
+  sizes = to_device([[10, 10, 10, 10], [3, 0, 17, 5]], np.int32)
+  recipe = jax_fp8.CurrentScaling()
+  f = jax.value_and_grad(lambda x, w, gs, t: loss(x, w, b, None, gs, t, recipe), argnums=(0, 1))
+  for gs_axis, gs in ((None, sizes[1]), (0, sizes)):
+    got = jax.jit(jax.vmap(f, in_axes=(0, None, gs_axis, 0)))(x, w, gs, t)
+    for i in range(items):
+      want = jax.jit(f)(x[i], w, gs if gs_axis is None else gs[i], t[i])
+      for g, v in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g[i]), np.asarray(v))
+
+
 def test_jit_grad_inside_scan(rng):
   """Microbatches in a lax.scan, each with its own group sizes, one delayed state ``share``d
   over them: the gradients sum, the rings record the max amax of x over the microbatches."""

@@ -206,8 +206,11 @@ def _on_cpu(p: Problem, a, b, a_scale, b_scale, group_sizes):
 
 
 def _kernel(p: Problem):
+  # Under vmap each item runs on its own, on the CPU as the CUDA kernel does (XLA's ragged dot
+  # batches only where every operand is batched).
   return lambda *v: jax.lax.platform_dependent(
-      *v, cuda=functools.partial(_on_cuda, p), default=functools.partial(_on_cpu, p))
+      *v, cuda=functools.partial(_on_cuda, p),
+      default=jax.custom_batching.sequential_vmap(functools.partial(_on_cpu, p)))
 
 
 def _plan(p: Problem):
@@ -286,7 +289,7 @@ def grouped_gemm(a: jax.Array, b: jax.Array, a_scale: jax.Array, b_scale: jax.Ar
   CUTLASS's blockwise-scaling mainloop, which multiplies each 128-deep slice of the
   accumulation by its scales as it promotes it to f32 (DeepSeek-V3, section 3.3.2). CPU: XLA's
   f32 ``ragged_dot`` of the upcast operands (block scales: dequantized first), the per-tensor
-  scales applied as ``gemm`` applies them.
+  scales applied as ``gemm`` applies them. Under ``jax.vmap`` each item runs as a call of its own.
 
   Args:
     a: [M, K] float8_e4m3fn or float8_e5m2, rows grouped consecutively by ``group_sizes``.
