@@ -9,13 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax.linen import dtypes
 
-from . import _names, checks, norms
+from . import _names, activations, checks, norms
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .cast_kernel import CastKernel, cast_kernel
 from .layer_state import LinearState, MlpState, MultiLinearState
 from .linear import linear, multi_linear
 from .mlp import mlp
+from .ops.grouped_gemm import MAX_GROUPS
 from .recipes import DelayedScaling, check_recipe
 
 # The Flax rng stream that NVFP4's stochastic rounding draws its key from, each call.
@@ -36,6 +37,37 @@ def _dtype_name(v) -> str:
   return d.name if d is not None else repr(v)
 
 
+def check_dtypes(name: str, dtype, param_dtype) -> None:
+  """Layer ``name``'s dtype (None, float32, bfloat16 or float16) and param_dtype (those but
+  None or, under x64, float64); TypeError naming the attribute."""
+  if dtype is not None and _canonical_dtype(dtype) not in FLOAT_DTYPES:
+    raise TypeError(f"{name}.dtype must be None, float32, bfloat16 or float16, got "
+                    f"{_dtype_name(dtype)}")
+  if _canonical_dtype(param_dtype) not in (*FLOAT_DTYPES, jnp.dtype(jnp.float64)):
+    raise TypeError(f"{name}.param_dtype must be float32, bfloat16 or float16 (or float64 "
+                    f"under x64), got {_dtype_name(param_dtype)}")
+
+
+def check_moe_layer(recipe, num_experts, hidden_features, activation, shared_hidden_features,
+                    dtype, param_dtype) -> tuple[int, int, bool]:
+  """(E, H, gated) of a MoeMlp layer (linen's or NNX's), its attributes checked: the recipe,
+  E in [1, MAX_GROUPS], H >= 1, the activation, the shared expert's hidden size (None, or an
+  int >= 1 and a multiple of the recipe's ``dim_multiple``), the dtypes. TypeError /
+  ValueError naming the attribute."""
+  check_recipe(recipe, "MoeMlp.recipe")
+  e = checks.integer(num_experts, "MoeMlp.num_experts", lo=1, hi=MAX_GROUPS)
+  h = checks.integer(hidden_features, "MoeMlp.hidden_features", lo=1)
+  _, gated = activations.check(activation, "MoeMlp.activation")
+  if shared_hidden_features is not None:
+    shared = checks.integer(shared_hidden_features, "MoeMlp.shared_hidden_features", lo=1)
+    if shared % recipe.dim_multiple:
+      raise ValueError(f"MoeMlp.shared_hidden_features must be a multiple of "
+                       f"{recipe.dim_multiple} ({type(recipe).__name__}'s FP8 GEMMs), got "
+                       f"{shared}")
+  check_dtypes("MoeMlp", dtype, param_dtype)
+  return e, h, gated
+
+
 def check_layer(name: str, features, use_bias, recipe, multi: bool, dtype, param_dtype,
                 features_name="features"):
   """(features as a tuple of ints, use_bias) of layer ``name``, checked with its dtype (None,
@@ -43,12 +75,7 @@ def check_layer(name: str, features, use_bias, recipe, multi: bool, dtype, param
   features is a tuple (one layer of several outputs); ``features_name``: what the layer calls
   it. TypeError / ValueError naming the attribute."""
   check_recipe(recipe, f"{name}.recipe")
-  if dtype is not None and _canonical_dtype(dtype) not in FLOAT_DTYPES:
-    raise TypeError(f"{name}.dtype must be None, float32, bfloat16 or float16, got "
-                    f"{_dtype_name(dtype)}")
-  if _canonical_dtype(param_dtype) not in (*FLOAT_DTYPES, jnp.dtype(jnp.float64)):
-    raise TypeError(f"{name}.param_dtype must be float32, bfloat16 or float16 (or float64 "
-                    f"under x64), got {_dtype_name(param_dtype)}")
+  check_dtypes(name, dtype, param_dtype)
   if not multi:
     features = (checks.integer(features, f"{name}.{features_name}", lo=1),)
   elif isinstance(features, (tuple, list)) and features:

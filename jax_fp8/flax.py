@@ -16,15 +16,14 @@ from flax import serialization
 
 from . import _names, activations, checks, norms
 from ._flax_cast import cast_kernels
-from ._layer import (SR_STREAM, call_layer, call_mlp, check_layer, check_norm_attr,
-                     create_state, linen_key)
+from ._layer import (SR_STREAM, call_layer, call_mlp, check_layer, check_moe_layer,
+                     check_norm_attr, create_state, linen_key)
 from .inference import Fp8Weight
 from .cast_kernel import CastKernel
 from .layer_state import (MLP_RINGS, GroupedLinearState, GroupedMlpState, LinearState, MlpState,
                           MultiLinearState)
 from .moe import MoeState, expert_init, local_experts, moe_mlp
-from .ops.grouped_gemm import MAX_GROUPS
-from .recipes import DelayedScaling, Recipe, check_recipe
+from .recipes import DelayedScaling, Recipe
 from .state import ScaleRing
 
 __all__ = ["SR_STREAM", "STATE_COLLECTION", "Dense", "Mlp", "MoeMlp", "MultiDense", "cast_kernels",
@@ -282,7 +281,8 @@ class MoeMlp(nn.Module):
     hidden_features: each expert's H, a multiple of the recipe's ``dim_multiple`` (16, 128
       under ``BlockScaling``).
     activation: "swiglu" (default), "geglu", "silu" or "gelu".
-    shared_hidden_features: None (default), or the shared expert's hidden size.
+    shared_hidden_features: None (default), or the shared expert's hidden size (a multiple
+      of the recipe's ``dim_multiple`` too).
     normalize_weights: routing weights rescaled to sum to 1 (default True).
     recipe: ``DelayedScaling`` (default), ``CurrentScaling`` or ``BlockScaling`` (each
       expert's rows padded to its ``grouped_row_align``).
@@ -292,7 +292,8 @@ class MoeMlp(nn.Module):
       axis (each device makes and holds its own experts' "w_in" / "w_out"; out_specs
       ``P(expert_axis)`` gathers them into [E, ...]); stateless recipes only.
     capacity: with ``expert_axis``, rows per destination device (None: dropless).
-    dtype: the compute dtype (None: the input's); param_dtype: the parameters'.
+    dtype: the compute dtype (None: the input's), float32, bfloat16 or float16;
+      param_dtype: the parameters', one of those three (float64 under x64).
     kernel_init, router_init: initializers.
 
   Input ``[..., D]``; output ``[..., D]`` in the compute dtype. Raises TypeError / ValueError
@@ -317,10 +318,9 @@ class MoeMlp(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    check_recipe(self.recipe)
-    e = checks.integer(self.num_experts, "MoeMlp.num_experts", lo=1, hi=MAX_GROUPS)
-    h = checks.integer(self.hidden_features, "MoeMlp.hidden_features", lo=1)
-    _, gated = activations.check(self.activation, "MoeMlp.activation")
+    e, h, gated = check_moe_layer(self.recipe, self.num_experts, self.hidden_features,
+                                  self.activation, self.shared_hidden_features, self.dtype,
+                                  self.param_dtype)
     if jnp.ndim(inputs) < 1:
       raise ValueError("MoeMlp inputs must be [..., D], got a scalar")
     d = jnp.shape(inputs)[-1]

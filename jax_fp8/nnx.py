@@ -28,14 +28,13 @@ from flax import nnx
 from . import _names, activations, checks, norms
 from ._contraction import constrain
 from ._layer import (call_layer, call_mlp, cast_leaf, check_cast_kernels, check_layer,
-                     create_state, kernel_ring)
+                     check_moe_layer, create_state, kernel_ring)
 from ._nnx_base import Fp8State, _init_norm, _key, _norm_args, sr_stream
 from ._nnx_general import Einsum, LinearGeneral
 from .layer_checks import check_split
 from .layer_state import MlpState
 from .moe import MoeState, expert_init, local_experts, moe_mlp
-from .ops.grouped_gemm import MAX_GROUPS
-from .recipes import DelayedScaling, Recipe, check_recipe
+from .recipes import DelayedScaling, Recipe
 from .state import update_state
 
 __all__ = ["Einsum", "Fp8State", "Linear", "LinearGeneral", "Mlp", "MoeMlp", "MultiLinear",
@@ -229,11 +228,9 @@ class MoeMlp(nnx.Module):
                param_dtype: Any = jnp.float32,
                kernel_init: Callable = nnx.initializers.lecun_normal(batch_axis=(0,)),
                router_init: Callable = nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
-    check_recipe(recipe)
+    e, h, gated = check_moe_layer(recipe, num_experts, hidden_features, activation,
+                                  shared_hidden_features, dtype, param_dtype)
     d = checks.integer(in_features, "MoeMlp.in_features", lo=1)
-    e = checks.integer(num_experts, "MoeMlp.num_experts", lo=1, hi=MAX_GROUPS)
-    h = checks.integer(hidden_features, "MoeMlp.hidden_features", lo=1)
-    _, gated = activations.check(activation, "MoeMlp.activation")
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"MoeMlp.rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
     local = local_experts(e, expert_axis, recipe, "MoeMlp")

@@ -284,9 +284,10 @@ def test_layers_check_the_recipe_first():
     jnx.MoeMlp(D, E, K, H, recipe="delayed", rngs=nnx.Rngs(0))
 
 
-def test_layers_check_expert_axis_and_num_experts():
+def test_layers_check_their_attributes():
   """Outside the shard_map over expert_axis, under any recipe, init names the unbound axis (and
-  under DelayedScaling the recipe first); more experts than the grouped GEMM takes name the
+  under DelayedScaling the recipe first); more experts than the grouped GEMM takes, a dtype
+  that is no float, a shared expert's size the FP8 GEMMs cannot take: each names the
   attribute."""
   x = jnp.zeros((4, D))
   for recipe, error, match in ((jax_fp8.CurrentScaling(), ValueError,
@@ -303,6 +304,19 @@ def test_layers_check_expert_axis_and_num_experts():
     jfl.MoeMlp(num_experts=2000, top_k=K, hidden_features=H).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match=match):
     jnx.MoeMlp(D, 2000, K, H, rngs=nnx.Rngs(0))
+  for kw, error, match in (
+      (dict(dtype=jnp.int8), TypeError, "MoeMlp.dtype must be None, float32, bfloat16 or "
+                                        "float16, got int8"),
+      (dict(param_dtype=jnp.int8), TypeError, "MoeMlp.param_dtype must be float32, "),
+      (dict(shared_hidden_features=24), ValueError,
+       r"MoeMlp.shared_hidden_features must be a multiple of 16 \(DelayedScaling's FP8 GEMMs\), "
+       "got 24"),
+      (dict(shared_hidden_features=0), ValueError,
+       r"MoeMlp.shared_hidden_features must be an int >= 1, got 0")):
+    with pytest.raises(error, match=match):
+      jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, **kw).init(jax.random.key(0), x)
+    with pytest.raises(error, match=match):
+      jnx.MoeMlp(D, E, K, H, rngs=nnx.Rngs(0), **kw)
 
 
 def test_expert_axis_refuses_delayed_scaling():
