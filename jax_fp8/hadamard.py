@@ -84,17 +84,10 @@ def _hadamard_outputs(x: jax.Array, seed: int, axis: int, name: str) -> tuple[li
   axis %= x.ndim
   groups = x.reshape(*shape[:axis], shape[axis] // RHT_SIZE, RHT_SIZE, *shape[axis + 1:])
   signs = rht_signs(seed) / 4
-
-  def butterfly(flush, groups):
-    v = [flush(jnp.take(groups, i, axis=axis + 1) * signs[i]) for i in range(RHT_SIZE)]
-    h = 1
-    while h < RHT_SIZE:
-      for t in (t for j in range(0, RHT_SIZE, 2 * h) for t in range(j, j + h)):
-        v[t], v[t + h] = flush(v[t] + v[t + h]), flush(v[t] - v[t + h])
-      h *= 2
-    return v
-  # Every value is a product or a sum, whose subnormal results XLA's CPU runtime flushes itself:
-  # there the 80 selects that flush them elsewhere would only lengthen the compilation.
-  return jax.lax.platform_dependent(
-      groups, cpu=functools.partial(butterfly, lambda v: v.astype(jnp.float32)),
-      default=functools.partial(butterfly, as_f32)), axis
+  v = [as_f32(jnp.take(groups, i, axis=axis + 1) * signs[i]) for i in range(RHT_SIZE)]
+  h = 1
+  while h < RHT_SIZE:
+    for t in (t for j in range(0, RHT_SIZE, 2 * h) for t in range(j, j + h)):
+      v[t], v[t + h] = as_f32(v[t] + v[t + h]), as_f32(v[t] - v[t + h])
+    h *= 2
+  return v, axis

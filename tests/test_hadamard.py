@@ -57,6 +57,25 @@ def test_hadamard_transform_along_any_axis(rng):
       hadamard_transform(jnp.ones((8, 32)), 9, axis=axis)
 
 
+def test_hadamard_transform_flushes_every_product_and_sum(platform, rng):
+  """Under jit and eagerly, on any platform, the transform's bits are those of the butterfly in
+  NumPy's f32 with every product and every sum flushed to (signed) zero where subnormal, for
+  values whose products and sums fall below f32's normal range (where a fused multiply-add
+  would skip a product's flush)."""
+  x = (rng.standard_normal((64, 32)) * 1e-37).astype(np.float32)  # products near f32's tiny
+
+  def flush(v):
+    return np.where(np.abs(v) < np.finfo(np.float32).tiny, v * np.float32(0), v)
+  s = np.asarray(rht_signs(3)) / np.float32(4)
+  v = [flush(x.reshape(64, 2, 16)[..., i] * s[i]) for i in range(16)]
+  for h in (1, 2, 4, 8):
+    for t in (t for j in range(0, 16, 2 * h) for t in range(j, j + h)):
+      v[t], v[t + h] = flush(v[t] + v[t + h]), flush(v[t] - v[t + h])
+  want = np.stack(v, axis=-1).reshape(64, 32).view(np.uint32)
+  for f in (jax.jit(hadamard_transform, static_argnums=1), hadamard_transform):
+    np.testing.assert_array_equal(np.asarray(f(jnp.asarray(x), 3)).view(np.uint32), want)
+
+
 def test_hadamard_amax_is_the_transforms_amax(platform, rng):
   """hadamard_amax gives amax(hadamard_transform(.)) bit for bit under jit, along either axis:
   subnormal sums flushed, a NaN or an infinity anywhere, all zeros; NaN where only some of a
