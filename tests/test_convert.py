@@ -59,8 +59,8 @@ def rel(a, b):
 def test_linen_transformer(rng):
   inputs, targets = data(rng)
   model, fp8 = LinenLM(), convert(LinenLM(), RECIPE)
-  v0 = model.init(jax.random.key(0), inputs)
-  v = fp8.init(jax.random.key(0), inputs)
+  v0 = jax.jit(model.init)(jax.random.key(0), inputs)  # jitted: eagerly each operation compiles
+  v = jax.jit(fp8.init)(jax.random.key(0), inputs)
   assert jax.tree.structure(v["params"]) == jax.tree.structure(v0["params"])
   for a, b in zip(jax.tree.leaves(v["params"]), jax.tree.leaves(v0["params"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same initializers
@@ -71,7 +71,7 @@ def test_linen_transformer(rng):
   assert sorted(state["block_0"]["MultiHeadDotProductAttention_0"]) == ["key", "out", "query",
                                                                         "value"]
   # Two blocks in sequence: twice the one block's path.
-  assert rel(fp8.apply(v, inputs), model.apply(v0, inputs)) < tol(2 * 4)
+  assert rel(jax.jit(fp8.apply)(v, inputs), jax.jit(model.apply)(v0, inputs)) < tol(2 * 4)
 
   tx = optax.adam(3e-3)
 
