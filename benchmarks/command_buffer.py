@@ -18,7 +18,7 @@ HLO, so the evidence is the FP8 step time moving with ``CUSTOM_CALL`` alone whil
 
     python -m benchmarks.command_buffer [--quick] [--steps 50] [--out PATH]
 
-Writes ``benchmarks/results/<gpu>-<date>-command-buffer.json``.
+Writes ``benchmarks/results/<gpu>-command_buffer.json``.
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def main(argv=None):
       print(f"  differs from off: {d['step']} step {d['leaf']} "
             f"({d.get('elements_differing', '?')} of {d.get('of', '?')} elements, "
             f"max |diff| {d.get('max_abs_diff')})")
-  write_results(results, args.out, f"{env['device'].replace(' ', '_')}-{env['date']}-command-buffer")
+  write_results(results, args.out, f"{env['device'].replace(' ', '_')}-command_buffer")
   return results
 
 

@@ -14,7 +14,7 @@ loop, the first two (compilation, first donated step) left out, as in the demo.
 The devices are the default backend's, or ``--platform``'s (``cpu``: the host's, eight virtual
 ones under the tests' ``--xla_force_host_platform_device_count=8``).
 
-Writes ``benchmarks/results/<gpu>x<N>-data-parallel-<date>.json``. NCCL's NVLink multicast
+Writes ``benchmarks/results/<gpu>x<N>-data_parallel-<recipe>.json``. NCCL's NVLink multicast
 (NVLS) is turned off unless the environment sets NCCL_NVLS_ENABLE.
 """
 
@@ -110,7 +110,7 @@ def main(argv=None) -> dict:
   results = {"env": env, "preset": args.preset, "recipe": args.recipe, "steps": args.steps,
              "attention": attention, "rows": rows}
   write_results(results, args.out, f"{env['device'].replace(' ', '_')}x{len(devices)}"
-                f"-data-parallel-{env['date']}")
+                f"-data_parallel-{args.recipe}")
   return results
 
 

@@ -11,7 +11,7 @@ Prints, per thread, the work time per step and the share of each kind of work (o
 quantization kernels, GEMMs, attention, the rest), its idle time inside the steps (on a
 device stream, waiting for the host or for another stream), then the events that take the
 most time; writes the same as JSON (default
-``benchmarks/results/<gpu>-<date>-step-profile-<recipe>.json``). The block and its sizes are
+``benchmarks/results/<gpu>-step_profile-<recipe>.json``). The block and its sizes are
 the suite's ``block train step`` case (``benchmarks.block``).
 """
 
@@ -37,8 +37,8 @@ def main(argv=None):
                       "the forward GEMM / all three; bf16: flax.linen.Dense (default: delayed)")
   p.add_argument("--steps", type=int, default=5, help="traced steps, >= 1 (default: 5)")
   p.add_argument("--quick", action="store_true", help="the suite's tiny block (CPU smoke run)")
-  p.add_argument("--out", help="JSON path (default: benchmarks/results/<gpu>-<date>-step-"
-                               "profile-<recipe>.json)")
+  p.add_argument("--out", help="JSON path (default: benchmarks/results/<gpu>-step_profile-"
+                               "<recipe>.json)")
   args = p.parse_args(argv)
   if args.steps < 1:
     p.error(f"--steps must be >= 1, got {args.steps}")
@@ -58,7 +58,7 @@ def main(argv=None):
       print(f"    {us:>10.0f} us  {name[:100]}")
   results = {"env": env, "recipe": args.recipe, "block": cfg, "steps": args.steps, "rows": rows}
   write_results(results, args.out,
-                f"{env['device'].replace(' ', '_')}-{env['date']}-step-profile-{args.recipe}")
+                f"{env['device'].replace(' ', '_')}-step_profile-{args.recipe}")
   return results
 
 
