@@ -103,7 +103,8 @@ def call(op: str, impl, plan, rule: str, *args, reduction_factors=(), **factor_s
   _check_auto_axes(args)
   if _eager_on_one_device(args):
     return impl(*args)
-  rule, factor_sizes = _one_group_plain(rule, args, jax.eval_shape(impl, *args), factor_sizes)
+  rule, factor_sizes = _one_group_plain(rule, args, lambda: jax.eval_shape(impl, *args),
+                                        factor_sizes)
 
   def partition(mesh, arg_shapes, result_shape):
     lower, arg_shardings, result_shardings = plan(mesh, _on_mesh(mesh, arg_shapes))
@@ -183,9 +184,12 @@ def _one_group_plain(rule: str, args, outputs, factor_sizes: dict) -> tuple[str,
   ``nb`` is 1 (a grouped dimension of exactly one group) replaced by its inner factor, in every
   operand (``(nb n8)`` too), since Shardy rejects a size-1 factor in a compound. ``nb`` stays
   as the scales' size-1 dimension; the inner factors, now whole dimensions, lose their given
-  sizes."""
+  sizes. ``outputs()``: the results' shapes, asked for (a trace of the op) only where the rule
+  has a compound factor."""
+  if "(" not in rule:
+    return rule, {}
   ins, outs = rule.split("->")
-  shapes = [jnp.shape(a) for a in args] + [o.shape for o in jax.tree.leaves(outputs)]
+  shapes = [jnp.shape(a) for a in args] + [o.shape for o in jax.tree.leaves(outputs())]
   single = set()
   for operand, shape in zip(ins.split(",") + outs.split(","), shapes, strict=True):
     for dim, size in zip(re.findall(r"\([^)]*\)|\S+", operand), shape, strict=True):
