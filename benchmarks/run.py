@@ -2,7 +2,8 @@
 
 Measures the device's ceilings first (copy bandwidth, BF16 GEMM rate), then per case our
 path beside BF16 and the pure-JAX FP8 path, with ratios and achieved TB/s or TFLOP/s.
-Prints a table and writes ``benchmarks/results/<gpu>-<date>.json``.
+Prints a table and writes ``benchmarks/results/<gpu>-run.json`` (with ``--only``,
+``<gpu>-run-<group>[-<group>...].json``).
 
     python -m benchmarks.run [--quick] [--out PATH]
 """
@@ -342,7 +343,8 @@ def print_table(results):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="tiny shapes (a smoke run on CPU)")
-  p.add_argument("--out", help="JSON path (default benchmarks/results/<gpu>-<date>.json)")
+  p.add_argument("--out", help="JSON path (default benchmarks/results/<gpu>-run[-<group>...]"
+                               ".json)")
   p.add_argument("--only", nargs="+", choices=GROUPS, default=GROUPS,
                  help="case groups to run (default: all)")
   args = p.parse_args(argv)
@@ -370,7 +372,9 @@ def main(argv=None):
   rows = [r for g in GROUPS if g in args.only for r in groups[g]()]
   results = {"env": env, "ceilings": ceil, "rows": rows}
   print_table(results)
-  write_results(results, args.out, f"{env['device'].replace(' ', '_')}-{env['date']}")
+  only = "" if set(args.only) == set(GROUPS) else "".join(f"-{g}" for g in GROUPS
+                                                          if g in args.only)
+  write_results(results, args.out, f"{env['device'].replace(' ', '_')}-run{only}")
 
 
 if __name__ == "__main__":
