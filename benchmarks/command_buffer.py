@@ -162,7 +162,7 @@ def main(argv=None):
       print(f"  differs from off: {d['step']} step {d['leaf']} "
             f"({d.get('elements_differing', '?')} of {d.get('of', '?')} elements, "
             f"max |diff| {d.get('max_abs_diff')})")
-  write_results(results, args.out, f"{env['device'].replace(' ', '_')}-command_buffer")
+  write_results(results, args.out, "-command_buffer")
   return results
 
 

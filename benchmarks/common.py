@@ -47,8 +47,11 @@ def environment(device=None):
 
 
 def write_results(results: dict, out: str | None, name: str) -> None:
-  """Write ``results`` as JSON to ``out``, or to ``benchmarks/results/<name>.json``."""
-  path = pathlib.Path(out) if out else pathlib.Path(__file__).parent / "results" / f"{name}.json"
+  """Write ``results`` as JSON to ``out``, or to ``benchmarks/results/<device><name>.json``, the
+  device ``results["env"]["device"]`` with underscores for spaces (``NVIDIA_H200-run.json``)."""
+  device = results["env"]["device"].replace(" ", "_")
+  path = (pathlib.Path(out) if out else
+          pathlib.Path(__file__).parent / "results" / f"{device}{name}.json")
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(results, indent=1))
   print(f"wrote {path}")

@@ -109,8 +109,7 @@ def main(argv=None) -> dict:
          "nccl_nvls_enable": os.environ.get("NCCL_NVLS_ENABLE")}
   results = {"env": env, "preset": args.preset, "recipe": args.recipe, "steps": args.steps,
              "attention": attention, "rows": rows}
-  write_results(results, args.out, f"{env['device'].replace(' ', '_')}x{len(devices)}"
-                f"-data_parallel-{args.recipe}")
+  write_results(results, args.out, f"x{len(devices)}-data_parallel-{args.recipe}")
   return results
 
 

@@ -80,7 +80,7 @@ def main(argv=None):
   env = environment()
   results = {"env": env, "ceilings": ceilings(args.quick),
              "rows": bench(*((QUICK_LAYERS, QUICK_TOKENS) if args.quick else (LAYERS, TOKENS)))}
-  write_results(results, args.out, f"{env['device'].replace(' ', '_')}-inference")
+  write_results(results, args.out, "-inference")
   return results
 
 

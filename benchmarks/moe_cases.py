@@ -86,7 +86,7 @@ def time_ragged(fn, args, options, flops: float, dense_flops: float, rate_tflops
 def finish(results: dict, out: str | None, name: str, failed: int, what: str) -> dict:
   """Writes ``results`` (to ``out``, or ``benchmarks/results/<gpu>-<name>.json``), then exits 1
   where ``failed`` cases of ``what`` failed; returns the results."""
-  write_results(results, out, f"{results['env']['device'].replace(' ', '_')}-{name}")
+  write_results(results, out, f"-{name}")
   if failed:
     print(f"{failed} {what} case(s) failed", file=sys.stderr)
     sys.exit(1)

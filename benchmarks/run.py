@@ -374,7 +374,7 @@ def main(argv=None):
   print_table(results)
   only = "" if set(args.only) == set(GROUPS) else "".join(f"-{g}" for g in GROUPS
                                                           if g in args.only)
-  write_results(results, args.out, f"{env['device'].replace(' ', '_')}-run{only}")
+  write_results(results, args.out, f"-run{only}")
 
 
 if __name__ == "__main__":

@@ -57,8 +57,7 @@ def main(argv=None):
     for name, us in r["top_events_us"].items():
       print(f"    {us:>10.0f} us  {name[:100]}")
   results = {"env": env, "recipe": args.recipe, "block": cfg, "steps": args.steps, "rows": rows}
-  write_results(results, args.out,
-                f"{env['device'].replace(' ', '_')}-step_profile-{args.recipe}")
+  write_results(results, args.out, f"-step_profile-{args.recipe}")
   return results
 
 

@@ -156,7 +156,7 @@ def run(p, args, measure_variant, setting: dict, out: str, peers: tuple[str, ...
             f"{sorted(profiled - set(args.variants))}")
   env, rows = environment(), []
   results = {"env": env, **setting, "steps": args.steps, "windows": args.windows, "rows": rows}
-  name = f"{env['device'].replace(' ', '_')}-{out}"
+  name = f"-{out}"
   w = _width(args.variants)
   for variant in args.variants:
     try:
