@@ -110,7 +110,7 @@ constexpr BlockGemmKernel kBlockGemmKernels[] = {
     {"sm90_128x192_c2", 192, 2}, {"sm90_128x256_c1", 256, 1}, {"sm90_128x256_c2", 256, 2}};
 constexpr int kNumBlockGemmKernels = sizeof(kBlockGemmKernels) / sizeof(kBlockGemmKernels[0]);
 // Part of the identity of a kind of device (csrc/ffi/gemm_lt.h device_identity): raised when
-// the candidates change, so that recorded choices made without them are timed again.
-constexpr int kBlockGemmRevision = 2;
+// the candidates or their speed change, so that recorded choices are timed again.
+constexpr int kBlockGemmRevision = 3;
 
 }  // namespace jax_fp8

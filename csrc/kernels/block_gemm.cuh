@@ -18,17 +18,19 @@
 //   each CTA copies half of b's rows to both CTAs: the two CTAs hold tiles of the same columns),
 //   the 128 a scales of the tile's rows and b's scales of the block (kBlockN column scales, or
 //   the 128 x 128 block scales of the tile's columns).
-// - warpgroups 1 and 2: the consumers, 64 rows of the tile each. Per K block: wait for the
-//   stage, four wgmma m64nNk32 (e4m3 x e4m3 -> f32) into the partial accumulator, wait for them,
-//   promote into the main accumulator (tiles wider than 160 columns: the same for each half of
-//   the columns in turn, so that both accumulators fit a thread's registers), release the stage
-//   (one arrival per warp on the empty mbarrier of each CTA of the cluster, after the warp's
-//   reads of the scales). After the last block: the epilogue adds the bias and stores the tile
-//   from registers (pairs of columns, rows and columns past M and N skipped), then the next
-//   tile starts.
-// While one consumer warpgroup promotes on the CUDA cores the other's MMAs keep the tensor
-// cores busy. No atomics and a fixed order of sums: the output is the same bit for bit on every
-// run.
+// - warpgroups 1 and 2: the consumers, 64 rows of the tile each. A K block's MMAs run in
+//   kSplits column slices (one slice, of the whole tile, where registers allow), four wgmma
+//   m64nNk32 (e4m3 x e4m3 -> f32) each, into two partial accumulators in turn: a slice's
+//   promotion into the main accumulator waits for its own MMAs only and runs on the CUDA cores
+//   while the next slice's MMAs keep the tensor cores busy, as do the other consumer's. Per K
+//   block: wait for the stage, read the scales of the thread's rows and of the tile's 128 x 128
+//   blocks of b into registers, issue the slices; after the block's last MMAs release the stage
+//   (one arrival per warp on the empty mbarrier of each CTA of the cluster; with b's column
+//   scales, which the promotion reads from the stage, after the promotion). After the last
+//   block: the epilogue adds the bias and stores the tile from registers (lanes of a quad trade
+//   values so that each stores 16 contiguous bytes; rows and columns past M and N skipped),
+//   then the next tile starts.
+// No atomics and a fixed order of sums: the output is the same bit for bit on every run.
 //
 // Shared memory: kStages stages of [a tile 16 KiB | b tile kBlockN x 128 B | 128 a scales |
 // b scales], the tiles 1024-byte aligned and 128-byte swizzled (TMA's SWIZZLE_128B, which
@@ -64,6 +66,18 @@ namespace jax_fp8 {
 template <int kMmaN>
 struct BlockGemmMma;
 template <>
+struct BlockGemmMma<64> {
+  using Op = cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
+struct BlockGemmMma<72> {
+  using Op = cute::SM90::GMMA::MMA_64x72x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
+struct BlockGemmMma<80> {
+  using Op = cute::SM90::GMMA::MMA_64x80x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
 struct BlockGemmMma<96> {
   using Op = cute::SM90::GMMA::MMA_64x96x32_F32E4M3E4M3_SS_TN<>;
 };
@@ -74,14 +88,6 @@ struct BlockGemmMma<112> {
 template <>
 struct BlockGemmMma<128> {
   using Op = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct BlockGemmMma<144> {
-  using Op = cute::SM90::GMMA::MMA_64x144x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct BlockGemmMma<160> {
-  using Op = cute::SM90::GMMA::MMA_64x160x32_F32E4M3E4M3_SS_TN<>;
 };
 
 constexpr int block_gemm_gcd(int a, int b) { return b == 0 ? a : block_gemm_gcd(b, a % b); }
@@ -99,16 +105,20 @@ struct BlockGemmTraits {
   static constexpr int kMathGroups = 2;       // consumer warpgroups, 64 rows each
   static constexpr int kThreads = 128 * (1 + kMathGroups);
   // setmaxnreg: the producer gives registers back to the consumers' accumulators (kAccum +
-  // kPart floats a thread); 128 x 40 + 256 x 232 fits the 64 Ki registers of an SM.
+  // 2 kPart floats a thread); 128 x 40 + 256 x 232 fits the 64 Ki registers of an SM.
   static constexpr int kProducerRegisters = 40;
   static constexpr int kMathRegisters = 232;
   static constexpr int kAccum = kBlockN / 2;  // f32 main accumulator registers of a thread
-  // Tiles wider than 160 columns run their MMAs in two halves of the columns, one after the
-  // other, each into a partial accumulator of half the width: a thread's main and partial
-  // accumulators (kAccum + kPart floats) stay within its kMathRegisters.
-  static constexpr int kSplits = kBlockN > 160 ? 2 : 1;
+  // The MMAs of a K block run in kSplits column slices, each into one of two partial
+  // accumulators in turn, so that one slice's promotion overlaps the next one's MMAs: the
+  // fewest slices whose two partial accumulators and the main one (kAccum + 2 kPart floats)
+  // leave a thread's kMathRegisters some 40 registers for the rest.
+  static constexpr int kSplits = kBlockN * 3 / 2 <= 192 ? 1 : kBlockN <= 192 ? 2 : 4;
   static constexpr int kMmaN = kBlockN / kSplits;
   static constexpr int kPart = kMmaN / 2;  // f32 partial accumulator registers (m64nN)
+  // K blocks a round of the consumers' loop takes: an even number of slices, so that each
+  // slice's partial accumulator is known at compile time.
+  static constexpr int kRound = kSplits == 1 ? 2 : 1;
 
   static constexpr int kABytes = kBlockM * kBlockK;
   static constexpr int kBBytes = kBlockN * kBlockK;
@@ -117,7 +127,8 @@ struct BlockGemmTraits {
   // first block (a TMA box starts on a 16-byte boundary of the row; the tile's columns lie in
   // at most two blocks, asserted below, so the second is inside the eight too).
   static constexpr int kBScaleFloats = kColumnScales ? kBlockN : 8;
-  static constexpr int kBScaleSlot = (kBScaleFloats * 4 + 127) / 128 * 128;  // TMA: 128-byte aligned
+  // TMA: 128-byte aligned
+  static constexpr int kBScaleSlot = (kBScaleFloats * 4 + 127) / 128 * 128;
   // Bytes the TMA copies of one stage bring to this CTA (a box counts whole, out-of-bounds
   // elements included: TMA fills them with zeros).
   static constexpr uint32_t kTxBytes = kABytes + kBBytes + kAScaleBytes + kBScaleFloats * 4;
@@ -135,13 +146,13 @@ struct BlockGemmTraits {
   static constexpr int kBarrierOffset = kBScaleOffset + kStages * kBScaleSlot;
   static constexpr int kSmemBytes = kAlign + kBarrierOffset + kStages * 16;
 
-  static_assert(kBlockN % (16 * kSplits) == 0 && kBlockN >= 16 && kBlockN <= 256,
-                "wgmma's N and the 8-row swizzle atoms of b's half tiles");
+  static_assert(kBlockN % 16 == 0 && kMmaN % 8 == 0 && kBlockN <= 256,
+                "the epilogue's column pairs; wgmma's N and the 8-row swizzle atoms of b's slices");
   static_assert(kColumnScales || 128 - block_gemm_gcd(kBlockN, 128) + kBlockN <= 256,
                 "a tile's columns must lie in at most two 128 x 128 blocks");
   static_assert(kStages >= 3, "too few stages to hide the copies");
-  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0 && (kBBytes / 2) % 1024 == 0,
-                "128-byte swizzled tiles (and b's half tiles) start 1024-byte aligned");
+  static_assert(kABytes % 1024 == 0 && kBBytes % 1024 == 0 && (kBBytes / kSplits) % 1024 == 0,
+                "128-byte swizzled tiles (and b's slices) start 1024-byte aligned");
 };
 
 struct BlockGemmTile {
@@ -200,14 +211,35 @@ __device__ __forceinline__ void block_gemm_mma(uint64_t a, uint64_t b, float* d,
   Op::fma(a, b, d[I]..., scale_d);
 }
 
-__device__ __forceinline__ void store_pair(__nv_bfloat16* d, float x, float y) {
-  *reinterpret_cast<__nv_bfloat162*>(d) = __floats2bfloat162_rn(x, y);
+// Two adjacent outputs rounded once to Out, as the words a shuffle moves: one 32-bit word for a
+// 16-bit type, two for f32.
+__device__ __forceinline__ uint32_t round_pair(float x, float y, const __nv_bfloat16*) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
-__device__ __forceinline__ void store_pair(__half* d, float x, float y) {
-  *reinterpret_cast<__half2*>(d) = __floats2half2_rn(x, y);
+__device__ __forceinline__ uint32_t round_pair(float x, float y, const __half*) {
+  const __half2 v = __floats2half2_rn(x, y);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
-__device__ __forceinline__ void store_pair(float* d, float x, float y) {
-  *reinterpret_cast<float2*>(d) = make_float2(x, y);
+__device__ __forceinline__ uint2 round_pair(float x, float y, const float*) {
+  return make_uint2(__float_as_uint(x), __float_as_uint(y));
+}
+__device__ __forceinline__ uint32_t shfl_xor(uint32_t v, int mask) {
+  return __shfl_xor_sync(0xffffffffu, v, mask);
+}
+__device__ __forceinline__ uint2 shfl_xor(uint2 v, int mask) {
+  return make_uint2(__shfl_xor_sync(0xffffffffu, v.x, mask),
+                    __shfl_xor_sync(0xffffffffu, v.y, mask));
+}
+// kW words, 8 or 16 bytes, in one store.
+template <class Word, int kW>
+__device__ __forceinline__ void store_words(void* at, const Word (&v)[kW]) {
+  static_assert(sizeof(v) == 8 || sizeof(v) == 16, "8- or 16-byte stores");
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(v);
+  if constexpr (sizeof(v) == 16)
+    *static_cast<uint4*>(at) = make_uint4(w[0], w[1], w[2], w[3]);
+  else
+    *static_cast<uint2*>(at) = make_uint2(w[0], w[1]);
 }
 __device__ __forceinline__ float2 load_pair(const __nv_bfloat16* b) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(b));
@@ -219,22 +251,93 @@ __device__ __forceinline__ float2 load_pair(const float* b) {
   return *reinterpret_cast<const float2*>(b);
 }
 
-// The epilogue of one thread: its accumulator holds rows r0 and r0 + 8 of the output and, for
-// each j, the columns c0 + 8 j and c0 + 8 j + 1 (wgmma's m64nN f32 layout); bias added in f32,
-// rounded once to Out. N is a multiple of 16, so a pair is wholly inside or outside.
-template <class Out, int kAccum>
-__device__ __forceinline__ void block_gemm_store(const float (&acc)[kAccum],
-                                                 const BlockGemmParams& p, int r0, int c0) {
+// The epilogue of the kW column blocks j0 .. j0 + kW - 1 of one thread's rows r0 and r0 + 8.
+// Its accumulator holds, for each j, the columns c0 + 8 j and c0 + 8 j + 1 with c0 = n0 + 2 quad
+// (wgmma's m64nN f32 layout); the bias is added in f32 and each value rounded once to Out. The
+// kW lanes of a quad that share quad / kW trade their pairs (a kW x kW transpose in log2(kW)
+// rounds of shuffles): lane quad then holds block j0 + quad % kW's 2 kW adjacent columns from
+// 2 kW (quad / kW) on, and stores them at once. N is a multiple of 16, so a run of 2 kW columns
+// (kW = 16 / sizeof(Word) or 2) is wholly inside or outside the output.
+template <int kW, class Out, int kAccum>
+__device__ __forceinline__ void block_gemm_store_run(const float (&acc)[kAccum],
+                                                     const BlockGemmParams& p, int r0, int n0,
+                                                     int quad, int j0) {
   Out* d = static_cast<Out*>(p.d);
   const Out* bias = static_cast<const Out*>(p.bias);
+  using Word = decltype(round_pair(0.0f, 0.0f, d));
+  const int c_run = n0 + 8 * (j0 + quad % kW) + 2 * kW * (quad / kW);
+  float2 b[kW];
 #pragma unroll
-  for (int j = 0; j < kAccum / 4; ++j) {
-    const int c = c0 + 8 * j;
-    if (c >= p.n) continue;
-    const float2 b = bias ? load_pair(bias + c) : make_float2(0.0f, 0.0f);
-    if (r0 < p.m) store_pair(d + int64_t(r0) * p.n + c, acc[4 * j] + b.x, acc[4 * j + 1] + b.y);
-    if (r0 + 8 < p.m)
-      store_pair(d + int64_t(r0 + 8) * p.n + c, acc[4 * j + 2] + b.x, acc[4 * j + 3] + b.y);
+  for (int i = 0; i < kW; ++i) {
+    const int c = n0 + 2 * quad + 8 * (j0 + i);
+    b[i] = bias && c < p.n ? load_pair(bias + c) : make_float2(0.0f, 0.0f);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    Word v[kW];
+#pragma unroll
+    for (int i = 0; i < kW; ++i) {
+      const int j = j0 + i;
+      v[i] = round_pair(acc[4 * j + 2 * h] + b[i].x, acc[4 * j + 2 * h + 1] + b[i].y, d);
+    }
+    // Round m: the lanes whose quad differs in bit m swap the pairs whose index differs from
+    // their own position in that bit (every lane shuffles: none may skip).
+#pragma unroll
+    for (int m = 1; m < kW; m *= 2) {
+      const bool upper = quad & m;
+#pragma unroll
+      for (int i = 0; i < kW; ++i) {
+        if (i & m) continue;
+        const Word got = shfl_xor(upper ? v[i] : v[i | m], m);
+        if (upper)
+          v[i] = got;
+        else
+          v[i | m] = got;
+      }
+    }
+    const int r = r0 + 8 * h;
+    if (r < p.m && c_run < p.n) store_words(d + int64_t(r) * p.n + c_run, v);
+  }
+}
+
+// The epilogue of one thread: 16-byte stores (a quad writes 64 contiguous bytes of a row, a
+// quarter of the stores of pairs), and 8-byte ones for the last two column blocks of a tile
+// whose blocks do not come in fours (112 and 144 columns, 16-bit outputs).
+template <class Out, int kAccum>
+__device__ __forceinline__ void block_gemm_store(const float (&acc)[kAccum],
+                                                 const BlockGemmParams& p, int r0, int n0,
+                                                 int quad) {
+  constexpr int kW = 16 / sizeof(round_pair(0.0f, 0.0f, static_cast<const Out*>(nullptr)));
+  constexpr int kBlocks = kAccum / 4, kWhole = kBlocks / kW * kW;
+  static_assert(kBlocks % 2 == 0, "column blocks in pairs");
+#pragma unroll
+  for (int j0 = 0; j0 < kWhole; j0 += kW) block_gemm_store_run<kW, Out>(acc, p, r0, n0, quad, j0);
+  if constexpr (kWhole < kBlocks) block_gemm_store_run<2, Out>(acc, p, r0, n0, quad, kWhole);
+}
+
+// One K block's scales as a thread's promotion takes them: its two rows' a scales and, with
+// block scales, b's scales of the (at most two) 128 x 128 blocks of the tile's columns, read
+// into registers before the block's MMAs, so that the stage can be released before the
+// promotion; b's column scales (kColumnScales) are read from the stage during the promotion.
+struct BlockGemmScales {
+  float a0, a1;       // rows row and row + 8
+  float b0, b1;       // block scales: the tile's first and second 128 x 128 block of b
+  const float* b_columns;  // column scales: the tile's kBlockN, in shared memory
+};
+
+// A stage's scales for the consumer thread of rows row and row + 8 of the tile at column n0.
+template <class T>
+__device__ __forceinline__ BlockGemmScales block_gemm_scales(const uint8_t* smem, int stage,
+                                                             int row, int n0) {
+  const float* a =
+      reinterpret_cast<const float*>(smem + T::kAScaleOffset + stage * T::kAScaleBytes);
+  const float* b =
+      reinterpret_cast<const float*>(smem + T::kBScaleOffset + stage * T::kBScaleSlot);
+  if constexpr (T::kColumnScales) {
+    return {a[row], a[row + 8], 0.0f, 0.0f, b};
+  } else {  // the tile's first 128 x 128 block of b and the next, within the eight copied
+    const float* block = b + n0 / 128 % 4;
+    return {a[row], a[row + 8], block[0], block[1], nullptr};
   }
 }
 
@@ -245,14 +348,14 @@ __device__ __forceinline__ void block_gemm_store(const float (&acc)[kAccum],
 template <class T, int kFirst>
 __device__ __forceinline__ void block_gemm_promote(float (&acc)[T::kAccum],
                                                    const float (&part)[T::kPart],
-                                                   const float* a_scale, const float* b_scale,
-                                                   int row, int quad, int boundary) {
+                                                   const BlockGemmScales& s, int quad,
+                                                   int boundary) {
   constexpr int kAt = kFirst / 2;  // acc's register of the first column (m64nN: 8 columns, 4)
-  const float a0 = a_scale[row], a1 = a_scale[row + 8];
+  const float a0 = s.a0, a1 = s.a1;
   if constexpr (T::kColumnScales) {
 #pragma unroll
     for (int j = 0; j < T::kPart / 4; ++j) {
-      const float2 b = *reinterpret_cast<const float2*>(b_scale + kFirst + 8 * j + 2 * quad);
+      const float2 b = *reinterpret_cast<const float2*>(s.b_columns + kFirst + 8 * j + 2 * quad);
       float* d = acc + kAt + 4 * j;
       d[0] = fmaf(part[4 * j], a0 * b.x, d[0]);
       d[1] = fmaf(part[4 * j + 1], a0 * b.y, d[1]);
@@ -260,8 +363,7 @@ __device__ __forceinline__ void block_gemm_promote(float (&acc)[T::kAccum],
       d[3] = fmaf(part[4 * j + 3], a1 * b.y, d[3]);
     }
   } else {
-    const float s00 = a0 * b_scale[0], s10 = a1 * b_scale[0];
-    const float s01 = a0 * b_scale[1], s11 = a1 * b_scale[1];
+    const float s00 = a0 * s.b0, s10 = a1 * s.b0, s01 = a0 * s.b1, s11 = a1 * s.b1;
 #pragma unroll
     for (int j = 0; j < T::kPart / 4; ++j) {
       // A tile of 128 columns or fewer that divides 128 never reaches a second block.
@@ -274,6 +376,12 @@ __device__ __forceinline__ void block_gemm_promote(float (&acc)[T::kAccum],
       d[3] = fmaf(part[4 * j + 3], s1, d[3]);
     }
   }
+}
+
+// f(std::integral_constant<int, i>{}) for each i of the sequence, in order.
+template <class F, int... I>
+__device__ __forceinline__ void block_gemm_for(F& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
 }
 
 // Tensor maps (csrc/ffi/block_gemm_launch.cuh): a [M, K] u8 with boxes of 128 x 128, b [N, K]
@@ -304,7 +412,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     cute::prefetch_tma_descriptor(&b_scale_map);
     for (int s = 0; s < T::kStages; ++s) {
       Barrier::init(&full[s], 1);  // the producer's arrival, plus the copies' bytes
-      Barrier::init(&empty[s], T::kMathGroups * 4 * p.cluster);  // every consumer warp of the cluster
+      // every consumer warp of the cluster
+      Barrier::init(&empty[s], T::kMathGroups * 4 * p.cluster);
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -362,58 +471,87 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     const int math = group - 1;
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
     const int row = 64 * math + 16 * warp + lane / 4;  // this thread's rows: row, row + 8
-    float acc[T::kAccum], part[T::kPart];
+    float acc[T::kAccum], part[2][T::kPart];
     Tiles tiles(p, T::kBlockN);
     int stage = 0;
     uint32_t phase = 0;
+    // Frees stage s in every CTA whose producer copies into it: this warp's MMAs on it are done
+    // and its reads of the stage's scales too.
+    auto release = [&](int s) {
+      __syncwarp();
+      if (lane == 0 && p.cluster == 1) Barrier::arrive(&empty[s]);
+      if (lane == 0 && p.cluster > 1)
+        for (int c = 0; c < p.cluster; ++c) Barrier::arrive(&empty[s], c, 1);
+    };
     for (BlockGemmTile t; tiles.next(t);) {
 #pragma unroll
       for (int i = 0; i < T::kAccum; ++i) acc[i] = 0.0f;
       const int boundary = 128 - t.n0 % 128;
-      for (int kb = 0; kb < p.k_blocks; ++kb) {
-        Barrier::wait(&full[stage], phase);
-        const uint64_t a_desc = block_gemm_desc(smem + stage * T::kABytes + math * 64 * T::kBlockK);
-        const float* a_scale =
-            reinterpret_cast<const float*>(smem + T::kAScaleOffset + stage * T::kAScaleBytes);
-        const float* b_scale =
-            reinterpret_cast<const float*>(smem + T::kBScaleOffset + stage * T::kBScaleSlot) +
-            (T::kColumnScales ? 0 : t.n0 / 128 % 4);
-        // Per half of the columns (or the whole tile): its MMAs, then its promotion.
-        auto columns = [&](auto split) {
-          constexpr int kFirst = decltype(split)::value * T::kMmaN;
-          const uint64_t b_desc =
-              block_gemm_desc(smem + T::kBOffset + stage * T::kBBytes + kFirst * T::kBlockK);
+      // One round: kBlocks K blocks of kSplits slices each, the slices' MMAs into the two
+      // partial accumulators in turn. Each slice's promotion waits for its MMAs only, and runs
+      // while the next slice's are under way; the round's last waits for all (ptxas keeps
+      // wgmma groups in flight across a loop's back edge only by serializing them).
+      auto round = [&](auto blocks) {
+        constexpr int kBlocks = decltype(blocks)::value, kUnits = kBlocks * T::kSplits;
+        int stages[kBlocks] = {};
+        uint64_t a_desc[kBlocks];
+        BlockGemmScales scales[kBlocks];
+        // Slice u's promotion, once its MMAs are done; its block's stage is released after its
+        // last slice's MMAs (and before the promotion where that reads no scales from it).
+        auto promote = [&](auto unit) {
+          constexpr int kU = decltype(unit)::value, kB = kU / T::kSplits;
+          constexpr int kS = kU % T::kSplits, kBuf = kU % 2;
+          constexpr bool kLast = kS == T::kSplits - 1;
 #pragma unroll
-          for (int i = 0; i < T::kPart; ++i) cute::warpgroup_fence_operand(part[i]);
+          for (int i = 0; i < T::kPart; ++i) cute::warpgroup_fence_operand(part[kBuf][i]);
+          if constexpr (kLast && !T::kColumnScales) release(stages[kB]);
+          block_gemm_promote<T, kS * T::kMmaN>(acc, part[kBuf], scales[kB], lane % 4, boundary);
+          if constexpr (kLast && T::kColumnScales) release(stages[kB]);
+        };
+        auto slice = [&](auto unit) {
+          constexpr int kU = decltype(unit)::value, kB = kU / T::kSplits;
+          constexpr int kS = kU % T::kSplits, kBuf = kU % 2;
+          if constexpr (kS == 0) {  // a new K block: its stage and scales
+            Barrier::wait(&full[stage], phase);
+            stages[kB] = stage;
+            a_desc[kB] = block_gemm_desc(smem + stage * T::kABytes + math * 64 * T::kBlockK);
+            scales[kB] = block_gemm_scales<T>(smem, stage, row, t.n0);
+            if (++stage == T::kStages) stage = 0, phase ^= 1;
+          }
+          const uint64_t b_desc = block_gemm_desc(smem + T::kBOffset + stages[kB] * T::kBBytes +
+                                                  kS * T::kMmaN * T::kBlockK);
+#pragma unroll
+          for (int i = 0; i < T::kPart; ++i) cute::warpgroup_fence_operand(part[kBuf][i]);
           cute::warpgroup_arrive();
 #pragma unroll
           for (int k = 0; k < T::kBlockK / T::kMmaK; ++k) {
             // the descriptor's address is in 16-byte units: 32 bytes of K further along the rows
-            block_gemm_mma<Mma>(a_desc + 2 * k, b_desc + 2 * k, part,
+            block_gemm_mma<Mma>(a_desc[kB] + 2 * k, b_desc + 2 * k, part[kBuf],
                                 k == 0 ? ScaleOut::Zero : ScaleOut::One,
                                 std::make_index_sequence<T::kPart>{});
           }
           cute::warpgroup_commit_batch();
-          cute::warpgroup_wait<0>();
-#pragma unroll
-          for (int i = 0; i < T::kPart; ++i) cute::warpgroup_fence_operand(part[i]);
-          block_gemm_promote<T, kFirst>(acc, part, a_scale, b_scale, row, lane % 4, boundary);
+          if constexpr (kU > 0) {
+            cute::warpgroup_wait<1>();
+            promote(std::integral_constant<int, kU - 1>{});
+          }
         };
-        columns(std::integral_constant<int, 0>{});
-        if constexpr (T::kSplits == 2) columns(std::integral_constant<int, 1>{});
-        // The MMAs are done and this warp's reads of the scales too: free the stage in every
-        // CTA whose producer copies into it.
-        __syncwarp();
-        if (lane == 0 && p.cluster == 1) Barrier::arrive(&empty[stage]);
-        if (lane == 0 && p.cluster > 1)
-          for (int c = 0; c < p.cluster; ++c) Barrier::arrive(&empty[stage], c, 1);
-        if (++stage == T::kStages) stage = 0, phase ^= 1;
-      }
-      const int r0 = t.m0 + row, c0 = t.n0 + 2 * (lane % 4);
+        block_gemm_for(slice, std::make_integer_sequence<int, kUnits>{});
+        cute::warpgroup_wait<0>();
+        promote(std::integral_constant<int, kUnits - 1>{});
+      };
+      int kb = 0;
+      for (; kb + T::kRound <= p.k_blocks; kb += T::kRound)
+        round(std::integral_constant<int, T::kRound>{});
+      if constexpr (T::kRound == 2)
+        if (kb < p.k_blocks) round(std::integral_constant<int, 1>{});
+      const int r0 = t.m0 + row;
       switch (p.out) {
-        case BlockGemmOut::kBf16: block_gemm_store<__nv_bfloat16>(acc, p, r0, c0); break;
-        case BlockGemmOut::kF16: block_gemm_store<__half>(acc, p, r0, c0); break;
-        case BlockGemmOut::kF32: block_gemm_store<float>(acc, p, r0, c0); break;
+        case BlockGemmOut::kBf16:
+          block_gemm_store<__nv_bfloat16>(acc, p, r0, t.n0, lane % 4);
+          break;
+        case BlockGemmOut::kF16: block_gemm_store<__half>(acc, p, r0, t.n0, lane % 4); break;
+        case BlockGemmOut::kF32: block_gemm_store<float>(acc, p, r0, t.n0, lane % 4); break;
       }
     }
   }
