@@ -59,6 +59,12 @@
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 
+// CuTe's wgmma selectors offer the 72-, 80- and 112-column MMAs only with this definition
+// (CMakeLists.txt sets it for the block GEMM's target).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#error "block_gemm.cuh needs CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
+#endif
+
 namespace jax_fp8 {
 
 // The wgmma m64nNk32 e4m3 x e4m3 -> f32 instruction of an MMA width: CuTe's atom, b K-major in
