@@ -111,6 +111,6 @@ constexpr BlockGemmKernel kBlockGemmKernels[] = {
 constexpr int kNumBlockGemmKernels = sizeof(kBlockGemmKernels) / sizeof(kBlockGemmKernels[0]);
 // Part of the identity of a kind of device (csrc/ffi/gemm_lt.h device_identity): raised when
 // the candidates or their speed change, so that recorded choices are timed again.
-constexpr int kBlockGemmRevision = 3;
+constexpr int kBlockGemmRevision = 4;
 
 }  // namespace jax_fp8

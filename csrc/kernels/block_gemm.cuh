@@ -20,7 +20,8 @@
 //   the 128 x 128 block scales of the tile's columns).
 // - warpgroups 1 and 2: the consumers, 64 rows of the tile each. A K block's MMAs run in
 //   kSplits column slices (one slice, of the whole tile, where registers allow), four wgmma
-//   m64nNk32 (e4m3 x e4m3 -> f32) each, into two partial accumulators in turn: a slice's
+//   m64nNk32 (e4m3 x e4m3 -> f32) each (a from registers, loaded once a block, where a block
+//   has several slices and b block scales), into two partial accumulators in turn: a slice's
 //   promotion into the main accumulator waits for its own MMAs only and runs on the CUDA cores
 //   while the next slice's MMAs keep the tensor cores busy, as do the other consumer's. Per K
 //   block: wait for the stage, read the scales of the thread's rows and of the tile's 128 x 128
@@ -53,42 +54,28 @@
 #include "cute/arch/cluster_sm90.hpp"
 #include "cute/arch/copy_sm90_desc.hpp"
 #include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/arch/mma_sm90.hpp"
 #include "cute/arch/mma_sm90_desc.hpp"
-#include "cute/arch/mma_sm90_gmma.hpp"
-#include "cute/arch/mma_sm90_gmma_ext.hpp"
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 
+// CuTe's wgmma selectors offer the 72-, 80- and 112-column MMAs only with this definition
+// (CMakeLists.txt sets it for the block GEMM's target).
+#ifndef CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
+#error "block_gemm.cuh needs CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED"
+#endif
+
 namespace jax_fp8 {
 
-// The wgmma m64nNk32 e4m3 x e4m3 -> f32 instruction (both operands K-major in shared memory)
-// of each instantiated MMA width: CuTe's atoms.
-template <int kMmaN>
-struct BlockGemmMma;
-template <>
-struct BlockGemmMma<64> {
-  using Op = cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct BlockGemmMma<72> {
-  using Op = cute::SM90::GMMA::MMA_64x72x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct BlockGemmMma<80> {
-  using Op = cute::SM90::GMMA::MMA_64x80x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct BlockGemmMma<96> {
-  using Op = cute::SM90::GMMA::MMA_64x96x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct BlockGemmMma<112> {
-  using Op = cute::SM90::GMMA::MMA_64x112x32_F32E4M3E4M3_SS_TN<>;
-};
-template <>
-struct BlockGemmMma<128> {
-  using Op = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
-};
+// The wgmma m64nNk32 e4m3 x e4m3 -> f32 instruction of an MMA width: CuTe's atom, b K-major in
+// shared memory, a from registers (kRegisterA) or from shared memory.
+template <int kMmaN, bool kRegisterA>
+using BlockGemmMma = std::conditional_t<
+    kRegisterA,
+    decltype(cute::SM90::GMMA::rs_op_selector<cute::float_e4m3_t, cute::float_e4m3_t, float,
+                                              cute::Shape<cute::_64, cute::Int<kMmaN>, cute::_32>>()),
+    decltype(cute::SM90::GMMA::ss_op_selector<cute::float_e4m3_t, cute::float_e4m3_t, float,
+                                              cute::Shape<cute::_64, cute::Int<kMmaN>, cute::_32>>())>;
 
 constexpr int block_gemm_gcd(int a, int b) { return b == 0 ? a : block_gemm_gcd(b, a % b); }
 
@@ -119,6 +106,10 @@ struct BlockGemmTraits {
   // K blocks a round of the consumers' loop takes: an even number of slices, so that each
   // slice's partial accumulator is known at compile time.
   static constexpr int kRound = kSplits == 1 ? 2 : 1;
+  // a from registers where a K block's slices would each read a's tile from shared memory again
+  // (four times at 64 columns): a block's 16 registers a thread, loaded when its round starts,
+  // after the last round's MMAs are done. With column scales, those 16 spilled (ptxas).
+  static constexpr bool kRegisterA = kSplits > 1 && !kColumnScales;
 
   static constexpr int kABytes = kBlockM * kBlockK;
   static constexpr int kBBytes = kBlockN * kBlockK;
@@ -209,6 +200,30 @@ __device__ __forceinline__ void block_gemm_mma(uint64_t a, uint64_t b, float* d,
                                                cute::SM90::GMMA::ScaleOut scale_d,
                                                std::index_sequence<I...>) {
   Op::fma(a, b, d[I]..., scale_d);
+}
+template <class Op, size_t... I>
+__device__ __forceinline__ void block_gemm_mma(const uint32_t (&a)[4], uint64_t b, float* d,
+                                               cute::SM90::GMMA::ScaleOut scale_d,
+                                               std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], b, d[I]..., scale_d);
+}
+
+// One warp's 16 rows of a's 128 x 128 tile (`rows`: the first, 128-byte swizzled as TMA wrote
+// them) in wgmma's register layout for a (m64k32, 8-bit; the layout of mma.m16n8k32's a): per
+// 32-byte step k of K, register i holds the four bytes 4 (lane % 4) + 16 (i / 2) of row lane / 4
+// + 8 (i % 2). ldmatrix .x4 loads them as four 8 x 8 b16 matrices, matrix i from the addresses
+// of lanes 8 i .. 8 i + 7, one row each; the swizzle moves 16-byte chunk c of row r to c ^ r % 8.
+__device__ __forceinline__ void block_gemm_load_a(const uint8_t* rows, int lane,
+                                                  uint32_t (&a)[kBlockTile / 32][4]) {
+  const int r = lane % 8 + 8 * (lane / 8 % 2);
+#pragma unroll
+  for (int k = 0; k < kBlockTile / 32; ++k) {
+    const int chunk = 2 * k + lane / 16;
+    const uint32_t at = cute::cast_smem_ptr_to_uint(rows + r * kBlockTile + 16 * (chunk ^ r % 8));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(a[k][0]), "=r"(a[k][1]), "=r"(a[k][2]), "=r"(a[k][3])
+                 : "r"(at));
+  }
 }
 
 // Two adjacent outputs rounded once to Out, as the words a shuffle moves: one 32-bit word for a
@@ -466,7 +481,8 @@ __global__ void __launch_bounds__(T::kThreads, 1)
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<T::kMathRegisters>();
-    using Mma = typename BlockGemmMma<T::kMmaN>::Op;
+    using Mma = BlockGemmMma<T::kMmaN, T::kRegisterA>;
+    static_assert(sizeof(typename Mma::CRegisters) == T::kPart * sizeof(float), "m64nN's f32");
     using cute::SM90::GMMA::ScaleOut;
     const int math = group - 1;
     const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
@@ -494,7 +510,10 @@ __global__ void __launch_bounds__(T::kThreads, 1)
       auto round = [&](auto blocks) {
         constexpr int kBlocks = decltype(blocks)::value, kUnits = kBlocks * T::kSplits;
         int stages[kBlocks] = {};
-        uint64_t a_desc[kBlocks];
+        // a's operand: each K block's shared-memory descriptor, or (kRegisterA) the round's one
+        // K block in registers
+        std::conditional_t<T::kRegisterA, uint32_t[T::kBlockK / T::kMmaK][4], uint64_t[kBlocks]>
+            a_op;
         BlockGemmScales scales[kBlocks];
         // Slice u's promotion, once its MMAs are done; its block's stage is released after its
         // last slice's MMAs (and before the promotion where that reads no scales from it).
@@ -514,7 +533,11 @@ __global__ void __launch_bounds__(T::kThreads, 1)
           if constexpr (kS == 0) {  // a new K block: its stage and scales
             Barrier::wait(&full[stage], phase);
             stages[kB] = stage;
-            a_desc[kB] = block_gemm_desc(smem + stage * T::kABytes + math * 64 * T::kBlockK);
+            const uint8_t* a_rows = smem + stage * T::kABytes + math * 64 * T::kBlockK;
+            if constexpr (T::kRegisterA)
+              block_gemm_load_a(a_rows + warp * 16 * T::kBlockK, lane, a_op);
+            else
+              a_op[kB] = block_gemm_desc(a_rows);
             scales[kB] = block_gemm_scales<T>(smem, stage, row, t.n0);
             if (++stage == T::kStages) stage = 0, phase ^= 1;
           }
@@ -522,13 +545,23 @@ __global__ void __launch_bounds__(T::kThreads, 1)
                                                   kS * T::kMmaN * T::kBlockK);
 #pragma unroll
           for (int i = 0; i < T::kPart; ++i) cute::warpgroup_fence_operand(part[kBuf][i]);
+          if constexpr (T::kRegisterA) {
+#pragma unroll
+            for (int k = 0; k < T::kBlockK / T::kMmaK; ++k)
+#pragma unroll
+              for (int i = 0; i < 4; ++i) cute::warpgroup_fence_operand(a_op[k][i]);
+          }
           cute::warpgroup_arrive();
 #pragma unroll
           for (int k = 0; k < T::kBlockK / T::kMmaK; ++k) {
             // the descriptor's address is in 16-byte units: 32 bytes of K further along the rows
-            block_gemm_mma<Mma>(a_desc[kB] + 2 * k, b_desc + 2 * k, part[kBuf],
-                                k == 0 ? ScaleOut::Zero : ScaleOut::One,
-                                std::make_index_sequence<T::kPart>{});
+            const ScaleOut scale_d = k == 0 ? ScaleOut::Zero : ScaleOut::One;
+            if constexpr (T::kRegisterA)
+              block_gemm_mma<Mma>(a_op[k], b_desc + 2 * k, part[kBuf], scale_d,
+                                  std::make_index_sequence<T::kPart>{});
+            else
+              block_gemm_mma<Mma>(a_op[kB] + 2 * k, b_desc + 2 * k, part[kBuf], scale_d,
+                                  std::make_index_sequence<T::kPart>{});
           }
           cute::warpgroup_commit_batch();
           if constexpr (kU > 0) {
