@@ -210,9 +210,10 @@ class MoeMlp(nnx.Module):
   hidden_features when gated) and "w_out" [E, hidden_features, in_features], each expert's
   initialised as ``nnx.Linear``'s kernel; "shared" an ``Mlp`` with ``shared_hidden_features``
   (else None); under ``DelayedScaling`` the ``Fp8State`` "fp8_state" holds a ``MoeState``.
-  Each call sows its load-balancing loss as the ``nnx.Intermediate`` "load_balancing_loss"
-  (the latest call's, f32 []): ``y, intermediates = nnx.capture(model, nnx.Intermediate)(x)``
-  returns it; ``nnx.pop(model, nnx.Intermediate)`` after a call takes it.
+  Under ``nnx.capture`` each call sows its load-balancing loss as the ``nnx.Intermediate``
+  "load_balancing_loss" (the latest call's, f32 []): ``y, intermediates = nnx.capture(model,
+  nnx.Intermediate)(x)`` returns it. A call outside a capture sows nothing (Flax 0.12 deprecates
+  sowing there, which would store the loss on the module).
 
   Args: in_features (D), num_experts (E), top_k, hidden_features (H), and
   ``jax_fp8.flax.MoeMlp``'s activation, shared_hidden_features, normalize_weights, recipe,
@@ -259,9 +260,11 @@ class MoeMlp(nnx.Module):
                      activation=self.activation, normalize_weights=self.normalize_weights,
                      amax_axis_name=self.amax_axis_name, expert_axis=self.expert_axis,
                      capacity=self.capacity)
-    # the latest call's loss (not a growing tuple, which would retrace a jitted step)
-    self.sow(nnx.Intermediate, "load_balancing_loss", aux, reduce_fn=lambda _, new: new,
-             init_fn=lambda: jnp.zeros((), jnp.float32))
+    # Only inside nnx.capture, which marks each module it runs with "__captures__" (the test
+    # Module.sow itself makes); the latest call's loss, not a tuple that would retrace a step.
+    if hasattr(self, "__captures__"):
+      self.sow(nnx.Intermediate, "load_balancing_loss", aux, reduce_fn=lambda _, new: new,
+               init_fn=lambda: jnp.zeros((), jnp.float32))
     return y if self.shared is None else y + self.shared(inputs).astype(y.dtype)
 
 

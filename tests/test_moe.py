@@ -4,6 +4,7 @@ delayed-scaling state across steps, the sown load-balancing loss, the shared exp
 parallelism on CPU devices, and bad input."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -139,6 +140,11 @@ def test_nnx_layer_train_step(rng):
   step(model, x)
   step(model, x)
   assert np.all(np.asarray(model.fp8_state.get_value().experts.kernel_in.steps) == 2)
+  with warnings.catch_warnings(record=True) as caught:  # outside nnx.capture: nothing sown
+    warnings.simplefilter("always")
+    model(x)
+  assert not [w for w in caught if "sow" in str(w.message)]
+  assert not nnx.state(model, nnx.Intermediate)
 
 
 def test_expert_parallel_layer_equals_one_device(rng):
