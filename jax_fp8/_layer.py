@@ -43,27 +43,33 @@ def check_dtypes(name: str, dtype, param_dtype) -> None:
   if dtype is not None and _canonical_dtype(dtype) not in FLOAT_DTYPES:
     raise TypeError(f"{name}.dtype must be None, float32, bfloat16 or float16, got "
                     f"{_dtype_name(dtype)}")
-  if _canonical_dtype(param_dtype) not in (*FLOAT_DTYPES, jnp.dtype(jnp.float64)):
+  # None (no dtype named) is tested apart: numpy's dtype == None compares with float64
+  param = _canonical_dtype(param_dtype)
+  if param is None or param not in (*FLOAT_DTYPES, jnp.dtype(jnp.float64)):
     raise TypeError(f"{name}.param_dtype must be float32, bfloat16 or float16 (or float64 "
                     f"under x64), got {_dtype_name(param_dtype)}")
 
 
-def check_moe_layer(recipe, num_experts, hidden_features, activation, shared_hidden_features,
-                    dtype, param_dtype) -> tuple[int, int, bool]:
-  """(E, H, gated) of a MoeMlp layer (linen's or NNX's), its attributes checked: the recipe,
-  E in [1, MAX_GROUPS], H >= 1, the activation, the shared expert's hidden size (None, or an
-  int >= 1 and a multiple of the recipe's ``dim_multiple``), the dtypes. TypeError /
-  ValueError naming the attribute."""
-  check_recipe(recipe, "MoeMlp.recipe")
+def check_moe_layer(recipe, num_experts, top_k, hidden_features, activation,
+                    shared_hidden_features, normalize_weights, dtype, param_dtype,
+                    in_features=None) -> tuple[int, int, bool]:
+  """(E, H, gated) of a MoeMlp layer (linen's or NNX's), its attributes checked: a recipe of
+  the grouped GEMMs, E in [1, MAX_GROUPS], top_k in [1, E], the activation, H, the shared
+  expert's hidden size (None or an int) and D (NNX's in_features; linen's comes with the input)
+  ints >= 1 and multiples of the recipe's ``dim_multiple``, normalize_weights a bool, the
+  dtypes. TypeError / ValueError naming the attribute."""
+  check_recipe(recipe, "MoeMlp.recipe", grouped=True)
   e = checks.integer(num_experts, "MoeMlp.num_experts", lo=1, hi=MAX_GROUPS)
+  checks.integer(top_k, "MoeMlp.top_k", lo=1, hi=e)
   h = checks.integer(hidden_features, "MoeMlp.hidden_features", lo=1)
   _, gated = activations.check(activation, "MoeMlp.activation")
-  if shared_hidden_features is not None:
-    shared = checks.integer(shared_hidden_features, "MoeMlp.shared_hidden_features", lo=1)
-    if shared % recipe.dim_multiple:
-      raise ValueError(f"MoeMlp.shared_hidden_features must be a multiple of "
-                       f"{recipe.dim_multiple} ({type(recipe).__name__}'s FP8 GEMMs), got "
-                       f"{shared}")
+  sizes = {"hidden_features": h, "shared_hidden_features": shared_hidden_features,
+           "in_features": in_features}
+  for name, v in sizes.items():
+    if v is not None and checks.integer(v, f"MoeMlp.{name}", lo=1) % recipe.dim_multiple:
+      raise ValueError(f"MoeMlp.{name} must be a multiple of {recipe.dim_multiple} "
+                       f"({type(recipe).__name__}'s FP8 GEMMs), got {v}")
+  checks.boolean(normalize_weights, "MoeMlp.normalize_weights")
   check_dtypes("MoeMlp", dtype, param_dtype)
   return e, h, gated
 

@@ -10,8 +10,8 @@ from ._layer import SR_STREAM, check_norm_attr
 
 
 class Fp8State(nnx.Variable):
-  """The FP8 scale rings of one layer (its ``LinearState``, ``MultiLinearState`` or
-  ``MlpState``) as an NNX variable: ``nnx.state(model, Fp8State)`` selects every layer's, an
+  """The FP8 scale rings of one layer (its ``LinearState``, ``MultiLinearState``, ``MlpState``
+  or ``MoeState``) as an NNX variable: ``nnx.state(model, Fp8State)`` selects every layer's, an
   optimizer over ``nnx.Param`` leaves them alone, and ``update_fp8_state`` advances them."""
 
 

@@ -181,7 +181,8 @@ def restore(directory, target, recipe):
     ValueError naming the metadata file when it is no valid JSON or lacks an entry.
     FileNotFoundError when ``directory`` holds no jax_fp8 checkpoint.
   """
-  meta = _metadata(_directory(directory))
+  directory = _directory(directory)
+  meta = _metadata(directory)
   fields = STATE_FIELDS if recipe.stateful else ("type",)
   saved, wanted = ({k: v for k, v in d.items() if k in fields}
                    for d in (meta["recipe"], _recipe_dict(recipe)))

@@ -318,9 +318,10 @@ class MoeMlp(nn.Module):
 
   @nn.compact
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    e, h, gated = check_moe_layer(self.recipe, self.num_experts, self.hidden_features,
-                                  self.activation, self.shared_hidden_features, self.dtype,
-                                  self.param_dtype)
+    e, h, gated = check_moe_layer(self.recipe, self.num_experts, self.top_k,
+                                  self.hidden_features, self.activation,
+                                  self.shared_hidden_features, self.normalize_weights,
+                                  self.dtype, self.param_dtype)
     if jnp.ndim(inputs) < 1:
       raise ValueError("MoeMlp inputs must be [..., D], got a scalar")
     d = jnp.shape(inputs)[-1]

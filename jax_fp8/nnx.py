@@ -229,9 +229,10 @@ class MoeMlp(nnx.Module):
                param_dtype: Any = jnp.float32,
                kernel_init: Callable = nnx.initializers.lecun_normal(batch_axis=(0,)),
                router_init: Callable = nnx.initializers.lecun_normal(), rngs: nnx.Rngs):
-    e, h, gated = check_moe_layer(recipe, num_experts, hidden_features, activation,
-                                  shared_hidden_features, dtype, param_dtype)
-    d = checks.integer(in_features, "MoeMlp.in_features", lo=1)
+    e, h, gated = check_moe_layer(recipe, num_experts, top_k, hidden_features, activation,
+                                  shared_hidden_features, normalize_weights, dtype,
+                                  param_dtype, in_features)
+    d = int(in_features)
     if not isinstance(rngs, nnx.Rngs):
       raise TypeError(f"MoeMlp.rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}")
     local = local_experts(e, expert_axis, recipe, "MoeMlp")

@@ -182,13 +182,14 @@ def test_a_failed_save_leaves_nothing(rng, tmp_path, monkeypatch):
 
 
 def test_nnx_state(rng, tmp_path):
+  """An NNX model's state saves and restores (the directory given as a str)."""
   x, _ = data(rng)
   model = jax_fp8.nnx.Linear(32, 16, recipe=RECIPE, rngs=nnx.Rngs(0))
   nnx_step(model, x)
   state = nnx.state(model)
-  checkpoint.save(tmp_path / "ckpt", state, RECIPE)
+  checkpoint.save(str(tmp_path / "ckpt"), state, RECIPE)
   fresh = jax_fp8.nnx.Linear(32, 16, recipe=RECIPE, rngs=nnx.Rngs(1))
-  restored = checkpoint.restore(tmp_path / "ckpt", nnx.state(fresh), RECIPE)
+  restored = checkpoint.restore(str(tmp_path / "ckpt"), nnx.state(fresh), RECIPE)
   nnx.update(fresh, restored)
   assert_same(nnx.state(fresh), state)
   np.testing.assert_array_equal(np.asarray(fresh(x)), np.asarray(model(x)))

@@ -97,9 +97,10 @@ def test_wrong_compute_dtype_is_refused(layer, message):
      "int32"),
     (jax_fp8.flax.Mlp(32, param_dtype=jnp.float8_e4m3fn), jnp.float32,
      "Mlp.param_dtype must be .* got float8_e4m3fn"),
+    (Dense(16, param_dtype="fp32"), jnp.float32, "Dense.param_dtype must be .* got 'fp32'"),
     (Dense(16), jnp.int32, r"the layer's inputs must be floats \(float32, bfloat16 or float16\), "
                            "got int32"),
-], ids=["dtype string", "int params", "fp8 params", "int inputs"])
+], ids=["dtype string", "int params", "fp8 params", "param_dtype string", "int inputs"])
 def test_layer_dtypes_are_checked(layer, x_dtype, message):
   """A dtype, param_dtype or input dtype the layers cannot compute in is refused naming the
   attribute (not JAX's or Flax's message, nor a silent promotion of integer inputs)."""

@@ -293,8 +293,9 @@ def test_layers_check_the_recipe_first():
 def test_layers_check_their_attributes():
   """Outside the shard_map over expert_axis, under any recipe, init names the unbound axis (and
   under DelayedScaling the recipe first); more experts than the grouped GEMM takes, a dtype
-  that is no float, a shared expert's size the FP8 GEMMs cannot take: each names the
-  attribute."""
+  that is no float, top_k out of [1, E], a recipe of no grouped GEMM, sizes the FP8 GEMMs
+  cannot take, a non-bool normalize_weights: each names the attribute, before the first call
+  (NNX: at construction)."""
   x = jnp.zeros((4, D))
   for recipe, error, match in ((jax_fp8.CurrentScaling(), ValueError,
                                 "MoeMlp's expert_axis names the axis 'e', which is not bound"),
@@ -310,19 +311,31 @@ def test_layers_check_their_attributes():
     jfl.MoeMlp(num_experts=2000, top_k=K, hidden_features=H).init(jax.random.key(0), x)
   with pytest.raises(ValueError, match=match):
     jnx.MoeMlp(D, 2000, K, H, rngs=nnx.Rngs(0))
+  base = dict(num_experts=E, top_k=K, hidden_features=H)
   for kw, error, match in (
       (dict(dtype=jnp.int8), TypeError, "MoeMlp.dtype must be None, float32, bfloat16 or "
                                         "float16, got int8"),
       (dict(param_dtype=jnp.int8), TypeError, "MoeMlp.param_dtype must be float32, "),
+      (dict(param_dtype="fp32"), TypeError, "MoeMlp.param_dtype must be .* got 'fp32'"),
+      (dict(top_k=E + 1), ValueError, rf"MoeMlp.top_k must be an int in \[1, {E}\], got {E + 1}"),
+      (dict(top_k=0), ValueError, rf"MoeMlp.top_k must be an int in \[1, {E}\], got 0"),
+      (dict(recipe=jax_fp8.MXFP8BlockScaling()), TypeError,
+       "MoeMlp.recipe must be a DelayedScaling, a CurrentScaling or a BlockScaling, got "
+       "MXFP8BlockScaling"),
+      (dict(hidden_features=24), ValueError,
+       r"MoeMlp.hidden_features must be a multiple of 16 \(DelayedScaling's FP8 GEMMs\), got 24"),
+      (dict(normalize_weights=1), TypeError, "MoeMlp.normalize_weights must be a bool, got int 1"),
       (dict(shared_hidden_features=24), ValueError,
        r"MoeMlp.shared_hidden_features must be a multiple of 16 \(DelayedScaling's FP8 GEMMs\), "
        "got 24"),
       (dict(shared_hidden_features=0), ValueError,
        r"MoeMlp.shared_hidden_features must be an int >= 1, got 0")):
     with pytest.raises(error, match=match):
-      jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, **kw).init(jax.random.key(0), x)
+      jfl.MoeMlp(**{**base, **kw}).init(jax.random.key(0), x)
     with pytest.raises(error, match=match):
-      jnx.MoeMlp(D, E, K, H, rngs=nnx.Rngs(0), **kw)
+      jnx.MoeMlp(in_features=D, **{**base, **kw}, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"MoeMlp.in_features must be a multiple of 16 "):
+    jnx.MoeMlp(40, E, K, H, rngs=nnx.Rngs(0))
 
 
 def test_expert_axis_refuses_delayed_scaling():

@@ -189,6 +189,8 @@ def test_bad_arguments(rng):
       (lambda: Linear(64, 32, param_dtype=jnp.int32, rngs=nnx.Rngs(0)), TypeError,
        r"Linear.param_dtype must be float32, bfloat16 or float16 \(or float64 under x64\), "
        "got int32"),
+      (lambda: Linear(64, 32, param_dtype="fp32", rngs=nnx.Rngs(0)), TypeError,
+       "Linear.param_dtype must be .* got 'fp32'"),
       (lambda: Linear(64, 32, rngs=nnx.Rngs(0))(x.astype(bool)), TypeError,
        "the layer's inputs must be floats"),
       (lambda: update_fp8_state(Linear(64, 32, rngs=nnx.Rngs(0)), None), TypeError,
