@@ -13,6 +13,7 @@ from . import _names, activations, checks, norms
 from .formats import FLOAT_DTYPES
 from .inference import Fp8Weight
 from .cast_kernel import CastKernel, cast_kernel
+from .layer_checks import check_grouped_recipe
 from .layer_state import LinearState, MlpState, MultiLinearState
 from .linear import linear, multi_linear
 from .mlp import mlp
@@ -58,7 +59,7 @@ def check_moe_layer(recipe, num_experts, top_k, hidden_features, activation,
   expert's hidden size (None or an int) and D (NNX's in_features; linen's comes with the input)
   ints >= 1 and multiples of the recipe's ``dim_multiple``, normalize_weights a bool, the
   dtypes. TypeError / ValueError naming the attribute."""
-  check_recipe(recipe, "MoeMlp.recipe", grouped=True)
+  check_grouped_recipe(recipe, "MoeMlp", "MoeMlp.recipe")
   e = checks.integer(num_experts, "MoeMlp.num_experts", lo=1, hi=MAX_GROUPS)
   checks.integer(top_k, "MoeMlp.top_k", lo=1, hi=e)
   h = checks.integer(hidden_features, "MoeMlp.hidden_features", lo=1)

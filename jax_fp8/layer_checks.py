@@ -130,10 +130,11 @@ def grouped_bias(bias, name: str, groups: int, width: int, dim: str):
   return bias
 
 
-def check_grouped_recipe(recipe, op: str) -> None:
-  """TypeError unless ``recipe`` is a recipe that the grouped layers serve (``Recipe.grouped``),
-  naming those (``op``: the function called, for the message)."""
-  check_recipe(recipe)
+def check_grouped_recipe(recipe, op: str, name: str = "recipe") -> None:
+  """TypeError unless ``recipe`` (the argument or attribute ``name``) is a recipe that the
+  grouped layers serve (``Recipe.grouped``), naming those (``op``: the function or layer called,
+  for the message)."""
+  check_recipe(recipe, name)
   if not recipe.grouped:
     raise TypeError(ungrouped_reason(recipe, op))
 

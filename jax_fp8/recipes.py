@@ -384,12 +384,11 @@ RECIPES = (DelayedScaling, CurrentScaling, BlockScaling, MXFP8BlockScaling, NVFP
 
 
 def check_recipe(recipe, name: str = "recipe", casts_kernel: bool = False,
-                 none_ok: bool = False, grouped: bool = False) -> None:
+                 none_ok: bool = False) -> None:
   """TypeError naming ``name`` unless ``recipe`` is a recipe instance (``casts_kernel``: one
-  that serves ``cast_kernel`` and ``Fp8Weight``; ``grouped``: one the grouped GEMMs serve), or
-  None where ``none_ok``; a recipe class given for an instance is told so."""
-  allowed = tuple(c for c in RECIPES
-                  if (c.casts_kernel or not casts_kernel) and (c.grouped or not grouped))
+  that serves ``cast_kernel`` and ``Fp8Weight``), or None where ``none_ok``; a recipe class given
+  for an instance is told so."""
+  allowed = tuple(c for c in RECIPES if c.casts_kernel or not casts_kernel)
   if isinstance(recipe, allowed) or (none_ok and recipe is None):
     return
   kinds = ["None"] * none_ok + [c.article() for c in allowed]

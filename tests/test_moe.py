@@ -320,7 +320,7 @@ def test_layers_check_their_attributes():
       (dict(top_k=E + 1), ValueError, rf"MoeMlp.top_k must be an int in \[1, {E}\], got {E + 1}"),
       (dict(top_k=0), ValueError, rf"MoeMlp.top_k must be an int in \[1, {E}\], got 0"),
       (dict(recipe=jax_fp8.MXFP8BlockScaling()), TypeError,
-       "MoeMlp.recipe must be a DelayedScaling, a CurrentScaling or a BlockScaling, got "
+       "MoeMlp takes a DelayedScaling, a CurrentScaling or a BlockScaling .* got "
        "MXFP8BlockScaling"),
       (dict(hidden_features=24), ValueError,
        r"MoeMlp.hidden_features must be a multiple of 16 \(DelayedScaling's FP8 GEMMs\), got 24"),
