@@ -93,6 +93,7 @@ class Converted(nn.Module):
                        below=not self.is_initializing())
       cr.warn_last_converted(next((r for r in layers if r.path == last), None), stacklevel=4)
       cr.warn_unaligned(layers, self.recipe, stacklevel=4)
+      cr.warn_unsupported(layers, stacklevel=4)
     return out
 
 

@@ -198,7 +198,8 @@ def _nnx_layer(path, node, new, recipe, include, exclude) -> LayerReport | None:
 
 def _record_nnx(model, before, recipe, include, exclude):
   """Remember what convert made of an NNX model (for ``conversion_report`` and a second
-  convert) and warn where layers stay in higher precision for want of intensity."""
+  convert) and warn where layers stay in higher precision: for want of intensity, for their
+  sizes or unsupported."""
   layers = []
   for p, node in nnx.iter_graph(model):
     new = id(node) not in before and isinstance(node, nnx.Module) and hasattr(node, "recipe")
@@ -212,6 +213,7 @@ def _record_nnx(model, before, recipe, include, exclude):
   _NNX_CONVERSIONS[id(model)] = (weakref.ref(model), recipe, tuple(layers))
   cr.warn_fallback(layers, recipe, _device_note(recipe), stacklevel=4)
   cr.warn_unaligned(layers, recipe, stacklevel=4)
+  cr.warn_unsupported(layers, stacklevel=4)
 
 
 def _rows(node, x) -> int | None:

@@ -112,14 +112,14 @@ def _no_rings_here(module) -> str | None:
   """Why linen ``module`` cannot keep the rings of a ragged dot it calls now (None where it
   can). Flax makes variables only in setup or a method wrapped in @nn.compact (its own test,
   ``_initialization_allowed``, has no public name). Inside a JAX transform within the method
-  (jax.checkpoint, jax.jit, lax.scan) a ring would be made as a tracer that escapes,
+  (jax.checkpoint, jax.jit, lax.scan, shard_map) a ring would be made as a tracer that escapes,
   or observed once per transformed call with the gradients summed, not max-combined; Flax's
   lifted transforms (nn.remat, nn.scan) run the method at its scope's own trace."""
   if not module._initialization_allowed:
     return "Flax makes variables only in setup or a method wrapped in @nn.compact: this is neither"
   if module.scope.trace_level != tracers.current_trace():
     return ("the call runs inside a JAX transform within the module's method (jax.checkpoint, "
-            "jax.jit, lax.scan, ...), where a ring would be made or observed "
+            "jax.jit, lax.scan, shard_map, ...), where a ring would be made or observed "
             "apart from the module (Flax's nn.remat / nn.scan lift the module and serve)")
   return None
 

@@ -229,3 +229,20 @@ def warn_unaligned(layers, recipe: Recipe, stacklevel: int = 3) -> None:
       f"blocks (DelayedScaling: multiples of 16) may take them; "
       f"jax_fp8.convert.conversion_report(model, *inputs) lists the layers.",
       ConversionWarning, stacklevel=stacklevel)
+
+
+def warn_unsupported(layers, stacklevel: int = 3) -> None:
+  """A ``ConversionWarning`` where any of ``layers`` is left as it was for its type, call or
+  recipe (``UNSUPPORTED``): how many, and each distinct reason with a layer it applies to (a
+  mixture's experts left in BF16 should not pass unnoticed)."""
+  left = [r for r in layers if r.status == UNSUPPORTED]
+  if not left:
+    return
+  first = {}
+  for r in left:
+    first.setdefault(r.detail, r)
+  reasons = "; ".join(f"{r.path or '(model)'!r} ({r.layer}): {why}" for why, r in first.items())
+  warnings.warn(
+      f"jax_fp8.convert: {len(left)} of {len(layers)} layers stay in higher precision, left "
+      f"unsupported: {reasons}. jax_fp8.convert.conversion_report(model, *inputs) lists the "
+      f"layers.", ConversionWarning, stacklevel=stacklevel)

@@ -250,7 +250,11 @@ class SetupStyle(nn.Module):
 def test_forms_left_as_they_were(rng):
   x = jnp.asarray(rng.standard_normal((TOKENS, D)), jnp.float32)
   model = convert(Forms(), RECIPES["delayed"])
-  v, got, want = init_and_apply(model, Forms(), x)
+  # the calls left are named, not only listed in the report
+  with pytest.warns(ConversionWarning, match=r"4 of 5 layers stay in higher precision, left "
+                    r"unsupported: 'ragged_dot_0' \(lax.ragged_dot\): precision=HIGHEST: .*; "
+                    r"'ragged_dot_3' \(lax.ragged_dot\): .*inside a JAX transform"):
+    v, got, want = init_and_apply(model, Forms(), x)
   assert sorted(v["fp8_state"]) == ["ragged_dot_4"]
   for a, b in zip(got[:4] + got[5:], want[:4] + want[5:]):  # left: as it was, bit for bit
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
