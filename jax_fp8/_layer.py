@@ -17,6 +17,7 @@ from .layer_checks import check_grouped_recipe
 from .layer_state import LinearState, MlpState, MultiLinearState
 from .linear import linear, multi_linear
 from .mlp import mlp
+from .moe import moe_mlp
 from .ops.grouped_gemm import MAX_GROUPS
 from .recipes import DelayedScaling, check_recipe
 
@@ -177,16 +178,22 @@ def _readable(a, dtype):
   return a.astype(dtype)
 
 
+def _float_inputs(inputs) -> jax.Array:
+  """The layer's inputs as an array; TypeError where they are not one of floats."""
+  inputs = checks.array(inputs, "the layer's inputs")
+  if not jnp.issubdtype(inputs.dtype, jnp.floating):
+    raise TypeError(f"the layer's inputs must be floats (float32, bfloat16 or float16), got "
+                    f"{inputs.dtype}")
+  return inputs
+
+
 def _compute_dtype(inputs, params, dtype):
   """The compute dtype: ``dtype`` (as JAX canonicalizes it: float64 is float32 without x64),
   or where None the promotion of the inputs' and parameters' dtypes by Flax's rules (absent
   parameters and ``Fp8Weight``s, for inference, left out; a ``CastKernel`` counts as its float
   kernel); TypeError where that is not float32 / bfloat16 / float16 (float64 parameters or
   inputs under x64), or where the inputs are not floats."""
-  kind = jnp.result_type(inputs)
-  if not jnp.issubdtype(kind, jnp.floating):
-    raise TypeError(f"the layer's inputs must be floats (float32, bfloat16 or float16), got "
-                    f"{kind}")
+  inputs = _float_inputs(inputs)
   if dtype is not None:  # check_layer checked it
     return _canonical_dtype(dtype)
   params = tuple(p.kernel if isinstance(p, CastKernel) else p for p in params
@@ -243,3 +250,18 @@ def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axi
              *biases, activation=activation, state=state, recipe=recipe,
              amax_axis_name=amax_axis_name, norm=norm, gamma=_readable(gamma, dtype),
              beta=_readable(beta, dtype), epsilon=epsilon, dtype=dtype, key=key)
+
+
+def call_moe(inputs, router, w_in, w_out, dtype, **kwargs):
+  """A ``MoeMlp`` layer's ``moe_mlp`` call (``kwargs``: its arguments after the kernels): the
+  inputs in the compute dtype (``dtype``; None: their own), the router's and the experts'
+  kernels in their parameter dtype, float64 ones (under x64) in the compute dtype as
+  ``call_layer`` reads them. TypeError for inputs that are not floats, or float64 ones (under
+  x64) with dtype None."""
+  x = _float_inputs(inputs)
+  if dtype is not None:
+    x = x.astype(_canonical_dtype(dtype))
+  elif x.dtype not in FLOAT_DTYPES:
+    raise TypeError(f"the layer's dtype is None, so it would compute in its inputs' {x.dtype}; "
+                    f"jax_fp8 computes in float32, bfloat16 or float16: set the layer's dtype")
+  return moe_mlp(x, *(_readable(p, x.dtype) for p in (router, w_in, w_out)), **kwargs)

@@ -69,12 +69,20 @@ def scale_f32(v, name: str) -> jax.Array:
   NumPy number) must be a positive normal finite f32 (the kernels flush a subnormal scale to
   zero), a ValueError otherwise; a device array is not read back to check it."""
   out = scalar_f32(v, name)
-  if python_number(v) or isinstance(v, (np.number, np.ndarray)):
-    s = np.float32(v)
-    if not (np.isfinite(s) and s >= np.finfo(np.float32).tiny):
-      raise ValueError(f"{name} must be a positive normal finite float32 (a dequantization "
-                       f"step), got {v!r}")
+  host_scales(v, name)
   return out
+
+
+def host_scales(v, name: str) -> None:
+  """Dequantization steps given on the host (a Python or NumPy number or array): each a
+  positive normal finite float32 (the kernels flush a subnormal scale to zero), a ValueError
+  otherwise. A device array is not read back to check it."""
+  if python_number(v) or isinstance(v, (np.number, np.ndarray)):
+    s = np.asarray(v, np.float32)
+    if not np.all(np.isfinite(s) & (s >= np.finfo(np.float32).tiny)):
+      each = " in every element" if s.ndim else ""
+      raise ValueError(f"{name} must be a positive normal finite float32 (a dequantization "
+                       f"step){each}, got {v!r}")
 
 
 def dtype(v, name: str, allowed) -> jnp.dtype:

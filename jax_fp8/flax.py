@@ -12,17 +12,18 @@ import dataclasses
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import serialization
 
 from . import _names, activations, checks, norms
 from ._flax_cast import cast_kernels
-from ._layer import (SR_STREAM, call_layer, call_mlp, check_layer, check_moe_layer,
+from ._layer import (SR_STREAM, call_layer, call_mlp, call_moe, check_layer, check_moe_layer,
                      check_norm_attr, create_state, linen_key)
 from .inference import Fp8Weight
 from .cast_kernel import CastKernel
 from .layer_state import (MLP_RINGS, GroupedLinearState, GroupedMlpState, LinearState, MlpState,
                           MultiLinearState)
-from .moe import MoeState, expert_init, local_experts, moe_mlp
+from .moe import MoeState, expert_init, local_experts
 from .recipes import DelayedScaling, Recipe
 from .state import ScaleRing
 
@@ -322,9 +323,9 @@ class MoeMlp(nn.Module):
                                   self.hidden_features, self.activation,
                                   self.shared_hidden_features, self.normalize_weights,
                                   self.dtype, self.param_dtype)
-    if jnp.ndim(inputs) < 1:
+    if np.ndim(inputs) < 1:
       raise ValueError("MoeMlp inputs must be [..., D], got a scalar")
-    d = jnp.shape(inputs)[-1]
+    d = np.shape(inputs)[-1]
     local = local_experts(e, self.expert_axis, self.recipe, "MoeMlp")
     router = self.param("router", self.router_init, (d, e), self.param_dtype)
     init = expert_init(self.kernel_init, e, self.expert_axis)
@@ -333,12 +334,12 @@ class MoeMlp(nn.Module):
     state = None
     if self.recipe.stateful:
       state = fp8_state_variable(self, "moe", MoeState.create, local, self.recipe)
-    x = inputs if self.dtype is None else inputs.astype(self.dtype)
     # init usually runs outside the pmap / shard_map whose axis is named (as Dense's)
     axis = None if self.is_initializing() else self.amax_axis_name
-    y, aux = moe_mlp(x, router, w_in, w_out, top_k=self.top_k, recipe=self.recipe, state=state,
-                     activation=self.activation, normalize_weights=self.normalize_weights,
-                     amax_axis_name=axis, expert_axis=self.expert_axis, capacity=self.capacity)
+    y, aux = call_moe(inputs, router, w_in, w_out, self.dtype, top_k=self.top_k,
+                      recipe=self.recipe, state=state, activation=self.activation,
+                      normalize_weights=self.normalize_weights, amax_axis_name=axis,
+                      expert_axis=self.expert_axis, capacity=self.capacity)
     self.sow("intermediates", "load_balancing_loss", aux)
     if self.shared_hidden_features is not None:
       shared = Mlp(self.shared_hidden_features, activation=self.activation, dtype=self.dtype,

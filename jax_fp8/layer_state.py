@@ -15,8 +15,12 @@ from .recipes import DelayedScaling, Recipe
 from .state import ScaleRing, stacked
 
 
-def _check_stateful(recipe: Recipe, cls) -> None:
-  if not getattr(recipe, "stateful", False):
+def check_stateful(recipe: Recipe, cls) -> None:
+  """TypeError naming ``cls.create`` unless ``recipe`` is a stateful recipe (delayed scaling)."""
+  if not isinstance(recipe, Recipe):
+    raise TypeError(f"{cls.__name__}.create takes a DelayedScaling recipe, got "
+                    f"{checks.describe(recipe)}")
+  if not recipe.stateful:
     raise TypeError(f"{cls.__name__}.create takes a DelayedScaling recipe, got "
                     f"{type(recipe).__name__} (stateless: pass state=None)")
 
@@ -36,7 +40,7 @@ class LinearState:
     """Fresh rings for x and the kernel (the recipe's forward format) and for the gradient
     (its backward format). Raises TypeError for a stateless recipe (its linear takes no
     state)."""
-    _check_stateful(recipe, cls)
+    check_stateful(recipe, cls)
     return cls(recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.fwd_fmt),
                recipe.ring(recipe.bwd_fmt))
 
@@ -64,7 +68,7 @@ class MultiLinearState:
     ``LinearState.create``). Raises TypeError / ValueError for outputs not an int >= 1 or a
     stateless recipe."""
     outputs = checks.integer(outputs, "outputs", lo=1)
-    _check_stateful(recipe, cls)
+    check_stateful(recipe, cls)
     return cls(recipe.ring(recipe.fwd_fmt),
                tuple(recipe.ring(recipe.fwd_fmt) for _ in range(outputs)),
                tuple(recipe.ring(recipe.bwd_fmt) for _ in range(outputs)))
@@ -114,7 +118,7 @@ class MlpState(_MlpRings):
     """Fresh rings: the recipe's forward format for x, the kernels and the activation, its
     backward format for the two gradients. Raises TypeError for a stateless recipe (pass
     state=None)."""
-    _check_stateful(recipe, cls)
+    check_stateful(recipe, cls)
     fwd, bwd = recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.bwd_fmt)
     return cls(fwd, fwd, bwd, fwd, fwd, bwd)
 
@@ -146,7 +150,7 @@ class GroupedLinearState:
     ``LinearState.create``). Raises TypeError / ValueError for groups not an int >= 1 or a
     stateless recipe."""
     groups = checks.integer(groups, "groups", lo=1)
-    _check_stateful(recipe, cls)
+    check_stateful(recipe, cls)
     return cls(recipe.ring(recipe.fwd_fmt), stacked(recipe.ring(recipe.fwd_fmt), groups),
                recipe.ring(recipe.bwd_fmt))
 
@@ -179,6 +183,6 @@ class GroupedMlpState(_MlpRings):
     stacked. Raises TypeError / ValueError for groups not an int >= 1 or a stateless
     recipe."""
     groups = checks.integer(groups, "groups", lo=1)
-    _check_stateful(recipe, cls)
+    check_stateful(recipe, cls)
     fwd, bwd = recipe.ring(recipe.fwd_fmt), recipe.ring(recipe.bwd_fmt)
     return cls(fwd, stacked(fwd, groups), bwd, fwd, stacked(fwd, groups), bwd)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from . import activations, checks
 from .grouped_mlp import grouped_mlp
 from .layer_checks import axis_bound, check_grouped_recipe, float_array
-from .layer_state import GroupedMlpState
+from .layer_state import GroupedMlpState, check_stateful
 from .moe_parallel import expert_parallel
 from .moe_routing import load_balancing_loss, permute, top_k_routing, unpermute
 from .recipes import Recipe
@@ -39,6 +39,8 @@ class MoeState:
   def create(cls, num_experts: int, recipe: Recipe) -> "MoeState":
     """Fresh rings for ``num_experts`` experts (``GroupedMlpState.create``). Raises TypeError /
     ValueError for num_experts not an int >= 1 or a stateless recipe."""
+    num_experts = checks.integer(num_experts, "num_experts", lo=1)
+    check_stateful(recipe, cls)
     return cls(GroupedMlpState.create(num_experts, recipe))
 
 
@@ -128,8 +130,8 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
       ``[E / n, ...]``, ``router_kernel`` is whole, and tokens travel with two all-to-alls
       (``moe_parallel.expert_parallel``). Stateless recipes only: a DelayedScaling state's x
       and gradient rings would need a max over the axis and the kernel rings none.
-    capacity: with ``expert_axis``, rows per destination device (None: dropless); a
-      ValueError without it.
+    capacity: with ``expert_axis``, rows per destination device, an int in [1, T * top_k]
+      with T this device's tokens (None: T * top_k, dropless); a ValueError without it.
     align: row alignment of each expert's block, a multiple of the recipe's
       ``grouped_row_align`` (None: that).
   Returns:
@@ -140,11 +142,15 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
     TypeError / ValueError at trace time: shapes and dtypes that do not fit together, top_k out
     of range, an unknown activation, w_in's F not 2 H for a gated activation, a recipe
     ``grouped_mlp`` does not take, align not a multiple of its ``grouped_row_align``, a
-    DelayedScaling state missing or with expert_axis, and what ``grouped_mlp`` raises.
+    DelayedScaling state missing, of other experts or with expert_axis, a state under a
+    stateless recipe, w_in not E / n experts over an expert_axis of n devices, and what
+    ``grouped_mlp`` raises.
   """
   x = float_array(x, "x")
   router_kernel = float_array(router_kernel, "router_kernel")
   w_in, w_out = float_array(w_in, "w_in"), float_array(w_out, "w_out")
+  if x.ndim < 1:
+    raise ValueError("x must be [..., D] tokens, got a scalar")
   d = x.shape[-1]
   if router_kernel.ndim != 2 or router_kernel.shape[0] != d:
     raise ValueError(f"router_kernel must be [D, E] with x's D={d}, got "
@@ -176,6 +182,11 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
   axis = amax_axis_name
   check_expert_axis(expert_axis, recipe, "moe_mlp")
   if expert_axis is not None:
+    n = jax.lax.axis_size(expert_axis)
+    if num_experts % n or local != num_experts // n:
+      raise ValueError(f"with expert_axis {expert_axis!r} of {n} devices, w_in and w_out must "
+                       f"hold this device's E / n of the router's {num_experts} experts, got "
+                       f"w_in {list(w_in.shape)} (E a multiple of n)")
     axis = () if amax_axis_name is None else amax_axis_name
     if expert_axis in ((axis,) if isinstance(axis, str) else tuple(axis)):
       raise ValueError(f"amax_axis_name must not name the expert axis {expert_axis!r}: each "
@@ -189,6 +200,17 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
   if recipe.stateful and not isinstance(state, MoeState):
     raise TypeError(f"state must be a jax_fp8.moe.MoeState (MoeState.create(E, recipe)) under "
                     f"{type(recipe).__name__}, got {checks.describe(state)}")
+  if recipe.stateful:
+    experts = state.experts
+    held = (jnp.shape(experts.kernel_in.scale) if isinstance(experts, GroupedMlpState)
+            and hasattr(experts.kernel_in, "scale") else None)
+    if held != (local,):
+      raise ValueError(f"state must be the MoeState of w_in's {local} experts "
+                       f"(MoeState.create({local}, recipe)), got one of "
+                       f"{type(experts).__name__ if held is None else held[0]} experts")
+  if not recipe.stateful and state is not None:
+    raise ValueError(f"{type(recipe).__name__} is stateless: pass state=None, got a "
+                     f"{type(state).__name__}")
   lead = x.shape[:-1]
   tokens = x.reshape(-1, d)
   logits = jnp.dot(tokens.astype(jnp.float32), router_kernel.astype(jnp.float32),

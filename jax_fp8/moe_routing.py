@@ -54,12 +54,14 @@ def top_k_routing(logits: jax.Array, top_k: int, *, normalize: bool = True) -> R
   Returns:
     ``Routing``.
   Raises:
-    TypeError / ValueError: logits not a 2-D float array, top_k out of range, normalize not a
-      bool.
+    TypeError / ValueError: logits not a 2-D float array of E >= 1 experts, top_k out of
+      range, normalize not a bool.
   """
   logits = checks.array(logits, "logits")
   if logits.ndim != 2 or not jnp.issubdtype(logits.dtype, jnp.floating):
     raise TypeError(f"logits must be a float [T, E] array, got {checks.describe(logits)}")
+  if logits.shape[1] < 1:
+    raise ValueError(f"logits must be [T, E] with E >= 1 experts, got {list(logits.shape)}")
   top_k = checks.integer(top_k, "top_k", 1, logits.shape[1])
   normalize = checks.boolean(normalize, "normalize")
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
@@ -73,16 +75,34 @@ def load_balancing_loss(routing: Routing) -> jax.Array:
   """Switch Transformer's auxiliary loss, ``E * sum_e f_e * P_e``: f_e the fraction of the
   T * k assignments that went to expert e, P_e the mean router probability of e. 1 when both
   are uniform; it grows as routing concentrates; 0 for no tokens. f32 scalar; its gradient
-  flows through P (the assignment counts are constants)."""
+  flows through P (the assignment counts are constants). TypeError for anything but a
+  ``Routing``."""
+  if not isinstance(routing, Routing):
+    raise TypeError(f"routing must be a jax_fp8.moe_routing.Routing (top_k_routing's), got "
+                    f"{type(routing).__name__}")
   t, e = routing.probs.shape
   counts = jnp.zeros((e,), jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
   fraction = counts / max(routing.experts.size, 1)  # no tokens: a loss of 0, not NaN
   return e * jnp.sum(fraction * jnp.sum(routing.probs, axis=0) / max(t, 1))
 
 
+def _check_align(align) -> int:
+  """A block alignment: a positive multiple of ``ROW_ALIGN`` (TypeError / ValueError)."""
+  align = checks.integer(align, "align", ROW_ALIGN)
+  if align % ROW_ALIGN:
+    raise ValueError(f"align must be a multiple of {ROW_ALIGN}, got {align}")
+  return align
+
+
 def permuted_rows(tokens: int, top_k: int, num_experts: int, align: int = ROW_ALIGN) -> int:
   """R, the static row count of a permutation: every assignment plus the most padding the
-  blocks can need (align - 1 rows each), rounded up to ``align``."""
+  blocks can need (align - 1 rows each), rounded up to ``align``. TypeError / ValueError for
+  tokens not an int >= 0, top_k or num_experts not an int >= 1, align not a positive multiple
+  of 16."""
+  tokens = checks.integer(tokens, "tokens", 0)
+  top_k = checks.integer(top_k, "top_k", 1)
+  num_experts = checks.integer(num_experts, "num_experts", 1)
+  align = _check_align(align)
   r = tokens * top_k + num_experts * (align - 1)
   return -(-r // align) * align
 
@@ -111,9 +131,7 @@ def permute(x: jax.Array, experts: jax.Array, num_experts: int, *,
     raise TypeError(f"experts must be int32 [T, k] with T = {x.shape[0]}, got "
                     f"{checks.describe(experts)}")
   num_experts = checks.integer(num_experts, "num_experts", 1)
-  align = checks.integer(align, "align", ROW_ALIGN)
-  if align % ROW_ALIGN:
-    raise ValueError(f"align must be a multiple of {ROW_ALIGN}, got {align}")
+  align = _check_align(align)
   t, k = experts.shape
   rows = permuted_rows(t, k, num_experts, align)
   flat = experts.reshape(-1)  # assignment i = t * k + j
@@ -144,7 +162,22 @@ def unpermute(rows: jax.Array, permutation: Permutation, weights: jax.Array) -> 
     weights: [T, k] combine weights (``Routing.weights``).
   Returns:
     [T, N] in rows' dtype.
+  Raises:
+    TypeError / ValueError: permutation not a ``Permutation``, rows not a float [R, N] array
+      with the permutation's R, weights not a float [T, k] array of its slots' shape.
   """
+  if not isinstance(permutation, Permutation):
+    raise TypeError(f"permutation must be a jax_fp8.moe_routing.Permutation (permute's), got "
+                    f"{type(permutation).__name__}")
+  rows, weights = checks.array(rows, "rows"), checks.array(weights, "weights")
+  r = permutation.rows.shape[0]
+  if rows.ndim != 2 or rows.shape[0] != r or not jnp.issubdtype(rows.dtype, jnp.floating):
+    raise ValueError(f"rows must be a float [R, N] array with the permutation's R={r}, got "
+                     f"{checks.describe(rows)}")
+  if (weights.shape != permutation.slots.shape
+      or not jnp.issubdtype(weights.dtype, jnp.floating)):
+    raise ValueError(f"weights must be a float [T, k] array of the permutation's "
+                     f"{list(permutation.slots.shape)}, got {checks.describe(weights)}")
   picked = jnp.take(rows, permutation.slots, axis=0, mode="fill", fill_value=0)  # [T, k, N]
   y = jnp.einsum("tkn,tk->tn", picked.astype(jnp.float32), weights.astype(jnp.float32))
   return y.astype(rows.dtype)

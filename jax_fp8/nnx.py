@@ -23,17 +23,18 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from . import _names, activations, checks, norms
 from ._contraction import constrain
-from ._layer import (call_layer, call_mlp, cast_leaf, check_cast_kernels, check_layer,
+from ._layer import (call_layer, call_mlp, call_moe, cast_leaf, check_cast_kernels, check_layer,
                      check_moe_layer, create_state, kernel_ring)
 from ._nnx_base import Fp8State, _init_norm, _key, _norm_args, sr_stream
 from ._nnx_general import Einsum, LinearGeneral
 from .layer_checks import check_split
 from .layer_state import MlpState
-from .moe import MoeState, expert_init, local_experts, moe_mlp
+from .moe import MoeState, expert_init, local_experts
 from .recipes import DelayedScaling, Recipe
 from .state import update_state
 
@@ -251,16 +252,16 @@ class MoeMlp(nnx.Module):
                    if shared_hidden_features is not None else None)
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    if jnp.ndim(inputs) < 1 or jnp.shape(inputs)[-1] != self.in_features:
+    if np.ndim(inputs) < 1 or np.shape(inputs)[-1] != self.in_features:
       raise ValueError(f"MoeMlp inputs must be [..., {self.in_features}] (in_features), got "
-                       f"shape {jnp.shape(inputs)}")
-    x = inputs if self.dtype is None else inputs.astype(self.dtype)
+                       f"shape {np.shape(inputs)}")
     state = None if self.fp8_state is None else self.fp8_state.get_value()
-    y, aux = moe_mlp(x, self.router.get_value(), self.w_in.get_value(), self.w_out.get_value(),
-                     top_k=self.top_k, recipe=self.recipe, state=state,
-                     activation=self.activation, normalize_weights=self.normalize_weights,
-                     amax_axis_name=self.amax_axis_name, expert_axis=self.expert_axis,
-                     capacity=self.capacity)
+    y, aux = call_moe(inputs, self.router.get_value(), self.w_in.get_value(),
+                      self.w_out.get_value(), self.dtype, top_k=self.top_k, recipe=self.recipe,
+                      state=state, activation=self.activation,
+                      normalize_weights=self.normalize_weights,
+                      amax_axis_name=self.amax_axis_name, expert_axis=self.expert_axis,
+                      capacity=self.capacity)
     # Only inside nnx.capture, which marks each module it runs with "__captures__" (the test
     # Module.sow itself makes); the latest call's loss, not a tuple that would retrace a step.
     if hasattr(self, "__captures__"):

@@ -147,6 +147,28 @@ def test_grouped_gemm_wgrad_misaligned_group_is_nan(platform, rng):
     _check_close(got[i], want[i], bound[i])
 
 
+def test_huge_group_sizes_saturate(platform, rng):
+  """Sizes whose int32 running sum would pass 2^31 - 1 clip at M as the docs say (the first
+  group takes every row, the rest are empty), in both forms and in the reference, on every
+  platform: the same bits as sizes [M, 0, 0, 0]."""
+  m, k, n = 64, 32, 32
+  huge = jnp.asarray([2**31 - 1, 2**31 - 1, 16, 16], jnp.int32)
+  plain = jnp.asarray([m, 0, 0, 0], jnp.int32)
+  a, b = fp8_operand(rng, (m, k), "e4m3"), fp8_operand(rng, (4, n, k), "e4m3")
+  b_scale = jnp.arange(1.0, 5.0, dtype=jnp.float32)
+  rows = jax.jit(jax_fp8.grouped_gemm)
+  np.testing.assert_array_equal(np.asarray(rows(a, b, 1.0, b_scale, huge), np.float32),
+                                np.asarray(rows(a, b, 1.0, b_scale, plain), np.float32))
+  a_t, b_t = fp8_operand(rng, (k, m), "e4m3"), fp8_operand(rng, (n, m), "e4m3")
+  wgrad = jax.jit(jax_fp8.grouped_gemm_wgrad)
+  np.testing.assert_array_equal(np.asarray(wgrad(a_t, b_t, 1.0, 1.0, huge)),
+                                np.asarray(wgrad(a_t, b_t, 1.0, 1.0, plain)))
+  one = jnp.float32(1)
+  np.testing.assert_array_equal(
+      reference_on_cpu(reference.grouped_gemm_wgrad, a_t, b_t, one, one, huge),
+      reference_on_cpu(reference.grouped_gemm_wgrad, a_t, b_t, one, one, plain))
+
+
 @pytest.mark.parametrize("sizes,out_dtype", [
     ("zeros-negative-sum-below-m", jnp.bfloat16), ("one-group", jnp.float32)],
     ids=["zeros-negative-sum-below-m-bfloat16", "one-group-float32"])
@@ -312,6 +334,10 @@ def _bad_cases():
        "b_scale must be a float32 scalar or \\[G\\] = \\[2\\]"),
       ("a_scale zero", rows, (a, b, 0.0, 1.0, s), {}, ValueError,
        "a_scale must be a positive normal finite float32"),
+      ("b_scale numpy zero", rows, (a, b, 1.0, np.float32(0), s), {}, ValueError,
+       "b_scale must be a positive normal finite float32 .* got np.float32\\(0.0\\)"),
+      ("b_scale numpy negative per group", rows, (a, b, 1.0, -np.ones(2, np.float32), s), {},
+       ValueError, "b_scale must be a positive normal finite float32 .* in every element"),
       ("out f16", rows, (a, b, 1.0, 1.0, s), {"out_dtype": jnp.float16}, TypeError,
        "out_dtype must be one of bfloat16, float32, got float16"),
       ("wgrad M", wgrad, (a_t[:, :40], b_t[:, :40], 1.0, 1.0, s), {}, ValueError,

@@ -272,14 +272,33 @@ def test_no_tokens():
     # a state's repr would spell out its arrays: the message cuts it
     (dict(state=jax_fp8.GroupedMlpState.create(E, jax_fp8.DelayedScaling())), TypeError,
      "state must be a jax_fp8.moe.MoeState .* got GroupedMlpState .{,90}$"),
+    (dict(state=MoeState.create(2 * E, jax_fp8.DelayedScaling())), ValueError,
+     r"state must be the MoeState of w_in's 4 experts \(MoeState.create\(4, recipe\)\), got "
+     "one of 8 experts"),
+    (dict(recipe=jax_fp8.CurrentScaling(),
+          state=jax_fp8.GroupedMlpState.create(E, jax_fp8.DelayedScaling())), ValueError,
+     "CurrentScaling is stateless: pass state=None, got a GroupedMlpState$"),
+    (dict(recipe=jax_fp8.CurrentScaling(), state={}), ValueError,
+     "CurrentScaling is stateless: pass state=None, got a dict$"),
+    (dict(x=jnp.float32(1.0), recipe=jax_fp8.CurrentScaling(), state=None), ValueError,
+     r"x must be \[..., D\] tokens, got a scalar"),
 ])
 def test_bad_input(rng, change, error, match):
   x, router, w_in, w_out = problem(rng)
-  args = dict(router=router, w_in=w_in, w_out=w_out, top_k=K, recipe=jax_fp8.DelayedScaling(),
-              state=MoeState.create(E, jax_fp8.DelayedScaling()), activation="swiglu")
+  args = dict(x=x, router=router, w_in=w_in, w_out=w_out, top_k=K,
+              recipe=jax_fp8.DelayedScaling(), state=MoeState.create(E, jax_fp8.DelayedScaling()),
+              activation="swiglu")
   args.update(change)
   with pytest.raises(error, match=match):
-    moe_mlp(x, args.pop("router"), args.pop("w_in"), args.pop("w_out"), **args)
+    moe_mlp(args.pop("x"), args.pop("router"), args.pop("w_in"), args.pop("w_out"), **args)
+
+
+def test_state_create_names_its_arguments():
+  with pytest.raises(ValueError, match="num_experts must be an int >= 1, got 0"):
+    MoeState.create(0, jax_fp8.DelayedScaling())
+  with pytest.raises(TypeError, match="MoeState.create takes a DelayedScaling recipe, got str "
+                                      "'delayed'$"):
+    MoeState.create(E, "delayed")
 
 
 def test_layers_check_the_recipe_first():
@@ -344,3 +363,47 @@ def test_expert_axis_refuses_delayed_scaling():
   with pytest.raises(TypeError, match="expert_axis takes a stateless recipe"):
     jax.jit(jax.shard_map(lambda x: layer.init(jax.random.key(0), x), mesh=mesh,
                           in_specs=P("e"), out_specs=P(), check_vma=False))(jnp.zeros((8, D)))
+
+
+def test_expert_axis_names_a_whole_stack_passed_as_local(rng):
+  """Under expert_axis, w_in holding all E experts (not this device's E / n) is named as such,
+  not as the grouped MLP's kernel_in."""
+  mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("e",))
+  x, router, w_in, w_out = problem(rng)
+
+  def local(x):
+    return moe_mlp(x, router, w_in, w_out, top_k=K, recipe=jax_fp8.CurrentScaling(),
+                   expert_axis="e")[0]
+  match = (r"with expert_axis 'e' of 2 devices, w_in and w_out must hold this device's E / n of "
+           r"the router's 4 experts, got w_in \[4, 32, 96\]")
+  with pytest.raises(ValueError, match=match):
+    jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("e"), out_specs=P("e")))(x)
+
+
+@pytest.mark.parametrize("layer", ["linen", "nnx"])
+def test_float64_parameters_and_array_likes(rng, layer):
+  """float64 parameters (param_dtype under x64), which the FP8 kernels do not read, are read in
+  the compute dtype as Dense reads them, their gradients float64; a nested list of inputs is
+  taken as an array (with dtype set too)."""
+  with jax.enable_x64(True):
+    x = np.asarray(rng.standard_normal((T, D)), np.float32)
+    kw = dict(param_dtype=jnp.float64, dtype=jnp.float32, recipe=jax_fp8.CurrentScaling())
+    if layer == "linen":
+      m = jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, **kw)
+      params = m.init(jax.random.key(0), x.tolist())["params"]
+      apply = lambda p, x: m.apply({"params": p}, x)  # noqa: E731
+    else:
+      model = jnx.MoeMlp(D, E, K, H, **kw, rngs=nnx.Rngs(0))
+      graph, params = nnx.split(model, nnx.Param)
+      apply = lambda p, x: nnx.merge(graph, p)(x)  # noqa: E731
+    y = apply(params, x.tolist())
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(apply(params, jnp.asarray(x))))
+    grads = jax.grad(lambda p: jnp.sum(apply(p, x) ** 2))(params)
+    pure = params if layer == "linen" else nnx.to_pure_dict(params)
+    assert sorted(pure) == ["router", "w_in", "w_out"]
+    assert all(v.dtype == jnp.float64 for v in pure.values())
+    f32 = {k: jnp.asarray(v, jnp.float32) for k, v in pure.items()}
+  assert y.dtype == jnp.float32
+  assert all(g.dtype == jnp.float64 and np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
+  want = moe_f32(jnp.asarray(x), f32["router"], f32["w_in"], f32["w_out"])[0]
+  assert rel(y, want) <= FWD_TOL, rel(y, want)

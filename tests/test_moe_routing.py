@@ -98,6 +98,13 @@ def test_load_balancing_loss_values():
   assert np.all(np.isfinite(g)) and np.any(g != 0)
 
 
+def _permuted():
+  """(rows, permutation, weights) of 4 tokens over 3 experts, top 2."""
+  routing = mr.top_k_routing(jnp.arange(12.0).reshape(4, 3), 2)
+  perm = mr.permute(jnp.ones((4, 8)), routing.experts, 3)
+  return perm.rows, perm, routing.weights
+
+
 @pytest.mark.parametrize("call,error,match", [
     (lambda: mr.top_k_routing(jnp.zeros((4,)), 1), TypeError, "logits must be a float"),
     (lambda: mr.top_k_routing(jnp.zeros((4, 3), jnp.int32), 1), TypeError,
@@ -112,6 +119,18 @@ def test_load_balancing_loss_values():
      ValueError, "align must be a multiple of 16"),
     (lambda: mr.permute(jnp.zeros((4, 8)), jnp.zeros((4, 2), jnp.int32), 0), ValueError,
      "num_experts"),
+    (lambda: mr.top_k_routing(jnp.zeros((4, 0)), 1), ValueError,
+     "logits must be \\[T, E\\] with E >= 1 experts, got \\[4, 0\\]"),
+    (lambda: mr.permuted_rows(8, 2, 4, align=0), ValueError, "align must be an int >= 16"),
+    (lambda: mr.load_balancing_loss((1, 2, 3)), TypeError,
+     "routing must be a jax_fp8.moe_routing.Routing .* got tuple"),
+    (lambda: mr.unpermute(*_permuted()[:2], _permuted()[2][:, :1]), ValueError,
+     "weights must be a float \\[T, k\\] array of the permutation's \\[4, 2\\], got "
+     "float32\\[4, 1\\]"),
+    (lambda: mr.unpermute(_permuted()[0][:, 0], *_permuted()[1:]), ValueError,
+     "rows must be a float \\[R, N\\] array with the permutation's R=64"),
+    (lambda: mr.unpermute(_permuted()[0], None, _permuted()[2]), TypeError,
+     "permutation must be a jax_fp8.moe_routing.Permutation .* got NoneType"),
 ])
 def test_bad_input(call, error, match):
   with pytest.raises(error, match=match):

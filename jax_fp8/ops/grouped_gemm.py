@@ -47,8 +47,10 @@ class Problem:
 
 def group_bounds(group_sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
   """(start [G], end [G]) int32 of each group's rows: consecutive from row 0, a negative size
-  counted as 0, every bound clipped to ``rows`` (so rows past ``rows`` are dropped)."""
-  end = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows).astype(jnp.int32)
+  counted as 0, every bound clipped to ``rows`` (so rows past ``rows`` are dropped). The
+  running sum saturates at ``rows`` (a plain int32 cumsum of large sizes would wrap)."""
+  sizes = jnp.clip(group_sizes, 0, rows).astype(jnp.int32)
+  end = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, rows - b) + b, sizes)
   start = jnp.concatenate([jnp.zeros((1,), jnp.int32), end[:-1]])
   return start, end
 
@@ -98,6 +100,7 @@ def _check(a, b, a_scale, b_scale, group_sizes, out_dtype, form):
     per_group = False
   else:
     a_scale = checks.scale_f32(a_scale, "a_scale")
+    b_host = b_scale
     if checks.python_number(b_scale):
       b_scale = checks.scale_f32(b_scale, "b_scale")
     b_scale = checks.array(b_scale, "b_scale")
@@ -106,6 +109,7 @@ def _check(a, b, a_scale, b_scale, group_sizes, out_dtype, form):
       want = f"a float32 scalar or [G] = [{groups}]" if form == _ROWS else "a float32 scalar"
       raise TypeError(f"b_scale must be {want} with a per-tensor a_scale, got "
                       f"{checks.describe(b_scale)}")
+    checks.host_scales(b_host, "b_scale")
     mode = PER_TENSOR
   out_dtype = checks.dtype(out_dtype, "out_dtype", _OUT_DTYPES)
   return (a, b, a_scale, b_scale, group_sizes), Problem(form, groups, mode, per_group, out_dtype)

@@ -16,8 +16,9 @@ from .per_tensor import quantize_delayed
 def _group_of_rows(group_sizes, rows: int) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One-hot [rows, G] f32 of each row's group (no group: all zero), and each group's first
   row and end [G]: groups take consecutive rows from row 0, a negative size counts as 0, and
-  the bounds are clipped to ``rows``."""
-  end = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes, 0)), rows)
+  the bounds are clipped to ``rows`` (the running sum saturating there, never wrapping)."""
+  end = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, rows - b) + b,
+                                 jnp.clip(group_sizes, 0, rows))
   start = jnp.concatenate([jnp.zeros((1,), end.dtype), end[:-1]])
   row = jnp.arange(rows)[:, None]
   return ((row >= start) & (row < end)).astype(jnp.float32), start, end
