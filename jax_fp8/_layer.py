@@ -255,13 +255,19 @@ def call_mlp(inputs, kernels, biases, state, recipe, dtype, activation, amax_axi
 def call_moe(inputs, router, w_in, w_out, dtype, **kwargs):
   """A ``MoeMlp`` layer's ``moe_mlp`` call (``kwargs``: its arguments after the kernels): the
   inputs in the compute dtype (``dtype``; None: their own), the router's and the experts'
-  kernels in their parameter dtype, float64 ones (under x64) in the compute dtype as
-  ``call_layer`` reads them. TypeError for inputs that are not floats, or float64 ones (under
-  x64) with dtype None."""
+  kernels in their parameter dtype, float64 ones (under x64) in ``dtype``. TypeError for
+  inputs that are not floats, and with dtype None for float64 inputs or parameters (as
+  ``call_layer``: set the layer's dtype)."""
   x = _float_inputs(inputs)
-  if dtype is not None:
-    x = x.astype(_canonical_dtype(dtype))
-  elif x.dtype not in FLOAT_DTYPES:
-    raise TypeError(f"the layer's dtype is None, so it would compute in its inputs' {x.dtype}; "
-                    f"jax_fp8 computes in float32, bfloat16 or float16: set the layer's dtype")
-  return moe_mlp(x, *(_readable(p, x.dtype) for p in (router, w_in, w_out)), **kwargs)
+  params = [jnp.asarray(p) for p in (router, w_in, w_out)]
+  if dtype is None:
+    wide = [v.dtype for v in (x, *params) if v.dtype not in FLOAT_DTYPES]
+    if wide:
+      raise TypeError(f"the layer's dtype is None, so it would compute in {wide[0]}, its "
+                      f"inputs' or parameters' dtype; jax_fp8 computes in float32, bfloat16 or "
+                      f"float16: set the layer's dtype")
+  else:
+    dtype = _canonical_dtype(dtype)
+    x = x.astype(dtype)
+    params = [p if p.dtype in FLOAT_DTYPES else p.astype(dtype) for p in params]
+  return moe_mlp(x, *params, **kwargs)

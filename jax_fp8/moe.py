@@ -201,13 +201,14 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
     raise TypeError(f"state must be a jax_fp8.moe.MoeState (MoeState.create(E, recipe)) under "
                     f"{type(recipe).__name__}, got {checks.describe(state)}")
   if recipe.stateful:
-    experts = state.experts
-    held = (jnp.shape(experts.kernel_in.scale) if isinstance(experts, GroupedMlpState)
-            and hasattr(experts.kernel_in, "scale") else None)
-    if held != (local,):
+    if not isinstance(state.experts, GroupedMlpState):
+      raise TypeError(f"state.experts must be a GroupedMlpState (MoeState.create(E, recipe)), "
+                      f"got {type(state.experts).__name__}")
+    held = list(jnp.shape(getattr(state.experts.kernel_in, "scale", None)))
+    if held != [local]:
       raise ValueError(f"state must be the MoeState of w_in's {local} experts "
-                       f"(MoeState.create({local}, recipe)), got one of "
-                       f"{type(experts).__name__ if held is None else held[0]} experts")
+                       f"(MoeState.create({local}, recipe)): state.experts.kernel_in.scale "
+                       f"[{local}], got {held}")
   if not recipe.stateful and state is not None:
     raise ValueError(f"{type(recipe).__name__} is stateless: pass state=None, got a "
                      f"{type(state).__name__}")

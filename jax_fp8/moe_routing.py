@@ -163,20 +163,22 @@ def unpermute(rows: jax.Array, permutation: Permutation, weights: jax.Array) -> 
   Returns:
     [T, N] in rows' dtype.
   Raises:
-    TypeError / ValueError: permutation not a ``Permutation``, rows not a float [R, N] array
-      with the permutation's R, weights not a float [T, k] array of its slots' shape.
+    TypeError / ValueError: permutation not a ``Permutation``, rows or weights not floats,
+      rows not [R, N] with the permutation's R, weights not [T, k] as its slots.
   """
   if not isinstance(permutation, Permutation):
     raise TypeError(f"permutation must be a jax_fp8.moe_routing.Permutation (permute's), got "
                     f"{type(permutation).__name__}")
   rows, weights = checks.array(rows, "rows"), checks.array(weights, "weights")
+  for name, v in (("rows", rows), ("weights", weights)):
+    if not jnp.issubdtype(v.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a float array, got {checks.describe(v)}")
   r = permutation.rows.shape[0]
-  if rows.ndim != 2 or rows.shape[0] != r or not jnp.issubdtype(rows.dtype, jnp.floating):
-    raise ValueError(f"rows must be a float [R, N] array with the permutation's R={r}, got "
+  if rows.ndim != 2 or rows.shape[0] != r:
+    raise ValueError(f"rows must be [R, N] with the permutation's R={r}, got "
                      f"{checks.describe(rows)}")
-  if (weights.shape != permutation.slots.shape
-      or not jnp.issubdtype(weights.dtype, jnp.floating)):
-    raise ValueError(f"weights must be a float [T, k] array of the permutation's "
+  if weights.shape != permutation.slots.shape:
+    raise ValueError(f"weights must be [T, k] as the permutation's slots "
                      f"{list(permutation.slots.shape)}, got {checks.describe(weights)}")
   picked = jnp.take(rows, permutation.slots, axis=0, mode="fill", fill_value=0)  # [T, k, N]
   y = jnp.einsum("tkn,tk->tn", picked.astype(jnp.float32), weights.astype(jnp.float32))

@@ -336,6 +336,8 @@ def _bad_cases():
        "a_scale must be a positive normal finite float32"),
       ("b_scale numpy zero", rows, (a, b, 1.0, np.float32(0), s), {}, ValueError,
        "b_scale must be a positive normal finite float32 .* got np.float32\\(0.0\\)"),
+      ("b_scale list with a zero", rows, (a, b, 1.0, [1.0, 0.0], s), {}, ValueError,
+       "b_scale must be a positive normal finite float32 .* in every element"),
       ("b_scale numpy negative per group", rows, (a, b, 1.0, -np.ones(2, np.float32), s), {},
        ValueError, "b_scale must be a positive normal finite float32 .* in every element"),
       ("out f16", rows, (a, b, 1.0, 1.0, s), {"out_dtype": jnp.float16}, TypeError,

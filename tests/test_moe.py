@@ -273,8 +273,8 @@ def test_no_tokens():
     (dict(state=jax_fp8.GroupedMlpState.create(E, jax_fp8.DelayedScaling())), TypeError,
      "state must be a jax_fp8.moe.MoeState .* got GroupedMlpState .{,90}$"),
     (dict(state=MoeState.create(2 * E, jax_fp8.DelayedScaling())), ValueError,
-     r"state must be the MoeState of w_in's 4 experts \(MoeState.create\(4, recipe\)\), got "
-     "one of 8 experts"),
+     r"state must be the MoeState of w_in's 4 experts \(MoeState.create\(4, recipe\)\): "
+     r"state.experts.kernel_in.scale \[4\], got \[8\]"),
     (dict(recipe=jax_fp8.CurrentScaling(),
           state=jax_fp8.GroupedMlpState.create(E, jax_fp8.DelayedScaling())), ValueError,
      "CurrentScaling is stateless: pass state=None, got a GroupedMlpState$"),
@@ -403,7 +403,20 @@ def test_float64_parameters_and_array_likes(rng, layer):
     assert sorted(pure) == ["router", "w_in", "w_out"]
     assert all(v.dtype == jnp.float64 for v in pure.values())
     f32 = {k: jnp.asarray(v, jnp.float32) for k, v in pure.items()}
+    kw["dtype"] = None  # float64 parameters, no compute dtype: refused as Dense refuses them
+    match = "the layer's dtype is None, so it would compute in float64"
+    with pytest.raises(TypeError, match=match):
+      if layer == "linen":
+        jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, **kw).apply({"params": pure}, x)
+      else:
+        jnx.MoeMlp(D, E, K, H, **kw, rngs=nnx.Rngs(0))(x)
   assert y.dtype == jnp.float32
   assert all(g.dtype == jnp.float64 and np.all(np.isfinite(g)) for g in jax.tree.leaves(grads))
   want = moe_f32(jnp.asarray(x), f32["router"], f32["w_in"], f32["w_out"])[0]
   assert rel(y, want) <= FWD_TOL, rel(y, want)
+  if layer == "linen":  # without x64, NumPy float64 parameters are float32 ones, as JAX takes them
+    m = jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, recipe=jax_fp8.CurrentScaling())
+    wide = {k: np.asarray(v, np.float64) for k, v in f32.items()}
+    x16 = jnp.asarray(x, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(m.apply({"params": wide}, x16), np.float32),
+                                  np.asarray(m.apply({"params": f32}, x16), np.float32))

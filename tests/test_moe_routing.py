@@ -125,10 +125,11 @@ def _permuted():
     (lambda: mr.load_balancing_loss((1, 2, 3)), TypeError,
      "routing must be a jax_fp8.moe_routing.Routing .* got tuple"),
     (lambda: mr.unpermute(*_permuted()[:2], _permuted()[2][:, :1]), ValueError,
-     "weights must be a float \\[T, k\\] array of the permutation's \\[4, 2\\], got "
-     "float32\\[4, 1\\]"),
+     "weights must be \\[T, k\\] as the permutation's slots \\[4, 2\\], got float32\\[4, 1\\]"),
     (lambda: mr.unpermute(_permuted()[0][:, 0], *_permuted()[1:]), ValueError,
-     "rows must be a float \\[R, N\\] array with the permutation's R=64"),
+     "rows must be \\[R, N\\] with the permutation's R=64"),
+    (lambda: mr.unpermute(_permuted()[0].astype(jnp.int32), *_permuted()[1:]), TypeError,
+     "rows must be a float array, got int32"),
     (lambda: mr.unpermute(_permuted()[0], None, _permuted()[2]), TypeError,
      "permutation must be a jax_fp8.moe_routing.Permutation .* got NoneType"),
 ])
