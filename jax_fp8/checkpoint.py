@@ -29,6 +29,8 @@ import shutil
 import uuid
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from . import __version__
@@ -85,14 +87,27 @@ def _directory(directory) -> pathlib.Path:
   return pathlib.Path(directory).absolute()
 
 
+def _number_dtype(dtype: str) -> str:
+  """A leaf's dtype name as JAX holds it: a Python number's ("int", "float") as the array
+  ``jax.eval_shape`` makes of it (int32 / float32, 64-bit under x64), so a restore target of
+  abstract leaves matches a state with Python numbers (a TrainState's step)."""
+  if dtype in ("int", "float"):
+    return jnp.dtype(jax.dtypes.canonicalize_dtype({"int": int, "float": float}[dtype])).name
+  return dtype
+
+
 def _leaves(tree, name: str) -> dict:
   """{path: shape and dtype} of every leaf of ``tree`` (argument ``name``): arrays, abstract
   arrays (``jax.ShapeDtypeStruct``, an abstract restore target) and Python numbers, what orbax
   stores; TypeError naming the first other leaf."""
   out = {}
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(leaf, np.generic):  # orbax saves a NumPy scalar but cannot restore one
+      raise TypeError(f"{name}{jax.tree_util.keystr(path)} is a NumPy scalar "
+                      f"({type(leaf).__name__}); a checkpoint stores arrays and Python numbers: "
+                      f"pass np.asarray of it")
     if isinstance(leaf, (int, float)) and not isinstance(leaf, bool):
-      shape, dtype = [], type(leaf).__name__
+      shape, dtype = [], _number_dtype(type(leaf).__name__)
     elif hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
       shape, dtype = list(leaf.shape), str(leaf.dtype)
     else:
@@ -113,9 +128,9 @@ def save(directory, state, recipe) -> None:
   into ``directory`` (a str or os.PathLike), which must not exist yet. The checkpoint is
   written in a temporary directory beside it and renamed into place when complete, so a
   failed save leaves nothing behind. Raises TypeError for another kind of directory, another
-  recipe type or a leaf that is no array or number, ValueError when the state's rings were
-  not made by ``recipe`` or the state holds no array, FileExistsError for an existing
-  directory."""
+  recipe type or a leaf that is no array or Python number (a NumPy scalar, which orbax writes
+  but cannot read back, is refused), ValueError when the state's rings were not made by
+  ``recipe`` or the state holds no array, FileExistsError for an existing directory."""
   directory = _directory(directory)
   if not jax.tree.leaves(state):
     raise ValueError("state holds no array (the stateless recipes keep no FP8 state, e.g. an "
@@ -182,10 +197,10 @@ def restore(directory, target, recipe):
     FileNotFoundError when ``directory`` holds no jax_fp8 checkpoint.
   """
   directory = _directory(directory)
+  given = _recipe_dict(recipe)  # checks the recipe
   meta = _metadata(directory)
   fields = STATE_FIELDS if recipe.stateful else ("type",)
-  saved, wanted = ({k: v for k, v in d.items() if k in fields}
-                   for d in (meta["recipe"], _recipe_dict(recipe)))
+  saved, wanted = ({k: v for k, v in d.items() if k in fields} for d in (meta["recipe"], given))
   if saved != wanted:
     raise ValueError(f"the checkpoint was saved under another recipe; (saved, given) per field: "
                      f"{_differences(saved, wanted)}")
@@ -194,8 +209,10 @@ def restore(directory, target, recipe):
     raise ValueError(f"the target's scale rings differ from the checkpoint's; (saved, target) per "
                      f"ring: {_differences(meta['rings'], rings)}")
   leaves = _leaves(target, "target")
-  if leaves != meta["leaves"]:
-    diff = _differences(meta["leaves"], leaves)
+  saved_leaves = {k: {**v, "dtype": _number_dtype(v.get("dtype"))} if isinstance(v, dict) else v
+                  for k, v in meta["leaves"].items()}
+  if leaves != saved_leaves:
+    diff = _differences(saved_leaves, leaves)
     raise ValueError(f"the target's leaves differ from the checkpoint's ({len(diff)} "
                      f"differences; restore into a state initialized as the saved one was); "
                      f"(saved, target) at the first: {dict(list(diff.items())[:5])}")

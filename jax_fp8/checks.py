@@ -99,14 +99,14 @@ def dtype(v, name: str, allowed) -> jnp.dtype:
 
 
 def selected(select, path: str, kernel) -> bool:
-  """``select(path, kernel)``, the user's choice of a kernel, which must be a Python bool (a
-  TypeError naming the path otherwise)."""
+  """``select(path, kernel)``, the user's choice of a kernel, which must be a Python or NumPy
+  bool (a TypeError naming the path otherwise)."""
   chosen = select(path, kernel)
-  if not isinstance(chosen, bool):
+  if not isinstance(chosen, (bool, np.bool_)):
     kind = type(chosen)
     kind = kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
     raise TypeError(f"select must return a bool, got {kind} for {path}")
-  return chosen
+  return bool(chosen)
 
 
 def boolean(v, name: str) -> bool:

@@ -57,10 +57,13 @@ def _kernel(module: nn.Module, name: str, shape):
   ``CastKernel`` (``cast_kernels``) as it is, else ``module.param`` of ``shape``."""
   if module.has_variable("params", name):
     stored = module.get_variable("params", name)
-    if isinstance(stored, CastKernel) and jnp.shape(stored.kernel) != tuple(shape):
-      raise ValueError(f"{type(module).__name__}'s {name} is a CastKernel of a "
-                       f"{list(jnp.shape(stored.kernel))} kernel; the layer's is {list(shape)}")
-    if isinstance(stored, (Fp8Weight, CastKernel)):
+    held = (jnp.shape(stored.kernel) if isinstance(stored, CastKernel) else
+            jnp.shape(stored.q)[::-1] if isinstance(stored, Fp8Weight) else None)  # q is [N, K]
+    if held is not None and held != tuple(shape):
+      kind = "an Fp8Weight" if isinstance(stored, Fp8Weight) else "a CastKernel"
+      raise ValueError(f"{type(module).__name__}'s {name} is {kind} of a {list(held)} kernel; "
+                       f"the layer's is {list(shape)}")
+    if held is not None:
       return stored
   return module.param(name, module.kernel_init, shape, module.param_dtype)
 

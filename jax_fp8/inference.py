@@ -128,17 +128,18 @@ def check_weight(w: Fp8Weight, name: str, recipe: Recipe) -> tuple[int, int]:
   return k, n
 
 
-def forward(x2, weights, biases, quantize_x, fp8: bool, dtype):
+def forward(x2, weights, biases, x_ring, quantize_x, fp8: bool, dtype):
   """The outputs [M, N_i] in ``dtype`` of x2 [M, K] against ``weights``: FP8 GEMMs with x
-  quantized once by ``quantize_x`` (x2 -> its ``Quantized``, the family's ``weight_input``), or
-  below ``fp8_min_intensity`` (``fp8`` False) XLA's GEMMs on the dequantized weights. Not
-  differentiable."""
+  quantized once by ``quantize_x`` ((x2, x_ring) -> its ``Quantized``, the family's
+  ``weight_input``; x_ring the state's ring or None), or below ``fp8_min_intensity`` (``fp8``
+  False) XLA's GEMMs on the dequantized weights. Not differentiable, in any argument (the ring
+  too: a TypeError)."""
   @jax.custom_jvp
-  def run(x2, weights, biases):
+  def run(x2, weights, biases, x_ring):
     if not fp8:
       return tuple(x2 @ dequantized(w, dtype) + (0 if b is None else b.astype(dtype))
                    for w, b in zip(weights, biases))
-    qx = quantize_x(x2)
+    qx = quantize_x(x2, x_ring)
     return tuple(gemm_bias(qx.data, w.q, qx.scale, w.scale, b, dtype)
                  for w, b in zip(weights, biases))
 
@@ -146,4 +147,4 @@ def forward(x2, weights, biases, quantize_x, fp8: bool, dtype):
   def _(primals, tangents):
     raise TypeError("a linear on Fp8Weight kernels is inference-only: differentiate the layer "
                     "with its float kernels")
-  return run(x2, weights, biases)
+  return run(x2, weights, biases, x_ring)

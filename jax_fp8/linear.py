@@ -250,9 +250,10 @@ def _apply(x, kernels, biases, kernel_names, bias_names, state, state_cls, recip
                               for kernel, b in zip(kernels, biases)), split)
   if weights:
     x2 = x.reshape(math.prod(x.shape[:-1]), k)
-    quantize_x = (family(recipe).weight_input(x2, None if rings is None else rings[0], recipe,
-                                              amax_axis_name) if fp8 else None)
-    ys = split_output(op_outputs(forward(x2, kernels, biases, quantize_x, fp8, x.dtype)), split)
+    quantize_x = family(recipe).weight_input(recipe, amax_axis_name) if fp8 else None
+    x_ring = None if rings is None else rings[0]
+    ys = split_output(op_outputs(forward(x2, kernels, biases, x_ring, quantize_x, fp8,
+                                         x.dtype)), split)
   else:
     x, norm_params, kernels, casts, biases = sharding.vary_like(
         (x, norm_params, kernels, casts, biases), x, norm_params, kernels, casts, biases)

@@ -178,7 +178,8 @@ def _is_ring(x) -> bool:
 
 def _check_like(value, name: str, like, like_name: str) -> None:
   """``value`` has the pytree structure of ``like`` (rings of the same format, margin and algo)
-  and the same leaf shapes: it is a gradient of ``like``. ValueError naming both otherwise."""
+  and the same leaf shapes and dtypes: it is a gradient of ``like``. ValueError (TypeError for
+  a dtype) naming both otherwise."""
   tv, tl = jax.tree.structure(value), jax.tree.structure(like)
   if tv != tl:
     raise ValueError(f"{name} must have the structure of {like_name} (the gradient of the state "
@@ -187,6 +188,9 @@ def _check_like(value, name: str, like, like_name: str) -> None:
     if jnp.shape(v) != jnp.shape(l):
       raise ValueError(f"{name} must have the leaf shapes of {like_name}, got {jnp.shape(v)} "
                        f"against {jnp.shape(l)}")
+    if jnp.result_type(v) != jnp.result_type(l):  # a cast (to bf16, or int) rounds an amax
+      raise TypeError(f"{name} must have the leaf dtypes of {like_name} (a gradient of the "
+                      f"state, uncast), got {jnp.result_type(v)} against {jnp.result_type(l)}")
 
 
 def _check_not_swapped(state, state_grads) -> None:
@@ -221,8 +225,9 @@ def update_state(state, state_grads):
     (zero gradient) is kept, so its history does not roll; a step with a NaN or inf amax leaves
     the ring as it was.
   Raises:
-    TypeError: a leaf of ``state`` that is no ScaleRing. ValueError: ``state_grads`` not of
-    ``state``'s structure and leaf shapes; outside a jit, also a ring of ``state`` with a zero
+    TypeError: a leaf of ``state`` that is no ScaleRing, or of ``state_grads`` in another
+    dtype (a cast gradient: its amax rounded). ValueError: ``state_grads`` not of ``state``'s
+    structure and leaf shapes; outside a jit, also a ring of ``state`` with a zero
     scale or one of ``state_grads`` with a nonzero one (the arguments swapped). That check
     reads the scales to the host, so an eager call waits for the step that computed them.
 

@@ -98,6 +98,12 @@ def test_refuses_another_recipe_or_other_rings(rng, tmp_path):
   target, _ = linen_run(other, x, y)  # rings of 16 where the checkpoint has 8
   with pytest.raises(ValueError, match=r"target's scale rings differ .*\[8\].*\[16\]"):
     checkpoint.restore(tmp_path / "ckpt", target, RECIPE)
+  with pytest.raises(TypeError, match="recipe must be a DelayedScaling, .* got str"):
+    checkpoint.restore(tmp_path / "ckpt", state, "delayed")
+  # orbax writes a NumPy scalar but cannot read one back: refused when saved
+  with pytest.raises(TypeError, match=r"state\['lr'\] is a NumPy scalar \(float32\); .* "
+                                      r"np.asarray"):
+    checkpoint.save(tmp_path / "scalar", {"lr": np.float32(0.5), "state": state}, RECIPE)
   # Fields that do not define the state may change.
   fresh, _ = linen_run(RECIPE, x, y)
   assert_same(checkpoint.restore(tmp_path / "ckpt", fresh, jax_fp8.DelayedScaling(
@@ -179,6 +185,12 @@ def test_a_failed_save_leaves_nothing(rng, tmp_path, monkeypatch):
   assert_same(checkpoint.restore(tmp_path / "ckpt", fresh, RECIPE), state)
   abstract = jax.eval_shape(lambda: linen_run(RECIPE, x, y)[0])  # restore without allocating
   assert_same(checkpoint.restore(tmp_path / "ckpt", abstract, RECIPE), state)
+  # a Python number (a TrainState's step) is the int32 array eval_shape makes of it
+  checkpoint.save(tmp_path / "step", {"step": 3, "state": state}, RECIPE)
+  restored = checkpoint.restore(tmp_path / "step",
+                                jax.eval_shape(lambda: {"step": 3, "state": state}), RECIPE)
+  assert int(restored["step"]) == 3
+  assert_same(restored["state"], state)
 
 
 def test_nnx_state(rng, tmp_path):

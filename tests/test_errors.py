@@ -149,10 +149,10 @@ CASES = {
     "cast_kernels select": (lambda: jax_fp8.flax.cast_kernels({"kernel": W}, None, CURRENT,
                                                               select="all"), TypeError,
                             "select must be a callable"),
-    "cast_kernels select numpy bool": (
+    "cast_kernels select numpy int": (
         lambda: jax_fp8.flax.cast_kernels({"d": {"kernel": W}}, None, CURRENT,
-                                          select=lambda path, kernel: np.bool_(True)), TypeError,
-        "select must return a bool, got numpy.bool_? for d/kernel"),
+                                          select=lambda path, kernel: np.int64(1)), TypeError,
+        "select must return a bool, got numpy.int64 for d/kernel"),
     "checkpoint save directory int": (
         lambda: jax_fp8.checkpoint.save(5, {"w": W}, CURRENT), TypeError,
         "directory must be a str or os.PathLike path, got int 5"),
@@ -306,3 +306,9 @@ def test_state_gradients_must_match_the_state():
     jax_fp8.update_state(state, None)
   with pytest.raises(ValueError, match="b must have the leaf shapes of a"):
     jax_fp8.combine_updates(g, _grads(4)[1])
+  # cast (as before an all-reduce): an int amax of 0.3 is 0, a bf16 one rounded
+  for dtype in (jnp.int32, jnp.bfloat16):
+    cast = jax.tree.map(lambda v: v.astype(dtype) if v.dtype == jnp.float32 else v, g)
+    with pytest.raises(TypeError, match=f"state_grads must have the leaf dtypes of state .* got "
+                                        f"{jnp.dtype(dtype).name} against float32"):
+      jax_fp8.update_state(state, cast)

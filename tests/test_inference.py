@@ -79,11 +79,18 @@ def test_flax_layers_on_quantized_params(rng, recipe):
                                 state=v.get("fp8_state", {}).get("linear"), recipe=recipe)))
   multi = jax_fp8.flax.MultiDense((128, 256), dtype=jnp.bfloat16, recipe=recipe)
   v = multi.init(jax.random.key(0), x)
-  q = jax_fp8.quantize_weights(v["params"], recipe, select=lambda path, k: path != "kernel_1")
+  # a NumPy bool is a bool (a select of np.prod(k.shape) > n gives one)
+  q = jax_fp8.quantize_weights(v["params"], recipe,
+                               select=lambda path, k: np.bool_(path != "kernel_1"))
   assert isinstance(q["kernel_0"], jax_fp8.Fp8Weight) and not isinstance(q["kernel_1"],
                                                                          jax_fp8.Fp8Weight)
   with pytest.raises(TypeError, match="all arrays or all Fp8Weight"):
     multi.apply({**v, "params": q}, x)
+  swapped = jax_fp8.quantize_weights(v["params"], recipe)  # each kernel's N checked
+  swapped = {**swapped, "kernel_0": swapped["kernel_1"], "kernel_1": swapped["kernel_0"]}
+  with pytest.raises(ValueError, match=r"MultiDense's kernel_0 is an Fp8Weight of a \[256, 256\] "
+                                       r"kernel; the layer's is \[256, 128\]"):
+    multi.apply({**v, "params": swapped}, x)
   layer = jax_fp8.nnx.Linear(256, 128, dtype=jnp.bfloat16, recipe=recipe, rngs=nnx.Rngs(0))
   y = layer(x)
   nnx.update(layer, jax_fp8.quantize_weights(nnx.state(layer, nnx.Param), recipe))
@@ -139,6 +146,10 @@ def test_errors(rng):
        r"kernel.scale must be \[\] for a DelayedScaling recipe"),
       (lambda: jax.grad(lambda x: jnp.sum(jax_fp8.linear(x, w8, recipe=block)))(x), TypeError,
        "inference-only"),
+      # with respect to the state too (its x ring was a tracer the op's rule never saw)
+      (lambda: jax.grad(lambda s: jnp.sum(jax_fp8.linear(
+          x, jax_fp8.quantize_weight(w, delayed), state=s, recipe=delayed)))(state_for(delayed)),
+       TypeError, "inference-only"),
       (lambda: jax_fp8.linear(x[..., :128], w8, recipe=block), ValueError, "must share K"),
       (lambda: jax_fp8.quantize_weight(w.astype(jnp.int32), delayed), TypeError,
        "kernel must be a float32"),

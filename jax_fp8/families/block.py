@@ -222,13 +222,14 @@ def weight_scale_shape(n: int, k: int) -> tuple:
   return (-(-n // blockwise.BLOCK), k // blockwise.BLOCK)
 
 
-def weight_input(x2, x_ring, recipe, axis_name):
-  """A function of x2 [M, K] giving its ``Quantized`` (data [M, K], scale [M, K/128]) for the
-  weights' GEMMs: x in 1 x 128 groups, as in training (the scales quantized in cuBLASLt's
-  M-contiguous layout, transposed back)."""
-  del x2, x_ring, axis_name
+def weight_input(recipe, axis_name):
+  """A function of (x2 [M, K], None: no ring) giving x2's ``Quantized`` (data [M, K], scale
+  [M, K/128]) for the weights' GEMMs: x in 1 x 128 groups, as in training (the scales quantized
+  in cuBLASLt's M-contiguous layout, transposed back)."""
+  del axis_name
 
-  def quantize_x(x2):
+  def quantize_x(x2, x_ring):
+    del x_ring
     qx = blockwise.group_quantize(x2, scale_layout="col", **recipe.kwargs())
     return Quantized(data=qx.data, scale=qx.scale.T)
   return quantize_x

@@ -344,13 +344,13 @@ def weight_scale_shape(n: int, k: int) -> tuple:
   return ()
 
 
-def weight_input(x2, x_ring, recipe, axis_name):
-  """A function of x2 [M, K] giving its ``Quantized`` (data [M, K], scale []) for the weights'
-  GEMMs: x quantized with the state's x ring (delayed scaling: the scale the training run last
-  set), or under current scaling with the scale of its own amax."""
-  if x_ring is None:
-    x_ring = scaled(recipe.ring(recipe.fwd_fmt), x2, True, axis_name)
-
-  def quantize_x(x2):
+def weight_input(recipe, axis_name):
+  """A function of (x2 [M, K], the state's x ring or None) giving x2's ``Quantized`` (data
+  [M, K], scale []) for the weights' GEMMs: x quantized with the ring (delayed scaling: the
+  scale the training run last set), or without one (current scaling) with the scale of its own
+  amax."""
+  def quantize_x(x2, x_ring):
+    if x_ring is None:
+      x_ring = scaled(recipe.ring(recipe.fwd_fmt), x2, True, axis_name)
     return quantize_delayed(x2, x_ring).tensor
   return quantize_x
