@@ -75,9 +75,8 @@ def scale_f32(v, name: str) -> jax.Array:
 
 def host_scales(v, name: str) -> None:
   """Dequantization steps given on the host (a Python or NumPy number or array, a list or a
-  tuple of numbers): each a
-  positive normal finite float32 (the kernels flush a subnormal scale to zero), a ValueError
-  otherwise. A device array is not read back to check it."""
+  tuple of numbers): each a positive normal finite float32 (the kernels flush a subnormal scale
+  to zero), a ValueError otherwise. A device array is not read back to check it."""
   if python_number(v) or isinstance(v, (np.number, np.ndarray, list, tuple)):
     s = np.asarray(v, np.float32)
     if not np.all(np.isfinite(s) & (s >= np.finfo(np.float32).tiny)):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from . import activations, checks
 from .grouped_mlp import grouped_mlp
-from .layer_checks import axis_bound, check_grouped_recipe, float_array
+from .layer_checks import axis_bound, check_grouped_recipe, check_stateless, float_array
 from .layer_state import GroupedMlpState, check_stateful
 from .moe_parallel import expert_parallel
 from .moe_routing import load_balancing_loss, permute, top_k_routing, unpermute
@@ -209,9 +209,8 @@ def moe_mlp(x: jax.Array, router_kernel: jax.Array, w_in: jax.Array, w_out: jax.
       raise ValueError(f"state must be the MoeState of w_in's {local} experts "
                        f"(MoeState.create({local}, recipe)): state.experts.kernel_in.scale "
                        f"[{local}], got {held}")
-  if not recipe.stateful and state is not None:
-    raise ValueError(f"{type(recipe).__name__} is stateless: pass state=None, got a "
-                     f"{type(state).__name__}")
+  if not recipe.stateful:
+    check_stateless(recipe, state, None)  # the amax axes: grouped_mlp's check
   lead = x.shape[:-1]
   tokens = x.reshape(-1, d)
   logits = jnp.dot(tokens.astype(jnp.float32), router_kernel.astype(jnp.float32),
