@@ -16,7 +16,7 @@ HLO, so the evidence is the FP8 step time moving with ``CUSTOM_CALL`` alone whil
 (none of our calls) does not. Our handlers are marked ``kCmdBufferCompatible``
 (csrc/ffi/*_cuda.*). On the CPU, XLA ignores all these flags (only the plumbing runs).
 
-    python -m benchmarks.command_buffer [--quick] [--steps 50] [--out PATH]
+    python -m benchmarks.command_buffer [--quick] [--steps 50] [--modes MODE...] [--out PATH]
 
 Writes ``benchmarks/results/<gpu>-command_buffer.json``.
 """
@@ -127,6 +127,9 @@ def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--quick", action="store_true", help="tiny block (a smoke run on CPU)")
   p.add_argument("--steps", type=int, default=50)
+  others = [m for m in MODES if m != "off"]
+  p.add_argument("--modes", nargs="+", choices=others, default=others,
+                 help="the modes compared with 'off', which always runs first (default: all)")
   p.add_argument("--out", help="JSON path")
   p.add_argument("--child", help=argparse.SUPPRESS)  # internal: run one mode, outputs here
   args = p.parse_args(argv)
@@ -137,7 +140,7 @@ def main(argv=None):
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
     autotune = os.path.join(tmp, "autotune.textproto")
-    for mode in MODES:
+    for mode in ["off", *dict.fromkeys(args.modes)]:
       flag = autotune_flag(mode, autotune)
       r = run_mode(mode, args, os.path.join(tmp, f"{mode}.npz"), flag)
       rows.append({"mode": mode, "xla_flag": MODES[mode] or "(XLA default)",

@@ -14,8 +14,10 @@ from jax_fp8.demo.train import PRESETS, init_variables
 
 
 def test_demo_smoke(tmp_path):
-  # main raises SystemExit(1) if a recipe strays from BF16's validation loss
-  recipes = ["delayed", "current", "block", "mxfp8", "nvfp4"]
+  # main raises SystemExit(1) if a recipe strays from BF16's validation loss. Two recipes: the
+  # default and a block-scaled one (the others train this model in test_demo_resumes_a_stopped_run
+  # and tests/test_benchmarks.py's model step; each run compiles its own steps)
+  recipes = ["delayed", "mxfp8"]
   main(["--preset", "smoke", "--recipe", *recipes, "--out", str(tmp_path)])
   res = json.loads((tmp_path / "results.json").read_text())
   assert res["recipes"] == recipes and set(res["speedup"]) == set(recipes)

@@ -390,15 +390,16 @@ def test_float64_parameters_and_array_likes(rng, layer):
     kw = dict(param_dtype=jnp.float64, dtype=jnp.float32, recipe=jax_fp8.CurrentScaling())
     if layer == "linen":
       m = jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, **kw)
-      params = m.init(jax.random.key(0), x.tolist())["params"]
+      params = jax.jit(lambda key: m.init(key, x.tolist()))(jax.random.key(0))["params"]
       apply = lambda p, x: m.apply({"params": p}, x)  # noqa: E731
     else:
       model = jnx.MoeMlp(D, E, K, H, **kw, rngs=nnx.Rngs(0))
       graph, params = nnx.split(model, nnx.Param)
       apply = lambda p, x: nnx.merge(graph, p)(x)  # noqa: E731
-    y = apply(params, x.tolist())
-    np.testing.assert_array_equal(np.asarray(y), np.asarray(apply(params, jnp.asarray(x))))
-    grads = jax.grad(lambda p: jnp.sum(apply(p, x) ** 2))(params)
+    # jitted (eagerly, each of the layer's ops compiles on its own); the list is a constant
+    y = jax.jit(lambda p: apply(p, x.tolist()))(params)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jax.jit(apply)(params, x)))
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(apply(p, x) ** 2)))(params)
     pure = params if layer == "linen" else nnx.to_pure_dict(params)
     assert sorted(pure) == ["router", "w_in", "w_out"]
     assert all(v.dtype == jnp.float64 for v in pure.values())
@@ -418,5 +419,5 @@ def test_float64_parameters_and_array_likes(rng, layer):
     m = jfl.MoeMlp(num_experts=E, top_k=K, hidden_features=H, recipe=jax_fp8.CurrentScaling())
     wide = {k: np.asarray(v, np.float64) for k, v in f32.items()}
     x16 = jnp.asarray(x, jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(m.apply({"params": wide}, x16), np.float32),
-                                  np.asarray(m.apply({"params": f32}, x16), np.float32))
+    wide_y, f32_y = (jax.jit(lambda: m.apply({"params": p}, x16))() for p in (wide, f32))
+    np.testing.assert_array_equal(np.asarray(wide_y, np.float32), np.asarray(f32_y, np.float32))
