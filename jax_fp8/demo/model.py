@@ -172,8 +172,8 @@ class Config:
     elif self.linear not in MOE_LINEAR or (self.fp8 and self.recipe not in PER_TENSOR):
       what = f"recipe {self.recipe!r}" if self.fp8 else f"linear {self.linear!r}"
       raise ValueError(f"moe_experts > 0 runs linear {list(MOE_LINEAR)}, FP8 under the per-tensor "
-                       f"recipes {list(PER_TENSOR)} (the demo's jax_fp8.flax.MoeMlp; its "
-                       f"BlockScaling form is not in the demo yet), not {what} (or "
+                       f"recipes {list(PER_TENSOR)} (the demo's MoE blocks: "
+                       f"jax_fp8.flax.MoeMlp), not {what} (or "
                        f"a moe_capacity_factor with linear {list(CAPACITY_LINEAR)})")
 
   @property
